@@ -1,0 +1,42 @@
+# Two commands: `make run` (whole pipeline on the embedded models) and `make test`.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-10)
+PROFILE ?= quick
+
+export DO_NOT_TRACK := true
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export MLFLOW_DISABLE_TELEMETRY := true
+export DVC_NO_ANALYTICS := 1
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: run test venv data clean-cache
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+data: venv
+	$(PY) -m flows.fetch --out data/raw
+
+run: venv data
+ifeq ($(PROFILE),quick)
+	dvc repro
+else
+	dvc exp run -S profile=$(PROFILE)
+endif
+
+test: venv
+	$(PY) -m pytest
+
+clean-cache:
+	rm -rf .prefect/results

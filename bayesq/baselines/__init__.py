@@ -1,0 +1,1 @@
+"""Baselines sharing BayesQ's blocks, storage accounting and allocation interface."""

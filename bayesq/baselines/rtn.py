@@ -1,0 +1,39 @@
+"""Round-to-nearest with min/max grids per tensor, per output channel or per group.
+
+Fractional budgets are met with RTN's own data-free mixed rule: the greedy allocator over the
+plain squared rounding error of each unit (units of about ``group_size * unit_groups``
+weights, whole tensors for per-tensor grids), under the same exact storage accounting as BayesQ.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from bayesq.blocks import LayerBlocks, check_finite, layer_blocks, quantizable_layers
+from bayesq.config import Granularity, QuantConfig
+from bayesq.expected_loss import rtn_table
+from bayesq.quantize import QuantizationResult, allocate, encode, quantized_copy
+
+
+def rtn_blocks(blocks: list[LayerBlocks], granularity: Granularity, cfg: QuantConfig) -> list[LayerBlocks]:
+    """Layouts for RTN at a granularity (group = ``cfg.group_size``, channel = one row, tensor = all)."""
+    unit_weights = cfg.group_size * cfg.unit_groups
+    if granularity == Granularity.TENSOR:
+        return [LayerBlocks(b.name, b.shape, b.numel, 1) for b in blocks]
+    if granularity == Granularity.CHANNEL:
+        return [b.with_granularity(b.row, unit_weights) for b in blocks]
+    return [b.with_granularity(cfg.group_size, unit_weights) for b in blocks]
+
+
+def rtn_quantize(
+    model: nn.Module, granularity: Granularity, budget: float, cfg: QuantConfig = QuantConfig()
+) -> QuantizationResult:
+    """RTN at ``budget`` average bits (all metadata counted) with the given scale granularity."""
+    layers = quantizable_layers(model)
+    check_finite(layers)
+    blocks = rtn_blocks(layer_blocks(layers, cfg.group_size, cfg.unit_groups), Granularity(granularity), cfg)
+    weights = {n: m.weight for n, m in layers.items()}
+    table = rtn_table(weights, blocks, cfg)
+    allocation = allocate(table, budget)
+    qweights = encode(table, allocation, weights)
+    return QuantizationResult(quantized_copy(model, qweights), qweights, allocation, table)

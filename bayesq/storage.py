@@ -1,0 +1,58 @@
+"""Exact bit cost of every encoding (payload + scales + zero-points + bit-width headers).
+
+Nothing the quantised model needs at inference is left out, and the float weights are never
+part of it.  Costs are integers (bits); the average is over the quantised weights:
+
+    C_unit(b) = n * b                       # packed integer codes
+              + n_groups * (scale_bits + b) # one scale (fp16/fp32) and one b-bit zero-point per group
+              + header_bits                 # ceil(log2 |bit set|) bits naming the unit's bit-width
+    avg_bits  = sum_units C_unit(b_unit) / sum_units n
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+
+def header_bits(n_choices: int) -> int:
+    """Bits needed to name one of ``n_choices`` bit-widths (0 when there is no choice)."""
+    if n_choices < 1:
+        raise ValueError(f"need at least one bit-width choice, got {n_choices}")
+    return math.ceil(math.log2(n_choices)) if n_choices > 1 else 0
+
+
+def grid_bits(n_weights: int, n_groups: int, bits: int, scale_bits: int = 16) -> int:
+    """Bits of ``n_weights`` codes at ``bits`` plus one scale and one zero-point per group."""
+    if n_weights < 0 or n_groups < 0 or bits < 1:
+        raise ValueError(f"invalid encoding: n={n_weights}, groups={n_groups}, bits={bits}")
+    return n_weights * bits + n_groups * (scale_bits + bits)
+
+
+def unit_cost_bits(
+    n_weights: int, n_groups: int, bits: int, n_choices: int, scale_bits: int = 16
+) -> int:
+    """Exact cost of one allocation unit: grid bits plus its bit-width header."""
+    return grid_bits(n_weights, n_groups, bits, scale_bits) + header_bits(n_choices)
+
+
+def average_bits(total_bits: float, n_weights: int) -> float:
+    """True average bits per quantised weight."""
+    if n_weights <= 0:
+        raise ValueError("no quantised weights: cannot form an average")
+    return total_bits / n_weights
+
+
+def budget_bits(avg_bits: float, n_weights: int) -> int:
+    """Total bit budget for a target average (floored, so the result never exceeds it)."""
+    return math.floor(avg_bits * n_weights)
+
+
+def candidate_costs(
+    unit_sizes: Sequence[tuple[int, int]], bit_set: Sequence[int], scale_bits: int = 16
+) -> list[list[int]]:
+    """Cost table ``[unit][choice]`` for units given as (n_weights, n_groups)."""
+    return [
+        [unit_cost_bits(n, g, b, len(bit_set), scale_bits) for b in bit_set]
+        for n, g in unit_sizes
+    ]

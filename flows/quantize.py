@@ -1,0 +1,186 @@
+"""DVC stage `quantize`: posterior, loss tables, BayesQ and RTN at every budget, evaluation.
+
+    python -m flows.quantize --params params.yaml --raw data/raw --models models --out results
+
+Per (model, seed): a cached posterior task (calibration inputs drawn from the training split
+with the seed, labels never used) and a cached loss-table task (also written as Parquet); per
+(method, budget): a cached quantise-and-evaluate task.  One MLflow parent run per invocation,
+one child run per (model, method, seed, budget), logged from the flow body so cache hits are
+logged too.  Writes ``<out>/results.json``, ``<out>/posterior/`` and ``<out>/tables/``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+
+from bayesq.config import Granularity, Method
+from flows.common import (
+    CACHE, code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json,
+)
+from flows.finetune import load_model, raw_path
+
+_RTN = {Method.RTN_TENSOR: Granularity.TENSOR, Method.RTN_CHANNEL: Granularity.CHANNEL,
+        Method.RTN_GROUP: Granularity.GROUP}
+
+
+def calibration_batches(entry, splits, params, seed: int):
+    """Unlabelled calibration batches drawn from the training inputs with ``seed``."""
+    from bayesq.data.calibration import sample_calibration_indices
+    from bayesq.models.zoo import _take
+
+    n_cal = params.calibration.images if entry.task == "image" else params.calibration.sentences
+    idx = sample_calibration_indices(len(splits.train_labels), min(n_cal, len(splits.train_labels)), seed)
+    inputs = _take(splits.train_inputs, idx)
+    return idx, entry.batches(inputs, params.calibration.batch_size, params.data)
+
+
+@task(cache_policy=CACHE, persist_result=True)
+def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
+                   params, seed: int, out: str, code: str) -> dict:
+    """Fit the diagonal Fisher posterior on the seed's calibration set; save it as safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    from bayesq.models.zoo import get_entry
+    from bayesq.quantize import fit_posterior
+
+    entry = get_entry(name)
+    model = load_model(entry, Path(model_file))
+    splits = entry.load_splits(params.data, Path(raw))
+    idx, batches = calibration_batches(entry, splits, params, seed)
+    start = time.perf_counter()
+    post = fit_posterior(model, batches, params.bayesq(params.budgets[0], seed))
+    seconds = time.perf_counter() - start
+    path = Path(out) / f"{name}_s{seed}.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {f"variance/{k}": v.float().contiguous() for k, v in post.variance.items()}
+    tensors["calibration_indices"] = idx.to(torch.int64)
+    save_file(tensors, str(path), metadata={"n_examples": str(post.n_examples), "seed": str(seed)})
+    return {"path": str(path), "seconds": seconds, "n_examples": post.n_examples}
+
+
+def load_posterior(model, path: Path):
+    from safetensors import safe_open
+
+    from bayesq.blocks import quantizable_layers
+    from bayesq.posterior import DiagonalPosterior
+
+    layers = quantizable_layers(model)
+    with safe_open(str(path), "pt") as f:
+        var = {n: f.get_tensor(f"variance/{n}").double() for n in layers}
+        n = int(f.metadata()["n_examples"])
+    mean = {k: m.weight.detach().double() for k, m in layers.items()}
+    return DiagonalPosterior(mean, var, n)
+
+
+@task(cache_policy=CACHE, persist_result=True)
+def table_task(name: str, model_file: str, model_digest: str, posterior_file: str,
+               posterior_digest: str, quant, out: str, code: str):
+    """BayesQ expected-loss table (LossTable, persisted by Prefect) plus its Parquet copy."""
+    import pandas as pd
+
+    from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.expected_loss import posterior_table
+    from bayesq.models.zoo import get_entry
+
+    model = load_model(get_entry(name), Path(model_file))
+    post = load_posterior(model, Path(posterior_file))
+    blocks = layer_blocks(quantizable_layers(model), quant.group_size, quant.unit_groups)
+    start = time.perf_counter()
+    table = posterior_table(post, blocks, quant)
+    seconds = time.perf_counter() - start
+    path = Path(out) / f"{Path(posterior_file).stem}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame.from_records(table.records()).to_parquet(path, index=False)
+    return {"table": table, "seconds": seconds, "path": str(path)}
+
+
+@task(cache_policy=(INPUTS - "table") + TASK_SOURCE, persist_result=True)
+def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_file: str,
+                       model_digest: str, raw: str, raw_digest: str, params, table,
+                       table_key: str, code: str) -> dict:
+    """Quantise with one method at one budget and evaluate on the test split."""
+    from bayesq.baselines.rtn import rtn_quantize
+    from bayesq.models.zoo import evaluate, get_entry
+    from bayesq.quantize import allocate, encode, quantized_copy
+
+    entry = get_entry(name)
+    model = load_model(entry, Path(model_file))
+    splits = entry.load_splits(params.data, Path(raw))
+    start = time.perf_counter()
+    if Method(method) == Method.BAYESQ:
+        allocation = allocate(table, budget)
+        weights = {t.blocks.name: model.get_submodule(t.blocks.name).weight for t in table.layers}
+        qweights = encode(table, allocation, weights)
+        qmodel = quantized_copy(model, qweights)
+    else:
+        res = rtn_quantize(model, _RTN[Method(method)], budget, params.quant)
+        qmodel, allocation = res.model, res.allocation
+    seconds = time.perf_counter() - start
+    acc = evaluate(qmodel, entry.batches(splits.test_inputs, 64, params.data), splits.test_labels)
+    layer_bits = {}
+    for layer, bits in allocation.unit_bits.items():
+        layer_bits[layer] = sum(bits) / len(bits)
+    return {
+        "model": name, "method": method, "budget": budget, "seed": seed, "accuracy": acc,
+        "avg_bits": allocation.average_bits, "total_bits": allocation.total_bits,
+        "budget_bits": allocation.budget_bits, "n_weights": allocation.n_weights,
+        "quantize_seconds": seconds, "layer_bits": layer_bits,
+    }
+
+
+@flow(name="bayesq-quantize")
+def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list[dict]:
+    from bayesq.models.zoo import get_entry
+
+    params = read_params(params_path)
+    code = code_version()
+    records = []
+    with mlflow_parent("bayesq", f"quantize-{params.profile}", {"profile": params.profile}) as parent:
+        for name in params.models:
+            entry = get_entry(name)
+            model_file = Path(models) / name / "model.safetensors"
+            mdig, src = digest(model_file), raw_path(entry, raw)
+            sdig = digest(src)
+            for seed in params.seeds:
+                post = posterior_task(name, str(model_file), mdig, str(src), sdig, params, seed,
+                                      str(Path(out) / "posterior"), code)
+                tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])),
+                                 params.quant, str(Path(out) / "tables"), code)
+                print(f"[quantize] {name} seed {seed}: posterior {post['seconds']:.1f}s, "
+                      f"table {tab['seconds']:.1f}s", flush=True)
+                key = f"{digest(Path(post['path']))}:{params.quant}"
+                for budget in params.budgets:
+                    for method in params.methods:
+                        r = quantize_eval_task(name, method.value, budget, seed, str(model_file), mdig,
+                                               str(src), sdig, params, tab["table"], key, code)
+                        if method == Method.BAYESQ:
+                            r = {**r, "posterior_seconds": post["seconds"], "table_seconds": tab["seconds"]}
+                        print(f"[quantize] {name} {method.value:12s} budget {budget}: "
+                              f"acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits", flush=True)
+                        metrics = {k: r[k] for k in ("accuracy", "avg_bits", "total_bits", "quantize_seconds")}
+                        mlflow_child(parent.info.run_id, f"{name}/{method.value}/s{seed}/b{budget}",
+                                     {"model": name, "method": method.value, "seed": seed, "budget": budget,
+                                      "group_size": params.quant.group_size, "bits": str(params.quant.bits),
+                                      "damping": params.posterior.damping},
+                                     metrics, {"profile": params.profile, "code_version": code})
+                        records.append(r)
+    write_json(Path(out) / "results.json", records)
+    return records
+
+
+def main() -> None:
+    p = parser("Quantise the fine-tuned models with BayesQ and the baselines")
+    p.add_argument("--raw", type=Path, required=True)
+    p.add_argument("--models", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args()
+    quantize_flow(a.params, a.raw, a.models, a.out)
+
+
+if __name__ == "__main__":
+    main()

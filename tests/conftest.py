@@ -1,0 +1,30 @@
+"""Test isolation: Prefect results, Prefect home and the MLflow store go to a temporary folder.
+
+Set before anything imports prefect or mlflow (pytest imports conftest first).
+"""
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_TMP = Path(tempfile.mkdtemp(prefix="bayesq-tests-"))
+os.environ["PREFECT_HOME"] = str(_TMP / "prefect")
+os.environ["PREFECT_LOCAL_STORAGE_PATH"] = str(_TMP / "prefect" / "results")
+os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_TMP / 'mlflow.db'}"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("DO_NOT_TRACK", "true")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One temporary Prefect server for every flow test of the session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -1,0 +1,122 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import integrate, stats
+
+from bayesq.codebook import (
+    dequantize, fit_uniform_grids, grid_cost, grids_from_range, minmax_grids,
+    optimal_uniform_range, quantize, uniform_gaussian_mse,
+)
+
+
+def _numeric_cost(mu: float, sigma: float, levels: np.ndarray) -> float:
+    """E[(Q(w) - w)^2] / sigma^2 by adaptive quadrature, cell by cell."""
+    bounds = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
+    total = 0.0
+    for c, a, b in zip(levels, bounds[:-1], bounds[1:]):
+        f = lambda w, c=c: (c - w) ** 2 * stats.norm.pdf(w, mu, sigma)
+        total += integrate.quad(f, a, b, epsabs=1e-14, epsrel=1e-12, limit=200)[0]
+    return total / sigma**2
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("alpha", [0.5, 1.7, 3.0])
+def test_uniform_gaussian_mse_vs_numerical_integration(bits, alpha):
+    k = 2**bits
+    step = 2 * alpha / k
+    levels = -alpha + (np.arange(k) + 0.5) * step
+    assert uniform_gaussian_mse(bits, alpha) == pytest.approx(_numeric_cost(0.0, 1.0, levels), rel=1e-9)
+
+
+# Max (1960) / Jayant & Noll: optimal uniform quantiser of N(0,1): step and MSE.
+MAX_TABLE = {1: (1.5958, 0.3634), 2: (0.9957, 0.1188), 3: (0.5860, 0.03744), 4: (0.3352, 0.01154)}
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_optimal_uniform_range_vs_known_table(bits):
+    alpha, mse = optimal_uniform_range(bits)
+    step, table_mse = MAX_TABLE[bits]
+    assert 2 * alpha / 2**bits == pytest.approx(step, abs=6e-4)
+    assert mse == pytest.approx(table_mse, rel=2e-3)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5])
+def test_optimal_uniform_range_vs_brute_force_grid(bits):
+    alpha, mse = optimal_uniform_range(bits)
+    grid = np.linspace(0.5, 6.0, 2201)
+    values = [uniform_gaussian_mse(bits, a) for a in grid]
+    best = int(np.argmin(values))
+    assert mse <= values[best] + 1e-12
+    assert alpha == pytest.approx(grid[best], abs=2 * (grid[1] - grid[0]))
+
+
+def test_uniform_gaussian_mse_rejects_bad_input():
+    with pytest.raises(ValueError, match="alpha"):
+        uniform_gaussian_mse(2, 0.0)
+
+
+def test_grid_cost_vs_numerical_integration():
+    lo = torch.tensor([-0.31, -1.0], dtype=torch.float64)
+    step = torch.tensor([0.09, 0.5], dtype=torch.float64)
+    k = 8
+    # inside, at a boundary, clipped beyond both ends; sigma from far below to far above the step
+    mu = torch.tensor([[0.02, -0.31 + 0.045, 0.7, -0.6, 0.1, 0.0],
+                       [0.3, -1.2, 5.0, 0.25, -3.0, 0.75]], dtype=torch.float64)
+    sigma = torch.tensor([[1e-3, 0.02, 0.05, 0.3, 2.0, 40.0],
+                          [0.7, 0.05, 2.0, 1e-2, 0.4, 10.0]], dtype=torch.float64)
+    got = grid_cost(mu, sigma, lo, step, k)
+    for g in range(2):
+        levels = lo[g].item() + step[g].item() * np.arange(k)
+        for i in range(mu.shape[1]):
+            want = _numeric_cost(mu[g, i].item(), sigma[g, i].item(), levels)
+            assert got[g, i].item() == pytest.approx(want, rel=1e-7, abs=1e-10)
+
+
+def test_grid_cost_small_sigma_is_whitened_rounding_error():
+    # sigma << step: cost -> 1 + ((Q(mu) - mu) / sigma)^2
+    mu = torch.tensor([[0.013]], dtype=torch.float64)
+    sigma = torch.tensor([[1e-5]], dtype=torch.float64)
+    got = grid_cost(mu, sigma, torch.tensor([-0.2], dtype=torch.float64), torch.tensor([0.1], dtype=torch.float64), 4)
+    assert got.item() == pytest.approx(1 + ((0.0 - 0.013) / 1e-5) ** 2, rel=1e-12)
+
+
+def test_grids_from_range_scale_is_fp16_and_zero_in_range():
+    lo = torch.tensor([-0.3, 0.1, 0.0], dtype=torch.float64)
+    hi = torch.tensor([0.5, 0.4, 0.0], dtype=torch.float64)
+    g = grids_from_range(lo, hi, 3)
+    assert torch.equal(g.scale, g.scale.half().double())
+    assert ((g.zero >= 0) & (g.zero <= 7)).all()
+    assert g.scale[2] == 0  # an all-zero group
+
+
+def test_quantize_dequantize_roundtrip_of_levels():
+    torch.manual_seed(0)
+    w = torch.randn(5, 64, dtype=torch.float64)
+    g = minmax_grids(w, 4)
+    codes = quantize(w, g)
+    assert codes.min() >= 0 and codes.max() <= 15
+    w_hat = dequantize(codes, g)
+    assert torch.equal(quantize(w_hat, g), codes)  # levels map to themselves
+    err = (w_hat - w).abs()
+    assert (err <= g.scale[:, None] / 2 + 1e-12).all()  # no clipping for a min/max range
+
+
+def test_fit_uniform_grids_vs_brute_force_ratio():
+    torch.manual_seed(1)
+    mu = torch.randn(6, 64, dtype=torch.float64) * 0.05
+    mu[0, 3] = 0.6  # an outlier makes clipping worthwhile
+    sigma = torch.exp(torch.randn(6, 64, dtype=torch.float64)) * 0.01
+    mask = torch.ones_like(mu)
+    grids, cost = fit_uniform_grids(mu, sigma, mask, 2, iters=30)
+    wmin, wmax = mu.min(1).values, mu.max(1).values
+    best = torch.full((6,), math.inf, dtype=torch.float64)
+    for rho in np.linspace(0.2, 1.0, 801):
+        g = grids_from_range(rho * wmin, rho * wmax, 2)
+        best = torch.minimum(best, grid_cost(mu, sigma, g.lo, g.scale, 4).sum(1))
+    assert (cost <= best * (1 + 1e-3)).all()
+    minmax = minmax_grids(mu, 2)
+    assert (cost <= grid_cost(mu, sigma, minmax.lo, minmax.scale, 4).sum(1) + 1e-9).all()
+    got = grid_cost(mu, sigma, grids.lo, grids.scale, 4).sum(1)
+    assert torch.allclose(got, cost)

@@ -1,0 +1,68 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bayesq.config import BayesQConfig, PosteriorConfig, QuantConfig, from_mapping, load_params
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_load_params_repository_file_is_valid():
+    params = load_params(yaml.safe_load((ROOT / "params.yaml").read_text()))
+    assert params.profile == "quick" and params.seeds == (17,)
+    assert params.budgets == (3.0, 3.5, 4.0)
+    assert params.quant.bits == (2, 3, 4, 8) and params.quant.group_size == 64
+    assert (params.calibration.images, params.calibration.sentences) == (500, 1000)
+
+
+def test_load_params_full_profile_overrides():
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["profile"] = "full"
+    params = load_params(raw)
+    assert params.seeds == (17, 29, 43)
+    assert params.quant.group_size == 64  # untouched keys keep their base value
+
+
+@pytest.mark.parametrize(
+    "section, key, message",
+    [
+        ("posterior", "dampin", r"posterior: unknown key 'dampin' \(did you mean 'damping'\?\)"),
+        ("quant", "group_sise", r"quant: unknown key 'group_sise' \(did you mean 'group_size'\?\)"),
+        (None, "budgetz", r"params: unknown key 'budgetz' \(did you mean 'budgets'\?\)"),
+    ],
+)
+def test_load_params_misspelled_key_names_it(section, key, message):
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    (raw[section] if section else raw)[key] = 1
+    with pytest.raises(ValueError, match=message):
+        load_params(raw)
+
+
+def test_load_params_unknown_profile():
+    with pytest.raises(ValueError, match="unknown profile; defined: quick"):
+        load_params({"profile": "huge", "profiles": {"quick": {}}})
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, field",
+    [
+        (PosteriorConfig, {"damping": 0}, "posterior.damping"),
+        (QuantConfig, {"bits": (4, 2)}, "quant.bits"),
+        (QuantConfig, {"bits": (2, 16)}, "quant.bits"),
+        (QuantConfig, {"group_size": 0}, "quant.group_size"),
+        (BayesQConfig, {"budget": -1.0}, "config.budget"),
+    ],
+)
+def test_config_invalid_value_names_field(cls, kwargs, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        cls(**kwargs)
+
+
+def test_from_mapping_list_to_tuple():
+    assert from_mapping(QuantConfig, {"bits": [3, 4]}, "quant").bits == (3, 4)
+
+
+def test_params_unknown_method_rejected():
+    with pytest.raises(ValueError, match="params.methods"):
+        load_params({"methods": ["gptq-magic"]})

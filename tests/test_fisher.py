@@ -1,0 +1,95 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bayesq.blocks import quantizable_layers
+from bayesq.curvature.fisher import fisher_diagonal
+
+
+class SamePadConv(nn.Conv2d):
+    """A Conv2d that pads inside forward (TF 'same'), like EfficientNet-Lite's convolutions."""
+
+    def forward(self, x):
+        return F.conv2d(F.pad(x, [0, 1, 0, 1]), self.weight, self.bias, self.stride, 0, 1, self.groups)
+
+
+class TokenModel(nn.Module):
+    """Linear layers applied per token, mean-pooled: per-example grads sum over tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 6)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, input_ids, mask):
+        h = torch.tanh(self.a(input_ids))
+        return self.b((h * mask[..., None]).sum(1))
+
+
+def _cnn():
+    return nn.Sequential(
+        SamePadConv(2, 4, 2, stride=2), nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1, groups=2), nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1, groups=4, dilation=1), nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 3),
+    ).double()
+
+
+def _reference(model, layers, batches, label_samples, seed):
+    """Per-example loop with the same sampled labels (generator replayed in the same order)."""
+    gen = torch.Generator().manual_seed(seed)
+    ref = {n: torch.zeros_like(m.weight) for n, m in layers.items()}
+    for batch in batches:
+        out = model(**batch) if isinstance(batch, dict) else model(batch)
+        probs = torch.softmax(out.detach().double(), -1)
+        for _ in range(label_samples):
+            y = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            for i in range(len(y)):
+                item = {k: v[i:i + 1] for k, v in batch.items()} if isinstance(batch, dict) else batch[i:i + 1]
+                o = model(**item) if isinstance(item, dict) else model(item)
+                grads = torch.autograd.grad(F.cross_entropy(o, y[i:i + 1]), [m.weight for m in layers.values()])
+                for (n, _), g in zip(layers.items(), grads):
+                    ref[n] += g.pow(2) / label_samples
+    return ref
+
+
+@pytest.mark.parametrize("label_samples", [1, 3])
+def test_fisher_diagonal_vs_per_example_autograd_cnn(label_samples):
+    torch.manual_seed(0)
+    model = _cnn().eval()
+    layers = quantizable_layers(model)
+    batches = [torch.randn(4, 2, 6, 6, dtype=torch.float64) for _ in range(2)]
+    got, n = fisher_diagonal(model, batches, layers, label_samples=label_samples, seed=3, progress=False)
+    ref = _reference(model, layers, batches, label_samples, 3)
+    assert n == 8
+    for name in layers:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-12)
+
+
+def test_fisher_diagonal_vs_per_example_autograd_tokens():
+    torch.manual_seed(1)
+    model = TokenModel().double().eval()
+    layers = quantizable_layers(model)
+    batches = [{"input_ids": torch.randn(3, 4, 5, dtype=torch.float64),
+                "mask": (torch.rand(3, 4) > 0.3).double()}]
+    got, _ = fisher_diagonal(model, batches, layers, seed=5, progress=False)
+    ref = _reference(model, layers, batches, 1, 5)
+    for name in layers:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-12)
+
+
+def test_fisher_diagonal_empty_calibration_raises():
+    model = _cnn()
+    with pytest.raises(ValueError, match="empty calibration set"):
+        fisher_diagonal(model, [], quantizable_layers(model), progress=False)
+
+
+def test_fisher_diagonal_restores_model_state():
+    model = _cnn().train()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    fisher_diagonal(model, [torch.randn(2, 2, 6, 6, dtype=torch.float64)], quantizable_layers(model), progress=False)
+    assert model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())

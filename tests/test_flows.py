@@ -1,0 +1,122 @@
+"""End-to-end: finetune -> quantize -> report flows on a tiny registered model and tiny data."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from bayesq.config import DataConfig, FinetuneConfig
+from bayesq.models.zoo import Splits, ZooEntry, register, unregister
+
+
+class TinyEntry(ZooEntry):
+    """A small CNN on synthetic 8x8 images whose label is the brightened quadrant."""
+
+    name = "tiny-cnn"
+    task = "image"
+    default_raw = Path("tiny.bin")
+
+    def build(self, pretrained: bool = True) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU(),
+            nn.Flatten(), nn.Linear(8 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, 4),
+        )
+
+    def load_splits(self, data: DataConfig, raw: Path) -> Splits:
+        g = torch.Generator().manual_seed(0)
+        y = torch.randint(0, 4, (400,), generator=g)
+        x = torch.randint(0, 120, (400, 8, 8), generator=g, dtype=torch.uint8)
+        for i, q in enumerate(y.tolist()):
+            r, c = divmod(q, 2)
+            x[i, 4 * r:4 * r + 4, 4 * c:4 * c + 4] += 120
+        return Splits(x[:300], y[:300], x[300:], y[300:])
+
+    def batches(self, inputs, batch_size: int, data: DataConfig):
+        x = inputs.float().unsqueeze(1) / 255.0 - 0.5
+        return [x[i:i + batch_size] for i in range(0, len(x), batch_size)]
+
+    def learning_rate(self, cfg: FinetuneConfig) -> float:
+        return cfg.lr_image
+
+
+@pytest.fixture
+def tiny_entry():
+    register(TinyEntry(), replace=True)
+    yield
+    unregister("tiny-cnn")
+
+
+def _params(tmp_path: Path) -> Path:
+    params = {
+        "models": ["tiny-cnn"], "seeds": [17], "budgets": [3.0, 4.0],
+        "finetune": {"epochs": 3, "batch_size": 32, "lr_image": 0.003},
+        "calibration": {"images": 64, "batch_size": 16},
+        "quant": {"group_size": 32, "unit_groups": 2, "range_iters": 6},
+    }
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
+    import mlflow
+    import pandas as pd
+
+    from flows.common import read_json
+    from flows.finetune import finetune_flow
+    from flows.quantize import quantize_flow
+    from flows.report import report
+
+    params, raw = _params(tmp_path), tmp_path / "raw"
+    raw.mkdir()
+    (raw / "tiny.bin").write_bytes(b"synthetic")
+    models, results, reports = tmp_path / "models", tmp_path / "results", tmp_path / "reports"
+
+    fp = finetune_flow(params, raw, models)
+    assert fp[0]["fp_accuracy"] > 0.5  # it learned something
+    assert (models / "tiny-cnn" / "model.safetensors").exists()
+
+    records = quantize_flow(params, raw, models, results)
+    assert len(records) == 8  # 4 methods x 2 budgets
+    for r in records:
+        assert r["avg_bits"] <= r["budget"]
+        assert 0.0 <= r["accuracy"] <= 1.0
+    assert read_json(results / "results.json") == records
+    table = pd.read_parquet(results / "tables" / "tiny-cnn_s17.parquet")
+    assert list(table.columns) == ["layer", "unit", "bits", "loss", "cost_bits"]
+    assert sorted(table.bits.unique()) == [2, 3, 4, 8]
+
+    runs = mlflow.search_runs(experiment_names=["bayesq"], output_format="list")
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(children) == 8 and len(runs) == 9
+    assert {r.data.params["method"] for r in children} == {"bayesq", "rtn-tensor", "rtn-channel", "rtn-group"}
+    assert all("accuracy" in r.data.metrics and "avg_bits" in r.data.metrics for r in children)
+
+    again = quantize_flow(params, raw, models, results)  # every task a cache hit
+    assert again == records  # identical wall times prove nothing was recomputed
+
+    report(results / "results.json", models, reports)
+    table_md = (reports / "main_table.md").read_text()
+    assert "## tiny-cnn" in table_md and "BayesQ" in table_md and "RTN per-group" in table_md
+    assert (reports / "frontier_tiny-cnn.png").stat().st_size > 0
+    metrics = read_json(reports / "metrics.json")
+    assert set(metrics["tiny-cnn"]) >= {"fp_accuracy", "bayesq@3.0", "rtn-tensor@4.0"}
+
+
+def test_read_params_misspelled_key_is_clear(tmp_path):
+    from flows.common import read_params
+
+    path = tmp_path / "params.yaml"
+    path.write_text("calibraton:\n  images: 10\n")
+    with pytest.raises(ValueError, match="unknown key 'calibraton' \\(did you mean 'calibration'\\?\\)"):
+        read_params(path)
+
+
+def test_get_entry_unknown_model_is_clear():
+    from bayesq.models.zoo import get_entry
+
+    with pytest.raises(ValueError, match="unknown model 'lite0-fmnst'.*did you mean 'lite0-fmnist'"):
+        get_entry("lite0-fmnst")
