@@ -22,6 +22,13 @@ class Granularity(str, Enum):
     GROUP = "group"
 
 
+class FisherScale(str, Enum):
+    """Which data set size the summed calibration Fisher is scaled to (the Laplace 'N')."""
+
+    TRAIN = "train"  # the training split the model was fine-tuned on
+    CALIBRATION = "calibration"  # the calibration set itself: p(w | D_cal)
+
+
 class Method(str, Enum):
     """Quantization methods the pipeline knows."""
 
@@ -160,14 +167,24 @@ class FinetuneConfig:
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    """Unlabelled calibration set sizes (labels are never used) and batch size."""
+    """Unlabelled calibration set sizes (labels are never used), batch size, Fisher scale.
+
+    ``fisher_scale = train`` sets ``posterior.n_data`` to the model's training-split size, so the
+    posterior is that of the trained weights given their training data, with the curvature
+    estimated on the calibration inputs.
+    """
 
     images: int = 500
     sentences: int = 1000
     batch_size: int = 32
+    fisher_scale: FisherScale = FisherScale.TRAIN
 
     def __post_init__(self) -> None:
         s = "calibration"
+        try:
+            object.__setattr__(self, "fisher_scale", FisherScale(self.fisher_scale))
+        except ValueError:
+            _fail(s, "fisher_scale", self.fisher_scale, f"choose from {[f.value for f in FisherScale]}")
         for name in ("images", "sentences", "batch_size"):
             if getattr(self, name) < 1:
                 _fail(s, name, getattr(self, name), "must be >= 1")

@@ -17,7 +17,7 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from bayesq.config import Granularity, Method
+from bayesq.config import FisherScale, Granularity, Method, replace
 from flows.common import (
     CACHE, code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json,
 )
@@ -52,8 +52,11 @@ def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_
     model = load_model(entry, Path(model_file))
     splits = entry.load_splits(params.data, Path(raw))
     idx, batches = calibration_batches(entry, splits, params, seed)
+    config = params.bayesq(params.budgets[0], seed)
+    if params.calibration.fisher_scale == FisherScale.TRAIN:
+        config = replace(config, posterior=replace(config.posterior, n_data=len(splits.train_labels)))
     start = time.perf_counter()
-    post = fit_posterior(model, batches, params.bayesq(params.budgets[0], seed))
+    post = fit_posterior(model, batches, config)
     seconds = time.perf_counter() - start
     path = Path(out) / f"{name}_s{seed}.safetensors"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -337,12 +337,15 @@ class MiniLMSentiment(ZooEntry):
 
         ``raw``: the path of ``vaderSentiment-3.3.2.tar.gz``. ``split_indices`` with
         ``data.text_test_fraction`` and ``data.split_seed``, then train/test capped at
-        ``text_train_subset`` / ``text_test_subset``.
+        ``text_train_subset`` / ``text_test_subset``; the test part is ordered by sentence length
+        so that evaluation batches carry little padding.
         """
         sentences, labels = binary_labels(load_vader_domain(Path(raw), self.domain))
         train_idx, test_idx = split_indices(len(sentences), data.text_test_fraction, data.split_seed)
         train_idx = train_idx[: data.text_train_subset]
         test_idx = test_idx[: data.text_test_subset]
+        # test sentences in order of length: batches padded to their longest member waste less
+        test_idx = test_idx[torch.tensor([len(sentences[i]) for i in test_idx.tolist()]).argsort(stable=True)]
         return Splits(
             _take(sentences, train_idx), labels[train_idx], _take(sentences, test_idx), labels[test_idx]
         )
