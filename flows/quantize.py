@@ -165,7 +165,8 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                             r = {**r, "posterior_seconds": post["seconds"], "table_seconds": tab["seconds"]}
                         print(f"[quantize] {name} {method.value:12s} budget {budget}: "
                               f"acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits", flush=True)
-                        metrics = {k: r[k] for k in ("accuracy", "avg_bits", "total_bits", "quantize_seconds")}
+                        metrics = {k: r[k] for k in ("accuracy", "avg_bits", "total_bits", "quantize_seconds",
+                                                     "posterior_seconds", "table_seconds") if k in r}
                         mlflow_child(parent.info.run_id, f"{name}/{method.value}/s{seed}/b{budget}",
                                      {"model": name, "method": method.value, "seed": seed, "budget": budget,
                                       "group_size": params.quant.group_size, "bits": str(params.quant.bits),

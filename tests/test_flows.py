@@ -94,6 +94,8 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     assert len(children) == 8 and len(runs) == 9
     assert {r.data.params["method"] for r in children} == {"bayesq", "rtn-tensor", "rtn-channel", "rtn-group"}
     assert all("accuracy" in r.data.metrics and "avg_bits" in r.data.metrics for r in children)
+    bayesq_runs = [r for r in children if r.data.params["method"] == "bayesq"]
+    assert all({"posterior_seconds", "table_seconds"} <= set(r.data.metrics) for r in bayesq_runs)
 
     again = quantize_flow(params, raw, models, results)  # every task a cache hit
     assert again == records  # identical wall times prove nothing was recomputed
