@@ -102,3 +102,52 @@ def greedy_allocate(
 def total(table: Sequence[Sequence[float]], choice: Sequence[int]) -> float:
     """Sum of ``table[b][choice[b]]`` (total loss or total bits of an allocation)."""
     return float(sum(row[j] for row, j in zip(table, choice)))
+
+
+def dp_allocate(
+    losses: Sequence[Sequence[float]], costs: Sequence[Sequence[float]], budget: float
+) -> list[int]:
+    """Exact optimum of the allocation problem (same contract as :func:`greedy_allocate`).
+
+    Dynamic programme over Pareto fronts: after each block, keep for every reachable total
+    cost within budget the least total loss, dropping states that cost more and lose no less.
+    Exact for any tables; the front can grow with the number of distinct cost sums, so it is
+    an oracle for small and medium instances.
+
+    Raises:
+        ValueError: infeasible budget (naming the minimum feasible one) or malformed tables.
+    """
+    _check(losses, costs)
+    need = min_feasible_budget(costs)
+    if need > budget:
+        raise ValueError(
+            f"budget of {budget:.0f} bits is infeasible: the cheapest allocation (every block at "
+            f"its lowest bit-width) needs {need:.0f} bits; raise the budget to at least that"
+        )
+    # front: list of (cost, loss, back-pointer index into history[b-1], choice)
+    front: list[tuple[float, float, int, int]] = [(0.0, 0.0, -1, -1)]
+    history: list[list[tuple[float, float, int, int]]] = []
+    rest = [0.0] * (len(costs) + 1)  # cheapest cost of the blocks still to come
+    for b in range(len(costs) - 1, -1, -1):
+        rest[b] = rest[b + 1] + costs[b][0]
+    for b, (lb, cb) in enumerate(zip(losses, costs)):
+        cand = [
+            (c0 + c, l0 + loss, i, j)
+            for i, (c0, l0, _, _) in enumerate(front)
+            for j, (loss, c) in enumerate(zip(lb, cb))
+            if c0 + c + rest[b + 1] <= budget
+        ]
+        cand.sort(key=lambda s: (s[0], s[1]))
+        pruned: list[tuple[float, float, int, int]] = []
+        for s in cand:
+            if not pruned or s[1] < pruned[-1][1]:
+                pruned.append(s)
+        history.append(pruned)
+        front = pruned
+    k = min(range(len(front)), key=lambda i: front[i][1])
+    choice = []
+    for b in range(len(costs) - 1, -1, -1):
+        _, _, k_prev, j = history[b][k]
+        choice.append(j)
+        k = k_prev
+    return choice[::-1]

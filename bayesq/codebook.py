@@ -44,6 +44,11 @@ def _pdf(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
 
 
+def _x_pdf(x: torch.Tensor) -> torch.Tensor:
+    """x * phi(x), with its limit 0 at +-inf."""
+    return torch.where(torch.isfinite(x), x * _pdf(x), torch.zeros_like(x))
+
+
 def grid_cost(
     mu: torch.Tensor, sigma: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, levels: int
 ) -> torch.Tensor:
@@ -229,3 +234,33 @@ def quantize(w: torch.Tensor, grids: UniformGrids) -> torch.Tensor:
 def dequantize(codes: torch.Tensor, grids: UniformGrids) -> torch.Tensor:
     """Weights (G, n) float64 from codes: ``scale * (code - zero)``."""
     return grids.scale[:, None] * (codes.to(torch.float64) - grids.zero[:, None])
+
+
+def lloyd_max_gaussian(bits: int, *, iters: int = 2000, tol: float = 1e-13) -> tuple[torch.Tensor, float]:
+    """Levels and MSE of the Lloyd-Max (MSE-optimal scalar) quantiser for N(0, 1).
+
+    Lloyd iterations with closed-form Gaussian cell centroids
+    ``c_k = (phi(t_k) - phi(t_{k+1})) / (Phi(t_{k+1}) - Phi(t_k))`` and midpoint thresholds,
+    started from the optimal uniform grid; the MSE is the exact cell integral (section 3 of
+    ``docs/method.md``).  Returns ((2**bits,) float64 ascending levels, mse).
+    """
+    if bits < 1:
+        raise ValueError(f"need bits >= 1, got {bits}")
+    k = 2**bits
+    alpha, _ = optimal_uniform_range(bits)
+    levels = -alpha + (torch.arange(k, dtype=torch.float64) + 0.5) * (2 * alpha / k)
+    inf = torch.tensor([math.inf], dtype=torch.float64)
+    for _ in range(iters):
+        t = torch.cat([-inf, (levels[1:] + levels[:-1]) / 2, inf])
+        mass = _upper_tail(t[:-1]) - _upper_tail(t[1:])
+        new = (_pdf(t[:-1]) - _pdf(t[1:])) / mass
+        done = (new - levels).abs().max() < tol
+        levels = new
+        if done:
+            break
+    t = torch.cat([-inf, (levels[1:] + levels[:-1]) / 2, inf])
+    a, b, c = t[:-1], t[1:], levels
+    mass = _upper_tail(a) - _upper_tail(b)
+    # int_a^b (u - c)^2 phi = (1 + c^2) P + 2c (phi(b) - phi(a)) + a phi(a) - b phi(b)
+    mse = ((1 + c * c) * mass + 2 * c * (_pdf(b) - _pdf(a)) + _x_pdf(a) - _x_pdf(b)).sum()
+    return levels, float(mse)

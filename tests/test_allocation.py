@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from bayesq.allocation import greedy_allocate, min_feasible_budget, total
+from bayesq.allocation import dp_allocate, greedy_allocate, min_feasible_budget, total
 
 
 def _brute_force(losses, costs, budget):
@@ -87,3 +87,31 @@ def test_greedy_allocate_full_budget_takes_best():
     losses, costs = [[3.0, 2.0, 1.0], [5.0, 1.0, 0.5]], [[1, 2, 3], [1, 2, 3]]
     assert greedy_allocate(losses, costs, 6) == [2, 2]
     assert greedy_allocate(losses, costs, 3) == [0, 1]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_dp_allocate_vs_brute_force(seed):
+    rng = random.Random(300 + seed)
+    losses, costs = [], []
+    for _ in range(5):
+        c = sorted(rng.sample(range(1, 40), 4))
+        losses.append([rng.uniform(0, 10) for _ in c])
+        costs.append(c)
+    budget = rng.uniform(min_feasible_budget(costs), sum(c[-1] for c in costs))
+    choice = dp_allocate(losses, costs, budget)
+    assert total(costs, choice) <= budget
+    assert total(losses, choice) == pytest.approx(_brute_force(losses, costs, budget)[0], rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_allocate_never_beats_dp(seed):
+    rng = random.Random(400 + seed)
+    blocks = [_convex_block(rng, 4, [rng.choice([4, 8, 16]) for _ in range(3)]) for _ in range(8)]
+    losses, costs = [b[0] for b in blocks], [b[1] for b in blocks]
+    budget = rng.randint(int(min_feasible_budget(costs)), int(sum(c[-1] for c in costs)))
+    assert total(losses, dp_allocate(losses, costs, budget)) <= total(losses, greedy_allocate(losses, costs, budget)) + 1e-12
+
+
+def test_dp_allocate_infeasible_names_minimum_budget():
+    with pytest.raises(ValueError, match="needs 30 bits"):
+        dp_allocate([[1.0, 0.5], [2.0, 1.0]], [[10, 20], [20, 40]], 29)

@@ -6,7 +6,7 @@ import torch
 from scipy import integrate, stats
 
 from bayesq.codebook import (
-    dequantize, fit_uniform_grids, grid_cost, grids_from_range, minmax_grids,
+    dequantize, fit_uniform_grids, grid_cost, grids_from_range, lloyd_max_gaussian, minmax_grids,
     optimal_uniform_range, quantize, uniform_gaussian_mse,
 )
 
@@ -120,3 +120,28 @@ def test_fit_uniform_grids_vs_brute_force_ratio():
     assert (cost <= grid_cost(mu, sigma, minmax.lo, minmax.scale, 4).sum(1) + 1e-9).all()
     got = grid_cost(mu, sigma, grids.lo, grids.scale, 4).sum(1)
     assert torch.allclose(got, cost)
+
+
+# Max (1960): Lloyd-Max quantiser of N(0, 1): positive levels and MSE.
+LLOYD_MAX_TABLE = {
+    1: ([0.7979], 0.3634),
+    2: ([0.4528, 1.510], 0.1175),
+    3: ([0.2451, 0.7560, 1.344, 2.152], 0.03454),
+    4: ([0.1284, 0.3881, 0.6568, 0.9424, 1.256, 1.618, 2.069, 2.733], 0.009497),
+}
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_lloyd_max_gaussian_vs_known_table(bits):
+    levels, mse = lloyd_max_gaussian(bits)
+    pos, table_mse = LLOYD_MAX_TABLE[bits]
+    assert levels[2 ** (bits - 1):].tolist() == pytest.approx(pos, abs=2e-3)
+    assert torch.allclose(levels, -levels.flip(0), atol=1e-10)
+    assert mse == pytest.approx(table_mse, rel=2e-3)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_lloyd_max_gaussian_mse_vs_numerical_integration_and_uniform(bits):
+    levels, mse = lloyd_max_gaussian(bits)
+    assert mse == pytest.approx(_numeric_cost(0.0, 1.0, levels.numpy()), rel=1e-9)
+    assert mse < optimal_uniform_range(bits)[1]  # non-uniform beats the best uniform grid
