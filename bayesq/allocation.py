@@ -33,6 +33,17 @@ def min_feasible_budget(costs: Sequence[Sequence[float]]) -> float:
     return float(sum(c[0] for c in costs))
 
 
+def _require_feasible(costs: Sequence[Sequence[float]], budget: float) -> float:
+    """Bits of the cheapest allocation; ``ValueError`` naming it when it exceeds ``budget``."""
+    need = min_feasible_budget(costs)
+    if need > budget:
+        raise ValueError(
+            f"budget of {budget:.0f} bits is infeasible: the cheapest allocation (every block at "
+            f"its lowest bit-width) needs {need:.0f} bits; raise the budget to at least that"
+        )
+    return need
+
+
 def _hull(loss: Sequence[float], cost: Sequence[float]) -> list[int]:
     """Indices of the lower convex hull of (cost, loss) from candidate 0, loss decreasing."""
     hull = [0]
@@ -67,12 +78,7 @@ def greedy_allocate(
             minimum feasible budget), or the tables are malformed.
     """
     _check(losses, costs)
-    need = min_feasible_budget(costs)
-    if need > budget:
-        raise ValueError(
-            f"budget of {budget:.0f} bits is infeasible: the cheapest allocation (every block at "
-            f"its lowest bit-width) needs {need:.0f} bits; raise the budget to at least that"
-        )
+    need = _require_feasible(costs, budget)
     hulls = [_hull(lb, cb) for lb, cb in zip(losses, costs)]
     pos = [0] * len(losses)  # position on each hull
     spent = need
@@ -118,12 +124,7 @@ def dp_allocate(
         ValueError: infeasible budget (naming the minimum feasible one) or malformed tables.
     """
     _check(losses, costs)
-    need = min_feasible_budget(costs)
-    if need > budget:
-        raise ValueError(
-            f"budget of {budget:.0f} bits is infeasible: the cheapest allocation (every block at "
-            f"its lowest bit-width) needs {need:.0f} bits; raise the budget to at least that"
-        )
+    _require_feasible(costs, budget)
     # front: list of (cost, loss, back-pointer index into history[b-1], choice)
     front: list[tuple[float, float, int, int]] = [(0.0, 0.0, -1, -1)]
     history: list[list[tuple[float, float, int, int]]] = []
