@@ -15,7 +15,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test venv data clean-cache
+.PHONY: run ablations test venv data clean-cache
 
 venv: $(STAMP)
 
@@ -30,10 +30,13 @@ data: venv
 
 run: venv data
 ifeq ($(PROFILE),quick)
-	dvc repro
+	dvc repro report
 else
-	dvc exp run -S profile=$(PROFILE)
+	dvc exp run -S profile=$(PROFILE) report
 endif
+
+ablations: venv data
+	dvc repro ablation_report
 
 test: venv
 	$(PY) -m pytest

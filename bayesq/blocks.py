@@ -5,6 +5,9 @@ shape (out, in[, kh, kw]) is flattened row-major, output channel first, to ``num
 consecutive runs of ``group_size`` values share one scale and zero-point (the last group may be
 shorter); ``unit_groups`` consecutive groups form one allocation unit with one bit-width.
 Per-tensor and per-channel grids are the same layout with ``group_size = numel`` or ``= row``.
+With ``row_aligned`` every output channel (row) is cut into groups on its own, so no group
+straddles two rows (the last group of each row may be shorter); per-channel allocation units
+are then ``unit_groups = groups_per_row``.
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ class LayerBlocks:
         shape: weight shape.
         group_size: weights per scale group.
         unit_groups: groups per allocation unit.
+        row_aligned: groups restart at every output channel (see the module docstring).
     """
 
     name: str
     shape: tuple[int, ...]
     group_size: int
     unit_groups: int
+    row_aligned: bool = False
 
     @property
     def numel(self) -> int:
@@ -46,8 +51,26 @@ class LayerBlocks:
         return self.numel // self.shape[0]
 
     @property
+    def groups_per_row(self) -> int:
+        """Groups per output channel when ``row_aligned`` (else the fractional layout has none)."""
+        return math.ceil(self.row / self.group_size)
+
+    @property
     def n_groups(self) -> int:
+        if self.row_aligned:
+            return self.shape[0] * self.groups_per_row
         return math.ceil(self.numel / self.group_size)
+
+    def group_sizes(self) -> torch.Tensor:
+        """(n_groups,) int64: real (unpadded) weights in each group."""
+        g = self.group_size
+        if self.row_aligned:
+            first = torch.arange(self.groups_per_row) * g  # offset of each group within its row
+            per_row = (self.row - first).clamp(max=g)
+            return per_row.repeat(self.shape[0])
+        sizes = torch.full((self.n_groups,), g, dtype=torch.int64)
+        sizes[-1] = self.numel - (self.n_groups - 1) * g
+        return sizes
 
     @property
     def n_units(self) -> int:
@@ -60,11 +83,8 @@ class LayerBlocks:
 
     def unit_sizes(self) -> list[tuple[int, int]]:
         """(n_weights, n_groups) of each unit."""
-        out = []
-        for s, e in self.unit_group_ranges():
-            n = min(e * self.group_size, self.numel) - s * self.group_size
-            out.append((n, e - s))
-        return out
+        sizes = self.group_sizes().tolist()
+        return [(sum(sizes[s:e]), e - s) for s, e in self.unit_group_ranges()]
 
     def group_unit(self) -> torch.Tensor:
         """(n_groups,) int64: the unit each group belongs to."""
@@ -73,8 +93,18 @@ class LayerBlocks:
     def to_groups(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cut a (numel,) tensor into (n_groups, group_size) rows plus a 0/1 mask.
 
-        Padding of the last group repeats its last real value, so min/max are unchanged.
+        Padding of the last group (of each row, when ``row_aligned``) repeats its last real
+        value, so min/max are unchanged.
         """
+        if self.row_aligned:
+            width = self.groups_per_row * self.group_size
+            rows = flat.reshape(self.shape[0], self.row)  # (out, row)
+            pad = width - self.row
+            mask = torch.ones(self.shape[0], width, dtype=flat.dtype)
+            if pad:
+                rows = torch.cat([rows, rows[:, -1:].expand(-1, pad)], 1)  # (out, width)
+                mask[:, self.row:] = 0
+            return rows.reshape(-1, self.group_size), mask.reshape(-1, self.group_size)
         pad = self.n_groups * self.group_size - self.numel
         mask = torch.ones(self.n_groups * self.group_size, dtype=flat.dtype)
         if pad:
@@ -85,11 +115,28 @@ class LayerBlocks:
 
     def from_groups(self, groups: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`to_groups`: (n_groups, group_size) -> weight of ``shape``."""
+        if self.row_aligned:
+            rows = groups.reshape(self.shape[0], -1)[:, : self.row]  # (out, row)
+            return rows.reshape(self.shape)
         return groups.reshape(-1)[: self.numel].reshape(self.shape)
 
     def with_granularity(self, group_size: int, unit_weights: int) -> "LayerBlocks":
         """Same weight with another group size; units hold about ``unit_weights`` weights."""
         return LayerBlocks(self.name, self.shape, group_size, max(1, unit_weights // group_size))
+
+    def with_unit(self, unit: str, group_size: int, unit_groups: int) -> "LayerBlocks":
+        """Layout for an allocation unit: ``block`` (``unit_groups`` groups), ``group``, ``channel``
+        (one output row, groups aligned to rows) or ``tensor`` (the whole weight)."""
+        if unit == "block":
+            return LayerBlocks(self.name, self.shape, group_size, unit_groups)
+        if unit == "group":
+            return LayerBlocks(self.name, self.shape, group_size, 1)
+        if unit == "channel":
+            aligned = LayerBlocks(self.name, self.shape, group_size, 1, row_aligned=True)
+            return LayerBlocks(self.name, self.shape, group_size, aligned.groups_per_row, True)
+        if unit == "tensor":
+            return LayerBlocks(self.name, self.shape, group_size, math.ceil(self.numel / group_size))
+        raise ValueError(f"unknown allocation unit {unit!r}: choose block, group, channel or tensor")
 
 
 def quantizable_layers(model: nn.Module, exclude: tuple[str, ...] = ()) -> dict[str, nn.Module]:
@@ -115,9 +162,14 @@ def quantizable_layers(model: nn.Module, exclude: tuple[str, ...] = ()) -> dict[
     return layers
 
 
-def layer_blocks(layers: dict[str, nn.Module], group_size: int, unit_groups: int) -> list[LayerBlocks]:
-    """Layouts of all quantised layers with the given group size and unit size."""
-    return [LayerBlocks(n, tuple(m.weight.shape), group_size, unit_groups) for n, m in layers.items()]
+def layer_blocks(
+    layers: dict[str, nn.Module], group_size: int, unit_groups: int, unit: str = "block"
+) -> list[LayerBlocks]:
+    """Layouts of all quantised layers with the given group size and allocation unit."""
+    return [
+        LayerBlocks(n, tuple(m.weight.shape), group_size, unit_groups).with_unit(unit, group_size, unit_groups)
+        for n, m in layers.items()
+    ]
 
 
 def check_finite(layers: dict[str, nn.Module]) -> None:

@@ -29,6 +29,70 @@ class FisherScale(str, Enum):
     CALIBRATION = "calibration"  # the calibration set itself: p(w | D_cal)
 
 
+class Curvature(str, Enum):
+    """Curvature estimate behind the posterior precision."""
+
+    FISHER = "fisher"  # sampled-label Fisher diagonal (default)
+    EMPIRICAL_FISHER = "empirical-fisher"  # squared gradients at the model's argmax labels
+    HUTCHINSON_HESSIAN = "hutchinson-hessian"  # Rademacher probes, Hessian-vector products
+    HUTCHINSON_GGN = "hutchinson-ggn"  # Rademacher probes, Gauss-Newton-vector products
+    KFAC = "kfac"  # Kronecker factors A (inputs) x G (output gradients)
+    LOWRANK = "lowrank"  # K-FAC with eigen-truncated (low-rank + diagonal) factors
+
+
+class Whitening(str, Enum):
+    """Metric the quantisation error is measured in."""
+
+    POSTERIOR = "posterior"  # d^T Sigma^-1 d (the method)
+    IDENTITY = "identity"  # plain squared error under the posterior (no whitening)
+    PCA = "pca"  # data-only: layer-input second moments, no curvature
+
+
+class Codebook(str, Enum):
+    """Codebook of each candidate with at most 16 levels (8-bit candidates stay uniform min/max)."""
+
+    UNIFORM = "uniform"  # uniform grid per group, range searched on the expected cost (default)
+    UNIFORM_FIXED = "uniform-fixed"  # uniform grid per group, Gaussian-optimal range (no search)
+    LLOYD = "lloyd"  # posterior-weighted Lloyd-Max LUT per allocation unit
+    LLOYD_UNIFORM = "lloyd-uniform"  # Lloyd LUT compiled to a uniform grid per group (no LUT)
+    MULAW = "mulaw"  # fixed mu-law companding table, one scale per group (control)
+    VQ = "vq"  # vectors of vq_dim weights, one weighted k-means codebook per layer (tensor units)
+
+
+class Rounding(str, Enum):
+    """How weights are mapped to a fixed grid."""
+
+    NEAREST = "nearest"
+    ERROR_FEEDBACK = "error-feedback"  # sequential rounding in the K-FAC input metric
+
+
+class AllocationUnit(str, Enum):
+    """Granularity of one bit-width choice."""
+
+    BLOCK = "block"  # unit_groups consecutive groups (default)
+    GROUP = "group"  # one scale group
+    CHANNEL = "channel"  # one output channel
+    TENSOR = "tensor"  # one whole layer
+
+
+class Allocator(str, Enum):
+    """How bit-widths are chosen from the loss table."""
+
+    GREEDY = "greedy"
+    GREEDY_HW = "greedy-hw"  # greedy with hardware-aware near-tie breaking
+    DP = "dp"  # exact dynamic programme (oracle)
+    LAGRANGIAN = "lagrangian"  # budget regularisation: argmin L + lambda C, lambda bisected
+    RANDOM = "random"  # control
+
+
+class Proxy(str, Enum):
+    """Source of the expected-loss table entries."""
+
+    CLOSED = "closed"  # closed form under the diagonal posterior
+    MC_KL = "mc-kl"  # Monte Carlo logit KL on the most sensitive layers (rescales their entries)
+    MC_OUTPUT = "mc-output"  # Monte Carlo K-FAC layer-output error on the most sensitive layers
+
+
 class Method(str, Enum):
     """Quantization methods the pipeline knows."""
 
@@ -40,6 +104,14 @@ class Method(str, Enum):
 
 def _fail(section: str, name: str, value: Any, why: str) -> None:
     raise ValueError(f"{section}.{name} = {value!r}: {why}")
+
+
+def _enum(cfg: Any, section: str, name: str, enum: type[Enum]) -> None:
+    """Coerce field ``name`` of frozen ``cfg`` to ``enum`` or fail naming the choices."""
+    try:
+        object.__setattr__(cfg, name, enum(getattr(cfg, name)))
+    except ValueError:
+        _fail(section, name, getattr(cfg, name), f"choose from {[e.value for e in enum]}")
 
 
 @dataclass(frozen=True)
@@ -56,9 +128,27 @@ class PosteriorConfig:
     var_min: float = 1e-12
     var_max: float = 1e4
     label_samples: int = 1
+    curvature: Curvature = Curvature.FISHER
+    probes: int = 16
+    auto_damping: bool = False
+    kfac_decay: float = 0.95
+    rank: int = 32
+    explained: float = 0.95
+    small_calibration: int = 50
 
     def __post_init__(self) -> None:
         s = "posterior"
+        _enum(self, s, "curvature", Curvature)
+        if self.probes < 1:
+            _fail(s, "probes", self.probes, "must be >= 1 (Rademacher probes per batch)")
+        if not 0 < self.kfac_decay <= 1:
+            _fail(s, "kfac_decay", self.kfac_decay, "EMA decay must be in (0, 1]")
+        if self.rank < 1:
+            _fail(s, "rank", self.rank, "must be >= 1")
+        if not 0 < self.explained <= 1:
+            _fail(s, "explained", self.explained, "explained trace fraction must be in (0, 1]")
+        if self.small_calibration < 0:
+            _fail(s, "small_calibration", self.small_calibration, "must be >= 0")
         if not self.damping > 0:
             _fail(s, "damping", self.damping, "must be > 0 (it is the prior precision)")
         if self.n_data < 0:
@@ -84,9 +174,41 @@ class QuantConfig:
     scale_bits: int = 16
     range_iters: int = 12
     min_range_ratio: float = 0.2
+    unit: AllocationUnit = AllocationUnit.BLOCK
+    codebook: Codebook = Codebook.UNIFORM
+    whitening: Whitening = Whitening.POSTERIOR
+    rounding: Rounding = Rounding.NEAREST
+    proxy: Proxy = Proxy.CLOSED
+    mc_samples: int = 8
+    mc_top_fraction: float = 0.1
+    mc_examples: int = 128
+    mulaw_mu: float = 4.0
+    lut_bits: int = 16
+    vq_dim: int = 2
 
     def __post_init__(self) -> None:
         s = "quant"
+        for name, enum in (("unit", AllocationUnit), ("codebook", Codebook), ("whitening", Whitening),
+                           ("rounding", Rounding), ("proxy", Proxy)):
+            _enum(self, s, name, enum)
+        if self.mc_samples < 4 or self.mc_samples % 2:
+            _fail(s, "mc_samples", self.mc_samples, "need an even number >= 4 (antithetic pairs)")
+        uniform = (Codebook.UNIFORM, Codebook.UNIFORM_FIXED, Codebook.LLOYD_UNIFORM)
+        if self.rounding == Rounding.ERROR_FEEDBACK and self.codebook not in uniform:
+            _fail(s, "rounding", self.rounding.value,
+                  f"error feedback needs uniform grids; codebook is '{self.codebook.value}'")
+        if self.codebook == Codebook.VQ and self.unit != AllocationUnit.TENSOR:
+            _fail(s, "codebook", "vq", "VQ keeps one codebook per layer: set quant.unit: tensor")
+        if self.vq_dim not in (2, 4, 8):
+            _fail(s, "vq_dim", self.vq_dim, "choose 2, 4 or 8 weights per vector")
+        if self.lut_bits not in (16, 32):
+            _fail(s, "lut_bits", self.lut_bits, "LUT entries are stored as fp16 (16) or fp32 (32)")
+        if not self.mulaw_mu >= 0:
+            _fail(s, "mulaw_mu", self.mulaw_mu, "must be >= 0 (0 is the uniform limit)")
+        if self.mc_examples < 1:
+            _fail(s, "mc_examples", self.mc_examples, "must be >= 1")
+        if not 0 < self.mc_top_fraction <= 1:
+            _fail(s, "mc_top_fraction", self.mc_top_fraction, "must be in (0, 1]")
         object.__setattr__(self, "bits", tuple(int(b) for b in self.bits))
         if not self.bits or any(not 1 <= b <= 8 for b in self.bits):
             _fail(s, "bits", self.bits, "need a non-empty list of bit-widths in 1..8")
@@ -104,6 +226,56 @@ class QuantConfig:
             _fail(s, "min_range_ratio", self.min_range_ratio, "must be in (0, 1]")
 
 
+    @property
+    def needs_data(self) -> bool:
+        """Whether the loss table reads calibration inputs (pca metric, Monte Carlo proxy)."""
+        return self.whitening == Whitening.PCA or self.proxy != Proxy.CLOSED
+
+
+@dataclass(frozen=True)
+class AllocationConfig:
+    """How bit-widths are chosen from the loss table.
+
+    Attributes:
+        allocator: greedy (default), greedy-hw (near-ties within ``hw_tolerance`` broken for
+            fewer distinct bit-widths per layer), dp (exact), lagrangian, random (control).
+        penalty: budget regularisation lambda >= 0: minimise ``L / L_floor + lambda * avg_bits``
+            under the budget, i.e. stop upgrading once an upgrade's relative loss drop per
+            average bit falls below lambda (0: spend the whole budget).
+        floors: per-stage bit floors, ``{layer-name glob: minimum bits}`` (fnmatch patterns,
+            e.g. ``{"classifier*": 4}``); a layer matching several takes the largest.
+        latency: rank upgrades by loss drop per predicted kernel time instead of per bit
+            (latency-aware density; the budget still counts storage bits).
+        unaligned_penalty: kernel-time model of the latency density: a weight at a bit-width
+            that does not divide 32 (3 bits) costs ``1 + unaligned_penalty`` times its bits.
+    """
+
+    allocator: Allocator = Allocator.GREEDY
+    hw_tolerance: float = 0.01
+    penalty: float = 0.0
+    floors: Mapping[str, int] = field(default_factory=dict)
+    latency: bool = False
+    unaligned_penalty: float = 0.25
+
+    def __post_init__(self) -> None:
+        s = "allocation"
+        _enum(self, s, "allocator", Allocator)
+        if not 0 <= self.hw_tolerance < 1:
+            _fail(s, "hw_tolerance", self.hw_tolerance, "must be in [0, 1)")
+        if not 0 <= self.penalty < float("inf"):
+            _fail(s, "penalty", self.penalty, "must be a finite number >= 0")
+        if self.penalty and self.allocator == Allocator.RANDOM:
+            _fail(s, "penalty", self.penalty, "the random control does not read losses; use 0")
+        if not isinstance(self.floors, Mapping) or any(
+                not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in self.floors.values()):
+            _fail(s, "floors", self.floors, "need a mapping {layer-name glob: minimum bits >= 1}")
+        object.__setattr__(self, "floors", dict(self.floors))
+        if not 0 <= self.unaligned_penalty < float("inf"):
+            _fail(s, "unaligned_penalty", self.unaligned_penalty, "must be a finite number >= 0")
+        if self.latency and self.allocator != Allocator.GREEDY:
+            _fail(s, "latency", True, f"latency-aware density works with allocator greedy, not '{self.allocator.value}'")
+
+
 @dataclass(frozen=True)
 class BayesQConfig:
     """Everything :func:`bayesq.quantize_model` needs besides the model and calibration data."""
@@ -111,11 +283,20 @@ class BayesQConfig:
     budget: float = 3.0
     posterior: PosteriorConfig = field(default_factory=PosteriorConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
+    allocation: AllocationConfig = field(default_factory=AllocationConfig)
     seed: int = 0
 
     def __post_init__(self) -> None:
         if not self.budget > 0:
             _fail("config", "budget", self.budget, "average bits per weight must be > 0")
+        structured = (Curvature.KFAC, Curvature.LOWRANK)
+        if self.quant.rounding == Rounding.ERROR_FEEDBACK and self.posterior.curvature not in structured:
+            _fail("quant", "rounding", "error-feedback",
+                  "needs a structured posterior (posterior.curvature: kfac or lowrank); under a "
+                  "diagonal precision error feedback is nearest rounding")
+        if self.quant.proxy == Proxy.MC_OUTPUT and self.posterior.curvature not in structured:
+            _fail("quant", "proxy", "mc-output",
+                  "the layer-output proxy needs K-FAC factors: set posterior.curvature: kfac or lowrank")
 
 
 @dataclass(frozen=True)
@@ -236,6 +417,8 @@ class Params:
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     posterior: PosteriorConfig = field(default_factory=PosteriorConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
+    allocation: AllocationConfig = field(default_factory=AllocationConfig)
+    ablations: AblationConfig = field(default_factory=lambda: AblationConfig())
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -248,14 +431,42 @@ class Params:
             object.__setattr__(self, "methods", tuple(Method(m) for m in self.methods))
         except ValueError:
             _fail("params", "methods", self.methods, f"choose from {[m.value for m in Method]}")
+        self.bayesq(self.budgets[0], self.seeds[0])  # cross-section checks (e.g. rounding vs curvature)
 
     def bayesq(self, budget: float, seed: int) -> BayesQConfig:
-        return BayesQConfig(budget=budget, posterior=self.posterior, quant=self.quant, seed=seed)
+        return BayesQConfig(budget=budget, posterior=self.posterior, quant=self.quant,
+                            allocation=self.allocation, seed=seed)
+
+
+@dataclass(frozen=True)
+class AblationConfig:
+    """Ablation grid: ``rows[group][label]`` maps dotted keys (``quant.codebook``) to values.
+
+    Each row is BayesQ with the main parameters overridden by its mapping; rows are validated
+    by :func:`ablation_params`, so a typo in a key or value fails on load.
+    """
+
+    models: tuple[str, ...] = ()
+    budgets: tuple[float, ...] = (3.0, 3.5)
+    rows: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models", tuple(self.models))
+        object.__setattr__(self, "budgets", tuple(float(b) for b in self.budgets))
+        if any(not b > 0 for b in self.budgets):
+            _fail("ablations", "budgets", self.budgets, "list positive average bit budgets")
+        for group, rows in self.rows.items():
+            if not isinstance(rows, Mapping) or not rows:
+                _fail("ablations.rows", group, rows, "map row labels to {dotted.key: value}")
+            for label, over in rows.items():
+                if not isinstance(over, Mapping):
+                    _fail(f"ablations.rows.{group}", label, over, "need a mapping {dotted.key: value}")
 
 
 _SECTIONS = {
     "data": DataConfig, "finetune": FinetuneConfig, "calibration": CalibrationConfig,
-    "posterior": PosteriorConfig, "quant": QuantConfig,
+    "posterior": PosteriorConfig, "quant": QuantConfig, "allocation": AllocationConfig,
+    "ablations": AblationConfig,
 }
 _LISTS = ("models", "seeds", "budgets", "methods")
 
@@ -294,3 +505,28 @@ def load_params(raw: Mapping[str, Any]) -> Params:
     for name, cls in _SECTIONS.items():
         kwargs[name] = from_mapping(cls, merged.get(name), name)
     return Params(**kwargs)
+
+
+def ablation_params(params: Params, overrides: Mapping[str, Any], where: str = "ablation") -> Params:
+    """``params`` with dotted ``section.key`` overrides applied and validated.
+
+    Raises:
+        ValueError: unknown section or key (with a suggestion) or an invalid value, naming
+            ``where`` (the ablation row) and the key.
+    """
+    changes: dict[str, dict[str, Any]] = {}
+    for dotted, value in overrides.items():
+        section, _, key = str(dotted).partition(".")
+        if section not in _SECTIONS or section == "ablations" or not key:
+            close = difflib.get_close_matches(section, [k for k in _SECTIONS if k != "ablations"], n=1)
+            hint = f" (did you mean '{close[0]}.{key}'?)" if close else ""
+            raise ValueError(f"{where}: '{dotted}' is not a 'section.key' of params.yaml{hint}")
+        changes.setdefault(section, {})[key] = value
+    kwargs = {}
+    for section, over in changes.items():
+        base = {f.name: getattr(getattr(params, section), f.name) for f in fields(_SECTIONS[section])}
+        try:
+            kwargs[section] = from_mapping(_SECTIONS[section], {**base, **over}, section)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+    return dataclasses.replace(params, **kwargs)

@@ -1,44 +1,76 @@
-"""Per-unit expected-loss tables over candidate bit-widths (closed form).
+"""Per-unit expected-loss tables over candidate bit-widths: closed form, with Monte Carlo proxies.
 
 For each allocation unit u and bit-width b the table holds
 
-    L_u(b) = 0.5 * sum_{i in u} E_{w_i ~ N(mu_i, sigma_i^2)}[(Q_b(w_i) - w_i)^2] / sigma_i^2,
+    L_u(b) = 0.5 * sum_{i in u} omega_i E_{w_i ~ N(mu_i, sigma_i^2)}[(Q_b(w_i) - w_i)^2],
 
-the posterior-expected increase of the task loss, with Q_b the unit's per-group grids whose
-ranges minimise that same quantity (``codebook.fit_uniform_grids``), and C_u(b) its exact bits
-(``storage.unit_cost_bits``).  Grids with more than 16 levels keep the min/max range (the
-Gaussian-optimal clipping of a 16+ level grid lies beyond the extremes of a 64-weight group)
-and are costed by the same closed form.
+the posterior-expected increase of the task loss when ``omega_i = 1 / sigma_i^2`` (posterior
+whitening, the method), plain squared error for ``omega = 1`` (identity) and the diagonal of the
+layer-output error for ``omega_oi = A_ii`` (data-only "PCA" metric, A the layer inputs' second
+moment). ``Q_b`` is the unit's codebook at b bits, fitted to minimise that same quantity:
+
+* ``uniform``: per-group grids, clipping range searched (``codebook.fit_uniform_grids``);
+* ``uniform-fixed``: per-group grids over ``mean +- alpha*(b) (1 - 1/K) std`` of the group's
+  weights (the N(0, 1)-optimal range, no search), clamped to [min, max];
+* ``lloyd``: one posterior-weighted Lloyd-Max LUT per allocation unit (``fit_lloyd_levels``);
+* ``lloyd-uniform``: that LUT's assignment compiled to a uniform grid per group
+  (``compile_to_uniform``), for backends without LUTs;
+* ``mulaw``: the fixed mu-law table scaled by each group's absmax.
+
+Candidates with more than 16 levels (8 bits) always use min/max uniform grids (the optimal
+clipping of a 256-level grid lies beyond a group's extremes). C_u(b) is the candidate's exact
+storage (``storage.py``). Closed-form entries have standard error 0; the Monte Carlo proxies
+(:func:`apply_mc_proxy`) replace the entries of the most sensitive layers by a rescaled
+estimate and store its standard error. ``docs/method.md`` sections 3-5 and 10.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from bayesq.blocks import LayerBlocks
 from bayesq.codebook import (
-    UniformGrids, dequantize, fit_uniform_grids, grid_cost_chunked, minmax_grids, quantize,
+    LevelTables, UniformGrids, compile_to_uniform, fit_lloyd_levels, fit_uniform_grids,
+    grid_cost_chunked, grids_from_range, levels_cost_chunked, minmax_grids, mulaw_levels,
+    optimal_uniform_range, quantize_levels,
 )
-from bayesq.config import QuantConfig
-from bayesq.posterior import DiagonalPosterior
-from bayesq.storage import unit_cost_bits
+from bayesq.config import Codebook, QuantConfig, Whitening
+from bayesq.posterior import Posterior
+from bayesq.storage import lut_unit_cost_bits, mulaw_unit_cost_bits, unit_cost_bits
 
 SEARCH_MAX_LEVELS = 16
+Book = UniformGrids | LevelTables
 
 
 @dataclass(frozen=True)
 class LayerTable:
-    """Candidates of one layer: ``unit_loss``/``unit_cost`` are (U, nb); one grid set per bit-width."""
+    """Candidates of one layer.
+
+    Attributes:
+        blocks: group / unit layout.
+        bits: candidate bit-widths (ascending).
+        unit_loss: (U, nb) float64 expected loss of each unit at each candidate.
+        unit_cost: (U, nb) int64 exact storage bits.
+        books: one codebook per candidate, covering every group of the layer.
+        unit_se: (U, nb) float64 standard error of ``unit_loss`` (0 for closed-form entries).
+    """
 
     blocks: LayerBlocks
     bits: tuple[int, ...]
     unit_loss: torch.Tensor
     unit_cost: torch.Tensor
-    grids: tuple[UniformGrids, ...]
+    books: tuple[Book, ...]
+    unit_se: torch.Tensor
+
+    @property
+    def grids(self) -> tuple[Book, ...]:  # the name the RTN tables and older callers use
+        return self.books
 
 
 @dataclass(frozen=True)
@@ -47,31 +79,33 @@ class LossTable:
 
     layers: tuple[LayerTable, ...]
 
+    def arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(losses (n_units, nb) float64, costs (n_units, nb) int64) over all layers' units."""
+        return (torch.cat([t.unit_loss for t in self.layers]), torch.cat([t.unit_cost for t in self.layers]))
+
     def flat(self) -> tuple[list[list[float]], list[list[int]]]:
-        """(losses, costs) with one row per unit over all layers, as the allocator wants them."""
-        losses = [row for t in self.layers for row in t.unit_loss.tolist()]
-        costs = [row for t in self.layers for row in t.unit_cost.tolist()]
-        return losses, costs
+        """(losses, costs) as nested lists, one row per unit over all layers."""
+        losses, costs = self.arrays()
+        return losses.tolist(), costs.tolist()
 
     @property
     def n_weights(self) -> int:
         return sum(t.blocks.numel for t in self.layers)
 
+    def layer(self, name: str) -> LayerTable:
+        for t in self.layers:
+            if t.blocks.name == name:
+                return t
+        raise KeyError(name)
+
     def records(self) -> list[dict]:
-        """One row per (layer, unit, bits) for a Parquet table."""
+        """One row per (layer, unit, bits) for a Parquet table, with the entry's standard error."""
         rows = []
         for t in self.layers:
-            for u, (loss, cost) in enumerate(zip(t.unit_loss.tolist(), t.unit_cost.tolist())):
-                for b, l_, c in zip(t.bits, loss, cost):
-                    rows.append({"layer": t.blocks.name, "unit": u, "bits": b, "loss": l_, "cost_bits": c})
+            for u, (loss, cost, se) in enumerate(zip(t.unit_loss.tolist(), t.unit_cost.tolist(), t.unit_se.tolist())):
+                for b, l_, c, e in zip(t.bits, loss, cost, se):
+                    rows.append({"layer": t.blocks.name, "unit": u, "bits": b, "loss": l_, "cost_bits": c, "se": e})
         return rows
-
-
-def _unit_costs(blocks: LayerBlocks, bits: tuple[int, ...], scale_bits: int) -> torch.Tensor:
-    return torch.tensor(
-        [[unit_cost_bits(n, g, b, len(bits), scale_bits) for b in bits] for n, g in blocks.unit_sizes()],
-        dtype=torch.int64,
-    )
 
 
 def _unit_sum(blocks: LayerBlocks, group_values: torch.Tensor) -> torch.Tensor:
@@ -79,42 +113,146 @@ def _unit_sum(blocks: LayerBlocks, group_values: torch.Tensor) -> torch.Tensor:
     return out.index_add_(0, blocks.group_unit(), group_values)
 
 
-def _layer_table(
-    blocks: LayerBlocks, cfg: QuantConfig,
-    fit: Callable[[int], tuple[UniformGrids, torch.Tensor]],
-) -> LayerTable:
-    grids, losses = [], []
+def _unit_rows(blocks: LayerBlocks, x: torch.Tensor) -> torch.Tensor:
+    """(G, g) group rows -> (U, unit_groups * g) unit rows; a short last unit is padded with
+    copies of the last group (callers zero the padding through :func:`_unit_mask`)."""
+    pad = blocks.n_units * blocks.unit_groups - x.shape[0]
+    if pad:
+        x = torch.cat([x, x[-1:].expand(pad, -1)])
+    return x.reshape(blocks.n_units, -1)  # (U, unit_groups * g)
+
+
+def _unit_mask(blocks: LayerBlocks, mask: torch.Tensor) -> torch.Tensor:
+    u, k = blocks.n_units, blocks.unit_groups
+    pad = u * k - mask.shape[0]
+    return torch.cat([mask, mask.new_zeros(pad, mask.shape[1])]).reshape(u, -1) if pad else mask.reshape(u, -1)
+
+
+def _costs(blocks: LayerBlocks, cfg: QuantConfig, kinds: Sequence[str]) -> torch.Tensor:
+    """(U, nb) int64 exact bits of each unit under each candidate's encoding kind."""
+    nb = len(cfg.bits)
+    rows = []
+    for n, g in blocks.unit_sizes():
+        row = []
+        for b, kind in zip(cfg.bits, kinds):
+            if kind == "lut":
+                row.append(lut_unit_cost_bits(n, b, nb, cfg.lut_bits))
+            elif kind == "mulaw":
+                row.append(mulaw_unit_cost_bits(n, g, b, nb, cfg.scale_bits))
+            else:
+                row.append(unit_cost_bits(n, g, b, nb, cfg.scale_bits))
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _fixed_range_grids(mu: torch.Tensor, mask: torch.Tensor, bits: int, scale_bits: int) -> UniformGrids:
+    """Per-group grid over ``mean +- alpha*(1 - 1/K) std`` of the real weights, inside [min, max]."""
+    k = 2**bits
+    alpha, _ = optimal_uniform_range(bits)
+    n = mask.sum(1).clamp_min(1)
+    mean = (mu * mask).sum(1) / n
+    std = (((mu - mean[:, None]) ** 2 * mask).sum(1) / n).sqrt()
+    half = alpha * (1 - 1 / k) * std
+    lo = torch.maximum(mean - half, mu.min(1).values)
+    hi = torch.minimum(mean + half, mu.max(1).values)
+    return grids_from_range(lo, hi, bits, scale_bits)
+
+
+class _LayerFit:
+    """Codebook fits of one layer: group rows of mu, sigma, mask and the metric weights."""
+
+    def __init__(self, blocks: LayerBlocks, mu: torch.Tensor, sigma: torch.Tensor,
+                 omega: torch.Tensor | None, cfg: QuantConfig):
+        self.blocks, self.cfg = blocks, cfg
+        self.mu, self.mask = blocks.to_groups(mu.reshape(-1))  # (G, g) each
+        self.sigma, _ = blocks.to_groups(sigma.reshape(-1))
+        if omega is None:  # posterior whitening
+            self.omega = 1.0 / (self.sigma * self.sigma)
+        else:
+            self.omega, _ = blocks.to_groups(omega.reshape(-1))
+        self.weight = self.mask * self.omega * self.sigma * self.sigma  # multiplies the whitened cost
+
+    def uniform(self, grids: UniformGrids) -> torch.Tensor:
+        """(G,) expected cost of per-group uniform grids."""
+        return grid_cost_chunked(self.mu, self.sigma, grids.lo, grids.scale, grids.levels, self.weight)
+
+    def candidate(self, bits: int) -> tuple[Book, torch.Tensor, str]:
+        """(codebook, (U,) unit loss, storage kind) of one candidate bit-width."""
+        cfg, b = self.cfg, bits
+        kind = cfg.codebook if 2**b <= SEARCH_MAX_LEVELS else None
+        if kind is None:
+            g = minmax_grids(self.mu, b, cfg.scale_bits)
+            return g, self._units(self.uniform(g)), "grid"
+        if kind == Codebook.UNIFORM:
+            g, cost = fit_uniform_grids(self.mu, self.sigma, self.weight, b, iters=cfg.range_iters,
+                                        min_ratio=cfg.min_range_ratio, scale_bits=cfg.scale_bits)
+            return g, self._units(cost), "grid"
+        if kind == Codebook.UNIFORM_FIXED:
+            g = _fixed_range_grids(self.mu, self.mask, b, cfg.scale_bits)
+            return g, self._units(self.uniform(g)), "grid"
+        if kind == Codebook.MULAW:
+            absmax = self.mu.abs().max(1).values
+            levels = mulaw_levels(absmax, b, cfg.mulaw_mu, cfg.scale_bits)  # (G, K)
+            cost = levels_cost_chunked(self.mu, self.sigma, levels, self.mask, self.omega)
+            book = LevelTables(b, levels, torch.arange(levels.shape[0]))
+            return book, self._units(cost), "mulaw"
+        lb = self.blocks
+        rows = [_unit_rows(lb, x) for x in (self.mu, self.sigma, self.omega)]
+        levels, cost = fit_lloyd_levels(rows[0], rows[1], _unit_mask(lb, self.mask), b, omega=rows[2],
+                                        lut_bits=cfg.lut_bits)  # (U, K), (U,)
+        book = LevelTables(b, levels, lb.group_unit())
+        if kind == Codebook.LLOYD:
+            return book, 0.5 * cost, "lut"
+        codes = book.quantize(self.mu)  # (G, g) the LUT's assignment
+        g = compile_to_uniform(codes, self.mu, b, omega=self.omega, mask=self.mask, scale_bits=cfg.scale_bits)
+        return g, self._units(self.uniform(g)), "grid"
+
+    def _units(self, group_cost: torch.Tensor) -> torch.Tensor:
+        return 0.5 * _unit_sum(self.blocks, group_cost)
+
+
+def layer_table(blocks: LayerBlocks, mu: torch.Tensor, sigma: torch.Tensor, cfg: QuantConfig,
+                omega: torch.Tensor | None = None) -> LayerTable:
+    """Closed-form table of one layer (``omega`` None: posterior whitening ``1 / sigma^2``).
+
+    Args:
+        mu, sigma: float64 posterior means / standard deviations shaped like the weight.
+        omega: optional metric weights shaped like the weight.
+    """
+    fit = _LayerFit(blocks, mu, sigma, omega, cfg)
+    books, losses, kinds = [], [], []
     for b in cfg.bits:
-        g, group_loss = fit(b)
-        grids.append(g)
-        losses.append(_unit_sum(blocks, group_loss))
-    return LayerTable(
-        blocks=blocks, bits=cfg.bits, unit_loss=torch.stack(losses, 1),
-        unit_cost=_unit_costs(blocks, cfg.bits, cfg.scale_bits), grids=tuple(grids),
-    )
+        book, loss, kind = fit.candidate(b)
+        books.append(book)
+        losses.append(loss)
+        kinds.append(kind)
+    loss = torch.stack(losses, 1)  # (U, nb)
+    return LayerTable(blocks, cfg.bits, loss, _costs(blocks, cfg, kinds), tuple(books), torch.zeros_like(loss))
+
+
+def metric_weights(posterior: Posterior, name: str, whitening: Whitening,
+                   input_diag: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """omega of one layer for the chosen whitening (None = posterior ``1 / sigma^2``)."""
+    mu = posterior.mean[name]
+    if whitening == Whitening.POSTERIOR:
+        return None
+    if whitening == Whitening.IDENTITY:
+        return torch.ones_like(mu)
+    if input_diag is None or name not in input_diag:
+        raise ValueError("quant.whitening = 'pca' needs the layers' input moments: pass calibration data")
+    a = input_diag[name].to(mu.dtype)  # (d_in,)
+    return a.expand(mu.shape[0], -1).reshape(mu.shape).clone()  # omega_oi = A_ii
 
 
 def posterior_table(
-    posterior: DiagonalPosterior, blocks: list[LayerBlocks], cfg: QuantConfig, progress: bool = True
+    posterior: Posterior, blocks: list[LayerBlocks], cfg: QuantConfig, progress: bool = True,
+    input_diag: dict[str, torch.Tensor] | None = None,
 ) -> LossTable:
-    """BayesQ table: posterior-optimal grids and their expected loss for every unit and bit-width."""
+    """BayesQ closed-form table: posterior-fitted codebooks and their expected loss."""
     tables = []
     for lb in tqdm(blocks, desc="loss table", disable=not progress, leave=False):
-        mu, mask = lb.to_groups(posterior.mean[lb.name].reshape(-1))
-        sigma, _ = lb.to_groups(posterior.std(lb.name).reshape(-1))
-
-        def fit(b: int) -> tuple[UniformGrids, torch.Tensor]:
-            if 2**b <= SEARCH_MAX_LEVELS:
-                g, cost = fit_uniform_grids(
-                    mu, sigma, mask, b, iters=cfg.range_iters, min_ratio=cfg.min_range_ratio,
-                    scale_bits=cfg.scale_bits,
-                )
-            else:
-                g = minmax_grids(mu, b, cfg.scale_bits)
-                cost = grid_cost_chunked(mu, sigma, g.lo, g.scale, g.levels, mask)
-            return g, 0.5 * cost
-
-        tables.append(_layer_table(lb, cfg, fit))
+        omega = metric_weights(posterior, lb.name, Whitening(cfg.whitening), input_diag)
+        tables.append(layer_table(lb, posterior.mean[lb.name], posterior.std(lb.name), cfg, omega))
     return LossTable(tuple(tables))
 
 
@@ -123,11 +261,91 @@ def rtn_table(weights: dict[str, torch.Tensor], blocks: list[LayerBlocks], cfg: 
     tables = []
     for lb in blocks:
         w, mask = lb.to_groups(weights[lb.name].detach().double().reshape(-1))
-
-        def fit(b: int) -> tuple[UniformGrids, torch.Tensor]:
+        books, losses = [], []
+        for b in cfg.bits:
             g = minmax_grids(w, b, cfg.scale_bits)
-            err = (dequantize(quantize(w, g), g) - w).pow(2) * mask
-            return g, err.sum(1)
-
-        tables.append(_layer_table(lb, cfg, fit))
+            err = (g.dequantize(g.quantize(w)) - w).pow(2) * mask
+            books.append(g)
+            losses.append(_unit_sum(lb, err.sum(1)))
+        loss = torch.stack(losses, 1)
+        tables.append(LayerTable(lb, cfg.bits, loss, _costs(lb, cfg, ["grid"] * len(cfg.bits)),
+                                 tuple(books), torch.zeros_like(loss)))
     return LossTable(tuple(tables))
+
+
+# ---- Monte Carlo proxies on the most sensitive layers ------------------------------------------
+
+def layer_quantizer(t: LayerTable, j: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``w -> Q(w)``: every unit of layer ``t`` at candidate ``j`` (nearest rounding), weight-shaped."""
+    book, lb = t.books[j], t.blocks
+
+    def q(w: torch.Tensor) -> torch.Tensor:
+        groups, _ = lb.to_groups(w.detach().double().reshape(-1))
+        return lb.from_groups(book.dequantize(book.quantize(groups))).to(w.dtype)
+
+    return q
+
+
+def top_layers(table: LossTable, fraction: float) -> list[int]:
+    """Indices of the ``ceil(fraction * n_layers)`` layers with the largest loss at the lowest bits."""
+    score = torch.tensor([float(t.unit_loss[:, 0].sum()) for t in table.layers])
+    k = max(1, math.ceil(fraction * len(table.layers)))
+    return sorted(torch.argsort(score, descending=True)[:k].tolist())
+
+
+def rescale_layer(t: LayerTable, mean: torch.Tensor, se: torch.Tensor) -> LayerTable:
+    """Replace a layer's entries by a layer-level estimate, shared out as the closed form shares it.
+
+    ``L_u(b) <- L_u(b) * mean_b / sum_u L_u(b)`` and ``se_u(b) = L_u(b) * se_b / sum_u L_u(b)``;
+    candidates whose closed-form total is 0 are spread evenly over the units.
+    """
+    total = t.unit_loss.sum(0)  # (nb,)
+    share = torch.where(total > 0, t.unit_loss / total.clamp_min(1e-300), torch.full_like(t.unit_loss, 1 / t.unit_loss.shape[0]))
+    return replace(t, unit_loss=share * mean.clamp_min(0), unit_se=share * se)
+
+
+def apply_mc_proxy(
+    table: LossTable, posterior: Posterior, cfg: QuantConfig, *, kind: str,
+    model: nn.Module | None = None, batches: Sequence | None = None, n_kl: int = 0, seed: int = 0,
+    progress: bool = True,
+) -> LossTable:
+    """Monte Carlo entries, with standard errors, for the top ``cfg.mc_top_fraction`` layers.
+
+    ``kind="kl"``: ``n_scale * E_w sum_x KL(p(x; w) || p(x; Q(w)))`` over ``batches`` (``n_kl``
+    inputs) with only the layer's weight drawn, ``n_scale = N / n_kl`` and ``N`` the data size
+    the posterior conditions on (``monte_carlo.mc_logit_kl``; on the closed form's scale, see
+    ``rescale_to_closed_form``). ``kind="output"``: ``0.5 E_w tr(G' D A' D^T)`` with the
+    posterior's damped K-FAC factors (``monte_carlo.mc_layer_output_loss``). Draws are shared by
+    every candidate of a layer (common random numbers) and come in antithetic pairs.
+    """
+    from bayesq.monte_carlo import mc_layer_output_loss, mc_logit_kl
+
+    layers = list(table.layers)
+    for i in tqdm(top_layers(table, cfg.mc_top_fraction), desc=f"mc-{kind}", disable=not progress, leave=False):
+        t = layers[i]
+        name = t.blocks.name
+        mu, sd = posterior.mean[name], posterior.std(name)
+        qs = [layer_quantizer(t, j) for j in range(len(t.bits))]
+        if kind == "output":
+            f = (posterior.kfac or {}).get(name)
+            if f is None:
+                raise ValueError(f"layer '{name}' has no K-FAC factors: the output proxy needs posterior.curvature kfac or lowrank")
+            mat = lambda x: x.reshape(x.shape[0], -1)  # noqa: E731  (out, d_in)
+            est = mc_layer_output_loss(mat(mu), mat(sd), f.A, f.G, [lambda w, q=q: mat(q(w.reshape(mu.shape))) for q in qs],
+                                       samples=cfg.mc_samples, seed=seed + i)
+        elif kind == "kl":
+            if model is None or not batches or n_kl < 1:
+                raise ValueError("the logit-KL proxy needs the model and calibration batches")
+            est = mc_logit_kl(model, batches, name, mu.to(model.get_submodule(name).weight.dtype),
+                              sd.to(model.get_submodule(name).weight.dtype), qs, samples=cfg.mc_samples,
+                              seed=seed + i)
+            est = est.scaled(_data_scale(posterior, cfg) / n_kl)
+        else:
+            raise ValueError(f"unknown Monte Carlo proxy {kind!r}: use 'kl' or 'output'")
+        layers[i] = rescale_layer(t, est.mean.double(), est.se.double())
+    return LossTable(tuple(layers))
+
+
+def _data_scale(posterior: Posterior, cfg: QuantConfig) -> float:
+    """N: the data size the posterior's precision is scaled to (n_data, else the calibration set)."""
+    return float(posterior.n_data or posterior.n_examples)

@@ -1,29 +1,73 @@
-"""Diagonal Laplace posterior N(mu, diag(sigma^2)) over the quantised weights.
+"""Laplace posterior N(mu, Sigma) over the quantised weights: diagonal, K-FAC or low-rank K-FAC.
 
-    precision_i = scale * F_sum_i + damping,   scale = n_data / n_cal  (1 when n_data = 0)
+Diagonal curvature (Fisher, empirical Fisher, Hutchinson Hessian / GGN), summed over n inputs:
+
+    precision_i = s * C_sum_i + lambda,   s = n_data / n  (1 when n_data = 0)
     sigma_i^2   = clip(1 / precision_i, var_min, var_max),   mu = trained weights.
 
-The cost of a weight error d is the expected increase of the task loss,
-``0.5 * sum_i d_i^2 / sigma_i^2`` (DESIGN.md section 2): whitened coordinates are
-``z_i = (w_i - mu_i) / sigma_i``.
+K-FAC (``curvature/kfac.py``): per-example mean factors A (d_in, d_in), G (d_out, d_out) give the
+precision of the row-major flattened weight ``N * (G (x) A) + lambda I`` with ``N = n_data`` (or
+n); it is kept in factored form with factored Tikhonov damping (``kfac.damped``)
+
+    precision ~= (N G + sqrt(lambda)/pi I) (x) (A + pi sqrt(lambda) I),
+
+and its diagonal ``N diag(G) diag(A)^T + lambda`` gives the per-weight variances that the
+closed-form tables use. Low-rank: each factor is first eigen-truncated to ``rank`` pairs (or
+fewer, to ``explained`` of its trace) plus an isotropic rest (``curvature/lowrank.py``).
+
+Damping rules (paper, appendix "Damping schedules" and "Small calib stability"):
+* ``auto_damping``: per layer ``lambda_b = max(damping, 0.01 * median(s * C_sum_b))``;
+* fewer than ``small_calibration`` inputs: ``lambda x 5`` and the layer's variance spectrum
+  clipped to its [1%, 99%] quantiles (a noisy curvature estimate cannot produce extremes);
+* an indefinite curvature (Hutchinson Hessian) is clamped at 0 before damping, so a weight
+  with negative curvature gets the prior variance ``1 / lambda``;
+* back-off: a damped K-FAC factor that is not positive definite to working precision (Cholesky
+  fails) gets its damping multiplied by 3 until it is (:func:`spd_backoff`).
+
+The cost of a weight error d is the expected increase of the task loss, ``0.5 d^T Sigma^-1 d``
+(DESIGN.md section 2); with the diagonal that is ``0.5 sum_i d_i^2 / sigma_i^2``, with K-FAC
+``0.5 tr(G' D A' D^T)`` for the damped factors A', G'.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
+from torch import nn
 
-from bayesq.config import PosteriorConfig
+from bayesq.config import Curvature, PosteriorConfig
+from bayesq.curvature.kfac import KFACFactors, damped, kfac_diagonal, kfac_factors
+from bayesq.curvature.lowrank import truncate
+from bayesq.forward import Batch
+
+BACKOFF = 3.0
+MAX_BACKOFFS = 8
 
 
 @dataclass(frozen=True)
-class DiagonalPosterior:
-    """Per-layer posterior means and variances (float64, shaped like each weight)."""
+class Posterior:
+    """Per-layer Gaussian posterior (float64, shaped like each weight).
+
+    Attributes:
+        mean: name -> trained weights ``mu``.
+        variance: name -> ``sigma^2``, the inverse of the precision's diagonal (what the
+            closed-form tables use).
+        n_examples: calibration inputs the curvature was estimated on.
+        kfac: for K-FAC / low-rank posteriors, name -> damped factors with
+            ``precision ~= G (x) A`` on the row-major flattened weight (all scaling folded in);
+            None for diagonal posteriors.
+        n_data: data size the precision is scaled to (``posterior.n_data``; 0 = the
+            calibration set itself).
+    """
 
     mean: dict[str, torch.Tensor]
     variance: dict[str, torch.Tensor]
     n_examples: int
+    kfac: dict[str, KFACFactors] | None = None
+    n_data: int = 0
 
     def std(self, name: str) -> torch.Tensor:
         return self.variance[name].sqrt()
@@ -32,11 +76,38 @@ class DiagonalPosterior:
         return 1.0 / self.variance[name]
 
     def sample(self, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        """One draw ``mu + sigma * eps`` per layer."""
+        """One draw ``mu + sigma * eps`` per layer (diagonal part)."""
         return {
             n: m + self.variance[n].sqrt() * torch.randn(m.shape, generator=generator, dtype=m.dtype)
             for n, m in self.mean.items()
         }
+
+
+def layer_damping(curvature: torch.Tensor, cfg: PosteriorConfig, n_examples: int) -> float:
+    """Damping of one layer: ``cfg.damping``, raised by the auto and small-calibration rules."""
+    lam = cfg.damping
+    if cfg.auto_damping:
+        lam = max(lam, 0.01 * float(curvature.double().median()))
+    if n_examples < cfg.small_calibration:
+        lam *= 5.0
+    return lam
+
+
+def _check_curvature(name: str, f: torch.Tensor, indefinite: bool) -> None:
+    if not torch.isfinite(f).all() or (not indefinite and (f < 0).any()):
+        raise ValueError(
+            f"curvature diagonal of layer '{name}' has negative or non-finite entries; "
+            "check the model's logits on the calibration data for NaN/Inf"
+        )
+
+
+def _variance(h: torch.Tensor, lam: float, cfg: PosteriorConfig, n_examples: int) -> torch.Tensor:
+    """``clip(1 / (h + lam))``, plus the small-calibration spectrum clip."""
+    v = (1.0 / (h + lam)).clamp(cfg.var_min, cfg.var_max)
+    if n_examples < cfg.small_calibration and v.numel() > 1:
+        lo, hi = torch.quantile(v.reshape(-1)[: 1 << 24], torch.tensor([0.01, 0.99], dtype=v.dtype))
+        v = v.clamp(float(lo), float(hi))
+    return v
 
 
 def fit_diagonal_posterior(
@@ -44,23 +115,154 @@ def fit_diagonal_posterior(
     n_examples: int,
     weights: dict[str, torch.Tensor],
     cfg: PosteriorConfig,
-) -> DiagonalPosterior:
-    """Damped, clipped diagonal Laplace posterior from a summed Fisher diagonal.
+    *,
+    indefinite: bool = False,
+) -> Posterior:
+    """Damped, clipped diagonal Laplace posterior from a summed curvature diagonal.
+
+    Args:
+        fisher_sum: name -> curvature diagonal summed over the ``n_examples`` inputs.
+        indefinite: the curvature may be negative (a Hessian); it is clamped at 0.
 
     Raises:
-        ValueError: no calibration examples, or a Fisher entry that is negative or not finite.
+        ValueError: no calibration examples, or a curvature entry that is not finite (or
+            negative when ``indefinite`` is False).
     """
     if n_examples < 1:
         raise ValueError("empty calibration set: fit the posterior on at least one input")
     scale = cfg.n_data / n_examples if cfg.n_data else 1.0
     var: dict[str, torch.Tensor] = {}
     for name, f in fisher_sum.items():
-        if not torch.isfinite(f).all() or (f < 0).any():
-            raise ValueError(
-                f"Fisher diagonal of layer '{name}' has negative or non-finite entries; "
-                "check the model's logits on the calibration data for NaN/Inf"
-            )
-        precision = scale * f.double() + cfg.damping
-        var[name] = (1.0 / precision).clamp(cfg.var_min, cfg.var_max)
+        _check_curvature(name, f, indefinite)
+        h = scale * f.double().clamp(min=0)
+        var[name] = _variance(h, layer_damping(h, cfg, n_examples), cfg, n_examples)
     mean = {n: weights[n].detach().double().clone() for n in fisher_sum}
-    return DiagonalPosterior(mean=mean, variance=var, n_examples=n_examples)
+    return Posterior(mean=mean, variance=var, n_examples=n_examples, n_data=cfg.n_data)
+
+
+def spd_backoff(f: KFACFactors, damping: float) -> tuple[KFACFactors, float]:
+    """Factored damping of ``f`` raised by x3 until both factors are positive definite.
+
+    Returns (damped factors, damping used). Raises ``ValueError`` after 8 back-offs.
+    """
+    lam = damping
+    for _ in range(MAX_BACKOFFS + 1):
+        d = damped(f, lam)
+        ok = all(int(torch.linalg.cholesky_ex(m)[1]) == 0 for m in (d.A, d.G))
+        if ok:
+            return d, lam
+        lam *= BACKOFF
+    raise ValueError(
+        f"K-FAC factors stay singular after damping {damping:g} x {BACKOFF:g}^{MAX_BACKOFFS}: "
+        "raise posterior.damping or check the layer's inputs for NaN/Inf"
+    )
+
+
+def _truncated(m: torch.Tensor, cfg: PosteriorConfig) -> torch.Tensor:
+    """Dense form of the low-rank + isotropic truncation of a PSD factor (d, d)."""
+    return truncate(0.5 * (m + m.T), rank=cfg.rank, explained=cfg.explained, max_rank=cfg.rank).dense()
+
+
+def fit_kfac_posterior(
+    factors: dict[str, KFACFactors],
+    weights: dict[str, torch.Tensor],
+    cfg: PosteriorConfig,
+    *,
+    lowrank: bool = False,
+) -> Posterior:
+    """K-FAC (or low-rank K-FAC) Laplace posterior from per-example mean factors.
+
+    Precision ``N G (x) A + lambda I`` with ``N = n_data`` (``n_examples`` when 0), damped in
+    factored form (``kfac.damped``, back-off :func:`spd_backoff`); variances are the inverse of
+    its diagonal ``N diag(G) diag(A)^T + lambda`` (undamped-product diagonal plus the layer
+    damping, as in the diagonal posterior), clipped like :func:`fit_diagonal_posterior`.
+    """
+    n = next(iter(factors.values())).n_examples if factors else 0
+    if n < 1:
+        raise ValueError("empty calibration set: fit the posterior on at least one input")
+    big_n = cfg.n_data or n
+    var, kfac = {}, {}
+    for name, f in factors.items():
+        A, G = (_truncated(f.A, cfg), _truncated(f.G, cfg)) if lowrank else (f.A, f.G)
+        shape = weights[name].shape
+        h = big_n * kfac_diagonal(KFACFactors(A, G, n)).reshape(shape)  # (out, ...) like the weight
+        _check_curvature(name, h, indefinite=False)
+        lam = layer_damping(h, cfg, n)
+        var[name] = _variance(h.clamp(min=0), lam, cfg, n)
+        kfac[name], _ = spd_backoff(KFACFactors(A, big_n * G, n), lam)
+    mean = {k: weights[k].detach().double().clone() for k in factors}
+    return Posterior(mean=mean, variance=var, n_examples=n, kfac=kfac, n_data=cfg.n_data)
+
+
+def fit_posterior(
+    model: nn.Module,
+    calibration: Iterable[Batch],
+    layers: dict[str, nn.Module],
+    cfg: PosteriorConfig,
+    *,
+    seed: int = 0,
+    progress: bool = True,
+) -> Posterior:
+    """Label-free posterior of ``layers``' weights with the curvature ``cfg.curvature``.
+
+    fisher: sampled-label Fisher diagonal; empirical-fisher: squared gradients at the model's
+    argmax labels; hutchinson-hessian / -ggn: Rademacher probes (``cfg.probes`` per batch);
+    kfac / lowrank: Kronecker factors with EMA ``cfg.kfac_decay``. No dataset labels are read.
+    """
+    from bayesq.curvature.fisher import empirical_fisher_diagonal, fisher_diagonal
+    from bayesq.curvature.hutchinson import hutchinson_diagonal
+
+    weights = {name: m.weight for name, m in layers.items()}
+    curv = Curvature(cfg.curvature)
+    if curv in (Curvature.KFAC, Curvature.LOWRANK):
+        decay = cfg.kfac_decay if cfg.kfac_decay < 1 else None
+        factors = kfac_factors(model, calibration, layers, decay=decay, label_samples=cfg.label_samples,
+                               seed=seed, progress=progress)
+        return fit_kfac_posterior(factors, weights, cfg, lowrank=curv == Curvature.LOWRANK)
+    if curv == Curvature.FISHER:
+        fisher, n = fisher_diagonal(model, calibration, layers, label_samples=cfg.label_samples,
+                                    seed=seed, progress=progress)
+    elif curv == Curvature.EMPIRICAL_FISHER:
+        fisher, n = empirical_fisher_diagonal(model, calibration, layers, progress=progress)
+    else:
+        kind = "hessian" if curv == Curvature.HUTCHINSON_HESSIAN else "ggn"
+        fisher, n = hutchinson_diagonal(model, calibration, layers, probes=cfg.probes, curvature=kind,
+                                        seed=seed, progress=progress)
+    return fit_diagonal_posterior(fisher, n, weights, cfg, indefinite=curv.value.startswith("hutchinson"))
+
+
+def input_moments(
+    model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module]
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Diagonal of each layer's input second moment ``A = mean_n sum_t a a^T`` (forward only).
+
+    The data-only ("PCA") metric: ``sum_oi A_ii D_oi^2`` is the diagonal part of the layer-output
+    error ``tr(D A D^T)``. Returns (name -> (d_in,) float64, inputs seen); Conv2d inputs are
+    unfolded patches (d_in = in/groups*kh*kw), as in K-FAC.
+    """
+    from bayesq.curvature.kfac import _input_rows
+    from bayesq.forward import batch_size, logits
+
+    sums = {name: torch.zeros(math.prod(m.weight.shape[1:]), dtype=torch.float64) for name, m in layers.items()}
+
+    def hook(name: str):
+        def fn(mod, inputs, output):
+            rows = _input_rows(mod, inputs[0].detach(), output.shape)  # (N, groups, T, d_in)
+            sums[name] += rows.pow(2).sum((0, 2)).mean(0).cpu()  # (d_in,), groups averaged
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
+    was_training, n = model.training, 0
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in calibration:
+                logits(model, batch)
+                n += batch_size(batch)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    if n == 0:
+        raise ValueError("empty calibration set: the PCA metric needs at least one input batch")
+    return {k: v / n for k, v in sums.items()}, n

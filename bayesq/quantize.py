@@ -1,26 +1,30 @@
-"""Applying an allocation: integer codes, per-group scales/zero-points and the quantised model.
+"""BayesQ end to end: posterior -> loss table -> allocation -> integer codes -> quantised model.
 
-The quantised model is rebuilt from codes, scales and zero-points alone
-(``w_hat = scale * (code - zero)``), never from the float weights.
+The quantised model is rebuilt from the stored encoding alone (codes plus per-group scales /
+zero-points, or look-up tables), never from the float weights.
 """
 
 from __future__ import annotations
 
 import copy
+import fnmatch
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
-from bayesq.allocation import greedy_allocate, total
+from bayesq.allocation import (
+    dp_allocate, greedy_allocate, hw_greedy_allocate, lagrangian_allocate, random_allocate,
+)
 from bayesq.blocks import LayerBlocks, check_finite, layer_blocks, quantizable_layers
-from bayesq.codebook import UniformGrids, dequantize, quantize
-from bayesq.config import BayesQConfig
-from bayesq.curvature.fisher import fisher_diagonal
-from bayesq.expected_loss import LossTable, posterior_table
-from bayesq.forward import Batch
-from bayesq.posterior import DiagonalPosterior, fit_diagonal_posterior
+from bayesq.codebook import UniformGrids
+from bayesq.config import AllocationConfig, Allocator, BayesQConfig, Proxy, QuantConfig, Rounding, Whitening
+from bayesq.error_feedback import error_feedback_round
+from bayesq.expected_loss import Book, LossTable, apply_mc_proxy, posterior_table
+from bayesq.forward import Batch, batch_size
+from bayesq.posterior import Posterior, fit_posterior as _fit_posterior, input_moments
 from bayesq.storage import average_bits, budget_bits
 
 
@@ -30,15 +34,17 @@ class Allocation:
 
     Attributes:
         unit_bits: layer name -> (U,) bit-width per unit.
-        total_bits: exact bits of payload, scales, zero-points and headers.
+        total_bits: exact bits of payload, scales, zero-points, LUTs and headers.
         n_weights: number of quantised weights.
         budget_bits: the budget the allocator was given.
+        expected_loss: the table's total expected loss of this allocation.
     """
 
     unit_bits: dict[str, tuple[int, ...]]
     total_bits: int
     n_weights: int
     budget_bits: int
+    expected_loss: float = float("nan")
 
     @property
     def average_bits(self) -> float:
@@ -47,17 +53,27 @@ class Allocation:
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """Deployable encoding of one weight: codes (G, group) int64, scale/zero (G,), bits (G,)."""
+    """Deployable encoding of one weight.
+
+    Attributes:
+        blocks: group / unit layout.
+        group_bits: (G,) int64 bit-width of each group.
+        codes: (G, group_size) int64 codes (padding of the last group included).
+        books: bit-width -> codebook of the groups at that width, rows in group order
+            (``UniformGrids``: ``scale * (code - zero)``; ``LevelTables``: ``levels[row, code]``).
+    """
 
     blocks: LayerBlocks
     group_bits: torch.Tensor
     codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
+    books: Mapping[int, Book]
 
     def dequantize(self) -> torch.Tensor:
-        """Weight of ``blocks.shape`` (float64) from codes, scales and zero-points only."""
-        w = self.scale[:, None] * (self.codes.double() - self.zero[:, None])
+        """Weight of ``blocks.shape`` (float64) from the codes and codebooks only."""
+        w = torch.zeros(self.codes.shape, dtype=torch.float64)
+        for b, book in self.books.items():
+            sel = self.group_bits == b
+            w[sel] = book.dequantize(self.codes[sel])
         return self.blocks.from_groups(w)
 
 
@@ -69,52 +85,168 @@ class QuantizationResult:
     weights: dict[str, QuantizedWeight]
     allocation: Allocation
     table: LossTable
-    posterior: DiagonalPosterior | None = None
+    posterior: Posterior | None = None
 
     @property
     def average_bits(self) -> float:
         return self.allocation.average_bits
 
 
-def allocate(table: LossTable, avg_bits: float) -> Allocation:
-    """Greedy allocation of ``table`` under ``avg_bits`` bits per quantised weight."""
-    losses, costs = table.flat()
+# ---- allocation ---------------------------------------------------------------------------------
+
+def _floor_bits(name: str, floors: Mapping[str, int]) -> int:
+    """Largest floor among the glob patterns ``name`` matches (0 if none)."""
+    return max((b for pat, b in floors.items() if fnmatch.fnmatchcase(name, pat)), default=0)
+
+
+def _candidates(table: LossTable, cfg: AllocationConfig):
+    """Per-unit candidate arrays (n, nb): bits, loss, cost, validity (floors) and layer ids."""
+    loss, cost = (x.numpy().astype(np.float64) for x in table.arrays())
+    bits = np.concatenate([np.tile(np.array(t.bits), (t.blocks.n_units, 1)) for t in table.layers])
+    layer = np.concatenate([np.full(t.blocks.n_units, i) for i, t in enumerate(table.layers)])
+    floor = np.concatenate([np.full(t.blocks.n_units, _floor_bits(t.blocks.name, cfg.floors)) for t in table.layers])
+    valid = bits >= floor[:, None]
+    empty = np.flatnonzero(~valid.any(1))
+    if empty.size:
+        t = table.layers[layer[empty[0]]]
+        raise ValueError(f"allocation.floors asks layer '{t.blocks.name}' for at least {floor[empty[0]]} bits "
+                         f"but the candidates are {list(t.bits)}; lower the floor or add a wider bit-width")
+    return bits, loss, cost, valid, layer
+
+
+def _latency_costs(cost: np.ndarray, bits: np.ndarray, n_weights: np.ndarray, penalty: float) -> np.ndarray:
+    """Kernel-time model: storage bits plus ``penalty * n * b`` for bit-widths that do not divide 32."""
+    return cost + penalty * n_weights[:, None] * bits * (32 % bits != 0)
+
+
+def _ragged(order: np.ndarray, *tables: np.ndarray) -> list[list[list[float]]]:
+    """Rows of each table restricted to ``order[b]`` (a list of column indices per row)."""
+    return [[row[o].tolist() for row, o in zip(t, order)] for t in tables]
+
+
+def _usable(cost: np.ndarray, valid: np.ndarray) -> list[np.ndarray]:
+    """Per row: valid candidates sorted by cost, keeping the first of any equal-cost run."""
+    out = []
+    for c, v in zip(cost, valid):
+        idx = np.flatnonzero(v)
+        idx = idx[np.argsort(c[idx], kind="stable")]
+        keep = np.concatenate([[True], np.diff(c[idx]) > 0])
+        out.append(idx[keep])
+    return out
+
+
+def allocate(table: LossTable, avg_bits: float, cfg: AllocationConfig = AllocationConfig(), seed: int = 0) -> Allocation:
+    """Bit-width of every unit under ``avg_bits`` bits per quantised weight (all metadata counted).
+
+    Candidates below a unit's floor (``cfg.floors``) are dropped; a unit whose candidate costs
+    are not strictly ascending (a tiny unit where a LUT costs more than an 8-bit grid) keeps
+    its candidates sorted by cost. ``cfg.penalty`` lambda is applied as ``lambda * L_floor / N``
+    loss per bit (``L_floor`` the loss with every unit at its cheapest candidate, N the number of
+    weights).
+
+    Raises:
+        ValueError: an infeasible budget (naming the minimum feasible one in bits per weight),
+            or floors no candidate satisfies.
+    """
+    bits, loss, cost, valid, layer = _candidates(table, cfg)
     budget = budget_bits(avg_bits, table.n_weights)
-    try:
-        choice = greedy_allocate(losses, costs, budget)
-    except ValueError:
-        need = sum(c[0] for c in costs) / table.n_weights
+    regular = bool(valid.all()) and bool((np.diff(cost, axis=1) > 0).all())
+    order = None if regular else _usable(cost, valid)
+    need = float(cost[:, 0].sum()) if regular else float(sum(c[o[0]] for c, o in zip(cost, order)))
+    if need > budget:
         raise ValueError(
-            f"budget of {avg_bits} bits/weight is infeasible: the cheapest encoding of these "
-            f"layers needs {need:.4f} bits/weight (lowest bit-width plus scales, zero-points and "
-            "headers); raise the budget or use a larger group size"
-        ) from None
+            f"budget of {avg_bits} bits/weight is infeasible: the cheapest encoding of these layers "
+            f"needs {need / table.n_weights:.4f} bits/weight (lowest bit-width plus scales, zero-points, "
+            "tables and headers, at the floors); raise the budget, lower the floors or use a larger group size"
+        )
+    l_floor = float(loss[:, 0].sum()) if regular else float(sum(r[o[0]] for r, o in zip(loss, order)))
+    penalty = cfg.penalty * l_floor / table.n_weights
+    n_unit = np.concatenate([[n for n, _ in t.blocks.unit_sizes()] for t in table.layers]).astype(np.float64)
+    tables = (loss, cost, bits, _latency_costs(cost, bits, n_unit, cfg.unaligned_penalty))
+    L, C, B, T = tables if regular else _ragged(order, *tables)
+    alg = Allocator(cfg.allocator)
+    if alg == Allocator.GREEDY:
+        dens = T if cfg.latency else None
+        try:
+            pick = greedy_allocate(L, C, budget, density_costs=dens, penalty=penalty)
+        except ValueError as err:
+            if cfg.latency and "density_costs" in str(err):
+                raise ValueError(f"allocation.unaligned_penalty = {cfg.unaligned_penalty}: the predicted kernel "
+                                 "time must grow with the bit-width; lower it (below 1/3 for bits 3 and 4)") from None
+            raise
+    elif alg == Allocator.GREEDY_HW:
+        pick = hw_greedy_allocate(L, C, budget, layer=layer.tolist(), bits=B if not regular else B.tolist(),
+                                  eta=cfg.hw_tolerance, penalty=penalty)
+    elif alg == Allocator.DP:
+        pick = dp_allocate(L, C, budget, penalty=penalty)
+    elif alg == Allocator.LAGRANGIAN:
+        pick = lagrangian_allocate(L, C, budget, penalty=penalty)
+    else:
+        pick = random_allocate(C, budget, seed=seed)
+    col = np.asarray(pick) if regular else np.array([o[j] for o, j in zip(order, pick)])
+    rows = np.arange(col.size)
+    chosen = bits[rows, col]
     unit_bits, k = {}, 0
     for t in table.layers:
         n = t.blocks.n_units
-        unit_bits[t.blocks.name] = tuple(t.bits[j] for j in choice[k:k + n])
+        unit_bits[t.blocks.name] = tuple(int(b) for b in chosen[k:k + n])
         k += n
-    return Allocation(unit_bits, int(total(costs, choice)), table.n_weights, budget)
+    total = int(sum(cost[rows, col].tolist()))
+    return Allocation(unit_bits, total, table.n_weights, budget, float(loss[rows, col].sum()))
 
 
-def encode(table: LossTable, allocation: Allocation, weights: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
-    """Quantise each layer's weights with the grids of its units' chosen bit-widths."""
+# ---- encoding -----------------------------------------------------------------------------------
+
+def _element_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, Book], out: int):
+    """Per-element (out, d_in) scale, zero and maxq of the groups' uniform grids."""
+    g = lb.group_size
+    scale = torch.zeros(lb.n_groups, dtype=torch.float64)
+    zero = torch.zeros(lb.n_groups, dtype=torch.float64)
+    for b, book in books.items():
+        if not isinstance(book, UniformGrids):
+            raise ValueError("error-feedback rounding needs uniform grids for every candidate")
+        sel = group_bits == b
+        scale[sel], zero[sel] = book.scale, book.zero
+    maxq = (2**group_bits - 1).to(torch.int64)
+    # stored scale 0 (an all-zero group): any code dequantises to 0; a tiny positive scale keeps
+    # the solver's grid valid and rounds to the end level
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, 1e-30))
+    per = [lb.from_groups(x[:, None].expand(-1, g)).reshape(out, -1) for x in (scale, zero, maxq)]
+    return per[0], per[1], per[2].to(torch.int64)
+
+
+def encode(
+    table: LossTable, allocation: Allocation, weights: dict[str, torch.Tensor], *,
+    posterior: Posterior | None = None, rounding: Rounding = Rounding.NEAREST,
+) -> dict[str, QuantizedWeight]:
+    """Quantise each layer with the codebooks of its units' chosen bit-widths.
+
+    ``rounding = error-feedback``: codes from :func:`error_feedback.error_feedback_round` with
+    the damped K-FAC input factor A of ``posterior`` as the column metric (DESIGN.md section 2:
+    the sequential minimiser of ``tr(G D A D^T)`` for a fixed grid); otherwise nearest level.
+    """
     out = {}
     for t in table.layers:
         lb = t.blocks
-        w, _ = lb.to_groups(weights[lb.name].detach().double().reshape(-1))
+        w = weights[lb.name].detach().double()
+        groups, _ = lb.to_groups(w.reshape(-1))
         unit_bits = torch.tensor(allocation.unit_bits[lb.name], dtype=torch.int64)
         group_bits = unit_bits[lb.group_unit()]  # (G,)
-        codes = torch.zeros_like(w, dtype=torch.int64)
-        scale = torch.zeros(lb.n_groups, dtype=torch.float64)
-        zero = torch.zeros(lb.n_groups, dtype=torch.float64)
-        for b, g in zip(t.bits, t.grids):
-            sel = group_bits == b
-            if sel.any():
-                sub = UniformGrids(b, g.scale[sel], g.zero[sel])
-                codes[sel] = quantize(w[sel], sub)
-                scale[sel], zero[sel] = sub.scale, sub.zero
-        out[lb.name] = QuantizedWeight(lb, group_bits, codes, scale, zero)
+        books = {b: book.take(group_bits == b) for b, book in zip(t.bits, t.books) if bool((group_bits == b).any())}
+        if Rounding(rounding) == Rounding.ERROR_FEEDBACK:
+            f = (posterior.kfac or {}).get(lb.name) if posterior is not None else None
+            if f is None:
+                raise ValueError(f"error-feedback rounding of '{lb.name}' needs a K-FAC or low-rank posterior")
+            mat = w.reshape(w.shape[0], -1)  # (out, d_in)
+            scale, zero, maxq = _element_grid(lb, group_bits, books, mat.shape[0])
+            codes_w = error_feedback_round(mat, f.A, scale, zero, maxq)  # (out, d_in)
+            codes, _ = lb.to_groups(codes_w.reshape(-1))
+        else:
+            codes = torch.zeros_like(groups, dtype=torch.int64)
+            for b, book in books.items():
+                sel = group_bits == b
+                codes[sel] = book.quantize(groups[sel])
+        out[lb.name] = QuantizedWeight(lb, group_bits, codes, books)
     return out
 
 
@@ -129,44 +261,88 @@ def quantized_copy(model: nn.Module, weights: dict[str, QuantizedWeight]) -> nn.
     return qmodel.eval()
 
 
+# ---- posterior and table --------------------------------------------------------------------------
+
 def fit_posterior(
     model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig, progress: bool = True
-) -> DiagonalPosterior:
-    """Label-free diagonal Fisher Laplace posterior of the model's Linear/Conv2d weights."""
+) -> Posterior:
+    """Label-free posterior of the model's Linear/Conv2d weights (``config.posterior.curvature``)."""
     layers = quantizable_layers(model)
     check_finite(layers)
-    fisher, n = fisher_diagonal(
-        model, calibration, layers, label_samples=config.posterior.label_samples,
-        seed=config.seed, progress=progress,
-    )
-    weights = {name: m.weight for name, m in layers.items()}
-    return fit_diagonal_posterior(fisher, n, weights, config.posterior)
+    return _fit_posterior(model, calibration, layers, config.posterior, seed=config.seed, progress=progress)
+
+
+def first_inputs(batches: Iterable[Batch], n: int) -> list[Batch]:
+    """The first ``n`` inputs of ``batches``, as batches (the last one cut)."""
+    out, seen = [], 0
+    for batch in batches:
+        if seen >= n:
+            break
+        k = min(batch_size(batch), n - seen)
+        out.append({key: v[:k] for key, v in batch.items()} if isinstance(batch, Mapping) else batch[:k])
+        seen += k
+    return out
+
+
+def build_table(
+    posterior: Posterior, blocks: list[LayerBlocks], q: QuantConfig, *, seed: int = 0,
+    model: nn.Module | None = None, calibration: Iterable[Batch] | None = None, progress: bool = True,
+) -> LossTable:
+    """Loss table for ``q``: closed form, then the Monte Carlo proxy if chosen.
+
+    ``model`` and ``calibration`` are read only when ``q.needs_data`` (the PCA metric's input
+    moments, the logit-KL proxy's inputs); ``seed`` seeds the Monte Carlo draws.
+    """
+    batches = None
+    if q.needs_data:
+        if model is None or calibration is None:
+            raise ValueError(f"quant.whitening = '{q.whitening.value}' / quant.proxy = '{q.proxy.value}' "
+                             "read calibration data: pass model= and calibration=")
+        batches = list(calibration)
+    input_diag = None
+    if q.whitening == Whitening.PCA:
+        layers = {lb.name: model.get_submodule(lb.name) for lb in blocks}
+        input_diag, _ = input_moments(model, batches, layers)
+    table = posterior_table(posterior, blocks, q, progress, input_diag)
+    if q.proxy == Proxy.MC_KL:
+        few = first_inputs(batches, q.mc_examples)
+        table = apply_mc_proxy(table, posterior, q, kind="kl", model=model, batches=few,
+                               n_kl=sum(batch_size(b) for b in few), seed=seed, progress=progress)
+    elif q.proxy == Proxy.MC_OUTPUT:
+        table = apply_mc_proxy(table, posterior, q, kind="output", seed=seed, progress=progress)
+    return table
 
 
 def quantize_model(
     model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig = BayesQConfig(),
-    *, posterior: DiagonalPosterior | None = None, progress: bool = True,
+    *, posterior: Posterior | None = None, progress: bool = True,
 ) -> QuantizationResult:
-    """BayesQ: posterior -> expected-loss tables -> greedy allocation -> quantised model.
+    """BayesQ: posterior -> expected-loss tables -> allocation -> quantised model.
 
     Args:
         model: any module built of Linear/Conv2d layers (others stay in floating point);
             it must return (B, C) logits or an object with ``.logits``.
         calibration: iterable of unlabelled input batches (tensors or dicts of tensors).
-        config: budget (average bits per quantised weight, all metadata included), posterior
-            and grid settings.
-        posterior: a posterior fitted earlier (skips the Fisher pass).
+        config: budget (average bits per quantised weight, all metadata included), posterior,
+            codebook, table, allocation and rounding settings.
+        posterior: a posterior fitted earlier (skips the curvature pass).
 
     Returns:
-        :class:`QuantizationResult` with the quantised copy of the model, the codes/scales of
-        every layer, the allocation and its true average bits.
+        :class:`QuantizationResult` with the quantised copy of the model, the codes and
+        codebooks of every layer, the allocation and its true average bits.
     """
     layers = quantizable_layers(model)
     check_finite(layers)
-    blocks = layer_blocks(layers, config.quant.group_size, config.quant.unit_groups)
+    q = config.quant
+    blocks = layer_blocks(layers, q.group_size, q.unit_groups, q.unit.value)
+    if q.needs_data:
+        calibration = list(calibration)  # read twice
     if posterior is None:
-        posterior = fit_posterior(model, calibration, config, progress)
-    table = posterior_table(posterior, blocks, config.quant, progress)
-    allocation = allocate(table, config.budget)
-    weights = encode(table, allocation, {n: m.weight for n, m in layers.items()})
+        posterior = _fit_posterior(model, calibration, layers, config.posterior, seed=config.seed,
+                                   progress=progress)
+    table = build_table(posterior, blocks, q, seed=config.seed, model=model, calibration=calibration,
+                        progress=progress)
+    allocation = allocate(table, config.budget, config.allocation, config.seed)
+    weights = encode(table, allocation, {n: m.weight for n, m in layers.items()}, posterior=posterior,
+                     rounding=q.rounding)
     return QuantizationResult(quantized_copy(model, weights), weights, allocation, table, posterior)

@@ -1,12 +1,18 @@
-"""Exact bit cost of every encoding (payload + scales + zero-points + bit-width headers).
+"""Exact bit cost of every encoding (payload + scales + zero-points + LUTs + bit-width headers).
 
 Nothing the quantised model needs at inference is left out, and the float weights are never
-part of it.  Costs are integers (bits); the average is over the quantised weights:
+part of it.  Costs are integers (bits); the average is over the quantised weights.  Encodings
+of one allocation unit of n weights (``header_bits = ceil(log2 |bit set|)`` names its choice):
 
-    C_unit(b) = n * b                       # packed integer codes
-              + n_groups * (scale_bits + b) # one scale (fp16/fp32) and one b-bit zero-point per group
-              + header_bits                 # ceil(log2 |bit set|) bits naming the unit's bit-width
-    avg_bits  = sum_units C_unit(b_unit) / sum_units n
+    uniform grid  C = n * b + n_groups * (scale_bits + b) + header    # codes, fp16 scale and
+                                                                      # b-bit zero-point per group
+    LUT (Lloyd)   C = n * b + 2**b * lut_bits + header                # codes, one K-entry table
+                                                                      # per unit, no scales
+    mu-law        C = n * b + n_groups * scale_bits + header          # codes, one scale per group
+                                                                      # (fixed table, no zero-point)
+    VQ            C = n_vectors * log2(K) + K * g * lut_bits          # indices, one (K, g) codebook
+
+    avg_bits  = sum_units C_unit / sum_units n
 """
 
 from __future__ import annotations
@@ -56,3 +62,24 @@ def candidate_costs(
         [unit_cost_bits(n, g, b, len(bit_set), scale_bits) for b in bit_set]
         for n, g in unit_sizes
     ]
+
+
+def lut_unit_cost_bits(n_weights: int, bits: int, n_choices: int, lut_bits: int = 16) -> int:
+    """One allocation unit with a non-uniform LUT: codes + ``2**bits`` stored levels + header."""
+    if n_weights < 0 or bits < 1:
+        raise ValueError(f"invalid LUT encoding: n={n_weights}, bits={bits}")
+    return n_weights * bits + 2**bits * lut_bits + header_bits(n_choices)
+
+
+def mulaw_unit_cost_bits(n_weights: int, n_groups: int, bits: int, n_choices: int, scale_bits: int = 16) -> int:
+    """One allocation unit with the fixed mu-law table: codes + one scale per group + header."""
+    if n_weights < 0 or n_groups < 0 or bits < 1:
+        raise ValueError(f"invalid mu-law encoding: n={n_weights}, groups={n_groups}, bits={bits}")
+    return n_weights * bits + n_groups * scale_bits + header_bits(n_choices)
+
+
+def vq_cost_bits(n_vectors: int, g: int, k: int, lut_bits: int = 16) -> int:
+    """VQ: ``n_vectors`` indices of log2(K) bits plus a (K, g) codebook of ``lut_bits`` entries."""
+    if n_vectors < 0 or g < 1 or k < 1 or k & (k - 1):
+        raise ValueError(f"invalid VQ encoding: vectors={n_vectors}, g={g}, K={k} (K must be a power of two)")
+    return n_vectors * (k.bit_length() - 1) + k * g * lut_bits

@@ -27,85 +27,111 @@ _RTN = {Method.RTN_TENSOR: Granularity.TENSOR, Method.RTN_CHANNEL: Granularity.C
         Method.RTN_GROUP: Granularity.GROUP}
 
 
-def calibration_batches(entry, splits, params, seed: int):
+def calibration_batches(entry, splits, data, calibration, seed: int):
     """Unlabelled calibration batches drawn from the training inputs with ``seed``."""
     from bayesq.data.calibration import sample_calibration_indices
     from bayesq.models.zoo import _take
 
-    n_cal = params.calibration.images if entry.task == "image" else params.calibration.sentences
+    n_cal = calibration.images if entry.task == "image" else calibration.sentences
     idx = sample_calibration_indices(len(splits.train_labels), min(n_cal, len(splits.train_labels)), seed)
     inputs = _take(splits.train_inputs, idx)
-    return idx, entry.batches(inputs, params.calibration.batch_size, params.data)
+    return idx, entry.batches(inputs, calibration.batch_size, data)
 
 
 @task(cache_policy=CACHE, persist_result=True)
 def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
-                   params, seed: int, out: str, code: str) -> dict:
-    """Fit the diagonal Fisher posterior on the seed's calibration set; save it as safetensors."""
+                   data, calibration, posterior, seed: int, out: str, code: str, tag: str = "") -> dict:
+    """Fit the posterior on the seed's calibration set; save it as safetensors.
+
+    The file holds the variances, the error-feedback metrics of structured posteriors and the
+    calibration indices (which inputs were used).
+    """
     import torch
     from safetensors.torch import save_file
 
+    from bayesq.config import BayesQConfig
     from bayesq.models.zoo import get_entry
     from bayesq.quantize import fit_posterior
 
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))
-    splits = entry.load_splits(params.data, Path(raw))
-    idx, batches = calibration_batches(entry, splits, params, seed)
-    config = params.bayesq(params.budgets[0], seed)
-    if params.calibration.fisher_scale == FisherScale.TRAIN:
-        config = replace(config, posterior=replace(config.posterior, n_data=len(splits.train_labels)))
+    splits = entry.load_splits(data, Path(raw))
+    idx, batches = calibration_batches(entry, splits, data, calibration, seed)
+    if calibration.fisher_scale == FisherScale.TRAIN:
+        posterior = replace(posterior, n_data=len(splits.train_labels))
     start = time.perf_counter()
-    post = fit_posterior(model, batches, config)
+    post = fit_posterior(model, batches, BayesQConfig(posterior=posterior, seed=seed))
     seconds = time.perf_counter() - start
-    path = Path(out) / f"{name}_s{seed}.safetensors"
+    path = Path(out) / f"{name}_s{seed}{'_' + tag if tag else ''}.safetensors"
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {f"variance/{k}": v.float().contiguous() for k, v in post.variance.items()}
+    for k, f in (post.kfac or {}).items():  # damped K-FAC factors (float64: they get inverted)
+        tensors[f"kfac_A/{k}"], tensors[f"kfac_G/{k}"] = f.A.contiguous(), f.G.contiguous()
     tensors["calibration_indices"] = idx.to(torch.int64)
-    save_file(tensors, str(path), metadata={"n_examples": str(post.n_examples), "seed": str(seed)})
+    save_file(tensors, str(path), metadata={"n_examples": str(post.n_examples), "seed": str(seed),
+                                            "n_data": str(post.n_data), "curvature": posterior.curvature.value})
     return {"path": str(path), "seconds": seconds, "n_examples": post.n_examples}
 
 
 def load_posterior(model, path: Path):
+    """The :class:`bayesq.posterior.Posterior` saved by ``posterior_task`` (means from ``model``)."""
     from safetensors import safe_open
 
     from bayesq.blocks import quantizable_layers
-    from bayesq.posterior import DiagonalPosterior
+    from bayesq.curvature.kfac import KFACFactors
+    from bayesq.posterior import Posterior
 
     layers = quantizable_layers(model)
     with safe_open(str(path), "pt") as f:
         var = {n: f.get_tensor(f"variance/{n}").double() for n in layers}
-        n = int(f.metadata()["n_examples"])
+        keys = set(f.keys())
+        meta = f.metadata()
+        n = int(meta["n_examples"])
+        kfac = {k: KFACFactors(f.get_tensor(f"kfac_A/{k}"), f.get_tensor(f"kfac_G/{k}"), n)
+                for k in layers if f"kfac_A/{k}" in keys}
     mean = {k: m.weight.detach().double() for k, m in layers.items()}
-    return DiagonalPosterior(mean, var, n)
+    return Posterior(mean, var, n, kfac or None, int(meta.get("n_data", 0)))
 
 
 @task(cache_policy=CACHE, persist_result=True)
 def table_task(name: str, model_file: str, model_digest: str, posterior_file: str,
-               posterior_digest: str, quant, out: str, code: str):
-    """BayesQ expected-loss table (LossTable, persisted by Prefect) plus its Parquet copy."""
+               posterior_digest: str, raw: str, raw_digest: str, data, calibration, quant,
+               seed: int, out: str, code: str, tag: str = ""):
+    """BayesQ expected-loss table (LossTable, persisted by Prefect) plus its Parquet copy
+    ``<out>/<posterior file stem>[_<tag>].parquet`` (with every entry's standard error)."""
     import pandas as pd
 
     from bayesq.blocks import layer_blocks, quantizable_layers
-    from bayesq.expected_loss import posterior_table
     from bayesq.models.zoo import get_entry
+    from bayesq.quantize import build_table
 
-    model = load_model(get_entry(name), Path(model_file))
+    entry = get_entry(name)
+    model = load_model(entry, Path(model_file))
     post = load_posterior(model, Path(posterior_file))
-    blocks = layer_blocks(quantizable_layers(model), quant.group_size, quant.unit_groups)
+    blocks = layer_blocks(quantizable_layers(model), quant.group_size, quant.unit_groups, quant.unit.value)
+    batches = None
+    if quant.needs_data:
+        _, batches = calibration_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
     start = time.perf_counter()
-    table = posterior_table(post, blocks, quant)
+    table = build_table(post, blocks, quant, seed=seed, model=model, calibration=batches, progress=False)
     seconds = time.perf_counter() - start
-    path = Path(out) / f"{Path(posterior_file).stem}.parquet"
+    path = Path(out) / f"{Path(posterior_file).stem}{'_' + tag if tag else ''}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame.from_records(table.records()).to_parquet(path, index=False)
     return {"table": table, "seconds": seconds, "path": str(path)}
 
 
+def config_tag(*configs) -> str:
+    """Short hash naming an artifact by the settings that shape it."""
+    import hashlib
+
+    return hashlib.sha256("|".join(map(str, configs)).encode()).hexdigest()[:10]
+
+
 @task(cache_policy=(INPUTS - "table") + TASK_SOURCE, persist_result=True)
 def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_file: str,
-                       model_digest: str, raw: str, raw_digest: str, params, table,
-                       table_key: str, code: str) -> dict:
+                       model_digest: str, raw: str, raw_digest: str, data, quant, allocation_cfg,
+                       table, table_key: str, posterior_file: str | None, code: str) -> dict:
     """Quantise with one method at one budget and evaluate on the test split."""
     from bayesq.baselines.rtn import rtn_quantize
     from bayesq.models.zoo import evaluate, get_entry
@@ -113,18 +139,19 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
 
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))
-    splits = entry.load_splits(params.data, Path(raw))
+    splits = entry.load_splits(data, Path(raw))
     start = time.perf_counter()
     if Method(method) == Method.BAYESQ:
-        allocation = allocate(table, budget)
+        allocation = allocate(table, budget, allocation_cfg, seed)
         weights = {t.blocks.name: model.get_submodule(t.blocks.name).weight for t in table.layers}
-        qweights = encode(table, allocation, weights)
+        post = load_posterior(model, Path(posterior_file)) if posterior_file else None
+        qweights = encode(table, allocation, weights, posterior=post, rounding=quant.rounding)
         qmodel = quantized_copy(model, qweights)
     else:
-        res = rtn_quantize(model, _RTN[Method(method)], budget, params.quant)
+        res = rtn_quantize(model, _RTN[Method(method)], budget, quant)
         qmodel, allocation = res.model, res.allocation
     seconds = time.perf_counter() - start
-    acc = evaluate(qmodel, entry.batches(splits.test_inputs, 64, params.data), splits.test_labels)
+    acc = evaluate(qmodel, entry.batches(splits.test_inputs, 64, data), splits.test_labels)
     layer_bits = {}
     for layer, bits in allocation.unit_bits.items():
         layer_bits[layer] = sum(bits) / len(bits)
@@ -150,17 +177,20 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
             mdig, src = digest(model_file), raw_path(entry, raw)
             sdig = digest(src)
             for seed in params.seeds:
-                post = posterior_task(name, str(model_file), mdig, str(src), sdig, params, seed,
+                post = posterior_task(name, str(model_file), mdig, str(src), sdig, params.data,
+                                      params.calibration, params.posterior, seed,
                                       str(Path(out) / "posterior"), code)
                 tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])),
-                                 params.quant, str(Path(out) / "tables"), code)
+                                 str(src), sdig, params.data, params.calibration, params.quant, seed,
+                                 str(Path(out) / "tables"), code)
                 print(f"[quantize] {name} seed {seed}: posterior {post['seconds']:.1f}s, "
                       f"table {tab['seconds']:.1f}s", flush=True)
-                key = f"{digest(Path(post['path']))}:{params.quant}"
+                key = f"{digest(Path(post['path']))}:{params.quant}:{params.calibration}"
                 for budget in params.budgets:
                     for method in params.methods:
                         r = quantize_eval_task(name, method.value, budget, seed, str(model_file), mdig,
-                                               str(src), sdig, params, tab["table"], key, code)
+                                               str(src), sdig, params.data, params.quant, params.allocation,
+                                               tab["table"], key, post["path"], code)
                         if method == Method.BAYESQ:
                             r = {**r, "posterior_seconds": post["seconds"], "table_seconds": tab["seconds"]}
                         print(f"[quantize] {name} {method.value:12s} budget {budget}: "

@@ -105,13 +105,63 @@ def report(results: Path, models: Path, out: Path) -> None:
     write_json(out / "metrics.json", metrics)
 
 
+def ablation_table(records: list[dict], fp: dict[str, dict]) -> str:
+    """The paper's ablation layout: one row per variant, accuracy per model and budget."""
+    models = list(dict.fromkeys(r["model"] for r in records))
+    budgets = sorted({r["budget"] for r in records})
+    cell = {(r["model"], r["group"], r["row"], r["budget"]): r for r in records}
+    rows = list(dict.fromkeys((r["group"], r["row"]) for r in records))
+    base = rows[0]
+    lines = [
+        "# Ablations: BayesQ with one component switched per row", "",
+        "Top-1 accuracy (%) at matched true average bits (payload, scales, zero-points, look-up "
+        "tables and headers counted); in brackets the difference to the first row "
+        f"(\"{base[1]}\"). One seed; the accuracy's standard error is about "
+        + ", ".join(f"{100 * ((fp[m]['fp_accuracy'] * (1 - fp[m]['fp_accuracy'])) / fp[m]['n_test']) ** 0.5:.2f}"
+                    f" points on {m}" for m in models)
+        + ". Every row's true average bits are in `results-ablations/ablations.json`.", "",
+    ]
+    head = " | ".join(f"{m} {b:.1f}" for m in models for b in budgets)
+    lines += [f"| group | variant | {head} | overrides |", "|---|---|" + "---|" * (len(models) * len(budgets)) + "---|"]
+    lines.append("| FP | full precision | " + " | ".join(
+        f"{100 * fp[m]['fp_accuracy']:.2f}" for m in models for _ in budgets) + " | |")
+    for group, label in rows:
+        cells, over = [], ""
+        for m in models:
+            for b in budgets:
+                r = cell.get((m, group, label, b))
+                ref = cell.get((m, *base, b))
+                if r is None:
+                    cells.append("–")
+                    continue
+                over = ", ".join(f"`{k}={v}`" for k, v in r["overrides"].items())
+                delta = f" ({100 * (r['accuracy'] - ref['accuracy']):+.2f})" if ref and (group, label) != base else ""
+                cells.append(f"{100 * r['accuracy']:.2f}{delta}")
+        lines.append(f"| {group} | {label} | " + " | ".join(cells) + f" | {over} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def ablation_report(results: Path, models: Path, out: Path) -> None:
+    records = read_json(results)
+    fp = {m: read_json(Path(models) / m / "fp.json") for m in {r["model"] for r in records}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(ablation_table(records, fp))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="Write the reports from the quantisation results")
-    p.add_argument("--results", type=Path, required=True)
+    p.add_argument("--results", type=Path, help="results.json of the quantize stage")
     p.add_argument("--models", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--ablations", type=Path, help="ablations.json: write <out>/ablations.md only")
     a = p.parse_args()
-    report(a.results, a.models, a.out)
+    if a.ablations:
+        ablation_report(a.ablations, a.models, a.out / "ablations.md")
+    elif a.results:
+        report(a.results, a.models, a.out)
+    else:
+        p.error("pass --results (main table) or --ablations (ablation table)")
 
 
 if __name__ == "__main__":

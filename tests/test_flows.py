@@ -86,7 +86,7 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
         assert 0.0 <= r["accuracy"] <= 1.0
     assert read_json(results / "results.json") == records
     table = pd.read_parquet(results / "tables" / "tiny-cnn_s17.parquet")
-    assert list(table.columns) == ["layer", "unit", "bits", "loss", "cost_bits"]
+    assert list(table.columns) == ["layer", "unit", "bits", "loss", "cost_bits", "se"]
     assert sorted(table.bits.unique()) == [2, 3, 4, 8]
 
     runs = mlflow.search_runs(experiment_names=["bayesq"], output_format="list")

@@ -36,7 +36,10 @@ def test_quantize_model_weights_rebuilt_from_codes_only():
     res = quantize_model(model, _calibration(), BayesQConfig(budget=3.0, quant=CFG), progress=False)
     qmods = dict(res.model.named_modules())
     for name, qw in res.weights.items():
-        w_hat = qw.scale[:, None] * (qw.codes.double() - qw.zero[:, None])
+        w_hat = torch.zeros(qw.codes.shape, dtype=torch.float64)
+        for b, grids in qw.books.items():
+            sel = qw.group_bits == b
+            w_hat[sel] = grids.scale[:, None] * (qw.codes[sel].double() - grids.zero[:, None])
         rebuilt = w_hat.reshape(-1)[: qw.blocks.numel].reshape(qw.blocks.shape)
         assert torch.equal(qmods[name].weight.detach().double(), rebuilt.float().double())
         assert not torch.equal(qmods[name].weight, dict(model.named_modules())[name].weight)
@@ -70,9 +73,9 @@ def test_bayesq_beats_rtn_on_its_own_objective():
         for n, w in weights.items():
             mu, mask = w.blocks.to_groups(post.mean[n].reshape(-1))
             sd, _ = w.blocks.to_groups(post.std(n).reshape(-1))
-            for b in w.group_bits.unique().tolist():
+            for b, g in w.books.items():
                 sel = w.group_bits == b
-                c = grid_cost(mu[sel], sd[sel], -w.scale[sel] * w.zero[sel], w.scale[sel], 2**b)
+                c = grid_cost(mu[sel], sd[sel], g.lo, g.scale, 2**b)
                 cost += 0.5 * (c * mask[sel]).sum().item()
         return cost
 

@@ -2,7 +2,8 @@ import pytest
 
 from bayesq.blocks import LayerBlocks
 from bayesq.storage import (
-    average_bits, budget_bits, candidate_costs, grid_bits, header_bits, unit_cost_bits,
+    average_bits, budget_bits, candidate_costs, grid_bits, header_bits, lut_unit_cost_bits,
+    mulaw_unit_cost_bits, unit_cost_bits, vq_cost_bits,
 )
 
 
@@ -34,3 +35,29 @@ def test_budget_bits_never_exceeds_target():
     assert budget_bits(3.5, 3) == 10
     with pytest.raises(ValueError):
         average_bits(10, 0)
+
+
+def test_lut_unit_cost_bits_hand_count():
+    # 1024 weights at 3 bits + one 8-entry fp16 table + 2 header bits (4 choices)
+    assert lut_unit_cost_bits(1024, 3, 4) == 3072 + 8 * 16 + 2
+    # 64 weights at 2 bits, a 4-entry fp32 table, a single bit-width (no header)
+    assert lut_unit_cost_bits(64, 2, 1, lut_bits=32) == 128 + 128
+    with pytest.raises(ValueError, match="LUT"):
+        lut_unit_cost_bits(64, 0, 4)
+
+
+def test_mulaw_unit_cost_bits_hand_count():
+    # 1024 weights at 3 bits in 16 groups: 3072 payload + 16 fp16 scales (no zero-points) + 2 header
+    assert mulaw_unit_cost_bits(1024, 16, 3, 4) == 3072 + 256 + 2
+    assert mulaw_unit_cost_bits(14, 1, 4, 2, scale_bits=32) == 56 + 32 + 1
+    with pytest.raises(ValueError, match="mu-law"):
+        mulaw_unit_cost_bits(-1, 1, 2, 4)
+
+
+def test_vq_cost_bits_hand_count():
+    # 512 pairs with a 256-entry codebook: 8-bit indices + 256 * 2 fp16 entries
+    assert vq_cost_bits(512, 2, 256) == 4096 + 8192
+    assert vq_cost_bits(128, 8, 4096) == 128 * 12 + 4096 * 8 * 16
+    assert vq_cost_bits(10, 4, 1, lut_bits=32) == 0 + 128  # one codeword needs no index
+    with pytest.raises(ValueError, match="power of two"):
+        vq_cost_bits(10, 2, 12)

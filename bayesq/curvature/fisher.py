@@ -9,11 +9,14 @@ estimated with ``label_samples`` draws per input.  Per-example weight gradients 
 layer inputs and output gradients captured by hooks (``g_out^T a`` for Linear, the same on
 unfolded patches for Conv2d), so one backward pass serves a whole batch.  The model runs in
 eval mode (no dropout, batch-norm statistics frozen), so examples do not interact.
+
+``empirical_fisher_diagonal`` runs the same machinery with one fixed label per input,
+``sum_n g_n(y_n)^2``: given labels, or (label-free) the model's argmax prediction.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +51,66 @@ def _per_example_grad(mod: nn.Module, a: torch.Tensor, g: torch.Tensor) -> torch
     return grad.reshape(n, *mod.weight.shape)
 
 
+def _squared_grad_sum(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    layers: dict[str, nn.Module],
+    labels_for: Callable[[torch.Tensor], list[torch.Tensor]],
+    desc: str,
+    progress: bool,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """``sum_n mean_s g_n(y_s)^2`` per layer, with per-example gradients from hooks.
+
+    ``labels_for(out)`` gets a batch's (B, C) logits (detached) and returns the S label
+    tensors, each (B,) int64, to back-propagate ``-log p(y_s | x_n, w)`` at; each pass is
+    weighted 1/S.  Returns (name -> float64 tensor shaped like the weight, inputs seen).
+    """
+    acts: dict[str, torch.Tensor] = {}
+    outs: dict[str, torch.Tensor] = {}
+    total = {name: torch.zeros_like(m.weight, dtype=torch.float64) for name, m in layers.items()}
+
+    def fwd_hook(name: str):
+        def hook(mod, inputs, output):
+            acts[name] = inputs[0].detach()
+            output.register_hook(lambda grad: outs.__setitem__(name, grad.detach()))
+        return hook
+
+    handles = [m.register_forward_hook(fwd_hook(n)) for n, m in layers.items()]
+    needs_grad = {n: m.weight.requires_grad for n, m in layers.items()}
+    for m in layers.values():
+        m.weight.requires_grad_(True)
+    was_training = model.training
+    model.eval()
+    n_seen = 0
+    try:
+        for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
+            with torch.enable_grad():  # also when called under torch.no_grad()
+                out = logits(model, batch)
+                passes = labels_for(out.detach())
+                for s, y in enumerate(passes):
+                    loss = F.cross_entropy(out, y, reduction="sum")
+                    model.zero_grad(set_to_none=True)
+                    loss.backward(retain_graph=s < len(passes) - 1)
+                    for name, mod in layers.items():
+                        if name in outs:  # a layer unused by this forward has no gradient
+                            grad = _per_example_grad(mod, acts[name], outs.pop(name)).double()
+                            total[name] += grad.pow(2).sum(0) / len(passes)
+            n_seen += batch_size(batch)
+            acts.clear()
+    finally:
+        for h in handles:
+            h.remove()
+        for n, m in layers.items():
+            m.weight.requires_grad_(needs_grad[n])
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    if n_seen == 0:
+        raise ValueError(
+            "empty calibration set: the posterior needs at least one unlabelled input batch"
+        )
+    return total, n_seen
+
+
 def fisher_diagonal(
     model: nn.Module,
     batches: Iterable[Batch],
@@ -74,47 +137,70 @@ def fisher_diagonal(
         ValueError: if ``batches`` is empty.
     """
     gen = torch.Generator().manual_seed(seed)
-    acts: dict[str, torch.Tensor] = {}
-    outs: dict[str, torch.Tensor] = {}
-    fisher = {name: torch.zeros_like(m.weight, dtype=torch.float64) for name, m in layers.items()}
 
-    def fwd_hook(name: str):
-        def hook(mod, inputs, output):
-            acts[name] = inputs[0].detach()
-            output.register_hook(lambda grad: outs.__setitem__(name, grad.detach()))
-        return hook
+    def sampled_labels(out: torch.Tensor) -> list[torch.Tensor]:
+        probs = torch.softmax(out.double(), -1)  # (B, C)
+        return [torch.multinomial(probs, 1, generator=gen).squeeze(1) for _ in range(label_samples)]
 
-    handles = [m.register_forward_hook(fwd_hook(n)) for n, m in layers.items()]
-    needs_grad = {n: m.weight.requires_grad for n, m in layers.items()}
-    for m in layers.values():
-        m.weight.requires_grad_(True)
-    was_training = model.training
-    model.eval()
-    n_seen = 0
-    try:
-        for batch in tqdm(batches, desc="fisher", disable=not progress, leave=False):
-            out = logits(model, batch)
-            probs = torch.softmax(out.detach().double(), -1)
-            for s in range(label_samples):
-                y = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-                loss = F.cross_entropy(out, y, reduction="sum")
-                model.zero_grad(set_to_none=True)
-                loss.backward(retain_graph=s < label_samples - 1)
-                for name, mod in layers.items():
-                    if name in outs:  # a layer unused by this forward has no gradient
-                        grad = _per_example_grad(mod, acts[name], outs.pop(name)).double()
-                        fisher[name] += grad.pow(2).sum(0) / label_samples
-            n_seen += batch_size(batch)
-            acts.clear()
-    finally:
-        for h in handles:
-            h.remove()
-        for n, m in layers.items():
-            m.weight.requires_grad_(needs_grad[n])
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
-    if n_seen == 0:
-        raise ValueError(
-            "empty calibration set: the posterior needs at least one unlabelled input batch"
-        )
-    return fisher, n_seen
+    return _squared_grad_sum(model, batches, layers, sampled_labels, "fisher", progress)
+
+
+def _check_labels(y: torch.Tensor, out: torch.Tensor, index: int) -> torch.Tensor:
+    """``y`` as (B,) int64 on the logits' device; ``ValueError`` if it does not fit (B, C) out."""
+    if not isinstance(y, torch.Tensor) or y.dtype.is_floating_point or y.dtype.is_complex \
+            or y.dtype == torch.bool:
+        raise ValueError(f"labels[{index}] must be an integer tensor of class indices (int64), "
+                         f"got {type(y).__name__} {getattr(y, 'dtype', '')}")
+    if y.shape != out.shape[:1]:
+        raise ValueError(f"labels[{index}] has shape {tuple(y.shape)} but batch {index} has "
+                         f"{out.shape[0]} inputs: pass one (B,) label tensor per batch, in order")
+    if y.numel() and (y.min() < 0 or y.max() >= out.shape[1]):
+        raise ValueError(f"labels[{index}] holds class indices outside [0, {out.shape[1]}): "
+                         "labels must index the model's logits")
+    return y.to(device=out.device, dtype=torch.int64)
+
+
+def empirical_fisher_diagonal(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    layers: dict[str, nn.Module],
+    *,
+    labels: Iterable[torch.Tensor] | None = None,
+    progress: bool = True,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Sum over inputs of the empirical Fisher diagonal ``sum_n g_n(y_n)^2``.
+
+    ``g_n(y) = d/dw -log p(y | x_n, w)`` at the given ``labels`` or, when ``labels`` is None,
+    at the model's own argmax prediction ``y_n = argmax_c f(x_n; w)_c`` (label-free).
+
+    Args:
+        model, batches, layers: as in ``fisher_diagonal``.
+        labels: one (B,) int64 tensor of class indices per batch, aligned with ``batches``.
+
+    Returns:
+        (fisher, n): name -> float64 tensor shaped like the weight; n, the number of inputs.
+
+    Raises:
+        ValueError: empty ``batches``; ``labels`` with fewer or more entries than ``batches``,
+            a wrong shape, a non-integer dtype or out-of-range class indices.
+    """
+    label_iter = iter(labels) if labels is not None else None
+    count = 0
+
+    def given_or_argmax(out: torch.Tensor) -> list[torch.Tensor]:
+        nonlocal count
+        count += 1
+        if label_iter is None:
+            return [out.argmax(-1)]
+        y = next(label_iter, None)
+        if y is None:
+            raise ValueError(f"labels has fewer entries than batches ({count - 1}): "
+                             "pass one (B,) label tensor per batch")
+        return [_check_labels(y, out, count - 1)]
+
+    desc = "empirical-fisher"
+    result = _squared_grad_sum(model, batches, layers, given_or_argmax, desc, progress)
+    if label_iter is not None and next(label_iter, None) is not None:
+        raise ValueError(f"labels has more entries than batches ({count}): "
+                         "pass one (B,) label tensor per batch")
+    return result

@@ -1,0 +1,149 @@
+"""Sequential error-feedback rounding (OBQ / GPTQ style) for a fixed per-element grid.
+
+Minimises, greedily column by column, the whitened distortion of the weight error
+``D = Q - W`` (out x in) under a column metric H (in x in, SPD):
+
+    cost(D) = tr(D H D^T) = sum_o D[o] H D[o]^T.
+
+Step j (columns in the order ``order``): round the current column j to its nearest level
+``q = scale * (clamp(round(w / scale + zero), 0, maxq) - zero)``, then move the not yet
+quantised columns F to the exact least-squares optimum given everything fixed so far
+(the OBS update, Hassibi & Stork 1993; Frantar et al. 2022):
+
+    W[:, F] <- W[:, F] - (w_j - q_j) / [H_F'^-1]_jj * [H_F'^-1]_{j, F},   F' = F + {j}.
+
+With ``H^-1 = U^T U`` (U upper Cholesky factor of the inverse, in the permuted order) row j of U
+gives exactly these numbers: ``[H_F'^-1]_{j,F} / [H_F'^-1]_jj = U[j, F] / U[j, j]``. Updates are
+applied lazily in blocks of ``block_size`` columns (same result up to rounding, faster).
+
+K-FAC metric: for a precision ``G (x) A`` the cost is ``tr(G D A D^T)``. Fixing some columns Q,
+the optimal free columns solve ``d/dD_F tr(G D A D^T) = 2 G (D A)_F = 0``; for G invertible that
+is ``(D A)_F = 0``, i.e. ``D_F = -D_Q A_QF A_FF^-1``, which does not involve G. So the
+compensating update of later columns is the same with ``H = A`` whatever G is. (G would only
+enter the joint rounding of one column's entries across rows; like GPTQ, each entry is
+rounded to its nearest level.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _broadcast(name: str, x: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    try:
+        return torch.broadcast_to(torch.as_tensor(x), shape)
+    except RuntimeError:
+        raise ValueError(
+            f"{name} has shape {tuple(torch.as_tensor(x).shape)}, not broadcastable to the "
+            f"weight shape {shape}; build per-element (out, in) tensors"
+        ) from None
+
+
+def _validate_grid(W, scale, zero, maxq):
+    shape = tuple(W.shape)
+    scale = _broadcast("scale", scale, shape).to(W.device, torch.float64)
+    zero = _broadcast("zero", zero, shape).to(W.device, torch.float64)
+    maxq = _broadcast("maxq", maxq, shape)
+    if maxq.dtype.is_floating_point or maxq.dtype == torch.bool:
+        raise ValueError(f"maxq must be an integer tensor (int64), got {maxq.dtype}")
+    maxq = maxq.to(W.device, torch.int64)
+    if not (torch.isfinite(scale).all() and (scale > 0).all()):
+        raise ValueError("scale must be finite and > 0 everywhere")
+    if not torch.isfinite(zero).all():
+        raise ValueError("zero has NaN/Inf entries")
+    if (maxq < 0).any():
+        raise ValueError("maxq must be >= 0 (2**bits - 1)")
+    return scale, zero, maxq
+
+
+def _validate_order(order: torch.Tensor | None, d: int, device) -> torch.Tensor:
+    if order is None:
+        return torch.arange(d, device=device)
+    order = torch.as_tensor(order)
+    if order.dim() != 1 or order.dtype.is_floating_point or order.numel() != d or not torch.equal(
+        torch.sort(order.cpu()).values, torch.arange(d)
+    ):
+        raise ValueError(f"order must be a permutation of range({d}) (an int64 tensor of {d} indices)")
+    return order.to(device, torch.int64)
+
+
+def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
+    """Upper U with ``H^-1 = U^T U``; (in, in) float64. Raises ValueError if H is not SPD."""
+    L, info = torch.linalg.cholesky_ex(H)
+    if int(info) != 0:
+        raise ValueError(
+            "H is not positive definite (Cholesky failed); add damping, e.g. "
+            "H + 0.01 * H.diagonal().mean() * I"
+        )
+    return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+
+
+def _quantize(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, m: torch.Tensor):
+    """Nearest level codes (int64) and dequantised values ``s * (code - z)``."""
+    code = torch.clamp(torch.round(w / s + z), torch.zeros_like(m), m).to(torch.int64)
+    return code, s * (code - z)
+
+
+def error_feedback_round(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    maxq: torch.Tensor,
+    *,
+    block_size: int = 128,
+    order: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Integer codes of W on a per-element grid, rounded with error feedback under metric H.
+
+    Args:
+        W: (out, in) float weights (computed in float64). Conv: (out, in/groups*kh*kw).
+        H: (in, in) symmetric positive definite column metric (K-FAC: the damped A factor;
+            GPTQ: X X^T of the layer inputs), damped by the caller.
+        scale, zero: (out, in) float64 grid per element (anything broadcastable to it);
+            dequantised weight ``scale * (code - zero)``.
+        maxq: (out, in) int64 largest code per element (2**bits - 1).
+        block_size: columns per lazy update block (does not change the result).
+        order: optional permutation of range(in): column ``order[k]`` is quantised k-th
+            (act-order); codes are returned in the original column order.
+
+    Returns:
+        (out, in) int64 codes in [0, maxq], greedily minimising ``tr(D H D^T)``,
+        ``D = scale * (code - zero) - W`` (module docstring).
+
+    Raises:
+        ValueError: bad shapes, non-finite values, H not symmetric positive definite (add
+            damping), bad grid, block_size or order.
+    """
+    if W.dim() != 2 or not W.dtype.is_floating_point:
+        raise ValueError(f"W must be a 2-D float (out, in) tensor, got {W.dtype} {tuple(W.shape)}")
+    n_out, d = W.shape
+    if tuple(H.shape) != (d, d):
+        raise ValueError(f"H has shape {tuple(H.shape)}; expected ({d}, {d}) = (in, in) for W {tuple(W.shape)}")
+    if not (torch.isfinite(W).all() and torch.isfinite(H).all()):
+        raise ValueError("W or H has NaN/Inf entries")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size} must be a positive int")
+    H = H.to(W.device, torch.float64)
+    if (H - H.T).abs().max() > 1e-10 * H.abs().max().clamp_min(1e-300):
+        raise ValueError("H is not symmetric; pass 0.5 * (H + H.T)")
+    scale, zero, maxq = _validate_grid(W, scale, zero, maxq)
+    perm = _validate_order(order, d, W.device)
+
+    Wp = W.to(torch.float64)[:, perm].clone()  # (out, in) columns in quantisation order
+    s, z, m = scale[:, perm], zero[:, perm], maxq[:, perm]  # (out, in) each
+    U = _inverse_cholesky(H[perm][:, perm])  # (in, in) upper
+    codes = torch.empty(n_out, d, dtype=torch.int64, device=W.device)
+    for i1 in range(0, d, block_size):
+        i2 = min(i1 + block_size, d)
+        W1, U1 = Wp[:, i1:i2], U[i1:i2, i1:i2]  # views: (out, b), (b, b)
+        err = torch.zeros_like(W1)  # (out, b) scaled errors
+        for j in range(i2 - i1):
+            c, q = _quantize(W1[:, j], s[:, i1 + j], z[:, i1 + j], m[:, i1 + j])
+            codes[:, i1 + j] = c
+            err[:, j] = (W1[:, j] - q) / U1[j, j]
+            W1[:, j:] -= err[:, j : j + 1] * U1[j : j + 1, j:]
+        Wp[:, i2:] -= err @ U[i1:i2, i2:]
+    out = torch.empty_like(codes)
+    out[:, perm] = codes
+    return out

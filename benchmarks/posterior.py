@@ -1,0 +1,72 @@
+"""Posterior fitting time per curvature, relative to one forward+backward pass over the calibration set.
+
+    python benchmarks/posterior.py [--models lite0-fmnist minilm-sentiment] [--calibration 128]
+
+Needs the fine-tuned models of the pipeline (``make run`` writes ``models/``) and ``data/raw``.
+Every figure is measured in the same run on the same calibration batches: first one plain
+forward+backward pass (cross-entropy at the model's argmax labels, the cost unit), then each
+curvature estimator of ``bayesq.quantize.fit_posterior``.  Prints seconds and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bayesq.config import BayesQConfig, Curvature, PosteriorConfig, replace
+from bayesq.forward import logits
+from bayesq.quantize import fit_posterior
+from flows.common import read_params
+from flows.finetune import load_model, raw_path
+from flows.quantize import calibration_batches
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def forward_backward(model, batches) -> float:
+    start = time.perf_counter()
+    for b in batches:
+        out = logits(model, b)
+        F.cross_entropy(out, out.argmax(-1)).backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    from bayesq.models.zoo import get_entry
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["lite0-fmnist", "minilm-sentiment"])
+    p.add_argument("--calibration", type=int, default=128, help="calibration inputs per model")
+    p.add_argument("--probes", type=int, default=16)
+    a = p.parse_args()
+    params = read_params(ROOT / "params.yaml")
+    cal = replace(params.calibration, images=a.calibration, sentences=a.calibration)
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads; "
+          f"{a.calibration} calibration inputs, batch {cal.batch_size}")
+    for name in a.models:
+        entry = get_entry(name)
+        model = load_model(entry, ROOT / "models" / name / "model.safetensors")
+        splits = entry.load_splits(params.data, raw_path(entry, ROOT / "data" / "raw"))
+        _, batches = calibration_batches(entry, splits, params.data, cal, 17)
+        batches = list(batches)
+        forward_backward(model, batches[:1])  # warm-up
+        unit = forward_backward(model, batches)
+        print(f"\n{name}: one forward+backward over the calibration set: {unit:.2f} s")
+        print(f"  {'curvature':22s} {'seconds':>8s} {'x fwd+bwd':>10s}")
+        for curv in Curvature:
+            cfg = BayesQConfig(posterior=PosteriorConfig(curvature=curv, probes=a.probes), seed=17)
+            start = time.perf_counter()
+            fit_posterior(model, batches, cfg, progress=False)
+            sec = time.perf_counter() - start
+            extra = f" (M={a.probes})" if curv.value.startswith("hutchinson") else ""
+            print(f"  {curv.value + extra:22s} {sec:8.2f} {sec / unit:10.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
