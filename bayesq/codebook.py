@@ -414,7 +414,7 @@ def levels_cost_chunked(
 
 def lloyd_levels_step(
     mu: torch.Tensor, sigma: torch.Tensor, levels: torch.Tensor, mask: torch.Tensor,
-    omega: torch.Tensor | None = None,
+    omega: torch.Tensor | None = None, limits: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One posterior-weighted Lloyd-Max iteration per row.
 
@@ -426,6 +426,9 @@ def lloyd_levels_step(
 
     clamped into R_k (a no-op in exact arithmetic); cells without mass keep their level. Hence
     ``J(c') <= J(c)`` (centroids are optimal for fixed cells, midpoints for fixed levels).
+    With ``limits`` = ((R,) lo, (R,) hi) the centroid is also clamped into [lo, hi]: J_k is a
+    convex quadratic in c_k, so the clamp is the constrained minimiser and J still cannot
+    increase (for input levels inside the limits).
 
     Returns:
         (new levels (R, K) float64 ascending, J(levels) (R,) float64 of the *input* levels).
@@ -444,6 +447,8 @@ def lloyd_levels_step(
         cand = torch.where(m0 > 0, m1 / torch.where(m0 > 0, m0, torch.ones_like(m0)), lv)
         t = _bounds(lv)  # (r, K+1)
         new[e] = torch.minimum(torch.maximum(cand, t[:, :-1]), t[:, 1:])
+        if limits is not None:
+            new[e] = torch.minimum(torch.maximum(new[e], limits[0][e, None]), limits[1][e, None])
     return new, obj
 
 
@@ -473,7 +478,7 @@ def _kmeanspp_init(mu: torch.Tensor, wt: torch.Tensor, k: int, seed: int) -> tor
 def fit_lloyd_levels(
     mu: torch.Tensor, sigma: torch.Tensor, mask: torch.Tensor, bits: int, *,
     omega: torch.Tensor | None = None, iters: int = 15, rtol: float = 1e-4, lut_bits: int = 16,
-    init: str = "uniform", seed: int = 0,
+    init: str = "uniform", seed: int = 0, within_range: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Posterior-weighted Lloyd-Max levels, one LUT of K = 2**bits entries per row.
 
@@ -482,7 +487,9 @@ def fit_lloyd_levels(
     moment-matched Gaussian (start of :func:`lloyd_max_gaussian`); ``"kmeans++"``: seeded
     k-means++ on the means. Levels are rounded to the LUT format (``lut_bits`` 16 / 32 / 64 =
     fp16 / fp32 / unrounded); a row whose rounded result is worse than its rounded start keeps
-    the start.
+    the start. ``within_range``: every level stays inside the row's [min, max] of real means
+    (projected Lloyd, see :func:`lloyd_levels_step`): a level beyond them serves only posterior
+    draws of weights whose variance is wide, never a stored weight.
 
     Args:
         mu, sigma, mask: (R, n) float64; mask 1 for real weights, 0 for padding.
@@ -500,10 +507,16 @@ def fit_lloyd_levels(
     if init not in ("uniform", "kmeans++"):
         raise ValueError(f"init must be 'uniform' or 'kmeans++', got {init!r}")
     start = _gaussian_uniform_init(mu, sigma, wt, bits) if init == "uniform" else _kmeanspp_init(mu, wt, 2**bits, seed)
+    limits = None
+    if within_range:
+        big = torch.finfo(mu.dtype).max
+        limits = (torch.where(mask > 0, mu, big).min(1).values, torch.where(mask > 0, mu, -big).max(1).values)
+        limits = (torch.minimum(limits[0], limits[1]), torch.maximum(limits[0], limits[1]))  # empty rows: any
+        start = torch.minimum(torch.maximum(start, limits[0][:, None]), limits[1][:, None])
     levels, prev = start, None
     active = torch.ones(mu.shape[0], dtype=torch.bool, device=mu.device)
     for _ in range(iters):
-        new, obj = lloyd_levels_step(mu, sigma, levels, mask, omega)
+        new, obj = lloyd_levels_step(mu, sigma, levels, mask, omega, limits)
         if prev is not None:
             active &= (prev - obj) > rtol * prev.abs()
         if not bool(active.any()):

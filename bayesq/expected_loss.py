@@ -199,7 +199,7 @@ class _LayerFit:
         lb = self.blocks
         rows = [_unit_rows(lb, x) for x in (self.mu, self.sigma, self.omega)]
         levels, cost = fit_lloyd_levels(rows[0], rows[1], _unit_mask(lb, self.mask), b, omega=rows[2],
-                                        lut_bits=cfg.lut_bits)  # (U, K), (U,)
+                                        lut_bits=cfg.lut_bits, within_range=True)  # (U, K), (U,)
         book = LevelTables(b, levels, lb.group_unit())
         if kind == Codebook.LLOYD:
             return book, 0.5 * cost, "lut"

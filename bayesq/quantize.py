@@ -140,9 +140,10 @@ def allocate(table: LossTable, avg_bits: float, cfg: AllocationConfig = Allocati
 
     Candidates below a unit's floor (``cfg.floors``) are dropped; a unit whose candidate costs
     are not strictly ascending (a tiny unit where a LUT costs more than an 8-bit grid) keeps
-    its candidates sorted by cost. ``cfg.penalty`` lambda is applied as ``lambda * L_floor / N``
-    loss per bit (``L_floor`` the loss with every unit at its cheapest candidate, N the number of
-    weights).
+    its candidates sorted by cost. ``cfg.penalty`` lambda is applied as
+    ``lambda * (L_floor - L_min) / N`` loss per bit: ``L_floor`` the loss with every unit at its
+    cheapest candidate, ``L_min`` with every unit at its least-loss one, N the number of
+    weights; i.e. the allocation minimises ``(L - L_min) / (L_floor - L_min) + lambda * avg_bits``.
 
     Raises:
         ValueError: an infeasible budget (naming the minimum feasible one in bits per weight),
@@ -160,7 +161,8 @@ def allocate(table: LossTable, avg_bits: float, cfg: AllocationConfig = Allocati
             "tables and headers, at the floors); raise the budget, lower the floors or use a larger group size"
         )
     l_floor = float(loss[:, 0].sum()) if regular else float(sum(r[o[0]] for r, o in zip(loss, order)))
-    penalty = cfg.penalty * l_floor / table.n_weights
+    l_min = float(np.where(valid, loss, np.inf).min(1).sum())
+    penalty = cfg.penalty * max(l_floor - l_min, 0.0) / table.n_weights
     n_unit = np.concatenate([[n for n, _ in t.blocks.unit_sizes()] for t in table.layers]).astype(np.float64)
     tables = (loss, cost, bits, _latency_costs(cost, bits, n_unit, cfg.unaligned_penalty))
     L, C, B, T = tables if regular else _ragged(order, *tables)

@@ -559,3 +559,69 @@ def test_greedy_allocate_vs_dp_few_hundred_blocks(seed):
 def test_greedy_allocate_prefix_key_matches_heap(losses, costs, budget, expect):
     assert _heap_reference(losses, costs, budget) == expect
     assert greedy_allocate(losses, costs, budget) == expect
+
+
+# ---- budget regularisation (penalty lambda) ------------------------------------------------------
+
+def _brute_penalised(losses, costs, budget, lam):
+    best = float("inf")
+    for choice in itertools.product(*[range(len(c)) for c in costs]):
+        if total(costs, choice) <= budget:
+            best = min(best, total(losses, choice) + lam * total(costs, choice))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_dp_allocate_penalty_vs_brute_force(seed):
+    rng = random.Random(900 + seed)
+    losses, costs = [], []
+    for _ in range(5):
+        c = sorted(rng.sample(range(1, 40), 4))
+        losses.append(sorted((rng.uniform(0, 10) for _ in c), reverse=True))
+        costs.append(c)
+    budget = rng.uniform(min_feasible_budget(costs), sum(c[-1] for c in costs))
+    lam = rng.choice([0.0, 0.05, 0.2, 1.0])
+    choice = dp_allocate(losses, costs, budget, penalty=lam)
+    assert total(costs, choice) <= budget
+    got = total(losses, choice) + lam * total(costs, choice)
+    assert got == pytest.approx(_brute_penalised(losses, costs, budget, lam), rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_allocate_penalty_with_slack_budget_is_exact_optimum(seed):
+    # With a budget that does not bind, stopping at density < lambda is the per-block argmin of
+    # L + lambda C on convex (diminishing-returns) blocks: the DP's optimum, and Lagrangian's.
+    rng = random.Random(950 + seed)
+    blocks = [_convex_block(rng, 4, [rng.randint(1, 9) for _ in range(3)]) for _ in range(6)]
+    losses, costs = [b[0] for b in blocks], [b[1] for b in blocks]
+    budget = sum(c[-1] for c in costs)
+    lam = rng.uniform(0.05, 2.0)
+    g = greedy_allocate(losses, costs, budget, penalty=lam)
+    exact = _brute_penalised(losses, costs, budget, lam)
+    assert total(losses, g) + lam * total(costs, g) == pytest.approx(exact, rel=1e-12)
+    lg = lagrangian_allocate(losses, costs, budget, penalty=lam)
+    assert total(losses, lg) + lam * total(costs, lg) == pytest.approx(exact, rel=1e-12)
+    hw = hw_greedy_allocate(losses, costs, budget, layer=[0] * 6, bits=[[2, 3, 4, 8]] * 6, eta=0.0, penalty=lam)
+    assert hw == g
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_greedy_allocate_penalty_monotone_and_zero_is_plain_greedy(seed):
+    rng = random.Random(980 + seed)
+    blocks = [_convex_block(rng, 4, [rng.randint(1, 9) for _ in range(3)]) for _ in range(40)]
+    losses, costs = [b[0] for b in blocks], [b[1] for b in blocks]
+    budget = (min_feasible_budget(costs) + sum(c[-1] for c in costs)) / 2
+    assert greedy_allocate(losses, costs, budget, penalty=0.0) == greedy_allocate(losses, costs, budget)
+    spent = [total(costs, greedy_allocate(losses, costs, budget, penalty=lam)) for lam in (0, 0.1, 0.5, 2, 100)]
+    assert spent == sorted(spent, reverse=True) and spent[-1] == min_feasible_budget(costs)
+    hw = [hw_greedy_allocate(losses, costs, budget, layer=list(range(40)), bits=[[2, 3, 4, 8]] * 40, eta=0.05,
+                             penalty=lam) for lam in (0.5, 100)]
+    assert total(costs, hw[1]) == min_feasible_budget(costs) <= total(costs, hw[0]) <= budget
+
+
+def test_allocators_reject_negative_penalty():
+    for fn in (lambda **k: greedy_allocate([[1, 0]], [[1, 2]], 2, **k),
+               lambda **k: dp_allocate([[1, 0]], [[1, 2]], 2, **k),
+               lambda **k: hw_greedy_allocate([[1, 0]], [[1, 2]], 2, layer=[0], bits=[[2, 3]], **k)):
+        with pytest.raises(ValueError, match="penalty must be a finite number >= 0"):
+            fn(penalty=-1.0)

@@ -115,3 +115,129 @@ def test_rtn_quantize_within_budget(granularity):
     assert res.average_bits <= 4.0
     if granularity != Granularity.TENSOR:  # per-tensor units are whole layers: coarse steps
         assert res.average_bits >= 4.0 - 0.02
+
+
+# ---- every option of the method, end to end ---------------------------------------------------
+
+from bayesq.codebook import LevelTables, UniformGrids  # noqa: E402
+from bayesq.config import (  # noqa: E402
+    AllocationConfig, Allocator, AllocationUnit, Codebook, Curvature, PosteriorConfig, Proxy, Rounding, Whitening,
+)
+
+BIG = QuantConfig(group_size=32, unit_groups=8)
+VARIANTS = {
+    **{f"curvature={c.value}": dict(posterior=PosteriorConfig(curvature=c)) for c in Curvature},
+    **{f"codebook={c.value}": dict(quant=QuantConfig(group_size=32, unit_groups=8, codebook=c))
+       for c in Codebook if c != Codebook.VQ},
+    **{f"unit={u.value}": dict(quant=QuantConfig(group_size=32, unit_groups=8, unit=u)) for u in AllocationUnit},
+    **{f"whitening={w.value}": dict(quant=QuantConfig(group_size=32, unit_groups=8, whitening=w)) for w in Whitening},
+    **{f"allocator={a.value}": dict(allocation=AllocationConfig(allocator=a)) for a in Allocator if a != Allocator.DP},
+    "allocator=dp,unit=tensor": dict(quant=QuantConfig(group_size=32, unit_groups=8, unit="tensor"),
+                                     allocation=AllocationConfig(allocator="dp")),
+    "rounding=error-feedback": dict(posterior=PosteriorConfig(curvature="kfac"),
+                                    quant=QuantConfig(group_size=32, unit_groups=8, rounding="error-feedback")),
+    "proxy=mc-kl": dict(quant=QuantConfig(group_size=32, unit_groups=8, proxy="mc-kl", mc_examples=8,
+                                          mc_top_fraction=0.5)),
+    "proxy=mc-output": dict(posterior=PosteriorConfig(curvature="kfac"),
+                            quant=QuantConfig(group_size=32, unit_groups=8, proxy="mc-output", mc_top_fraction=0.5)),
+    "floors": dict(allocation=AllocationConfig(floors={"7": 8, "0": 4})),
+    "latency": dict(allocation=AllocationConfig(latency=True)),
+    "penalty": dict(allocation=AllocationConfig(penalty=0.5)),
+}
+
+
+def _recount_bits(weights, quant: QuantConfig) -> int:
+    """Storage of the encoded layers from the stored codebooks alone (independent of the tables)."""
+    total, header = 0, 2  # four candidate bit-widths
+    for qw in weights.values():
+        lb = qw.blocks
+        sizes = lb.group_sizes()
+        for s, e in lb.unit_group_ranges():
+            b = int(qw.group_bits[s])
+            assert (qw.group_bits[s:e] == b).all()  # one bit-width per unit
+            n, g = int(sizes[s:e].sum()), e - s
+            book = qw.books[b]
+            if isinstance(book, UniformGrids):
+                total += n * b + g * (16 + b)
+            elif quant.codebook == Codebook.MULAW:
+                total += n * b + g * 16
+            else:
+                assert isinstance(book, LevelTables) and len(set(book.row[:0].tolist())) == 0
+                total += n * b + 2**b * 16
+            total += header
+    return total
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_quantize_model_every_option_within_budget_and_accounted(variant):
+    kw = dict(VARIANTS[variant])
+    kw.setdefault("quant", BIG)
+    model = _model()
+    res = quantize_model(model, _calibration(), BayesQConfig(budget=3.5, **kw), progress=False)
+    assert res.allocation.total_bits <= res.allocation.budget_bits
+    assert _recount_bits(res.weights, kw["quant"]) == res.allocation.total_bits
+    floors = kw.get("allocation", AllocationConfig()).floors
+    qmods = dict(res.model.named_modules())
+    for name, qw in res.weights.items():
+        assert ((qw.codes >= 0) & (qw.codes < 2 ** qw.group_bits[:, None])).all()
+        assert torch.equal(qmods[name].weight.detach(), qw.dequantize().float())
+        assert min(res.allocation.unit_bits[name]) >= floors.get(name, 0)
+    if variant == "penalty":
+        assert res.average_bits < 3.4  # the regularised allocation stops short of the budget
+
+
+def test_error_feedback_lowers_kfac_cost_vs_nearest_rounding():
+    # Same table and allocation; error feedback is the sequential (greedy) minimiser of
+    # tr(G D A D^T) for the fixed grids: not optimal per layer, but it must not lose more than
+    # a hair anywhere and must win clearly overall.
+    model = _model()
+    cfg = BayesQConfig(budget=3.0, posterior=PosteriorConfig(curvature="kfac"), quant=BIG)
+    res = quantize_model(model, _calibration(), cfg, progress=False)
+    from bayesq.curvature.kfac import kfac_whitened_cost
+    from bayesq.quantize import encode
+
+    near = encode(res.table, res.allocation, {n: m.weight for n, m in dict(model.named_modules()).items()
+                                              if n in res.weights}, rounding=Rounding.NEAREST)
+    ef = encode(res.table, res.allocation, {n: m.weight for n, m in dict(model.named_modules()).items()
+                                            if n in res.weights}, posterior=res.posterior,
+                rounding=Rounding.ERROR_FEEDBACK)
+    totals = {"near": 0.0, "ef": 0.0}
+    for name, f in res.posterior.kfac.items():
+        w = res.posterior.mean[name]
+        cost = {k: float(kfac_whitened_cost((q[name].dequantize() - w).reshape(w.shape[0], -1), f.A, f.G))
+                for k, q in (("near", near), ("ef", ef))}
+        assert cost["ef"] <= cost["near"] * 1.01, name
+        for k in totals:
+            totals[k] += cost[k]
+    assert totals["ef"] < 0.9 * totals["near"]
+
+
+def test_quantize_model_vq_and_error_feedback_need_their_settings():
+    with pytest.raises(ValueError, match="error-feedback.*needs a structured posterior"):
+        BayesQConfig(quant=QuantConfig(rounding="error-feedback"))
+    with pytest.raises(ValueError, match="error feedback needs uniform grids; codebook is 'lloyd'"):
+        QuantConfig(rounding="error-feedback", codebook="lloyd")
+    with pytest.raises(ValueError, match="mc-output.*K-FAC factors"):
+        BayesQConfig(quant=QuantConfig(proxy="mc-output"))
+    with pytest.raises(ValueError, match="set quant.unit: tensor"):
+        QuantConfig(codebook="vq")
+    with pytest.raises(ValueError, match="mc_samples = 7.*even number"):
+        QuantConfig(mc_samples=7)
+    with pytest.raises(ValueError, match="latency-aware density works with allocator greedy"):
+        AllocationConfig(latency=True, allocator="dp")
+    with pytest.raises(ValueError, match="allocation.floors"):
+        AllocationConfig(floors={"fc": 0})
+
+
+def test_quantize_model_pca_needs_calibration_data_and_floor_beyond_candidates_is_clear():
+    from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.quantize import allocate, build_table, fit_posterior
+
+    model = _model()
+    post = fit_posterior(model, _calibration(), BayesQConfig(), progress=False)
+    blocks = layer_blocks(quantizable_layers(model), 32, 8)
+    with pytest.raises(ValueError, match="pass model= and calibration="):
+        build_table(post, blocks, QuantConfig(group_size=32, unit_groups=8, whitening="pca"), progress=False)
+    table = build_table(post, blocks, BIG, progress=False)
+    with pytest.raises(ValueError, match="asks layer '7' for at least 16 bits but the candidates are \\[2, 3, 4, 8\\]"):
+        allocate(table, 3.0, AllocationConfig(floors={"7": 16}))

@@ -1,0 +1,193 @@
+"""Loss tables: every codebook's closed-form entries vs sampling, exact costs, metrics, MC proxies."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from bayesq.blocks import LayerBlocks
+from bayesq.codebook import LevelTables, UniformGrids, grid_cost, mulaw_levels
+from bayesq.config import Codebook, QuantConfig, Whitening
+from bayesq.curvature.kfac import KFACFactors
+from bayesq.expected_loss import apply_mc_proxy, layer_table, metric_weights, posterior_table, top_layers
+from bayesq.posterior import Posterior, input_moments
+
+F64 = torch.float64
+
+
+def _layer(seed=0, shape=(12, 40), heavy=False):
+    """Means like trained weights; stds from 0.05 to 1.5 grid steps of a 3-bit group grid."""
+    g = torch.Generator().manual_seed(seed)
+    mu = torch.randn(shape, generator=g, dtype=F64) * 0.05
+    if heavy:
+        mu = mu * torch.distributions.StudentT(3.0).sample(shape).to(F64).abs().clamp(max=6)
+    sigma = 0.004 * torch.exp(torch.randn(shape, generator=g, dtype=F64))
+    return mu, sigma
+
+
+CODEBOOKS = [c for c in Codebook if c != Codebook.VQ]
+
+
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+def test_layer_table_vs_monte_carlo_of_its_own_codebooks(codebook):
+    # Independent reference: draw w ~ N(mu, sigma^2), quantise with the table's stored codebook
+    # (nearest level, through the book's own quantize/dequantize) and average the whitened
+    # error per unit; the closed-form entry must be within 4 standard errors.
+    mu, sigma = _layer(1, heavy=True)
+    lb = LayerBlocks("l", tuple(mu.shape), 32, 4)  # 480 weights: 15 groups, 4 units (last short)
+    cfg = QuantConfig(group_size=32, unit_groups=4, codebook=codebook, bits=(2, 3, 4))
+    t = layer_table(lb, mu, sigma, cfg)
+    gen = torch.Generator().manual_seed(7)
+    m_, mask = lb.to_groups(mu.reshape(-1))
+    s_, _ = lb.to_groups(sigma.reshape(-1))
+    draws, k = 4000, 200  # k draws at a time: the book repeated k times, one copy per draw
+    for j, book in enumerate(t.books):
+        rep = book.take(torch.arange(lb.n_groups).repeat(k))
+        per_unit = torch.zeros(draws, lb.n_units, dtype=F64)
+        for d in range(0, draws, k):
+            eps = torch.randn((k, *m_.shape), generator=gen, dtype=F64)
+            w = (m_ + s_ * eps).reshape(-1, m_.shape[1])  # (k * G, g)
+            q = rep.dequantize(rep.quantize(w)).reshape(k, *m_.shape)
+            err = (0.5 * ((q - w.reshape(k, *m_.shape)) / s_) ** 2 * mask).sum(2)  # (k, G)
+            per_unit[d:d + k] = torch.zeros(k, lb.n_units, dtype=F64).index_add_(1, lb.group_unit(), err)
+        z = (per_unit.mean(0) - t.unit_loss[:, j]) / (per_unit.std(0) / math.sqrt(draws))
+        assert z.abs().max() < 4, (codebook, t.bits[j], z)
+
+
+def test_layer_table_costs_match_storage_formulas():
+    mu, sigma = _layer(2)
+    lb = LayerBlocks("l", tuple(mu.shape), 32, 4)  # units: 4, 4, 4, 3 groups; 128, 128, 128, 96 weights
+    sizes = [(128, 4), (128, 4), (128, 4), (96, 3)]
+    for codebook in CODEBOOKS:
+        cfg = QuantConfig(group_size=32, unit_groups=4, codebook=codebook, bits=(2, 3, 4, 8))
+        t = layer_table(lb, mu, sigma, cfg)
+        for u, (n, g) in enumerate(sizes):
+            for j, b in enumerate(cfg.bits):
+                header = 2  # four candidates
+                if b == 8 or codebook in (Codebook.UNIFORM, Codebook.UNIFORM_FIXED, Codebook.LLOYD_UNIFORM):
+                    want = n * b + g * (16 + b) + header  # codes, fp16 scale and b-bit zero per group
+                elif codebook == Codebook.LLOYD:
+                    want = n * b + 2**b * 16 + header  # codes, one fp16 LUT per unit
+                else:  # mu-law: codes, one fp16 scale per group
+                    want = n * b + g * 16 + header
+                assert int(t.unit_cost[u, j]) == want, (codebook, u, b)
+        # candidates with more than 16 levels keep min/max uniform grids
+        assert isinstance(t.books[-1], UniformGrids)
+
+
+def test_lloyd_table_beats_or_matches_uniform_with_one_lut_per_group():
+    # One LUT per 32-weight group vs a searched uniform grid per group (same cells to fill):
+    # posterior-weighted Lloyd-Max may only do better on the whitened objective.
+    mu, sigma = _layer(3, heavy=True)
+    lb = LayerBlocks("l", tuple(mu.shape), 32, 1)
+    lloyd = layer_table(lb, mu, sigma, QuantConfig(group_size=32, unit_groups=1, codebook=Codebook.LLOYD, bits=(2, 3)))
+    unif = layer_table(lb, mu, sigma, QuantConfig(group_size=32, unit_groups=1, bits=(2, 3)))
+    assert (lloyd.unit_loss.sum(0) <= unif.unit_loss.sum(0) * 1.001).all()
+
+
+def test_mulaw_table_books_are_the_fixed_table_times_group_absmax():
+    mu, sigma = _layer(4)
+    lb = LayerBlocks("l", tuple(mu.shape), 32, 4)
+    t = layer_table(lb, mu, sigma, QuantConfig(group_size=32, unit_groups=4, codebook=Codebook.MULAW, bits=(3,)))
+    m_, _ = lb.to_groups(mu.reshape(-1))
+    book = t.books[0]
+    assert isinstance(book, LevelTables)
+    assert torch.equal(book.levels[book.row], mulaw_levels(m_.abs().max(1).values, 3, 4.0))
+
+
+def test_metric_weights_identity_is_plain_squared_error():
+    mu, sigma = _layer(5)
+    lb = LayerBlocks("l", tuple(mu.shape), 32, 4)
+    post = Posterior({"l": mu}, {"l": sigma**2}, 10)
+    cfg = QuantConfig(group_size=32, unit_groups=4, bits=(2, 3), whitening=Whitening.IDENTITY)
+    t = posterior_table(post, [lb], cfg, progress=False).layers[0]
+    assert torch.equal(metric_weights(post, "l", Whitening.IDENTITY), torch.ones_like(mu))
+    m_, mask = lb.to_groups(mu.reshape(-1))
+    s_, _ = lb.to_groups(sigma.reshape(-1))
+    for j, g in enumerate(t.books):  # E[(Q(w) - w)^2] = sigma^2 * whitened closed form, per weight
+        per_group = 0.5 * (s_ * s_ * grid_cost(m_, s_, g.lo, g.scale, g.levels) * mask).sum(1)
+        want = torch.zeros(lb.n_units, dtype=F64).index_add_(0, lb.group_unit(), per_group)
+        assert torch.allclose(t.unit_loss[:, j], want, rtol=1e-12)
+
+
+def test_metric_weights_pca_is_input_second_moment_per_column():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, stride=2), nn.Flatten(), nn.Linear(3 * 4 * 4, 5))
+    batches = [torch.randn(4, 2, 8, 8), torch.randn(3, 2, 8, 8)]
+    layers = {"0": model[0], "2": model[2]}
+    diag, n = input_moments(model, batches, layers)
+    assert n == 7
+    x = torch.cat(batches).double()
+    cols = nn.functional.unfold(x, 3, padding=1, stride=2)  # (N, 2*9, L)
+    assert torch.allclose(diag["0"], cols.pow(2).sum(2).mean(0), rtol=1e-6)
+    h = model[1](model[0](x.float())).double()
+    assert torch.allclose(diag["2"], h.pow(2).mean(0), rtol=1e-5)
+    post = Posterior({k: m.weight.detach().double() for k, m in layers.items()},
+                     {k: torch.ones_like(m.weight, dtype=F64) for k, m in layers.items()}, 7)
+    omega = metric_weights(post, "0", Whitening.PCA, diag)
+    assert torch.equal(omega.reshape(3, -1), diag["0"].expand(3, -1))
+    with pytest.raises(ValueError, match="needs the layers' input moments"):
+        metric_weights(post, "0", Whitening.PCA, None)
+
+
+def _kfac_posterior():
+    """Diagonal K-FAC factors: the precision G (x) A is diagonal and equals 1 / variance, so the
+    output proxy's expectation is exactly the closed-form whitened entry."""
+    g = torch.Generator().manual_seed(8)
+    means, var, kfac = {}, {}, {}
+    for name, (o, i) in {"a": (6, 24), "b": (8, 16), "c": (4, 16)}.items():
+        means[name] = torch.randn(o, i, generator=g, dtype=F64) * 0.05
+        a = torch.exp(torch.randn(i, generator=g, dtype=F64))
+        gg = 4e4 * torch.exp(torch.randn(o, generator=g, dtype=F64))
+        var[name] = 1.0 / torch.outer(gg, a)
+        kfac[name] = KFACFactors(torch.diag(a), torch.diag(gg), 100)
+    return Posterior(means, var, 100, kfac)
+
+
+def test_apply_mc_proxy_output_vs_closed_form_within_3_se():
+    post = _kfac_posterior()
+    cfg = QuantConfig(group_size=16, unit_groups=2, bits=(2, 3, 4), mc_samples=400, mc_top_fraction=0.5)
+    blocks = [LayerBlocks(n, tuple(m.shape), 16, 2) for n, m in post.mean.items()]
+    closed = posterior_table(post, blocks, cfg, progress=False)
+    mc = apply_mc_proxy(closed, post, cfg, kind="output", seed=3, progress=False)
+    top = top_layers(closed, 0.5)
+    assert len(top) == 2  # ceil(0.5 * 3)
+    for i, (c, m) in enumerate(zip(closed.layers, mc.layers)):
+        if i not in top:
+            assert torch.equal(c.unit_loss, m.unit_loss) and (m.unit_se == 0).all()
+            continue
+        total, se = m.unit_loss.sum(0), m.unit_se.sum(0)
+        assert (se > 0).all()
+        assert ((total - c.unit_loss.sum(0)).abs() < 3 * se).all(), (total, c.unit_loss.sum(0), se)
+        # shared out over units in proportion to the closed form
+        assert torch.allclose(m.unit_loss / total, c.unit_loss / c.unit_loss.sum(0), rtol=1e-12)
+
+
+def test_apply_mc_proxy_kl_on_closed_form_scale():
+    # Linear softmax model, tiny posterior spread and fine grids: KL(p_w || p_{w+d}) ~ 0.5 d^T F d,
+    # so n_data / n_kl * summed KL ~ 0.5 d^T (n_data * mean F) d. With the posterior variance set
+    # to 1 / (n_data * mean Fisher diagonal) the rescaled entries match the closed form up to the
+    # off-diagonal Fisher terms (which the diagonal table ignores; ~10% here).
+    torch.manual_seed(0)
+    model = nn.Linear(16, 5).double()
+    x = torch.randn(200, 16, dtype=F64)
+    p = torch.softmax(model(x), -1).detach()
+    fisher_mean = torch.einsum("no,ni->oi", p * (1 - p), x * x) / x.shape[0]  # exact diagonal of the GGN
+    n_data = 5000
+    mu = model.weight.detach().clone()
+    post = Posterior({"w": mu}, {"w": 1.0 / (n_data * fisher_mean)}, 200, n_data=n_data)
+    wrapper = nn.Module()
+    wrapper.w = model  # layer name "w"
+    wrapper.forward = lambda inp: model(inp)
+    cfg = QuantConfig(group_size=16, unit_groups=1, bits=(5, 6), mc_samples=64, mc_top_fraction=1.0)
+    blocks = [LayerBlocks("w", tuple(mu.shape), 16, 1)]
+    closed = posterior_table(post, blocks, cfg, progress=False)
+    mc = apply_mc_proxy(closed, post, cfg, kind="kl", model=wrapper, batches=[x[:100], x[100:]], n_kl=200,
+                        seed=0, progress=False)
+    ratio = mc.layers[0].unit_loss.sum(0) / closed.layers[0].unit_loss.sum(0)
+    assert ((ratio - 1).abs() < 0.25).all(), ratio
+    with pytest.raises(ValueError, match="needs the model and calibration batches"):
+        apply_mc_proxy(closed, post, cfg, kind="kl")
+    with pytest.raises(ValueError, match="no K-FAC factors"):
+        apply_mc_proxy(closed, post, cfg, kind="output")
