@@ -201,6 +201,8 @@ class QuantConfig:
             _fail(s, "codebook", "vq", "VQ keeps one codebook per layer: set quant.unit: tensor")
         if self.vq_dim not in (2, 4, 8):
             _fail(s, "vq_dim", self.vq_dim, "choose 2, 4 or 8 weights per vector")
+        if self.codebook == Codebook.VQ and self.group_size % self.vq_dim:
+            _fail(s, "group_size", self.group_size, f"VQ needs a multiple of vq_dim = {self.vq_dim}")
         if self.lut_bits not in (16, 32):
             _fail(s, "lut_bits", self.lut_bits, "LUT entries are stored as fp16 (16) or fp32 (32)")
         if not self.mulaw_mu >= 0:
@@ -239,9 +241,11 @@ class AllocationConfig:
     Attributes:
         allocator: greedy (default), greedy-hw (near-ties within ``hw_tolerance`` broken for
             fewer distinct bit-widths per layer), dp (exact), lagrangian, random (control).
-        penalty: budget regularisation lambda >= 0: minimise ``L / L_floor + lambda * avg_bits``
-            under the budget, i.e. stop upgrading once an upgrade's relative loss drop per
-            average bit falls below lambda (0: spend the whole budget).
+        penalty: budget regularisation lambda >= 0: minimise
+            ``(L - L_min) / (L_floor - L_min) + lambda * avg_bits`` under the budget (L_floor:
+            every unit at its cheapest candidate, L_min: at its least-loss one), i.e. stop
+            upgrading once an upgrade's normalised loss drop per average bit falls below lambda
+            (0: spend the whole budget).
         floors: per-stage bit floors, ``{layer-name glob: minimum bits}`` (fnmatch patterns,
             e.g. ``{"classifier*": 4}``); a layer matching several takes the largest.
         latency: rank upgrades by loss drop per predicted kernel time instead of per bit

@@ -15,7 +15,10 @@ moment). ``Q_b`` is the unit's codebook at b bits, fitted to minimise that same 
 * ``lloyd``: one posterior-weighted Lloyd-Max LUT per allocation unit (``fit_lloyd_levels``);
 * ``lloyd-uniform``: that LUT's assignment compiled to a uniform grid per group
   (``compile_to_uniform``), for backends without LUTs;
-* ``mulaw``: the fixed mu-law table scaled by each group's absmax.
+* ``mulaw``: the fixed mu-law table scaled by each group's absmax;
+* ``vq``: one weighted k-means codebook of ``K = 2**(b * vq_dim)`` vectors per layer (tensor
+  units; ``bayesq/vq.py``), entry ``0.5 (D(C, a) + sum omega sigma^2)`` for the assignment made
+  on the means (what is stored); candidates with K > 4096 use searched uniform grids.
 
 Candidates with more than 16 levels (8 bits) always use min/max uniform grids (the optimal
 clipping of a 256-level grid lies beyond a group's extremes). C_u(b) is the candidate's exact
@@ -42,10 +45,11 @@ from bayesq.codebook import (
 )
 from bayesq.config import Codebook, QuantConfig, Whitening
 from bayesq.posterior import Posterior
-from bayesq.storage import lut_unit_cost_bits, mulaw_unit_cost_bits, unit_cost_bits
+from bayesq.storage import header_bits, lut_unit_cost_bits, mulaw_unit_cost_bits, unit_cost_bits, vq_cost_bits
+from bayesq.vq import MAX_CODEBOOK, VQBook, fit_vq, vq_assign
 
 SEARCH_MAX_LEVELS = 16
-Book = UniformGrids | LevelTables
+Book = UniformGrids | LevelTables | VQBook
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,10 @@ def _costs(blocks: LayerBlocks, cfg: QuantConfig, kinds: Sequence[str]) -> torch
     for n, g in blocks.unit_sizes():
         row = []
         for b, kind in zip(cfg.bits, kinds):
-            if kind == "lut":
+            if kind == "vq":
+                d = cfg.vq_dim
+                row.append(vq_cost_bits(math.ceil(n / d), d, 2 ** (b * d), cfg.lut_bits) + header_bits(nb))
+            elif kind == "lut":
                 row.append(lut_unit_cost_bits(n, b, nb, cfg.lut_bits))
             elif kind == "mulaw":
                 row.append(mulaw_unit_cost_bits(n, g, b, nb, cfg.scale_bits))
@@ -183,7 +190,9 @@ class _LayerFit:
         if kind is None:
             g = minmax_grids(self.mu, b, cfg.scale_bits)
             return g, self._units(self.uniform(g)), "grid"
-        if kind == Codebook.UNIFORM:
+        if kind == Codebook.VQ and 2 ** (b * cfg.vq_dim) <= MAX_CODEBOOK:
+            return self._vq(b)
+        if kind in (Codebook.UNIFORM, Codebook.VQ):
             g, cost = fit_uniform_grids(self.mu, self.sigma, self.weight, b, iters=cfg.range_iters,
                                         min_ratio=cfg.min_range_ratio, scale_bits=cfg.scale_bits)
             return g, self._units(cost), "grid"
@@ -206,6 +215,18 @@ class _LayerFit:
         codes = book.quantize(self.mu)  # (G, g) the LUT's assignment
         g = compile_to_uniform(codes, self.mu, b, omega=self.omega, mask=self.mask, scale_bits=cfg.scale_bits)
         return g, self._units(self.uniform(g)), "grid"
+
+    def _vq(self, b: int) -> tuple[Book, torch.Tensor, str]:
+        """Weighted k-means over the layer's vectors; cost of the stored (mean) assignment."""
+        d, (n_groups, g) = self.cfg.vq_dim, self.mu.shape
+        if g % d:
+            raise ValueError(f"quant.group_size = {g} must be a multiple of quant.vq_dim = {d}")
+        om = self.omega * self.mask  # (G, g): padding weighs nothing
+        codebook, _, _ = fit_vq(self.mu.reshape(-1, d), om.reshape(-1, d), 2 ** (b * d), lut_bits=self.cfg.lut_bits)
+        book = VQBook(b, codebook, om)
+        _, vec_cost = vq_assign(self.mu.reshape(-1, d), om.reshape(-1, d), codebook)  # (G g / d,)
+        group_cost = vec_cost.reshape(n_groups, -1).sum(1) + (self.weight).sum(1)  # + sum omega sigma^2
+        return book, self._units(group_cost), "vq"
 
     def _units(self, group_cost: torch.Tensor) -> torch.Tensor:
         return 0.5 * _unit_sum(self.blocks, group_cost)

@@ -58,7 +58,8 @@ class QuantizedWeight:
     Attributes:
         blocks: group / unit layout.
         group_bits: (G,) int64 bit-width of each group.
-        codes: (G, group_size) int64 codes (padding of the last group included).
+        codes: (G, group_size) int64 codes (padding of the last group included); VQ layers
+            hold (G, group_size / vq_dim) codeword indices.
         books: bit-width -> codebook of the groups at that width, rows in group order
             (``UniformGrids``: ``scale * (code - zero)``; ``LevelTables``: ``levels[row, code]``).
     """
@@ -70,7 +71,7 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """Weight of ``blocks.shape`` (float64) from the codes and codebooks only."""
-        w = torch.zeros(self.codes.shape, dtype=torch.float64)
+        w = torch.zeros(self.codes.shape[0], self.blocks.group_size, dtype=torch.float64)
         for b, book in self.books.items():
             sel = self.group_bits == b
             w[sel] = book.dequantize(self.codes[sel])
@@ -135,6 +136,12 @@ def _usable(cost: np.ndarray, valid: np.ndarray) -> list[np.ndarray]:
     return out
 
 
+def min_bits(table: LossTable, cfg: AllocationConfig = AllocationConfig()) -> float:
+    """Storage bits of the cheapest allocation (every unit at its cheapest candidate at its floor)."""
+    _, _, cost, valid, _ = _candidates(table, cfg)
+    return float(np.where(valid, cost, np.inf).min(1).sum())
+
+
 def allocate(table: LossTable, avg_bits: float, cfg: AllocationConfig = AllocationConfig(), seed: int = 0) -> Allocation:
     """Bit-width of every unit under ``avg_bits`` bits per quantised weight (all metadata counted).
 
@@ -197,6 +204,24 @@ def allocate(table: LossTable, avg_bits: float, cfg: AllocationConfig = Allocati
     return Allocation(unit_bits, total, table.n_weights, budget, float(loss[rows, col].sum()))
 
 
+def loss_reduction_curve(
+    table: LossTable, avg_bits: float, cfg: AllocationConfig = AllocationConfig(),
+    fractions: tuple[float, ...] = (0.2, 0.4, 0.6),
+) -> dict[float, float]:
+    """Diminishing returns: share of the expected-loss reduction (cheapest allocation -> the one
+    at ``avg_bits``) reached after spending each fraction of the bits between the two."""
+    n = table.n_weights
+    full = allocate(table, avg_bits, cfg)
+    floor_bits = min_bits(table, cfg)
+    cheapest = allocate(table, (floor_bits + 0.5) / n, cfg)
+    drop = cheapest.expected_loss - full.expected_loss
+    out = {}
+    for f in fractions:
+        part = allocate(table, (floor_bits + f * (full.total_bits - floor_bits) + 0.5) / n, cfg)
+        out[f] = (cheapest.expected_loss - part.expected_loss) / drop if drop > 0 else 1.0
+    return out
+
+
 # ---- encoding -----------------------------------------------------------------------------------
 
 def _element_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, Book], out: int):
@@ -244,10 +269,13 @@ def encode(
             codes_w = error_feedback_round(mat, f.A, scale, zero, maxq)  # (out, d_in)
             codes, _ = lb.to_groups(codes_w.reshape(-1))
         else:
-            codes = torch.zeros_like(groups, dtype=torch.int64)
-            for b, book in books.items():
-                sel = group_bits == b
-                codes[sel] = book.quantize(groups[sel])
+            parts = {b: book.quantize(groups[group_bits == b]) for b, book in books.items()}
+            widths = {p.shape[1] for p in parts.values()}
+            if len(widths) != 1:
+                raise ValueError(f"layer '{lb.name}' mixes VQ and scalar codes; VQ needs quant.unit: tensor")
+            codes = torch.zeros(lb.n_groups, widths.pop(), dtype=torch.int64)
+            for b, part in parts.items():
+                codes[group_bits == b] = part
         out[lb.name] = QuantizedWeight(lb, group_bits, codes, books)
     return out
 

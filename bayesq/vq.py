@@ -23,6 +23,8 @@ that; :func:`vq_expected_cost` estimates the latter by Monte Carlo. ``tests/test
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from bayesq.codebook import _round_stored
@@ -151,3 +153,37 @@ def vq_expected_cost(
         w = (mu + sigma * noise).reshape(-1, mu.shape[1])  # (m N, g)
         total += float(vq_assign(w, omega.repeat(m, 1), codebook)[1].sum())
     return total / samples
+
+
+@dataclass(frozen=True)
+class VQBook:
+    """One layer's VQ codebook over (G, g) group rows cut into vectors of ``dim`` weights.
+
+    Attributes:
+        bits: bits per weight, ``log2(K) / dim``.
+        codebook: (K, dim) float64 as stored (fp16-rounded).
+        omega: (G, g) float64 metric weights of the assignment (not stored: the stored model
+            holds only the indices and the codebook).
+
+    Codes are (G, g / dim) int64 indices; ``g`` must be a multiple of ``dim``.
+    """
+
+    bits: int
+    codebook: torch.Tensor
+    omega: torch.Tensor
+
+    @property
+    def dim(self) -> int:
+        return int(self.codebook.shape[1])
+
+    def take(self, rows: torch.Tensor) -> "VQBook":
+        return VQBook(self.bits, self.codebook, self.omega[rows])
+
+    def quantize(self, w: torch.Tensor) -> torch.Tensor:
+        """(G, g / dim) int64 indices of the nearest codeword in the omega metric (:func:`vq_assign`)."""
+        x, om = w.reshape(-1, self.dim), self.omega.reshape(-1, self.dim)  # (G g / dim, dim)
+        return vq_assign(x, om, self.codebook)[0].reshape(w.shape[0], -1)
+
+    def dequantize(self, codes: torch.Tensor) -> torch.Tensor:
+        """(G, g) float64 codewords of the (G, g / dim) indices."""
+        return self.codebook[codes].reshape(codes.shape[0], -1)

@@ -6,7 +6,8 @@ Rows come from ``ablations.rows`` in ``params.yaml`` (``{group: {label: {section
 each the main parameters with its overrides applied (validated on load).  Per (model, row) a
 posterior task and a table task (both cached, so rows that share a posterior or table reuse
 it), then one quantise-and-evaluate task per ablation budget.  Every evaluation is an MLflow
-child run tagged with its group and row.  Writes ``<out>/ablations.json``.
+child run tagged with its group and row.  Writes ``<out>/ablations.json``: ``records`` (one per
+model, row and budget) and ``diminishing`` (the core row's loss-reduction curve per budget).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from prefect import flow
 
 from bayesq.config import Method, ablation_params
+from bayesq.quantize import loss_reduction_curve
 from flows.common import code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json
 from flows.finetune import raw_path
 from flows.quantize import config_tag, posterior_task, quantize_eval_task, table_task
@@ -40,7 +42,7 @@ def ablate_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list[d
     rows = ablation_rows(params)
     seed = params.seeds[0]
     code = code_version()
-    records = []
+    records, curves = [], {}
     names = params.ablations.models or params.models
     with mlflow_parent("bayesq-ablations", f"ablate-{params.profile}", {"profile": params.profile}) as parent:
         for name in names:
@@ -48,31 +50,51 @@ def ablate_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list[d
             model_file = Path(models) / name / "model.safetensors"
             mdig, src = digest(model_file), raw_path(entry, raw)
             sdig = digest(src)
-            for group, label, over, p in rows:
-                post = posterior_task(name, str(model_file), mdig, str(src), sdig, p.data, p.calibration,
-                                      p.posterior, seed, str(Path(out) / "posterior"), code,
-                                      tag=config_tag(p.calibration, p.posterior))
-                tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])),
-                                 str(src), sdig, p.data, p.calibration, p.quant, seed,
-                                 str(Path(out) / "tables"), code, tag=config_tag(p.quant))
-                key = f"{digest(Path(post['path']))}:{p.quant}:{p.calibration}"
-                for budget in params.ablations.budgets:
-                    r = quantize_eval_task(name, Method.BAYESQ.value, budget, seed, str(model_file), mdig,
-                                           str(src), sdig, p.data, p.quant, p.allocation, tab["table"], key,
-                                           post["path"], code)
-                    r = {**r, "group": group, "row": label, "overrides": {k: str(v) for k, v in over.items()},
-                         "posterior_seconds": post["seconds"], "table_seconds": tab["seconds"]}
-                    print(f"[ablate] {name} {group} / {label} @ {budget}: acc {r['accuracy']:.4f} "
-                          f"at {r['avg_bits']:.4f} bits", flush=True)
-                    mlflow_child(parent.info.run_id, f"{name}/{group}/{label}/b{budget}",
-                                 {"model": name, "group": group, "row": label, "seed": seed, "budget": budget,
-                                  **{k: str(v) for k, v in over.items()}},
-                                 {k: r[k] for k in ("accuracy", "avg_bits", "quantize_seconds",
-                                                    "posterior_seconds", "table_seconds")},
-                                 {"profile": params.profile, "code_version": code})
-                    records.append(r)
-    write_json(Path(out) / "ablations.json", records)
+            for i, (group, label, over, p) in enumerate(rows):
+                try:
+                    recs, curve = _row(name, i, group, label, over, p, params, model_file, mdig, src, sdig,
+                                       seed, out, code, parent.info.run_id)
+                except Exception as err:  # one broken row is reported, the others still run
+                    print(f"[ablate] {name} {group} / {label}: FAILED: {err!r}", flush=True)
+                    records.append({"model": name, "group": group, "row": label, "error": repr(err),
+                                    "overrides": {k: str(v) for k, v in over.items()}})
+                    continue
+                records += recs
+                if curve:
+                    curves[name] = curve
+    write_json(Path(out) / "ablations.json", {"records": records, "diminishing": curves})
     return records
+
+
+def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig, seed, out, code, parent_id):
+    """Posterior, table and every budget of one ablation row on one model (tasks are cached)."""
+    records, curve = [], None
+    post = posterior_task(name, str(model_file), mdig, str(src), sdig, p.data, p.calibration,
+                          p.posterior, seed, str(Path(out) / "posterior"), code,
+                          tag=config_tag(p.calibration, p.posterior))
+    tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])),
+                     str(src), sdig, p.data, p.calibration, p.quant, seed,
+                     str(Path(out) / "tables"), code, tag=config_tag(p.quant))
+    key = f"{digest(Path(post['path']))}:{p.quant}:{p.calibration}"
+    if index == 0:
+        curve = {str(b): {str(f): v for f, v in loss_reduction_curve(
+            tab["table"], b, p.allocation).items()} for b in params.ablations.budgets}
+    for budget in params.ablations.budgets:
+        r = quantize_eval_task(name, Method.BAYESQ.value, budget, seed, str(model_file), mdig,
+                               str(src), sdig, p.data, p.quant, p.allocation, tab["table"], key,
+                               post["path"], code)
+        r = {**r, "group": group, "row": label, "overrides": {k: str(v) for k, v in over.items()},
+             "posterior_seconds": post["seconds"], "table_seconds": tab["seconds"]}
+        print(f"[ablate] {name} {group} / {label} @ {budget}: acc {r['accuracy']:.4f} "
+              f"at {r['avg_bits']:.4f} bits", flush=True)
+        mlflow_child(parent_id, f"{name}/{group}/{label}/b{budget}",
+                     {"model": name, "group": group, "row": label, "seed": seed, "budget": budget,
+                      **{k: str(v) for k, v in over.items()}},
+                     {k: r[k] for k in ("accuracy", "avg_bits", "quantize_seconds",
+                                        "posterior_seconds", "table_seconds")},
+                     {"profile": params.profile, "code_version": code})
+        records.append(r)
+    return records, curve
 
 
 def main() -> None:

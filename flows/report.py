@@ -105,48 +105,136 @@ def report(results: Path, models: Path, out: Path) -> None:
     write_json(out / "metrics.json", metrics)
 
 
-def ablation_table(records: list[dict], fp: dict[str, dict]) -> str:
-    """The paper's ablation layout: one row per variant, accuracy per model and budget."""
+LAYER_KINDS = (  # (substring of the module name, kind) -- first match wins
+    ("attention.self.query", "attention q/k/v"), ("attention.self.key", "attention q/k/v"),
+    ("attention.self.value", "attention q/k/v"), ("attention.output", "attention out"),
+    ("intermediate", "FFN in"), ("output.dense", "FFN out"), ("pooler", "pooler"),
+    ("classifier", "classifier"), ("_conv_stem", "stem conv"), ("_expand_conv", "expand 1x1"),
+    ("_depthwise_conv", "depthwise 3x3/5x5"), ("_project_conv", "project 1x1"),
+    ("_conv_head", "head 1x1"), ("_fc", "classifier"),
+)
+
+
+def layer_kind(name: str) -> str:
+    """Coarse layer family of a module name (for the per-layer bit summary)."""
+    for key, kind in LAYER_KINDS:
+        if key in name:
+            return kind
+    return name.rsplit(".", 1)[-1]
+
+
+def _se(fp: dict) -> float:
+    """Binomial standard error (points) of an accuracy near the FP accuracy."""
+    a = fp["fp_accuracy"]
+    return 100 * (a * (1 - a) / fp["n_test"]) ** 0.5
+
+
+def _overhead(r: dict) -> float:
+    return r.get("posterior_seconds", 0.0) + r.get("table_seconds", 0.0) + r["quantize_seconds"]
+
+
+def ablation_table(records: list[dict], fp: dict[str, dict], extras: dict | None = None) -> str:
+    """The paper's ablation layout: categories of variants, accuracy per model and budget, the
+    change against the core row at the lowest budget, one-time cost relative to the core row."""
     models = list(dict.fromkeys(r["model"] for r in records))
+    failed = {(r["model"], r["group"], r["row"]): r["error"] for r in records if "error" in r}
+    records = [r for r in records if "error" not in r]
     budgets = sorted({r["budget"] for r in records})
     cell = {(r["model"], r["group"], r["row"], r["budget"]): r for r in records}
     rows = list(dict.fromkeys((r["group"], r["row"]) for r in records))
-    base = rows[0]
+    rows += [k[1:] for k in failed if k[1:] not in rows]
+    base, low = rows[0], budgets[0]
+    heads = [f"{m} @{b:.1f}" for m in models for b in budgets] + [f"Δ {m} @{low:.1f}" for m in models]
     lines = [
         "# Ablations: BayesQ with one component switched per row", "",
-        "Top-1 accuracy (%) at matched true average bits (payload, scales, zero-points, look-up "
-        "tables and headers counted); in brackets the difference to the first row "
-        f"(\"{base[1]}\"). One seed; the accuracy's standard error is about "
-        + ", ".join(f"{100 * ((fp[m]['fp_accuracy'] * (1 - fp[m]['fp_accuracy'])) / fp[m]['n_test']) ** 0.5:.2f}"
-                    f" points on {m}" for m in models)
-        + ". Every row's true average bits are in `results-ablations/ablations.json`.", "",
+        "Top-1 accuracy (%) on the test split, with the true average bits per quantised weight in "
+        "brackets (payload, scales, zero-points, look-up tables, codebooks and headers all counted). "
+        f"Δ: accuracy change against the core row (\"{base[1]}\") at {low:.1f} bits. Overhead: one-time "
+        "cost (posterior + loss table + allocation and encoding, wall seconds) relative to the core row; "
+        "no GPTQ baseline exists yet, so the core row is the reference (the paper uses a GPTQ pass). "
+        "One seed; one standard error of an accuracy is about "
+        + ", ".join(f"{_se(fp[m]):.2f} points on {m} ({fp[m]['n_test']} test examples)" for m in models)
+        + ", so differences below about twice that are not resolved. "
+        + "FP accuracy: " + ", ".join(f"{m} {100 * fp[m]['fp_accuracy']:.2f}%" for m in models) + ".", "",
+        "| category | variant | " + " | ".join(heads) + " | overhead | settings |",
+        "|---|---|" + "---|" * len(heads) + "---|---|",
     ]
-    head = " | ".join(f"{m} {b:.1f}" for m in models for b in budgets)
-    lines += [f"| group | variant | {head} | overrides |", "|---|---|" + "---|" * (len(models) * len(budgets)) + "---|"]
-    lines.append("| FP | full precision | " + " | ".join(
-        f"{100 * fp[m]['fp_accuracy']:.2f}" for m in models for _ in budgets) + " | |")
+    group_seen = None
     for group, label in rows:
-        cells, over = [], ""
+        if group != group_seen:
+            lines.append(f"| **{group}** | |" + " |" * len(heads) + " | |")
+            group_seen = group
+        cells, over, ratios = [], "", []
         for m in models:
             for b in budgets:
                 r = cell.get((m, group, label, b))
-                ref = cell.get((m, *base, b))
                 if r is None:
-                    cells.append("–")
+                    cells.append("failed¹" if (m, group, label) in failed else "–")
                     continue
                 over = ", ".join(f"`{k}={v}`" for k, v in r["overrides"].items())
-                delta = f" ({100 * (r['accuracy'] - ref['accuracy']):+.2f})" if ref and (group, label) != base else ""
-                cells.append(f"{100 * r['accuracy']:.2f}{delta}")
-        lines.append(f"| {group} | {label} | " + " | ".join(cells) + f" | {over} |")
+                cells.append(f"{100 * r['accuracy']:.2f} ({r['avg_bits']:.2f})")
+                ref = cell.get((m, *base, b))
+                if ref and _overhead(ref) > 0:
+                    ratios.append(_overhead(r) / _overhead(ref))
+        for m in models:
+            r, ref = cell.get((m, group, label, low)), cell.get((m, *base, low))
+            cells.append("–" if r is None or ref is None else f"{100 * (r['accuracy'] - ref['accuracy']):+.2f}")
+        ovh = f"{sum(ratios) / len(ratios):.2f}×" if ratios else "–"
+        lines.append(f"| | {label} | " + " | ".join(cells) + f" | {ovh} | {over or 'defaults'} |")
     lines.append("")
+    if failed:
+        lines += ["¹ Rows that raised (the run went on without them):", ""]
+        lines += [f"* {m}, {g} / {r}: `{err}`" for (m, g, r), err in failed.items()] + [""]
+    if extras:
+        lines += _diminishing(extras, models, budgets) + _layer_bits(records, base, models, budgets)
     return "\n".join(lines)
 
 
+def _diminishing(extras: dict, models: list[str], budgets: list[float]) -> list[str]:
+    """Share of the expected-loss reduction bought by the first part of the upgrade budget."""
+    fracs = sorted({float(f) for m in models for b in budgets for f in extras.get(m, {}).get(str(b), {})})
+    if not fracs:
+        return []
+    lines = ["## Diminishing returns (core row)", "",
+             "Share (%) of the total expected-loss reduction that the greedy allocator achieves after "
+             "spending the given share of the bits above the cheapest allocation (concave = the first "
+             "bits buy most of the gain).", "",
+             "| bits spent | " + " | ".join(f"{m} @{b:.1f}" for m in models for b in budgets) + " |",
+             "|---|" + "---|" * (len(models) * len(budgets))]
+    for f in fracs:
+        vals = [extras.get(m, {}).get(str(b), {}).get(str(f)) for m in models for b in budgets]
+        lines.append(f"| first {100 * f:.0f}% | " + " | ".join("–" if v is None else f"{100 * v:.1f}" for v in vals) + " |")
+    return lines + [""]
+
+
+def _layer_bits(records: list[dict], base: tuple, models: list[str], budgets: list[float]) -> list[str]:
+    """Mean bits per layer family in the core row's allocation at each budget."""
+    lines = ["## Per-layer bit allocation (core row)", "",
+             "Mean bit-width of the allocation units in each layer family (scales and headers not included).", ""]
+    for m in models:
+        kinds: dict = defaultdict(lambda: defaultdict(list))
+        for r in records:
+            if r["model"] == m and (r["group"], r["row"]) == base:
+                for name, bits in r["layer_bits"].items():
+                    kinds[layer_kind(name)][r["budget"]].append(bits)
+        if not kinds:
+            continue
+        lines += [f"**{m}**", "", "| layer family | layers | " + " | ".join(f"@{b:.1f}" for b in budgets) + " |",
+                  "|---|---|" + "---|" * len(budgets)]
+        for kind, per in kinds.items():
+            n = len(next(iter(per.values())))
+            lines.append(f"| {kind} | {n} | " + " | ".join(
+                f"{statistics.fmean(per[b]):.2f}" if per.get(b) else "–" for b in budgets) + " |")
+        lines.append("")
+    return lines
+
+
 def ablation_report(results: Path, models: Path, out: Path) -> None:
-    records = read_json(results)
+    data = read_json(results)
+    records, extras = (data["records"], data.get("diminishing")) if isinstance(data, dict) else (data, None)
     fp = {m: read_json(Path(models) / m / "fp.json") for m in {r["model"] for r in records}}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(ablation_table(records, fp))
+    out.write_text(ablation_table(records, fp, extras))
 
 
 def main() -> None:

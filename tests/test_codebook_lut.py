@@ -315,3 +315,37 @@ def test_compile_to_uniform_mask_and_degenerate_rows():
         compile_to_uniform(codes + 2, w, 2)
     with pytest.raises(ValueError, match="non-negative"):
         compile_to_uniform(codes, w, 2, omega=-torch.ones_like(w))
+
+
+def test_fit_lloyd_levels_within_range_is_projected_and_monotone():
+    # Wide posteriors pull unconstrained levels far beyond the stored weights; within_range keeps
+    # every level in the row's [min, max] of real means, and the projected step stays monotone.
+    mu, sigma, g = _rows(11, 5, 64)
+    sigma[:, :32] *= 50  # half the weights barely constrained
+    mask = torch.ones_like(mu)
+    mask[4, 40:] = 0
+    free, _ = cb.fit_lloyd_levels(mu, sigma, mask, 3, lut_bits=64)
+    lo = torch.where(mask > 0, mu, torch.inf).min(1).values
+    hi = torch.where(mask > 0, mu, -torch.inf).max(1).values
+    assert ((free < lo[:, None]) | (free > hi[:, None])).any()  # the unconstrained fit leaves the range
+    boxed, cost = cb.fit_lloyd_levels(mu, sigma, mask, 3, lut_bits=64, within_range=True)
+    assert ((boxed >= lo[:, None] - 1e-15) & (boxed <= hi[:, None] + 1e-15)).all()
+    assert torch.allclose(cost, levels_cost_chunked(mu, sigma, boxed, mask), rtol=1e-12)
+    levels = torch.minimum(torch.maximum(torch.sort(torch.randn(5, 8, dtype=F64, generator=g) * 0.05, 1).values,
+                                         lo[:, None]), hi[:, None])
+    prev = None
+    for _ in range(20):
+        levels, obj = lloyd_levels_step(mu, sigma, levels, mask, None, (lo, hi))
+        assert ((levels >= lo[:, None]) & (levels <= hi[:, None])).all()
+        if prev is not None:
+            assert (obj <= prev * (1 + 1e-12)).all()
+        prev = obj
+    # rows whose unconstrained optimum lies inside the range are unaffected
+    tight, _ = cb.fit_lloyd_levels(mu[:, 32:], sigma[:, 32:] / 50, mask[:, 32:], 2, lut_bits=64)
+    tight_box, _ = cb.fit_lloyd_levels(mu[:, 32:], sigma[:, 32:] / 50, mask[:, 32:], 2, lut_bits=64,
+                                       within_range=True)
+    m2, k2 = mu[:, 32:], mask[:, 32:]
+    lo2 = torch.where(k2 > 0, m2, torch.inf).min(1).values
+    hi2 = torch.where(k2 > 0, m2, -torch.inf).max(1).values
+    inside = ((tight >= lo2[:, None]) & (tight <= hi2[:, None])).all(1)
+    assert inside.any() and torch.allclose(tight[inside], tight_box[inside])

@@ -191,3 +191,36 @@ def test_apply_mc_proxy_kl_on_closed_form_scale():
         apply_mc_proxy(closed, post, cfg, kind="kl")
     with pytest.raises(ValueError, match="no K-FAC factors"):
         apply_mc_proxy(closed, post, cfg, kind="output")
+
+
+@pytest.mark.parametrize("dim", [2, 4])
+def test_vq_table_vs_monte_carlo_of_stored_assignment(dim):
+    # Entry = 0.5 E_w[sum omega (C_a - w)^2] for the assignment a made on the means (stored):
+    # sampled with a fixed, the estimate must agree within 4 SE; re-assigning each draw to its
+    # nearest codeword can only lower it. Costs: indices + one fp16 codebook + header.
+    from bayesq.vq import VQBook
+
+    mu, sigma = _layer(9, shape=(8, 40))
+    lb = LayerBlocks("l", tuple(mu.shape), 32, 10)  # tensor unit: 10 groups, one unit
+    cfg = QuantConfig(group_size=32, unit_groups=10, unit="tensor", codebook="vq", vq_dim=dim, bits=(2, 3, 4))
+    t = layer_table(lb, mu, sigma, cfg)
+    m_, mask = lb.to_groups(mu.reshape(-1))
+    s_, _ = lb.to_groups(sigma.reshape(-1))
+    gen = torch.Generator().manual_seed(2)
+    for j, b in enumerate(cfg.bits):
+        book = t.books[j]
+        k = 2 ** (b * dim)
+        if k > 4096:
+            assert isinstance(book, UniformGrids)
+            continue
+        assert isinstance(book, VQBook) and book.codebook.shape == (k, dim)
+        assert int(t.unit_cost[0, j]) == math.ceil(320 / dim) * b * dim + k * dim * 16 + 2
+        codes = book.quantize(m_)
+        fixed = book.dequantize(codes)  # (G, 32)
+        draws = torch.stack([m_ + s_ * torch.randn(m_.shape, generator=gen, dtype=F64) for _ in range(2000)])
+        loss_fixed = (0.5 * ((fixed - draws) / s_) ** 2 * mask).sum((1, 2))
+        z = (loss_fixed.mean() - t.unit_loss[0, j]) / (loss_fixed.std() / math.sqrt(2000))
+        assert abs(z) < 4, z
+        nearest = torch.stack([book.dequantize(book.quantize(d)) for d in draws[:200]])
+        loss_near = (0.5 * ((nearest - draws[:200]) / s_) ** 2 * mask).sum((1, 2))
+        assert (loss_near <= loss_fixed[:200] + 1e-9).all()

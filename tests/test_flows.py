@@ -122,3 +122,38 @@ def test_get_entry_unknown_model_is_clear():
 
     with pytest.raises(ValueError, match="unknown model 'lite0-fmnst'.*did you mean 'lite0-fmnist'"):
         get_entry("lite0-fmnst")
+
+
+def test_ablation_flow_rows_failures_and_report(tmp_path, prefect_harness, tiny_entry):
+    from flows.ablate import ablate_flow
+    from flows.common import read_json
+    from flows.finetune import finetune_flow
+    from flows.report import ablation_report
+
+    params = yaml.safe_load(_params(tmp_path).read_text())
+    params["ablations"] = {"budgets": [3.0, 4.0], "rows": {
+        "core": {"BayesQ": {}},
+        "codebook": {"Lloyd LUT": {"quant.codebook": "lloyd", "quant.unit_groups": 8},
+                     "K-FAC + error feedback": {"posterior.curvature": "kfac", "quant.rounding": "error-feedback"}},
+        "broken": {"floor above every candidate": {"allocation.floors": {"*": 16}}},
+    }}
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params, sort_keys=False))  # row order matters: the first is the core
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "tiny.bin").write_bytes(b"synthetic")
+    models, out = tmp_path / "models", tmp_path / "abl"
+    finetune_flow(path, raw, models)
+    records = ablate_flow(path, raw, models, out)
+    ok = [r for r in records if "error" not in r]
+    assert len(ok) == 6 and all(r["avg_bits"] <= r["budget"] for r in ok)
+    failed = [r for r in records if "error" in r]
+    assert len(failed) == 1 and "at least 16 bits" in failed[0]["error"]
+    data = read_json(out / "ablations.json")
+    curve = data["diminishing"]["tiny-cnn"]["3.0"]
+    assert 0 <= curve["0.2"] <= curve["0.4"] <= curve["0.6"] <= 1
+    ablation_report(out / "ablations.json", models, tmp_path / "reports" / "ablations.md")
+    md = (tmp_path / "reports" / "ablations.md").read_text()
+    for text in ("| **codebook** |", "Lloyd LUT", "failed¹", "at least 16 bits", "Diminishing returns",
+                 "Per-layer bit allocation", "`quant.codebook=lloyd`"):
+        assert text in md, text

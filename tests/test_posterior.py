@@ -66,3 +66,91 @@ def test_fit_diagonal_posterior_indefinite_curvature_gets_prior_variance():
         fit_diagonal_posterior(f, 100, w, PosteriorConfig(damping=0.5))
     post = fit_diagonal_posterior(f, 100, w, PosteriorConfig(damping=0.5), indefinite=True)
     torch.testing.assert_close(post.precision("l"), torch.tensor([0.5, 2.5], dtype=torch.float64))
+
+
+# ---- K-FAC / low-rank posteriors, back-off, curvature dispatch -----------------------------------
+
+from torch import nn  # noqa: E402
+
+from bayesq.config import Curvature  # noqa: E402
+from bayesq.curvature.kfac import KFACFactors, damped, kfac_factors  # noqa: E402
+from bayesq.posterior import fit_kfac_posterior, fit_posterior, spd_backoff  # noqa: E402
+
+
+def _spd(d, seed):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(d, d, generator=g, dtype=torch.float64)
+    return m @ m.T / d + 0.01 * torch.eye(d, dtype=torch.float64)
+
+
+def test_fit_kfac_posterior_variance_and_factors_vs_explicit_kronecker():
+    A, G = _spd(5, 0), _spd(3, 1)
+    w = {"l": torch.randn(3, 5, dtype=torch.float64)}
+    cfg = PosteriorConfig(damping=0.3, n_data=200, small_calibration=0)
+    post = fit_kfac_posterior({"l": KFACFactors(A, G, 20)}, w, cfg)
+    prec = 200 * torch.kron(G, A)  # row-major vec(W): G (x) A, scaled to n_data
+    assert torch.allclose(post.variance["l"].reshape(-1), 1 / (prec.diagonal() + 0.3), rtol=1e-12)
+    f = post.kfac["l"]
+    want = damped(KFACFactors(A, 200 * G, 20), 0.3)  # factored Tikhonov damping of N G (x) A + lambda
+    assert torch.allclose(f.A, want.A) and torch.allclose(f.G, want.G)
+    full = torch.kron(f.G, f.A)
+    # the factored damping adds lambda I plus cross terms; the undamped product is kept exactly
+    assert torch.allclose(full - prec - 0.3 * torch.eye(15, dtype=torch.float64),
+                          torch.kron(f.G - 200 * G, A) + torch.kron(200 * G, f.A - A), atol=1e-9)
+    assert post.n_data == 200 and post.n_examples == 20
+
+
+def test_fit_kfac_posterior_lowrank_truncates_factors():
+    A = _spd(12, 2)
+    G = _spd(4, 3)
+    cfg = PosteriorConfig(damping=0.1, rank=3, explained=1.0, small_calibration=0)
+    post = fit_kfac_posterior({"l": KFACFactors(A, G, 50)}, {"l": torch.zeros(4, 12)}, cfg, lowrank=True)
+    eig_a = torch.linalg.eigvalsh(A).flip(0)
+    a_r = post.kfac["l"].A
+    spec = torch.linalg.eigvalsh(a_r).flip(0)
+    shift = spec[-1] - eig_a[3:].mean()  # the isotropic rest = mean of the dropped eigenvalues, plus damping
+    assert torch.allclose(spec[:3] - shift, eig_a[:3], atol=1e-9)
+    assert torch.allclose(spec[3:], spec[-1].expand(9), atol=1e-9)
+
+
+def test_spd_backoff_multiplies_damping_by_three_until_positive_definite():
+    A = torch.diag(torch.tensor([1.0, -0.05], dtype=torch.float64))  # indefinite by noise
+    G = torch.eye(2, dtype=torch.float64)
+    f, lam = spd_backoff(KFACFactors(A, G, 1), 1e-6)
+    assert int(torch.linalg.cholesky_ex(f.A)[1]) == 0
+    k = round(torch.log(torch.tensor(lam / 1e-6)).item() / torch.log(torch.tensor(3.0)).item())
+    assert lam == pytest.approx(1e-6 * 3**k) and k >= 1
+    prev = damped(KFACFactors(A, G, 1), lam / 3)  # one back-off fewer was not enough
+    assert int(torch.linalg.cholesky_ex(prev.A)[1]) != 0 or int(torch.linalg.cholesky_ex(prev.G)[1]) != 0
+    with pytest.raises(ValueError, match="stay singular after damping"):
+        spd_backoff(KFACFactors(torch.diag(torch.tensor([1.0, -1e6], dtype=torch.float64)), G, 1), 1e-12)
+
+
+@pytest.mark.parametrize("curvature", list(Curvature))
+def test_fit_posterior_dispatch_vs_estimator_called_directly(curvature):
+    from bayesq.curvature.fisher import empirical_fisher_diagonal, fisher_diagonal
+    from bayesq.curvature.hutchinson import hutchinson_diagonal
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    batches = [torch.randn(5, 6, dtype=torch.float64) for _ in range(3)]
+    layers = {"0": model[0], "2": model[2]}
+    weights = {k: m.weight for k, m in layers.items()}
+    cfg = PosteriorConfig(curvature=curvature, damping=0.1, small_calibration=0, probes=4)
+    post = fit_posterior(model, batches, layers, cfg, seed=3, progress=False)
+    if curvature in (Curvature.KFAC, Curvature.LOWRANK):
+        f = kfac_factors(model, batches, layers, decay=0.95, seed=3, progress=False)
+        ref = fit_kfac_posterior(f, weights, cfg, lowrank=curvature == Curvature.LOWRANK)
+        assert set(post.kfac) == {"0", "2"}
+    else:
+        if curvature == Curvature.FISHER:
+            c, n = fisher_diagonal(model, batches, layers, seed=3, progress=False)
+        elif curvature == Curvature.EMPIRICAL_FISHER:
+            c, n = empirical_fisher_diagonal(model, batches, layers, progress=False)
+        else:
+            kind = "hessian" if curvature == Curvature.HUTCHINSON_HESSIAN else "ggn"
+            c, n = hutchinson_diagonal(model, batches, layers, probes=4, curvature=kind, seed=3, progress=False)
+        ref = fit_diagonal_posterior(c, n, weights, cfg, indefinite=curvature.value.startswith("hutchinson"))
+        assert post.kfac is None
+    for k in layers:
+        assert torch.allclose(post.variance[k], ref.variance[k], rtol=1e-12)

@@ -120,6 +120,7 @@ def test_rtn_quantize_within_budget(granularity):
 # ---- every option of the method, end to end ---------------------------------------------------
 
 from bayesq.codebook import LevelTables, UniformGrids  # noqa: E402
+from bayesq.vq import VQBook  # noqa: E402
 from bayesq.config import (  # noqa: E402
     AllocationConfig, Allocator, AllocationUnit, Codebook, Curvature, PosteriorConfig, Proxy, Rounding, Whitening,
 )
@@ -140,6 +141,7 @@ VARIANTS = {
                                           mc_top_fraction=0.5)),
     "proxy=mc-output": dict(posterior=PosteriorConfig(curvature="kfac"),
                             quant=QuantConfig(group_size=32, unit_groups=8, proxy="mc-output", mc_top_fraction=0.5)),
+    "codebook=vq": dict(quant=QuantConfig(group_size=32, unit_groups=8, unit="tensor", codebook="vq", vq_dim=2)),
     "floors": dict(allocation=AllocationConfig(floors={"7": 8, "0": 4})),
     "latency": dict(allocation=AllocationConfig(latency=True)),
     "penalty": dict(allocation=AllocationConfig(penalty=0.5)),
@@ -157,7 +159,10 @@ def _recount_bits(weights, quant: QuantConfig) -> int:
             assert (qw.group_bits[s:e] == b).all()  # one bit-width per unit
             n, g = int(sizes[s:e].sum()), e - s
             book = qw.books[b]
-            if isinstance(book, UniformGrids):
+            if isinstance(book, VQBook):
+                d = book.dim
+                total += -(-n // d) * b * d + 2 ** (b * d) * d * 16
+            elif isinstance(book, UniformGrids):
                 total += n * b + g * (16 + b)
             elif quant.codebook == Codebook.MULAW:
                 total += n * b + g * 16
@@ -179,7 +184,9 @@ def test_quantize_model_every_option_within_budget_and_accounted(variant):
     floors = kw.get("allocation", AllocationConfig()).floors
     qmods = dict(res.model.named_modules())
     for name, qw in res.weights.items():
-        assert ((qw.codes >= 0) & (qw.codes < 2 ** qw.group_bits[:, None])).all()
+        per_code = torch.tensor([qw.books[int(b)].dim if isinstance(qw.books[int(b)], VQBook) else 1
+                                 for b in qw.group_bits])  # weights per code
+        assert ((qw.codes >= 0) & (qw.codes < 2 ** (qw.group_bits * per_code)[:, None])).all()
         assert torch.equal(qmods[name].weight.detach(), qw.dequantize().float())
         assert min(res.allocation.unit_bits[name]) >= floors.get(name, 0)
     if variant == "penalty":
