@@ -7,28 +7,10 @@ from torch import nn
 
 from bayesq.blocks import quantizable_layers
 from bayesq.curvature.fisher import empirical_fisher_diagonal
+from nets import TokenModel
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on a busy machine; restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-class TokenModel(nn.Module):
-    """Per-token Linear, tanh, masked sum-pool, Linear: per-example grads sum over tokens."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(5, 6)
-        self.b = nn.Linear(6, 3)
-
-    def forward(self, input_ids, mask):
-        h = torch.tanh(self.a(input_ids))  # (B, T, 6)
-        return self.b((h * mask[..., None]).sum(1))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cnn():

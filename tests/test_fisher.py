@@ -5,26 +5,7 @@ from torch import nn
 
 from bayesq.blocks import quantizable_layers
 from bayesq.curvature.fisher import fisher_diagonal
-
-
-class SamePadConv(nn.Conv2d):
-    """A Conv2d that pads inside forward (TF 'same'), like EfficientNet-Lite's convolutions."""
-
-    def forward(self, x):
-        return F.conv2d(F.pad(x, [0, 1, 0, 1]), self.weight, self.bias, self.stride, 0, 1, self.groups)
-
-
-class TokenModel(nn.Module):
-    """Linear layers applied per token, mean-pooled: per-example grads sum over tokens."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(5, 6)
-        self.b = nn.Linear(6, 3)
-
-    def forward(self, input_ids, mask):
-        h = torch.tanh(self.a(input_ids))
-        return self.b((h * mask[..., None]).sum(1))
+from nets import SamePadConv, TokenModel
 
 
 def _cnn():

@@ -14,32 +14,14 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bayesq.blocks import quantizable_layers
+from nets import TokenModel
 from bayesq.curvature.fisher import fisher_diagonal
 from bayesq.curvature.hutchinson import clip_curvature, hutchinson_diagonal
 
 Z = 5.0  # sigmas of the estimator's own standard deviation allowed per coordinate
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on a busy machine; restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-class TokenModel(nn.Module):
-    """Per-token Linear, tanh, masked sum-pool, Linear: takes dict batches."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(3, 4)
-        self.b = nn.Linear(4, 3)
-
-    def forward(self, input_ids, mask):
-        h = torch.tanh(self.a(input_ids))  # (B, T, 4)
-        return self.b((h * mask[..., None]).sum(1))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class AttentionModel(nn.Module):
@@ -77,7 +59,7 @@ def _setup(kind: str, seed: int = 0):
     elif kind == "linear":
         model, batches = nn.Linear(4, 3).double(), [torch.randn(6, 4, dtype=torch.float64)]
     elif kind == "tokens":
-        model = TokenModel().double()
+        model = TokenModel(3, 4, 3).double()
         batches = [{"input_ids": torch.randn(3, 4, 3, dtype=torch.float64),
                     "mask": (torch.rand(3, 4) > 0.3).double()}]
     else:

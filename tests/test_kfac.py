@@ -9,13 +9,7 @@ from torch.func import functional_call
 
 from bayesq.curvature.fisher import fisher_diagonal
 from bayesq.curvature.kfac import KFACFactors, damped, kfac_diagonal, kfac_factors, kfac_whitened_cost
-
-
-class SamePadConv(nn.Conv2d):
-    """A Conv2d that pads inside forward (TF 'same'), like EfficientNet-Lite's convolutions."""
-
-    def forward(self, x):
-        return F.conv2d(F.pad(x, [0, 1, 0, 1]), self.weight, self.bias, self.stride, 0, 1, self.groups)
+from nets import SamePadConv
 
 
 class PerToken(nn.Module):
