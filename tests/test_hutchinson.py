@@ -14,9 +14,9 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bayesq.blocks import quantizable_layers
-from nets import TokenModel
 from bayesq.curvature.fisher import fisher_diagonal
 from bayesq.curvature.hutchinson import clip_curvature, hutchinson_diagonal
+from nets import TokenModel
 
 Z = 5.0  # sigmas of the estimator's own standard deviation allowed per coordinate
 
