@@ -248,3 +248,23 @@ def test_quantize_model_pca_needs_calibration_data_and_floor_beyond_candidates_i
     table = build_table(post, blocks, BIG, progress=False)
     with pytest.raises(ValueError, match="asks layer '7' for at least 16 bits but the candidates are \\[2, 3, 4, 8\\]"):
         allocate(table, 3.0, AllocationConfig(floors={"7": 16}))
+
+
+def test_loss_reduction_curve_vs_hand_computed_greedy_sequence():
+    # One layer, two units of 10 weights, candidates 2/3/4 bits costing exactly 10 b bits (no
+    # scales; a hand-made table). Densities: unit 0: 2->3 gains 6, 3->4 gains 2; unit 1: 2->3
+    # gains 3, 3->4 gains 1 (per 10 bits). Greedy order: u0 (6), u1 (3), u0 (2), u1 (1).
+    from bayesq.blocks import LayerBlocks
+    from bayesq.expected_loss import LayerTable, LossTable
+    from bayesq.quantize import loss_reduction_curve, min_bits
+
+    loss = torch.tensor([[10.0, 4.0, 2.0], [5.0, 2.0, 1.0]], dtype=torch.float64)
+    cost = torch.tensor([[20, 30, 40], [20, 30, 40]], dtype=torch.int64)
+    lb = LayerBlocks("l", (20,), 10, 1)
+    table = LossTable((LayerTable(lb, (2, 3, 4), loss, cost, (), torch.zeros_like(loss)),))
+    assert min_bits(table) == 40
+    # at 4 bits/weight (80 bits) everything is taken: total drop 15 - 3 = 12; spending 20% of
+    # the 40 extra bits (8) buys nothing yet, 40% (16 bits) buys u0 2->3 (6 of 12), 60% (24)
+    # also u1 2->3 (9 of 12), 80% (32) also u0 3->4 (11 of 12)
+    curve = loss_reduction_curve(table, 4.0, fractions=(0.2, 0.4, 0.6, 0.8, 1.0))
+    assert curve == pytest.approx({0.2: 0.0, 0.4: 0.5, 0.6: 0.75, 0.8: 11 / 12, 1.0: 1.0})
