@@ -231,7 +231,7 @@ def _layer_bits(records: list[dict], base: tuple, models: list[str], budgets: li
 
 def ablation_report(results: Path, models: Path, out: Path) -> None:
     data = read_json(results)
-    records, extras = (data["records"], data.get("diminishing")) if isinstance(data, dict) else (data, None)
+    records, extras = data["records"], data["diminishing"]
     fp = {m: read_json(Path(models) / m / "fp.json") for m in {r["model"] for r in records}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(ablation_table(records, fp, extras))
