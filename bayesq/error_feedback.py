@@ -147,3 +147,41 @@ def error_feedback_round(
     out = torch.empty_like(codes)
     out[:, perm] = codes
     return out
+
+
+def error_feedback_groups(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    maxq: torch.Tensor,
+    *,
+    act_order: bool = False,
+    block_size: int = 128,
+) -> torch.Tensor:
+    """:func:`error_feedback_round` with one column metric per block of rows (grouped Conv2d).
+
+    Args:
+        W: (out, d_in) float weights; rows ``g*out/groups ... (g+1)*out/groups - 1`` belong to
+            convolution group g (Linear / ungrouped Conv2d: one group).
+        H: (groups, d_in, d_in) or (d_in, d_in) SPD metric(s), damped by the caller.
+        scale, zero, maxq: (out, d_in) per-element grid (see :func:`error_feedback_round`).
+        act_order: quantise the columns of each group in order of decreasing ``diag(H[g])``
+            (GPTQ's act-order heuristic: the most active inputs first).
+
+    Returns:
+        (out, d_in) int64 codes.
+    """
+    H = H if H.dim() == 3 else H.unsqueeze(0)  # (groups, d_in, d_in)
+    groups, n_out = H.shape[0], W.shape[0]
+    if n_out % groups:
+        raise ValueError(f"{n_out} output rows do not split into {groups} groups")
+    per = n_out // groups
+    shape = tuple(W.shape)
+    scale, zero, maxq = (torch.broadcast_to(torch.as_tensor(x), shape) for x in (scale, zero, maxq))
+    codes = torch.empty(shape, dtype=torch.int64, device=W.device)
+    for g in range(groups):
+        r = slice(g * per, (g + 1) * per)
+        order = torch.argsort(H[g].diagonal(), descending=True, stable=True) if act_order else None
+        codes[r] = error_feedback_round(W[r], H[g], scale[r], zero[r], maxq[r], block_size=block_size, order=order)
+    return codes

@@ -277,14 +277,28 @@ def posterior_table(
     return LossTable(tuple(tables))
 
 
-def rtn_table(weights: dict[str, torch.Tensor], blocks: list[LayerBlocks], cfg: QuantConfig) -> LossTable:
-    """Data-free table: min/max grids and their plain squared rounding error (RTN's own rule)."""
+def rtn_table(
+    weights: dict[str, torch.Tensor], blocks: list[LayerBlocks], cfg: QuantConfig,
+    element_weight: dict[str, torch.Tensor] | None = None, grids: Callable | None = None,
+) -> LossTable:
+    """Min/max grids and their squared rounding error per unit (the baselines' own mixed rule).
+
+    ``L_u(b) = sum_{i in u} omega_i (Q_b(w_i) - w_i)^2`` with ``omega = 1`` (RTN, data-free) or
+    ``element_weight[name]`` (any tensor with the weight's number of elements, e.g. GPTQ / AWQ's
+    input second moments ``diag(H)`` per column: the diagonal part of the layer-output error).
+    ``grids(w, bits, mask) -> UniformGrids`` replaces the min/max grids (ACIQ's clipped ranges);
+    ``w`` and ``mask`` are (G, group_size) float64.
+    """
     tables = []
     for lb in blocks:
-        w, mask = lb.to_groups(weights[lb.name].detach().double().reshape(-1))
+        w, real = lb.to_groups(weights[lb.name].detach().double().reshape(-1))
+        mask = real
+        if element_weight is not None:
+            omega, _ = lb.to_groups(element_weight[lb.name].double().reshape(-1))
+            mask = real * omega
         books, losses = [], []
         for b in cfg.bits:
-            g = minmax_grids(w, b, cfg.scale_bits)
+            g = grids(w, b, real) if grids is not None else minmax_grids(w, b, cfg.scale_bits)
             err = (g.dequantize(g.quantize(w)) - w).pow(2) * mask
             books.append(g)
             losses.append(_unit_sum(lb, err.sum(1)))

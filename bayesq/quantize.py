@@ -21,7 +21,7 @@ from bayesq.allocation import (
 from bayesq.blocks import LayerBlocks, check_finite, layer_blocks, quantizable_layers
 from bayesq.codebook import UniformGrids
 from bayesq.config import AllocationConfig, Allocator, BayesQConfig, Proxy, QuantConfig, Rounding, Whitening
-from bayesq.error_feedback import error_feedback_round
+from bayesq.error_feedback import error_feedback_groups
 from bayesq.expected_loss import Book, LossTable, apply_mc_proxy, posterior_table
 from bayesq.forward import Batch, batch_size
 from bayesq.posterior import Posterior, fit_posterior as _fit_posterior, input_moments
@@ -62,20 +62,28 @@ class QuantizedWeight:
             hold (G, group_size / vq_dim) codeword indices.
         books: bit-width -> codebook of the groups at that width, rows in group order
             (``UniformGrids``: ``scale * (code - zero)``; ``LevelTables``: ``levels[row, code]``).
+        col_scale: optional (groups, d_in) float64 stored per-input-channel scale s (AWQ): the
+            codes encode ``W * s`` and the layer uses ``W_hat[o, j] = decoded[o, j] / s[g(o), j]``.
     """
 
     blocks: LayerBlocks
     group_bits: torch.Tensor
     codes: torch.Tensor
     books: Mapping[int, Book]
+    col_scale: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
-        """Weight of ``blocks.shape`` (float64) from the codes and codebooks only."""
+        """Weight of ``blocks.shape`` (float64) from the codes, codebooks (and col_scale) only."""
         w = torch.zeros(self.codes.shape[0], self.blocks.group_size, dtype=torch.float64)
         for b, book in self.books.items():
             sel = self.group_bits == b
             w[sel] = book.dequantize(self.codes[sel])
-        return self.blocks.from_groups(w)
+        w = self.blocks.from_groups(w)
+        if self.col_scale is None:
+            return w
+        n_out = self.blocks.shape[0]
+        s = self.col_scale.repeat_interleave(n_out // self.col_scale.shape[0], dim=0)  # (out, d_in)
+        return (w.reshape(n_out, -1) / s).reshape(self.blocks.shape)
 
 
 @dataclass(frozen=True)
@@ -224,7 +232,7 @@ def loss_reduction_curve(
 
 # ---- encoding -----------------------------------------------------------------------------------
 
-def _element_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, Book], out: int):
+def element_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, Book], out: int):
     """Per-element (out, d_in) scale, zero and maxq of the groups' uniform grids."""
     g = lb.group_size
     scale = torch.zeros(lb.n_groups, dtype=torch.float64)
@@ -245,12 +253,16 @@ def _element_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int,
 def encode(
     table: LossTable, allocation: Allocation, weights: dict[str, torch.Tensor], *,
     posterior: Posterior | None = None, rounding: Rounding = Rounding.NEAREST,
+    column_metric: Mapping[str, torch.Tensor] | None = None, act_order: bool = False,
 ) -> dict[str, QuantizedWeight]:
     """Quantise each layer with the codebooks of its units' chosen bit-widths.
 
-    ``rounding = error-feedback``: codes from :func:`error_feedback.error_feedback_round` with
-    the damped K-FAC input factor A of ``posterior`` as the column metric (DESIGN.md section 2:
-    the sequential minimiser of ``tr(G D A D^T)`` for a fixed grid); otherwise nearest level.
+    ``rounding = error-feedback``: codes from :func:`error_feedback.error_feedback_groups` with
+    ``column_metric[name]`` ((groups, d_in, d_in) or (d_in, d_in), SPD, already damped; GPTQ's
+    input Hessian) as the column metric, or else the damped K-FAC input factor A of
+    ``posterior`` (DESIGN.md section 2: the sequential minimiser of ``tr(G D A D^T)`` for a
+    fixed grid); ``act_order`` orders columns by decreasing metric diagonal. Otherwise codes
+    are the nearest levels.
     """
     out = {}
     for t in table.layers:
@@ -261,12 +273,16 @@ def encode(
         group_bits = unit_bits[lb.group_unit()]  # (G,)
         books = {b: book.take(group_bits == b) for b, book in zip(t.bits, t.books) if bool((group_bits == b).any())}
         if Rounding(rounding) == Rounding.ERROR_FEEDBACK:
-            f = (posterior.kfac or {}).get(lb.name) if posterior is not None else None
-            if f is None:
-                raise ValueError(f"error-feedback rounding of '{lb.name}' needs a K-FAC or low-rank posterior")
+            if column_metric is not None:
+                metric = column_metric[lb.name]
+            else:
+                f = (posterior.kfac or {}).get(lb.name) if posterior is not None else None
+                if f is None:
+                    raise ValueError(f"error-feedback rounding of '{lb.name}' needs a K-FAC or low-rank posterior")
+                metric = f.A
             mat = w.reshape(w.shape[0], -1)  # (out, d_in)
-            scale, zero, maxq = _element_grid(lb, group_bits, books, mat.shape[0])
-            codes_w = error_feedback_round(mat, f.A, scale, zero, maxq)  # (out, d_in)
+            scale, zero, maxq = element_grid(lb, group_bits, books, mat.shape[0])
+            codes_w = error_feedback_groups(mat, metric, scale, zero, maxq, act_order=act_order)  # (out, d_in)
             codes, _ = lb.to_groups(codes_w.reshape(-1))
         else:
             parts = {b: book.quantize(groups[group_bits == b]) for b, book in books.items()}

@@ -1,0 +1,93 @@
+"""Layer-input statistics of the data-aware baselines (GPTQ's Hessian, AWQ's activation scale).
+
+For a Linear/Conv2d layer with weight read as ``W`` (out x d_in; Conv2d: d_in = in/groups*kh*kw
+unfolded patches, as in K-FAC) and inputs ``a_{n,t}`` (example n, token / spatial position t):
+
+    H[g]        = (1/N) sum_n sum_t a_{n,t} a_{n,t}^T        (groups, d_in, d_in) float64
+    abs_mean[g] = mean_{n,t} |a_{n,t}|                        (groups, d_in) float64
+
+per convolution group g (Linear: one group). ``tr(D H[g] D^T)`` is the mean over calibration
+inputs of the squared layer-output error ``sum_t ||D a_t||^2`` caused by a weight error D of the
+rows of group g: the objective GPTQ minimises and AWQ searches its scales on. Statistics are
+taken on the full-precision model in one forward pass (not sequentially on the partly
+quantised model), so every baseline sees the same inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from bayesq.curvature.kfac import _input_rows
+from bayesq.forward import Batch, batch_size, logits
+
+
+@dataclass(frozen=True)
+class InputStats:
+    """Second moment and mean magnitude of one layer's inputs.
+
+    Attributes:
+        H: (groups, d_in, d_in) float64 mean over inputs of ``sum_t a a^T``.
+        abs_mean: (groups, d_in) float64 mean of ``|a|`` over inputs and positions.
+        n: calibration inputs seen.
+    """
+
+    H: torch.Tensor
+    abs_mean: torch.Tensor
+    n: int
+
+    @property
+    def groups(self) -> int:
+        return self.H.shape[0]
+
+    def row_diag(self, n_out: int) -> torch.Tensor:
+        """(out, d_in) float64: ``diag(H[g])`` for each output row (rows split evenly into groups)."""
+        per = n_out // self.groups
+        return self.H.diagonal(dim1=1, dim2=2).repeat_interleave(per, dim=0)
+
+
+def input_stats(
+    model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module]
+) -> dict[str, InputStats]:
+    """:class:`InputStats` of every layer in ``layers`` from one forward pass (eval mode, no grad).
+
+    Raises:
+        ValueError: empty calibration set.
+    """
+    sums: dict[str, list] = {}
+
+    def hook(name: str):
+        def fn(mod, inputs, output):
+            rows = _input_rows(mod, inputs[0].detach(), output.shape)  # (N, groups, T, d_in)
+            h = torch.einsum("ngti,ngtj->gij", rows, rows)  # (groups, d_in, d_in)
+            a = rows.abs().sum((0, 2))  # (groups, d_in)
+            t = rows.shape[0] * rows.shape[2]
+            if name in sums:
+                sums[name][0] += h
+                sums[name][1] += a
+                sums[name][2] += t
+            else:
+                sums[name] = [h, a, t]
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
+    was_training, n = model.training, 0
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in calibration:
+                logits(model, batch)
+                n += batch_size(batch)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    if n == 0:
+        raise ValueError("empty calibration set: GPTQ / AWQ need at least one calibration batch")
+    missing = [k for k in layers if k not in sums]
+    if missing:
+        raise ValueError(f"layers {missing[:3]} never ran in the forward pass; exclude them from quantisation")
+    return {k: InputStats(h / n, a / t, n) for k, (h, a, t) in sums.items()}

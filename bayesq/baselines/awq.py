@@ -1,0 +1,137 @@
+"""AWQ, weight-only (Lin et al. 2024): activation-aware per-input-channel scales.
+
+Salient input channels (large mean activation magnitude) are protected by scaling them up
+before quantisation and dividing the decoded weight by the same factor:
+
+    W_hat = Q(W diag(s)) diag(s)^-1,   s_j = m_j^alpha / sqrt(max_k m_k^alpha * min_k m_k^alpha),
+
+``m_j = mean |a_j|`` over calibration inputs and positions (Conv2d: averaged over the kernel
+positions of input channel j). ``alpha`` is searched on AWQ's grid {0, 1/20, ..., 19/20}
+minimising the calibration layer-output error ``tr(D H D^T)``, ``D = W_hat - W``
+(:mod:`bayesq.baselines.activations`), with per-group min/max grids at the reference
+bit-width ``floor(budget)`` (clamped to the candidate set). ``alpha = 0`` is RTN, so the search
+never does worse than RTN on that objective. Depthwise convolutions (one input channel per
+group) have nothing to scale and are quantised as RTN.
+
+The inverse scale is stored, not folded into the preceding operation (folding needs the
+graph: a LayerNorm or BatchNorm right before the layer): ``in_channels`` fp16 values per
+scaled layer, counted in the first allocation unit of the layer. Fractional budgets: the greedy
+knapsack over units with loss ``sum_{o,j} (H_jj / s_j^2) (Q_b(w_oj s_j) - w_oj s_j)^2`` (the
+diagonal of the output error, in the original weight space).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from bayesq.baselines.activations import InputStats
+from bayesq.baselines.rtn import rtn_blocks
+from bayesq.blocks import LayerBlocks, check_finite, layer_blocks, quantizable_layers
+from bayesq.codebook import minmax_grids
+from bayesq.config import Granularity, QuantConfig
+from bayesq.expected_loss import LossTable, rtn_table
+from bayesq.quantize import QuantizationResult, allocate, encode, quantized_copy
+
+GRID = 20
+
+
+def channel_magnitude(stats: InputStats, kernel: int) -> torch.Tensor:
+    """(groups, c_in) float64 mean |a| per input channel (patch columns are channel-major)."""
+    g, d = stats.abs_mean.shape
+    return stats.abs_mean.reshape(g, d // kernel, kernel).mean(-1)  # (groups, c_in, k) -> mean over k
+
+
+def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
+    """``sum_g tr(D_g H[g] D_g^T)``, D = W_hat - W as (out, d_in), rows split into H's groups."""
+    g = H.shape[0]
+    D = (W_hat - W).reshape(g, W.shape[0] // g, -1)  # (groups, out/groups, d_in)
+    return float(torch.einsum("goi,gij,goj->", D, H, D))
+
+
+def _rtn(W: torch.Tensor, lb: LayerBlocks, bits: int, scale_bits: int) -> torch.Tensor:
+    """Min/max-grid round trip of an (out, d_in) matrix with ``lb``'s groups."""
+    groups, _ = lb.to_groups(W.reshape(-1))
+    g = minmax_grids(groups, bits, scale_bits)
+    return lb.from_groups(g.dequantize(g.quantize(groups))).reshape(W.shape)
+
+
+def search_scale(
+    W: torch.Tensor, stats: InputStats, lb: LayerBlocks, bits: int, kernel: int = 1,
+    scale_bits: int = 16, grid: int = GRID,
+) -> tuple[torch.Tensor, float]:
+    """AWQ's scale search for one layer.
+
+    Args:
+        W: (out, d_in) float64 weight matrix (Conv2d unfolded: d_in = c_in/groups * kernel).
+        stats: the layer's input statistics.
+        lb: group layout used for the search's min/max grids.
+        bits: reference bit-width.
+        kernel: kernel positions per input channel (kh*kw; 1 for Linear).
+
+    Returns:
+        (s, alpha): (groups, d_in) float64 column scales (channel scale repeated over its
+        kernel positions) and the chosen exponent.
+    """
+    mag = channel_magnitude(stats, kernel).clamp_min(1e-8)  # (groups, c_in)
+    best = (math.inf, None, 0.0)
+    for i in range(grid):
+        alpha = i / grid
+        s = mag.pow(alpha)
+        s = s / (s.amax(1, keepdim=True) * s.amin(1, keepdim=True)).sqrt()
+        s = s.repeat_interleave(kernel, dim=1)  # (groups, d_in)
+        cols = s.repeat_interleave(W.shape[0] // s.shape[0], dim=0)  # (out, d_in)
+        err = output_error(W, _rtn(W * cols, lb, bits, scale_bits) / cols, stats.H)
+        if err < best[0]:
+            best = (err, s, alpha)
+    return best[1], best[2]
+
+
+def _add_scale_cost(table: LossTable, extra: dict[str, int]) -> LossTable:
+    """Charge ``extra[name]`` bits to every candidate of the first unit of each layer."""
+    layers = []
+    for t in table.layers:
+        cost = t.unit_cost.clone()
+        cost[0] += extra.get(t.blocks.name, 0)
+        layers.append(replace(t, unit_cost=cost))
+    return LossTable(tuple(layers))
+
+
+def awq_quantize(
+    model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(),
+    *, granularity: Granularity = Granularity.GROUP,
+) -> QuantizationResult:
+    """AWQ at ``budget`` average bits (codes, grids, headers and the stored scales counted).
+
+    Raises:
+        ValueError: missing stats, an infeasible budget, non-finite weights.
+    """
+    layers = quantizable_layers(model)
+    check_finite(layers)
+    missing = [n for n in layers if n not in stats]
+    if missing:
+        raise ValueError(f"no input statistics for layers {missing[:3]}: run input_stats on the same model")
+    blocks = rtn_blocks(layer_blocks(layers, cfg.group_size, cfg.unit_groups), Granularity(granularity), cfg)
+    ref_bits = min(max(b for b in cfg.bits if b <= max(math.floor(budget), min(cfg.bits))), max(cfg.bits))
+    scaled, omega, col_scale, extra = {}, {}, {}, {}
+    for lb in blocks:
+        mod = layers[lb.name]
+        W = mod.weight.detach().double().reshape(lb.shape[0], -1)  # (out, d_in)
+        kernel = math.prod(mod.weight.shape[2:])
+        st = stats[lb.name]
+        cols = torch.ones_like(W)
+        if W.shape[1] // kernel > 1:  # something to scale
+            s, _ = search_scale(W, st, lb, ref_bits, kernel, cfg.scale_bits)
+            col_scale[lb.name] = s.to(torch.float16).double()  # stored in fp16
+            cols = col_scale[lb.name].repeat_interleave(W.shape[0] // s.shape[0], dim=0)  # (out, d_in)
+            extra[lb.name] = 16 * s.shape[0] * (W.shape[1] // kernel)
+        scaled[lb.name] = (W * cols).reshape(lb.shape)
+        omega[lb.name] = st.row_diag(W.shape[0]) / cols.pow(2)
+    table = _add_scale_cost(rtn_table(scaled, blocks, cfg, element_weight=omega), extra)
+    allocation = allocate(table, budget)
+    qweights = encode(table, allocation, scaled)
+    qweights = {n: replace(q, col_scale=col_scale.get(n)) for n, q in qweights.items()}
+    return QuantizationResult(quantized_copy(model, qweights), qweights, allocation, table)

@@ -1,0 +1,64 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bayesq.baselines.activations import input_stats
+from nets import SamePadConv
+
+
+def _batches(shape, n_batches=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g, dtype=torch.float64) for _ in range(n_batches)]
+
+
+def _conv_output_error(conv, x, D):
+    """Mean over inputs of the squared output change of a weight change D (bias-free)."""
+    out = F.conv2d(x, D, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+    return float(out.pow(2).sum() / x.shape[0])
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_input_stats_trace_vs_conv_output_error(groups):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 8, 3, padding=1, stride=2, groups=groups, bias=False).double()
+    model = nn.Sequential(conv, nn.Flatten())
+    batches = _batches((2, 4, 5, 6))
+    st = input_stats(model, batches, {"0": conv})["0"]
+    D = torch.randn_like(conv.weight)  # (8, 4/groups, 3, 3)
+    Dm = D.reshape(groups, 8 // groups, -1)  # (groups, out/groups, d_in)
+    trace = float(torch.einsum("goi,gij,goj->", Dm, st.H, Dm))
+    ref = sum(_conv_output_error(conv, x, D) * x.shape[0] for x in batches) / 6
+    assert st.H.shape == (groups, 4 // groups * 9, 4 // groups * 9) and st.n == 6
+    assert trace == pytest.approx(ref, rel=1e-10)
+
+
+def test_input_stats_same_padding_inside_forward_vs_output_error():
+    torch.manual_seed(1)
+    conv = SamePadConv(3, 5, 2, bias=False).double()
+    batches = _batches((2, 3, 4, 4))
+    st = input_stats(nn.Sequential(conv, nn.Flatten()), batches, {"0": conv})["0"]
+    D = torch.randn_like(conv.weight)
+    ref = sum(float(F.conv2d(F.pad(x, [0, 1, 0, 1]), D).pow(2).sum()) for x in batches) / 6
+    Dm = D.reshape(1, 5, -1)
+    assert float(torch.einsum("goi,gij,goj->", Dm, st.H, Dm)) == pytest.approx(ref, rel=1e-10)
+
+
+def test_input_stats_linear_tokens_vs_explicit_sums():
+    torch.manual_seed(2)
+    lin = nn.Linear(5, 3).double()
+    batches = _batches((4, 7, 5))  # (B, T, d)
+    st = input_stats(lin, batches, {"": lin})[""]
+    X = torch.cat(batches).reshape(-1, 5)  # (N*T, d)
+    assert torch.allclose(st.H[0], X.T @ X / 12, rtol=1e-12)
+    assert torch.allclose(st.abs_mean[0], X.abs().mean(0), rtol=1e-12)
+    assert torch.equal(st.row_diag(3), st.H[0].diagonal().expand(3, -1))
+
+
+def test_input_stats_empty_or_unused_layer_raises():
+    lin = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="empty calibration"):
+        input_stats(lin, [], {"": lin})
+    unused = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="never ran"):
+        input_stats(lin, [torch.randn(2, 3)], {"": lin, "u": unused})

@@ -1,0 +1,84 @@
+import pytest
+import torch
+from torch import nn
+
+from bayesq.baselines.activations import input_stats
+from bayesq.baselines.awq import awq_quantize, output_error, search_scale
+from bayesq.baselines.rtn import rtn_blocks, rtn_quantize
+from bayesq.blocks import layer_blocks, quantizable_layers
+from bayesq.config import Granularity, QuantConfig
+
+CFG = QuantConfig(group_size=16, unit_groups=2)
+
+
+def _salient(seed=0, d=64, out=64):
+    """A Linear layer whose input channel 3 is 30x larger than the others."""
+    torch.manual_seed(seed)
+    lin = nn.Linear(d, out).double()
+    g = torch.Generator().manual_seed(seed + 10)
+    amp = torch.ones(d, dtype=torch.float64)
+    amp[3] = 30.0
+    batches = [torch.randn(16, d, generator=g, dtype=torch.float64) * amp for _ in range(3)]
+    return lin, batches
+
+
+def test_output_error_vs_explicit_outputs():
+    lin, batches = _salient()
+    st = input_stats(lin, batches, {"": lin})[""]
+    W = lin.weight.detach()
+    W2 = W + 0.01 * torch.randn_like(W)
+    ref = sum(float(((x @ W2.T) - (x @ W.T)).pow(2).sum()) for x in batches) / 48
+    assert output_error(W, W2, st.H) == pytest.approx(ref, rel=1e-10)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_search_scale_not_worse_than_rtn_and_protects_salient_channel(seed):
+    lin, batches = _salient(seed)
+    st = input_stats(lin, batches, {"": lin})[""]
+    lb = rtn_blocks(layer_blocks({"": lin}, 16, 2), Granularity.GROUP, CFG)[0]
+    W = lin.weight.detach().double()
+    s, alpha = search_scale(W, st, lb, 3)
+    from bayesq.baselines.awq import _rtn
+    rtn_err = output_error(W, _rtn(W, lb, 3, 16), st.H)
+    awq_err = output_error(W, _rtn(W * s, lb, 3, 16) / s, st.H)
+    assert awq_err < 0.9 * rtn_err and alpha > 0
+    assert int(s.argmax()) == 3
+    assert float(s.max() * s.min()) == pytest.approx(1.0, rel=1e-12)
+
+
+def test_awq_quantize_counts_scales_and_rebuilds_from_codes():
+    lin, batches = _salient()
+    model = nn.Sequential(lin, nn.ReLU(), nn.Linear(64, 32).double())
+    stats = input_stats(model, batches, quantizable_layers(model))
+    res = awq_quantize(model, stats, 4.0, CFG)
+    assert res.average_bits <= 4.0
+    costs = [int(t.unit_cost[torch.arange(t.unit_cost.shape[0]),
+                             [t.bits.index(b) for b in res.allocation.unit_bits[t.blocks.name]]].sum())
+             for t in res.table.layers]
+    assert res.allocation.total_bits == sum(costs)
+    plain = rtn_quantize(model, Granularity.GROUP, 4.0, CFG).table
+    for t, p in zip(res.table.layers, plain.layers):  # first unit carries 16 bits per input channel
+        extra = 16 * model.get_submodule(t.blocks.name).in_features
+        assert torch.equal(t.unit_cost[0] - p.unit_cost[0], torch.full_like(p.unit_cost[0], extra))
+        assert torch.equal(t.unit_cost[1:], p.unit_cost[1:])
+    for n, q in res.weights.items():
+        assert q.col_scale is not None and torch.equal(q.col_scale, q.col_scale.half().double())
+        assert torch.equal(res.model.get_submodule(n).weight, q.dequantize())
+    W = lin.weight.detach()
+    err = output_error(W, res.weights["0"].dequantize(), stats["0"].H)
+    rtn = rtn_quantize(model, Granularity.GROUP, 4.0, CFG)
+    assert err < output_error(W, rtn.weights["0"].dequantize(), stats["0"].H)
+
+
+def test_awq_depthwise_conv_is_not_scaled():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=4), nn.Flatten(), nn.Linear(16, 64)).double()
+    batches = [torch.randn(2, 4, 4, 4, dtype=torch.float64)]
+    res = awq_quantize(model, input_stats(model, batches, quantizable_layers(model)), 5.0, CFG)
+    assert res.weights["0"].col_scale is None and res.weights["2"].col_scale is not None
+
+
+def test_awq_missing_stats_raise():
+    lin, _ = _salient()
+    with pytest.raises(ValueError, match="no input statistics"):
+        awq_quantize(lin, {}, 4.0, CFG)
