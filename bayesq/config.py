@@ -97,9 +97,14 @@ class Method(str, Enum):
     """Quantization methods the pipeline knows."""
 
     BAYESQ = "bayesq"
+    BAYESQ_EF = "bayesq-ef"  # K-FAC posterior + error-feedback rounding under its metric
     RTN_TENSOR = "rtn-tensor"
     RTN_CHANNEL = "rtn-channel"
     RTN_GROUP = "rtn-group"
+    GPTQ = "gptq"
+    AWQ = "awq"
+    HAWQ = "hawq"
+    ACIQ = "aciq"
 
 
 def _fail(section: str, name: str, value: Any, why: str) -> None:
@@ -333,6 +338,7 @@ class FinetuneConfig:
     """Fine-tuning of the embedded models (a cached pipeline step)."""
 
     epochs: int = 1
+    scratch_epochs: int = 3  # models trained from random initialisation (resnet18-fmnist)
     batch_size: int = 64
     lr_image: float = 1e-3
     lr_text: float = 5e-5
@@ -341,8 +347,9 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         s = "finetune"
-        if self.epochs < 1:
-            _fail(s, "epochs", self.epochs, "must be >= 1")
+        for name in ("epochs", "scratch_epochs"):
+            if getattr(self, name) < 1:
+                _fail(s, name, getattr(self, name), "must be >= 1")
         if self.batch_size < 1:
             _fail(s, "batch_size", self.batch_size, "must be >= 1")
         for name in ("lr_image", "lr_text"):
@@ -408,6 +415,27 @@ def replace(cfg: Any, **changes: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class BaselinesConfig:
+    """Settings of the baselines that have their own knobs (``baselines`` in params.yaml)."""
+
+    gptq_damp: float = 0.01  # dampening, fraction of mean(diag H)
+    gptq_act_order: bool = True  # columns by decreasing diag(H)
+    awq_grid: int = 20  # alpha in {0, 1/grid, ..., (grid-1)/grid}
+    hawq_probes: int = 2  # Rademacher probes per calibration batch for the Hessian traces
+
+    def __post_init__(self) -> None:
+        s = "baselines"
+        if not 0 < self.gptq_damp < 1:
+            _fail(s, "gptq_damp", self.gptq_damp, "must be in (0, 1) (GPTQ uses 0.01)")
+        if not isinstance(self.gptq_act_order, bool):
+            _fail(s, "gptq_act_order", self.gptq_act_order, "must be true or false")
+        for name in ("awq_grid", "hawq_probes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                _fail(s, name, v, "must be an integer >= 1")
+
+
+@dataclass(frozen=True)
 class Params:
     """The whole of ``params.yaml`` after the selected profile's overrides are applied."""
 
@@ -422,6 +450,7 @@ class Params:
     posterior: PosteriorConfig = field(default_factory=PosteriorConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     allocation: AllocationConfig = field(default_factory=AllocationConfig)
+    baselines: BaselinesConfig = field(default_factory=BaselinesConfig)
     ablations: AblationConfig = field(default_factory=lambda: AblationConfig())
 
     def __post_init__(self) -> None:
@@ -470,7 +499,7 @@ class AblationConfig:
 _SECTIONS = {
     "data": DataConfig, "finetune": FinetuneConfig, "calibration": CalibrationConfig,
     "posterior": PosteriorConfig, "quant": QuantConfig, "allocation": AllocationConfig,
-    "ablations": AblationConfig,
+    "baselines": BaselinesConfig, "ablations": AblationConfig,
 }
 _LISTS = ("models", "seeds", "budgets", "methods")
 

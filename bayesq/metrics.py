@@ -16,7 +16,8 @@ GLUE conventions (Wang et al., 2018; the GLUE leaderboard):
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -56,7 +56,8 @@ def finetune_flow(params_path: Path, raw: Path, out: Path) -> list[dict]:
     from bayesq.models.zoo import get_entry
 
     params = read_params(params_path)
-    code = code_version("bayesq/models", "bayesq/data", "flows/finetune.py")
+    # the embedded entries' sources only: a new loader elsewhere in bayesq/models retrains nothing
+    code = code_version("bayesq/models/zoo.py", "bayesq/data", "bayesq/forward.py", "flows/finetune.py")
     results = []
     for name in params.models:
         src = raw_path(get_entry(name), raw)

@@ -1,10 +1,14 @@
-"""DVC stage `quantize`: posterior, loss tables, BayesQ and RTN at every budget, evaluation.
+"""DVC stage `quantize`: posterior, loss tables, BayesQ and the baselines at every budget, evaluation.
 
     python -m flows.quantize --params params.yaml --raw data/raw --models models --out results
 
 Per (model, seed): a cached posterior task (calibration inputs drawn from the training split
-with the seed, labels never used) and a cached loss-table task (also written as Parquet); per
-(method, budget): a cached quantise-and-evaluate task.  One MLflow parent run per invocation,
+with the seed, labels never used) and a cached loss-table task (also written as Parquet), a
+second pair with the K-FAC posterior for ``bayesq-ef``, and the HAWQ Hessian traces; per
+(method, budget): a cached quantise-and-evaluate task (GPTQ and AWQ collect their layer-input
+statistics inside it, on the same calibration inputs). Every record carries
+``preprocess_seconds``: the method's whole one-time cost at that budget (BayesQ: posterior +
+table + allocation and encoding; GPTQ / AWQ: input statistics + solve; HAWQ: traces + knapsack).  One MLflow parent run per invocation,
 one child run per (model, method, seed, budget), logged from the flow body so cache hits are
 logged too.  Writes ``<out>/results.json``, ``<out>/posterior/`` and ``<out>/tables/``.
 """
@@ -17,7 +21,7 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from bayesq.config import FisherScale, Granularity, Method, replace
+from bayesq.config import Curvature, FisherScale, Granularity, Method, Rounding, replace
 from flows.common import (
     CACHE, code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json,
 )
@@ -128,12 +132,57 @@ def config_tag(*configs) -> str:
     return hashlib.sha256("|".join(map(str, configs)).encode()).hexdigest()[:10]
 
 
+@task(cache_policy=CACHE, persist_result=True)
+def hawq_traces_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
+                     data, calibration, probes: int, seed: int, code: str) -> dict:
+    """HAWQ's per-layer Hutchinson Hessian traces on the seed's calibration set (timed)."""
+    from bayesq.baselines.hawq import hessian_traces
+    from bayesq.models.zoo import get_entry
+
+    entry = get_entry(name)
+    model = load_model(entry, Path(model_file))
+    _, batches = calibration_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
+    start = time.perf_counter()
+    traces = hessian_traces(model, batches, probes=probes, seed=seed)
+    return {"traces": traces, "seconds": time.perf_counter() - start}
+
+
+def _baseline(method: Method, model, entry, splits, data, calibration, quant, baselines, budget: float,
+              seed: int, traces: dict | None):
+    """Quantise with a baseline; returns its QuantizationResult."""
+    from bayesq.baselines.activations import input_stats
+    from bayesq.baselines.aciq import aciq_quantize
+    from bayesq.baselines.awq import awq_quantize
+    from bayesq.baselines.gptq import gptq_quantize
+    from bayesq.baselines.hawq import hawq_quantize
+    from bayesq.baselines.rtn import rtn_quantize
+    from bayesq.blocks import quantizable_layers
+
+    if method in _RTN:
+        return rtn_quantize(model, _RTN[method], budget, quant)
+    if method == Method.ACIQ:
+        return aciq_quantize(model, budget, quant)
+    if method == Method.HAWQ:
+        return hawq_quantize(model, traces, budget, quant)
+    _, batches = calibration_batches(entry, splits, data, calibration, seed)
+    stats = input_stats(model, batches, quantizable_layers(model))
+    if method == Method.GPTQ:
+        return gptq_quantize(model, stats, Granularity.GROUP, budget, quant,
+                             act_order=baselines.gptq_act_order, damp=baselines.gptq_damp)
+    return awq_quantize(model, stats, budget, quant, grid=baselines.awq_grid)
+
+
 @task(cache_policy=(INPUTS - "table") + TASK_SOURCE, persist_result=True)
 def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_file: str,
                        model_digest: str, raw: str, raw_digest: str, data, quant, allocation_cfg,
-                       table, table_key: str, posterior_file: str | None, code: str) -> dict:
-    """Quantise with one method at one budget and evaluate on the test split."""
-    from bayesq.baselines.rtn import rtn_quantize
+                       table, table_key: str, posterior_file: str | None, code: str,
+                       calibration=None, baselines=None, traces: dict | None = None) -> dict:
+    """Quantise with one method at one budget and evaluate on the test split.
+
+    ``calibration`` (GPTQ, AWQ: their input statistics), ``baselines`` (their settings) and
+    ``traces`` (HAWQ) are read only by
+    the methods that need them; ``quantize_seconds`` times everything done here but evaluation.
+    """
     from bayesq.models.zoo import evaluate, get_entry
     from bayesq.quantize import allocate, encode, quantized_copy
 
@@ -141,14 +190,15 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     model = load_model(entry, Path(model_file))
     splits = entry.load_splits(data, Path(raw))
     start = time.perf_counter()
-    if Method(method) == Method.BAYESQ:
+    if Method(method) in (Method.BAYESQ, Method.BAYESQ_EF):
         allocation = allocate(table, budget, allocation_cfg, seed)
         weights = {t.blocks.name: model.get_submodule(t.blocks.name).weight for t in table.layers}
         post = load_posterior(model, Path(posterior_file)) if posterior_file else None
         qweights = encode(table, allocation, weights, posterior=post, rounding=quant.rounding)
         qmodel = quantized_copy(model, qweights)
     else:
-        res = rtn_quantize(model, _RTN[Method(method)], budget, quant)
+        res = _baseline(Method(method), model, entry, splits, data, calibration, quant, baselines, budget,
+                        seed, traces)
         qmodel, allocation = res.model, res.allocation
     seconds = time.perf_counter() - start
     acc = evaluate(qmodel, entry.batches(splits.test_inputs, 64, data), splits.test_labels)
@@ -161,6 +211,17 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
         "budget_bits": allocation.budget_bits, "n_weights": allocation.n_weights,
         "quantize_seconds": seconds, "layer_bits": layer_bits,
     }
+
+
+def _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code):
+    """Posterior and table of the ``bayesq-ef`` row: K-FAC posterior, error-feedback rounding."""
+    posterior = replace(params.posterior, curvature=Curvature.KFAC)
+    quant = replace(params.quant, rounding=Rounding.ERROR_FEEDBACK)
+    post = posterior_task(name, str(model_file), mdig, str(src), sdig, params.data, params.calibration,
+                          posterior, seed, str(Path(out) / "posterior"), code, tag="kfac")
+    tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])), str(src), sdig,
+                     params.data, params.calibration, quant, seed, str(Path(out) / "tables"), code, tag="ef")
+    return post, tab, f"{digest(Path(post['path']))}:{quant}:{params.calibration}", quant
 
 
 @flow(name="bayesq-quantize")
@@ -186,17 +247,33 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                 print(f"[quantize] {name} seed {seed}: posterior {post['seconds']:.1f}s, "
                       f"table {tab['seconds']:.1f}s", flush=True)
                 key = f"{digest(Path(post['path']))}:{params.quant}:{params.calibration}"
+                prep = {Method.BAYESQ: (post, tab, key, params.quant)}
+                if Method.BAYESQ_EF in params.methods:
+                    prep[Method.BAYESQ_EF] = _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code)
+                hawq = None
+                if Method.HAWQ in params.methods:
+                    hawq = hawq_traces_task(name, str(model_file), mdig, str(src), sdig, params.data,
+                                            params.calibration, params.baselines.hawq_probes, seed, code)
                 for budget in params.budgets:
                     for method in params.methods:
+                        p_post, p_tab, p_key, p_quant = prep.get(method, prep[Method.BAYESQ])
                         r = quantize_eval_task(name, method.value, budget, seed, str(model_file), mdig,
-                                               str(src), sdig, params.data, params.quant, params.allocation,
-                                               tab["table"], key, post["path"], code)
-                        if method == Method.BAYESQ:
-                            r = {**r, "posterior_seconds": post["seconds"], "table_seconds": tab["seconds"]}
+                                               str(src), sdig, params.data, p_quant, params.allocation,
+                                               p_tab["table"], p_key, p_post["path"], code,
+                                               calibration=params.calibration, baselines=params.baselines,
+                                               traces=hawq["traces"] if method == Method.HAWQ else None)
+                        r = {**r, "preprocess_seconds": r["quantize_seconds"]}
+                        if method in prep:
+                            r = {**r, "posterior_seconds": p_post["seconds"], "table_seconds": p_tab["seconds"],
+                                 "preprocess_seconds": p_post["seconds"] + p_tab["seconds"] + r["quantize_seconds"]}
+                        elif method == Method.HAWQ:
+                            r = {**r, "traces_seconds": hawq["seconds"],
+                                 "preprocess_seconds": hawq["seconds"] + r["quantize_seconds"]}
                         print(f"[quantize] {name} {method.value:12s} budget {budget}: "
                               f"acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits", flush=True)
                         metrics = {k: r[k] for k in ("accuracy", "avg_bits", "total_bits", "quantize_seconds",
-                                                     "posterior_seconds", "table_seconds") if k in r}
+                                                     "posterior_seconds", "table_seconds", "traces_seconds",
+                                                     "preprocess_seconds") if k in r}
                         mlflow_child(parent.info.run_id, f"{name}/{method.value}/s{seed}/b{budget}",
                                      {"model": name, "method": method.value, "seed": seed, "budget": budget,
                                       "group_size": params.quant.group_size, "bits": str(params.quant.bits),

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from flows.common import read_json, write_json
 
-METHOD_LABEL = {"bayesq": "BayesQ", "rtn-tensor": "RTN per-tensor", "rtn-channel": "RTN per-channel",
-                "rtn-group": "RTN per-group (g64)"}
+METHOD_LABEL = {"bayesq": "BayesQ", "bayesq-ef": "BayesQ + EF (K-FAC)", "gptq": "GPTQ (g64, act-order)",
+                "awq": "AWQ (g64)", "hawq": "HAWQ-style (per layer)", "aciq": "ACIQ (per channel)",
+                "rtn-tensor": "RTN per-tensor", "rtn-channel": "RTN per-channel", "rtn-group": "RTN per-group (g64)"}
 
 
 def summarise(records: list[dict]) -> dict:
@@ -30,23 +31,35 @@ def summarise(records: list[dict]) -> dict:
             "accuracy": statistics.fmean(accs),
             "accuracy_sd": statistics.stdev(accs) if len(accs) > 1 else 0.0,
             "avg_bits": statistics.fmean(r["avg_bits"] for r in rs),
+            "seconds": statistics.fmean(r.get("preprocess_seconds", r["quantize_seconds"]) for r in rs),
             "n_seeds": len(rs),
         }
     return out
 
 
+def _time_ratio(methods: dict, a: str, b: str) -> float | None:
+    """Mean over budgets of the one-time cost of method ``a`` over that of ``b``."""
+    ratios = [methods[a][x]["seconds"] / methods[b][x]["seconds"] for x in methods.get(a, {})
+              if x in methods.get(b, {}) and methods[b][x]["seconds"] > 0]
+    return statistics.fmean(ratios) if ratios else None
+
+
 def main_table(summary: dict, fp: dict[str, dict], budgets: list[float]) -> str:
     lines = ["# Main table: top-1 accuracy (%) at matched true average bits", "",
              "Each cell: accuracy, then the true average bits per quantised weight (payload, "
-             "scales, zero-points and bit-width headers all counted). Mean over seeds "
-             "(± SD when more than one).", ""]
+             "scales, zero-points, stored AWQ scales and bit-width headers all counted). Mean over "
+             "seeds (± SD when more than one). Single-bit-width baselines meet fractional budgets "
+             "with their own mixed rule (greedy knapsack over their own error proxy, README). "
+             "Time: the method's one-time cost in wall seconds (BayesQ: posterior + loss table + "
+             "allocation and encoding; GPTQ / AWQ: input statistics + solve; HAWQ: Hessian traces + "
+             "knapsack), mean over budgets, measured in the same run on the same machine.", ""]
     for model, methods in summary.items():
         seeds = max(v["n_seeds"] for m in methods.values() for v in m.values())
         lines += [f"## {model}", "", f"Seeds: {seeds}. FP accuracy: {100 * fp[model]['fp_accuracy']:.2f}% "
                   f"on {fp[model]['n_test']} test examples.", ""]
-        lines.append("| method | " + " | ".join(f"{b:.1f} bits" for b in budgets) + " |")
-        lines.append("|---|" + "---|" * len(budgets))
-        lines.append("| FP (32-bit) | " + " | ".join(f"{100 * fp[model]['fp_accuracy']:.2f}" for _ in budgets) + " |")
+        lines.append("| method | " + " | ".join(f"{b:.1f} bits" for b in budgets) + " | time (s) |")
+        lines.append("|---|" + "---|" * (len(budgets) + 1))
+        lines.append("| FP (32-bit) | " + " | ".join(f"{100 * fp[model]['fp_accuracy']:.2f}" for _ in budgets) + " | – |")
         for method, label in METHOD_LABEL.items():
             if method not in methods:
                 continue
@@ -58,7 +71,19 @@ def main_table(summary: dict, fp: dict[str, dict], budgets: list[float]) -> str:
                     continue
                 sd = f" ± {100 * v['accuracy_sd']:.2f}" if v["n_seeds"] > 1 else ""
                 cells.append(f"{100 * v['accuracy']:.2f}{sd} ({v['avg_bits']:.3f} b)")
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            secs = statistics.fmean(v["seconds"] for v in methods[method].values())
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {secs:.1f} |")
+        notes = []
+        for a in ("bayesq", "bayesq-ef"):
+            ratio = _time_ratio(methods, a, "gptq")
+            if ratio is not None:
+                notes.append(f"{METHOD_LABEL[a]} / GPTQ time: {ratio:.2f}×")
+            low = budgets[0]
+            if low in methods.get(a, {}) and low in methods.get("gptq", {}):
+                gap = 100 * (methods[a][low]["accuracy"] - methods["gptq"][low]["accuracy"])
+                notes.append(f"{METHOD_LABEL[a]} − GPTQ at {low:.1f} bits: {gap:+.2f} points")
+        if notes:
+            lines += ["", "; ".join(notes) + "."]
         lines.append("")
     return "\n".join(lines)
 
@@ -75,7 +100,7 @@ def frontier_plot(model: str, methods: dict, fp_acc: float, path: Path) -> None:
             continue
         pts = sorted((v["avg_bits"], 100 * v["accuracy"], 100 * v["accuracy_sd"]) for v in methods[method].values())
         xs, ys, sds = zip(*pts)
-        ax.errorbar(xs, ys, yerr=sds, marker="s" if method == "bayesq" else "o", capsize=3, label=label)
+        ax.errorbar(xs, ys, yerr=sds, marker="s" if method.startswith("bayesq") else "o", capsize=3, label=label)
     ax.axhline(100 * fp_acc, color="gray", ls="--", lw=1, label="FP")
     ax.set_xlabel("true average bits per weight")
     ax.set_ylabel("top-1 accuracy (%)")
@@ -98,7 +123,7 @@ def report(results: Path, models: Path, out: Path) -> None:
         frontier_plot(model, methods, fp[model]["fp_accuracy"], out / f"frontier_{model}.png")
     metrics = {
         model: {"fp_accuracy": fp[model]["fp_accuracy"],
-                **{f"{method}@{b}": {"accuracy": v["accuracy"], "avg_bits": v["avg_bits"]}
+                **{f"{method}@{b}": {"accuracy": v["accuracy"], "avg_bits": v["avg_bits"], "seconds": v["seconds"]}
                    for method, per in methods.items() for b, v in per.items()}}
         for model, methods in summary.items()
     }
@@ -111,7 +136,8 @@ LAYER_KINDS = (  # (substring of the module name, kind) -- first match wins
     ("intermediate", "FFN in"), ("output.dense", "FFN out"), ("pooler", "pooler"),
     ("classifier", "classifier"), ("_conv_stem", "stem conv"), ("_expand_conv", "expand 1x1"),
     ("_depthwise_conv", "depthwise 3x3/5x5"), ("_project_conv", "project 1x1"),
-    ("_conv_head", "head 1x1"), ("_fc", "classifier"),
+    ("_conv_head", "head 1x1"), ("_fc", "classifier"), ("downsample", "downsample 1x1"),
+    ("conv1", "3x3 conv"), ("conv2", "3x3 conv"), ("fc", "classifier"),
 )
 
 

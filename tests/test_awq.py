@@ -57,13 +57,17 @@ def test_awq_quantize_counts_scales_and_rebuilds_from_codes():
              for t in res.table.layers]
     assert res.allocation.total_bits == sum(costs)
     plain = rtn_quantize(model, Granularity.GROUP, 4.0, CFG).table
-    for t, p in zip(res.table.layers, plain.layers):  # first unit carries 16 bits per input channel
-        extra = 16 * model.get_submodule(t.blocks.name).in_features
+    for t, p, scaled in zip(res.table.layers, plain.layers, (True, False)):
+        # a scaled layer's first unit carries 16 bits per input channel; the 32-row head
+        # (16 * 64 > 0.25 * 64 * 32 bits) keeps s = 1 and pays nothing
+        extra = 16 * model.get_submodule(t.blocks.name).in_features if scaled else 0
         assert torch.equal(t.unit_cost[0] - p.unit_cost[0], torch.full_like(p.unit_cost[0], extra))
         assert torch.equal(t.unit_cost[1:], p.unit_cost[1:])
-    for n, q in res.weights.items():
-        assert q.col_scale is not None and torch.equal(q.col_scale, q.col_scale.half().double())
-        assert torch.equal(res.model.get_submodule(n).weight, q.dequantize())
+        q = res.weights[t.blocks.name]
+        assert (q.col_scale is not None) == scaled
+        assert torch.equal(res.model.get_submodule(t.blocks.name).weight, q.dequantize())
+    s0 = res.weights["0"].col_scale
+    assert torch.equal(s0, s0.half().double())
     W = lin.weight.detach()
     err = output_error(W, res.weights["0"].dequantize(), stats["0"].H)
     rtn = rtn_quantize(model, Granularity.GROUP, 4.0, CFG)

@@ -67,3 +67,19 @@ def test_from_mapping_list_to_tuple():
 def test_params_unknown_method_rejected():
     with pytest.raises(ValueError, match="params.methods"):
         load_params({"methods": ["gptq-magic"]})
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("gptq_damp", 0.0, "baselines.gptq_damp = 0.0"), ("gptq_act_order", "yes", "baselines.gptq_act_order"),
+    ("awq_grid", 0, "baselines.awq_grid = 0"), ("hawq_probes", 1.5, "baselines.hawq_probes = 1.5"),
+])
+def test_baselines_config_bad_value_names_field(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        load_params({"baselines": {key: value}})
+
+
+def test_params_yaml_loads_with_every_method():
+    from bayesq.config import Method
+
+    p = load_params(yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text()))
+    assert set(p.methods) == set(Method) and p.baselines.hawq_probes >= 1

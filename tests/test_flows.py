@@ -42,6 +42,9 @@ class TinyEntry(ZooEntry):
         return cfg.lr_image
 
 
+ALL_METHODS = ("bayesq", "bayesq-ef", "rtn-tensor", "rtn-channel", "rtn-group", "gptq", "awq", "hawq", "aciq")
+
+
 @pytest.fixture
 def tiny_entry():
     register(TinyEntry(), replace=True)
@@ -55,6 +58,7 @@ def _params(tmp_path: Path) -> Path:
         "finetune": {"epochs": 3, "batch_size": 32, "lr_image": 0.003},
         "calibration": {"images": 64, "batch_size": 16},
         "quant": {"group_size": 32, "unit_groups": 2, "range_iters": 6},
+        "posterior": {"probes": 2},
     }
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
@@ -75,15 +79,20 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     (raw / "tiny.bin").write_bytes(b"synthetic")
     models, results, reports = tmp_path / "models", tmp_path / "results", tmp_path / "reports"
 
+    cfg = yaml.safe_load(params.read_text())
+    cfg["methods"] = list(ALL_METHODS)
+    params.write_text(yaml.safe_dump(cfg))
     fp = finetune_flow(params, raw, models)
     assert fp[0]["fp_accuracy"] > 0.5  # it learned something
     assert (models / "tiny-cnn" / "model.safetensors").exists()
 
     records = quantize_flow(params, raw, models, results)
-    assert len(records) == 8  # 4 methods x 2 budgets
+    assert len(records) == 2 * len(ALL_METHODS)
     for r in records:
         assert r["avg_bits"] <= r["budget"]
         assert 0.0 <= r["accuracy"] <= 1.0
+        assert r["preprocess_seconds"] >= r["quantize_seconds"] > 0
+    assert (results / "posterior" / "tiny-cnn_s17_kfac.safetensors").exists()
     assert read_json(results / "results.json") == records
     table = pd.read_parquet(results / "tables" / "tiny-cnn_s17.parquet")
     assert list(table.columns) == ["layer", "unit", "bits", "loss", "cost_bits", "se"]
@@ -91,8 +100,8 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
 
     runs = mlflow.search_runs(experiment_names=["bayesq"], output_format="list")
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    assert len(children) == 8 and len(runs) == 9
-    assert {r.data.params["method"] for r in children} == {"bayesq", "rtn-tensor", "rtn-channel", "rtn-group"}
+    assert len(children) == len(records) and len(runs) == len(records) + 1
+    assert {r.data.params["method"] for r in children} == set(ALL_METHODS)
     assert all("accuracy" in r.data.metrics and "avg_bits" in r.data.metrics for r in children)
     bayesq_runs = [r for r in children if r.data.params["method"] == "bayesq"]
     assert all({"posterior_seconds", "table_seconds"} <= set(r.data.metrics) for r in bayesq_runs)
@@ -102,7 +111,8 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
 
     report(results / "results.json", models, reports)
     table_md = (reports / "main_table.md").read_text()
-    assert "## tiny-cnn" in table_md and "BayesQ" in table_md and "RTN per-group" in table_md
+    assert "## tiny-cnn" in table_md and "RTN per-group" in table_md and "HAWQ" in table_md
+    assert "BayesQ / GPTQ time:" in table_md and "BayesQ − GPTQ at 3.0 bits:" in table_md
     assert (reports / "frontier_tiny-cnn.png").stat().st_size > 0
     metrics = read_json(reports / "metrics.json")
     assert set(metrics["tiny-cnn"]) >= {"fp_accuracy", "bayesq@3.0", "rtn-tensor@4.0"}

@@ -82,7 +82,7 @@ class LinearEntry(ZooEntry):
 
 
 def test_get_entry_builtin_names() -> None:
-    assert MODEL_NAMES == ("lite0-fmnist", "minilm-sentiment")
+    assert MODEL_NAMES == ("lite0-fmnist", "minilm-sentiment", "resnet18-fmnist")
     assert get_entry("lite0-fmnist").task == "image"
     assert get_entry("minilm-sentiment").task == "text"
 
@@ -93,7 +93,7 @@ def test_get_entry_unknown_name_suggests_close_match() -> None:
     msg = str(info.value)
     assert msg.startswith("unknown model 'lite0-fmist'")
     assert "did you mean 'lite0-fmnist'" in msg
-    assert "known models: lite0-fmnist, minilm-sentiment" in msg
+    assert "known models: lite0-fmnist, minilm-sentiment, resnet18-fmnist" in msg
 
 
 def test_register_adds_entry_and_rejects_duplicates() -> None:

