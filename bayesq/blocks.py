@@ -13,6 +13,7 @@ are then ``unit_groups = groups_per_row``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -182,3 +183,17 @@ def check_finite(layers: dict[str, nn.Module]) -> None:
                 f"layer '{name}' has {bad} non-finite weight(s) (NaN/Inf): fix or reload the "
                 "checkpoint before quantising"
             )
+
+
+def checked_layers(
+    model: nn.Module, per_layer: Mapping[str, object] | None = None, what: str = "", fix: str = "",
+) -> dict[str, nn.Module]:
+    """:func:`quantizable_layers` after :func:`check_finite`; with ``per_layer`` (a baseline's
+    statistics by layer name) also a ``ValueError`` naming the layers it lacks:
+    ``"no <what> for layers [...]: <fix>"``."""
+    layers = quantizable_layers(model)
+    check_finite(layers)
+    missing = [n for n in layers if per_layer is not None and n not in per_layer]
+    if missing:
+        raise ValueError(f"no {what} for layers {missing[:3]}: {fix}")
+    return layers

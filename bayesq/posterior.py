@@ -33,15 +33,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from bayesq.config import Curvature, PosteriorConfig
-from bayesq.curvature.kfac import KFACFactors, damped, kfac_diagonal, kfac_factors
+from bayesq.curvature.kfac import KFACFactors, _input_rows, damped, kfac_diagonal, kfac_factors
 from bayesq.curvature.lowrank import truncate
-from bayesq.forward import Batch
+from bayesq.forward import Batch, batch_size, logits
 
 BACKOFF = 3.0
 MAX_BACKOFFS = 8
@@ -231,24 +231,19 @@ def fit_posterior(
     return fit_diagonal_posterior(fisher, n, weights, cfg, indefinite=curv.value.startswith("hutchinson"))
 
 
-def input_moments(
-    model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module]
-) -> tuple[dict[str, torch.Tensor], int]:
-    """Diagonal of each layer's input second moment ``A = mean_n sum_t a a^T`` (forward only).
+def forward_inputs(
+    model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module],
+    on_rows: Callable[[str, torch.Tensor], None],
+) -> int:
+    """One forward pass (eval mode, no grad) calling ``on_rows(name, rows)`` for every layer call.
 
-    The data-only ("PCA") metric: ``sum_oi A_ii D_oi^2`` is the diagonal part of the layer-output
-    error ``tr(D A D^T)``. Returns (name -> (d_in,) float64, inputs seen); Conv2d inputs are
-    unfolded patches (d_in = in/groups*kh*kw), as in K-FAC.
+    ``rows``: the layer's inputs as (N, groups, T, d_in) float64 (Conv2d: unfolded patches,
+    d_in = in/groups*kh*kw, as in K-FAC). The model's training flag is restored. Returns the
+    number of inputs seen.
     """
-    from bayesq.curvature.kfac import _input_rows
-    from bayesq.forward import batch_size, logits
-
-    sums = {name: torch.zeros(math.prod(m.weight.shape[1:]), dtype=torch.float64) for name, m in layers.items()}
-
     def hook(name: str):
         def fn(mod, inputs, output):
-            rows = _input_rows(mod, inputs[0].detach(), output.shape)  # (N, groups, T, d_in)
-            sums[name] += rows.pow(2).sum((0, 2)).mean(0).cpu()  # (d_in,), groups averaged
+            on_rows(name, _input_rows(mod, inputs[0].detach(), output.shape))
         return fn
 
     handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
@@ -263,6 +258,24 @@ def input_moments(
         for h in handles:
             h.remove()
         model.train(was_training)
+    return n
+
+
+def input_moments(
+    model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module]
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Diagonal of each layer's input second moment ``A = mean_n sum_t a a^T`` (forward only).
+
+    The data-only ("PCA") metric: ``sum_oi A_ii D_oi^2`` is the diagonal part of the layer-output
+    error ``tr(D A D^T)``. Returns (name -> (d_in,) float64, inputs seen); Conv2d inputs are
+    unfolded patches (d_in = in/groups*kh*kw), as in K-FAC.
+    """
+    sums = {name: torch.zeros(math.prod(m.weight.shape[1:]), dtype=torch.float64) for name, m in layers.items()}
+
+    def add(name: str, rows: torch.Tensor) -> None:  # rows (N, groups, T, d_in)
+        sums[name] += rows.pow(2).sum((0, 2)).mean(0).cpu()  # (d_in,), groups averaged
+
+    n = forward_inputs(model, calibration, layers, add)
     if n == 0:
         raise ValueError("empty calibration set: the PCA metric needs at least one input batch")
     return {k: v / n for k, v in sums.items()}, n

@@ -179,9 +179,9 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
                        calibration=None, baselines=None, traces: dict | None = None) -> dict:
     """Quantise with one method at one budget and evaluate on the test split.
 
-    ``calibration`` (GPTQ, AWQ: their input statistics), ``baselines`` (their settings) and
-    ``traces`` (HAWQ) are read only by
-    the methods that need them; ``quantize_seconds`` times everything done here but evaluation.
+    ``table`` / ``posterior_file`` (BayesQ rows), ``calibration`` (GPTQ, AWQ: their input
+    statistics), ``baselines`` (their settings) and ``traces`` (HAWQ) are read only by the methods
+    that need them; ``quantize_seconds`` times everything done here but evaluation.
     """
     from bayesq.models.zoo import evaluate, get_entry
     from bayesq.quantize import allocate, encode, quantized_copy
@@ -256,10 +256,11 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                                             params.calibration, params.baselines.hawq_probes, seed, code)
                 for budget in params.budgets:
                     for method in params.methods:
-                        p_post, p_tab, p_key, p_quant = prep.get(method, prep[Method.BAYESQ])
+                        # baselines read no BayesQ posterior or table (and are not keyed on them)
+                        p_post, p_tab, p_key, p_quant = prep.get(method, (None, None, "", params.quant))
                         r = quantize_eval_task(name, method.value, budget, seed, str(model_file), mdig,
                                                str(src), sdig, params.data, p_quant, params.allocation,
-                                               p_tab["table"], p_key, p_post["path"], code,
+                                               p_tab and p_tab["table"], p_key, p_post and p_post["path"], code,
                                                calibration=params.calibration, baselines=params.baselines,
                                                traces=hawq["traces"] if method == Method.HAWQ else None)
                         r = {**r, "preprocess_seconds": r["quantize_seconds"]}

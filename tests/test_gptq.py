@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -113,7 +115,6 @@ def test_gptq_layer_error_not_above_rtn(seed):
     codes = torch.zeros_like(nearest.codes)
     for b, book in nearest.books.items():
         codes[nearest.group_bits == b] = book.quantize(groups[nearest.group_bits == b])
-    from dataclasses import replace
     Dn = replace(nearest, codes=codes).dequantize() - W
     assert err["gptq"] <= float(torch.trace(Dn @ H @ Dn.T)) + 1e-12
     assert err["gptq"] < err["rtn"]

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from bayesq.baselines.rtn import rtn_blocks
-from bayesq.blocks import check_finite, layer_blocks, quantizable_layers
+from bayesq.blocks import checked_layers, layer_blocks
 from bayesq.codebook import UniformGrids, grids_from_range
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import rtn_table
@@ -62,8 +62,7 @@ def aciq_quantize(
     *, granularity: Granularity = Granularity.CHANNEL,
 ) -> QuantizationResult:
     """ACIQ at ``budget`` average bits (all metadata counted), one clipped grid per channel."""
-    layers = quantizable_layers(model)
-    check_finite(layers)
+    layers = checked_layers(model)
     blocks = rtn_blocks(layer_blocks(layers, cfg.group_size, cfg.unit_groups), Granularity(granularity), cfg)
     weights = {n: m.weight for n, m in layers.items()}
     table = rtn_table(weights, blocks, cfg,

@@ -21,8 +21,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from bayesq.curvature.kfac import _input_rows
-from bayesq.forward import Batch, batch_size, logits
+from bayesq.forward import Batch
+from bayesq.posterior import forward_inputs
 
 
 @dataclass(frozen=True)
@@ -59,32 +59,14 @@ def input_stats(
     """
     sums: dict[str, list] = {}
 
-    def hook(name: str):
-        def fn(mod, inputs, output):
-            rows = _input_rows(mod, inputs[0].detach(), output.shape)  # (N, groups, T, d_in)
-            h = torch.einsum("ngti,ngtj->gij", rows, rows)  # (groups, d_in, d_in)
-            a = rows.abs().sum((0, 2))  # (groups, d_in)
-            t = rows.shape[0] * rows.shape[2]
-            if name in sums:
-                sums[name][0] += h
-                sums[name][1] += a
-                sums[name][2] += t
-            else:
-                sums[name] = [h, a, t]
-        return fn
+    def add(name: str, rows: torch.Tensor) -> None:  # rows (N, groups, T, d_in)
+        h = torch.einsum("ngti,ngtj->gij", rows, rows)  # (groups, d_in, d_in)
+        a = rows.abs().sum((0, 2))  # (groups, d_in)
+        t = rows.shape[0] * rows.shape[2]
+        old = sums.get(name)
+        sums[name] = [h, a, t] if old is None else [old[0] + h, old[1] + a, old[2] + t]
 
-    handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
-    was_training, n = model.training, 0
-    model.eval()
-    try:
-        with torch.no_grad():
-            for batch in calibration:
-                logits(model, batch)
-                n += batch_size(batch)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
+    n = forward_inputs(model, calibration, layers, add)
     if n == 0:
         raise ValueError("empty calibration set: GPTQ / AWQ need at least one calibration batch")
     missing = [k for k in layers if k not in sums]

@@ -9,7 +9,7 @@ before quantisation and dividing the decoded weight by the same factor:
 positions of input channel j). ``alpha`` is searched on AWQ's grid {0, 1/20, ..., 19/20}
 minimising the calibration layer-output error ``tr(D H D^T)``, ``D = W_hat - W``
 (:mod:`bayesq.baselines.activations`), with per-group min/max grids at the reference
-bit-width ``floor(budget)`` (clamped to the candidate set). ``alpha = 0`` is RTN, so the search
+bit-width: the largest candidate not above the budget (3 at 3.0 and 3.5 bits). ``alpha = 0`` is RTN, so the search
 never does worse than RTN on that objective. Depthwise convolutions (one input channel per
 group) have nothing to scale and are quantised as RTN.
 
@@ -31,7 +31,7 @@ from torch import nn
 
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.rtn import rtn_blocks
-from bayesq.blocks import LayerBlocks, check_finite, layer_blocks, quantizable_layers
+from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.codebook import minmax_grids
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import LossTable, rtn_table
@@ -116,13 +116,9 @@ def awq_quantize(
     Raises:
         ValueError: missing stats, an infeasible budget, non-finite weights.
     """
-    layers = quantizable_layers(model)
-    check_finite(layers)
-    missing = [n for n in layers if n not in stats]
-    if missing:
-        raise ValueError(f"no input statistics for layers {missing[:3]}: run input_stats on the same model")
+    layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model")
     blocks = rtn_blocks(layer_blocks(layers, cfg.group_size, cfg.unit_groups), Granularity(granularity), cfg)
-    ref_bits = min(max(b for b in cfg.bits if b <= max(math.floor(budget), min(cfg.bits))), max(cfg.bits))
+    ref_bits = max((b for b in cfg.bits if b <= budget), default=min(cfg.bits))
     scaled, omega, col_scale, extra = {}, {}, {}, {}
     for lb in blocks:
         mod = layers[lb.name]

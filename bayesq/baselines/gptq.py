@@ -27,7 +27,7 @@ from torch import nn
 
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.rtn import rtn_blocks
-from bayesq.blocks import check_finite, layer_blocks, quantizable_layers
+from bayesq.blocks import checked_layers, layer_blocks
 from bayesq.config import Granularity, QuantConfig, Rounding
 from bayesq.expected_loss import rtn_table
 from bayesq.quantize import QuantizationResult, allocate, encode, quantized_copy
@@ -69,11 +69,7 @@ def gptq_quantize(
     granularity = Granularity(granularity)
     if granularity == Granularity.TENSOR:
         raise ValueError("GPTQ quantises with per-channel or per-group grids; choose 'channel' or 'group'")
-    layers = quantizable_layers(model)
-    check_finite(layers)
-    missing = [n for n in layers if n not in stats]
-    if missing:
-        raise ValueError(f"no input statistics for layers {missing[:3]}: run input_stats on the same model")
+    layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model")
     blocks = rtn_blocks(layer_blocks(layers, cfg.group_size, cfg.unit_groups), granularity, cfg)
     weights = {n: m.weight for n, m in layers.items()}
     omega = {n: stats[n].row_diag(m.weight.shape[0]) for n, m in layers.items()}  # (out, d_in)

@@ -20,7 +20,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from bayesq.blocks import LayerBlocks, check_finite, quantizable_layers
+from bayesq.blocks import LayerBlocks, checked_layers, quantizable_layers
 from bayesq.config import QuantConfig
 from bayesq.curvature.hutchinson import hutchinson_diagonal
 from bayesq.expected_loss import rtn_table
@@ -46,11 +46,7 @@ def hawq_quantize(
     Raises:
         ValueError: missing traces, an infeasible budget, non-finite weights.
     """
-    layers = quantizable_layers(model)
-    check_finite(layers)
-    missing = [n for n in layers if n not in traces]
-    if missing:
-        raise ValueError(f"no Hessian trace for layers {missing[:3]}: run hessian_traces on the same model")
+    layers = checked_layers(model, traces, "Hessian trace", "run hessian_traces on the same model")
     blocks = []
     for n, m in layers.items():
         shape = tuple(m.weight.shape)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from bayesq.blocks import LayerBlocks, check_finite, layer_blocks, quantizable_layers
+from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import rtn_table
 from bayesq.quantize import QuantizationResult, allocate, encode, quantized_copy
@@ -29,8 +29,7 @@ def rtn_quantize(
     model: nn.Module, granularity: Granularity, budget: float, cfg: QuantConfig = QuantConfig()
 ) -> QuantizationResult:
     """RTN at ``budget`` average bits (all metadata counted) with the given scale granularity."""
-    layers = quantizable_layers(model)
-    check_finite(layers)
+    layers = checked_layers(model)
     blocks = rtn_blocks(layer_blocks(layers, cfg.group_size, cfg.unit_groups), Granularity(granularity), cfg)
     weights = {n: m.weight for n, m in layers.items()}
     table = rtn_table(weights, blocks, cfg)

@@ -1,0 +1,53 @@
+"""Shared setup of the benchmarks that evaluate one fine-tuned embedded model at one budget.
+
+``case(description)`` parses ``--model --budget --seed --params`` and loads what ``make run``
+left behind: the fine-tuned model (``models/``), its data (``data/raw``), the seed's
+calibration batches and the test batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Case:
+    model_name: str
+    budget: float
+    seed: int
+    params: Any  # bayesq.config.Params
+    model: Any  # torch.nn.Module, eval mode
+    calibration: list  # the seed's calibration batches (labels never used)
+    test: list  # test batches
+    labels: Any  # (N,) int64 test labels
+
+    def accuracy(self, model) -> float:
+        """Test accuracy of ``model`` in percent."""
+        from bayesq.models.zoo import evaluate
+
+        return 100 * evaluate(model, self.test, self.labels)
+
+
+def case(description: str) -> Case:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default="lite0-fmnist")
+    p.add_argument("--budget", type=float, default=3.0)
+    p.add_argument("--seed", type=int, default=17)
+    p.add_argument("--params", type=Path, default=Path("params.yaml"))
+    a = p.parse_args()
+
+    from bayesq.models.zoo import get_entry
+    from flows.common import read_params
+    from flows.finetune import load_model, raw_path
+    from flows.quantize import calibration_batches
+
+    params = read_params(a.params)
+    entry = get_entry(a.model)
+    model = load_model(entry, Path("models") / a.model / "model.safetensors")
+    splits = entry.load_splits(params.data, raw_path(entry, Path("data/raw")))
+    _, batches = calibration_batches(entry, splits, params.data, params.calibration, a.seed)
+    test = entry.batches(splits.test_inputs, 64, params.data)
+    return Case(a.model, a.budget, a.seed, params, model, batches, test, splits.test_labels)
