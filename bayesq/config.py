@@ -98,6 +98,7 @@ class Method(str, Enum):
 
     BAYESQ = "bayesq"
     BAYESQ_EF = "bayesq-ef"  # K-FAC posterior + error-feedback rounding under its metric
+    BAYESQ_DISTILL = "bayesq-distill"  # BayesQ + posterior-predictive distillation (budget <= distill.max_budget)
     RTN_TENSOR = "rtn-tensor"
     RTN_CHANNEL = "rtn-channel"
     RTN_GROUP = "rtn-group"
@@ -286,6 +287,45 @@ class AllocationConfig:
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """Calibration-only distillation of scales / zero-points / LUT entries (``distill``).
+
+    Teacher: mean of ``softmax(f(x; w_m) / temperature)`` over ``samples`` posterior draws,
+    tempered until they agree with the mean model on ``agreement`` of the calibration inputs
+    (:mod:`bayesq.distill`); AdamW with learning rate ``lr`` for ``steps`` steps. Applied when
+    the budget is at most ``max_budget`` (0 switches it off).
+    """
+
+    max_budget: float = 3.5
+    samples: int = 8
+    temperature: float = 2.0
+    steps: int = 500
+    lr: float = 1e-4
+    train_bias: bool = False
+    agreement: float = 0.95
+
+    def __post_init__(self) -> None:
+        s = "distill"
+        if not self.max_budget >= 0:
+            _fail(s, "max_budget", self.max_budget, "must be >= 0 (0: never distil)")
+        for name in ("samples", "steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                _fail(s, name, v, "must be an integer >= 1")
+        for name in ("temperature", "lr"):
+            if not getattr(self, name) > 0:
+                _fail(s, name, getattr(self, name), "must be > 0")
+        if not isinstance(self.train_bias, bool):
+            _fail(s, "train_bias", self.train_bias, "must be true or false")
+        if not 0 < self.agreement <= 1:
+            _fail(s, "agreement", self.agreement, "must be in (0, 1] (share of calibration inputs)")
+
+    def applies(self, budget: float) -> bool:
+        """Whether a model quantised at ``budget`` average bits is distilled."""
+        return budget <= self.max_budget
+
+
+@dataclass(frozen=True)
 class BayesQConfig:
     """Everything :func:`bayesq.quantize_model` needs besides the model and calibration data."""
 
@@ -293,6 +333,7 @@ class BayesQConfig:
     posterior: PosteriorConfig = field(default_factory=PosteriorConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     allocation: AllocationConfig = field(default_factory=AllocationConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -436,6 +477,52 @@ class BaselinesConfig:
 
 
 @dataclass(frozen=True)
+class RobustnessConfig:
+    """Calibration and out-of-domain evaluation (``robustness`` in params.yaml).
+
+    Every (method, budget) row gets accuracy, ECE / MCE (``ece_bins`` equal-width bins, and
+    ``random_bin_repeats`` sets of random bin edges), worst-k% accuracy and CVaR on the test
+    split; rows of ``methods`` at ``budgets`` (plus the FP model) are also evaluated on
+    ``corruptions`` x ``severities`` of the first ``corruption_examples`` test images, and text
+    models on the ``text_domains`` of the sentiment archive (``domain_examples`` each).
+    """
+
+    ece_bins: int = 15
+    random_bin_repeats: int = 20
+    budgets: tuple[float, ...] = (3.0,)
+    methods: tuple[Method, ...] = (Method.BAYESQ, Method.BAYESQ_DISTILL, Method.BAYESQ_EF, Method.GPTQ,
+                                   Method.AWQ, Method.RTN_GROUP)
+    corruptions: tuple[str, ...] = ("gaussian_noise", "shot_noise", "impulse_noise", "gaussian_blur",
+                                    "defocus_blur", "fog", "brightness", "contrast", "pixelate",
+                                    "jpeg_compression")
+    severities: tuple[int, ...] = (1, 2, 3, 4, 5)
+    corruption_examples: int = 500
+    text_domains: tuple[str, ...] = ("tweets", "amazon", "nyt")
+    domain_examples: int = 1000
+
+    def __post_init__(self) -> None:
+        from bayesq.corruptions import CORRUPTIONS
+        from bayesq.data.sentiment import DOMAIN_FILES
+
+        s = "robustness"
+        for name in ("ece_bins", "random_bin_repeats", "corruption_examples", "domain_examples"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                _fail(s, name, v, "must be an integer >= 1")
+        object.__setattr__(self, "budgets", tuple(float(b) for b in self.budgets))
+        try:
+            object.__setattr__(self, "methods", tuple(Method(m) for m in self.methods))
+        except ValueError:
+            _fail(s, "methods", self.methods, f"choose from {[m.value for m in Method]}")
+        for name, valid in (("corruptions", CORRUPTIONS), ("text_domains", tuple(d for d in DOMAIN_FILES if d != "movie"))):
+            bad = [v for v in getattr(self, name) if v not in valid]
+            if bad:
+                _fail(s, name, bad, f"choose from {list(valid)}")
+        if any(not (isinstance(v, int) and 1 <= v <= 5) for v in self.severities):
+            _fail(s, "severities", self.severities, "severities are integers 1..5")
+
+
+@dataclass(frozen=True)
 class Params:
     """The whole of ``params.yaml`` after the selected profile's overrides are applied."""
 
@@ -451,6 +538,8 @@ class Params:
     quant: QuantConfig = field(default_factory=QuantConfig)
     allocation: AllocationConfig = field(default_factory=AllocationConfig)
     baselines: BaselinesConfig = field(default_factory=BaselinesConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    robustness: RobustnessConfig = field(default_factory=RobustnessConfig)
     ablations: AblationConfig = field(default_factory=lambda: AblationConfig())
 
     def __post_init__(self) -> None:
@@ -468,7 +557,7 @@ class Params:
 
     def bayesq(self, budget: float, seed: int) -> BayesQConfig:
         return BayesQConfig(budget=budget, posterior=self.posterior, quant=self.quant,
-                            allocation=self.allocation, seed=seed)
+                            allocation=self.allocation, distill=self.distill, seed=seed)
 
 
 @dataclass(frozen=True)
@@ -499,7 +588,8 @@ class AblationConfig:
 _SECTIONS = {
     "data": DataConfig, "finetune": FinetuneConfig, "calibration": CalibrationConfig,
     "posterior": PosteriorConfig, "quant": QuantConfig, "allocation": AllocationConfig,
-    "baselines": BaselinesConfig, "ablations": AblationConfig,
+    "baselines": BaselinesConfig, "distill": DistillConfig, "robustness": RobustnessConfig,
+    "ablations": AblationConfig,
 }
 _LISTS = ("models", "seeds", "budgets", "methods")
 

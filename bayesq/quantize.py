@@ -370,7 +370,8 @@ def quantize_model(
             it must return (B, C) logits or an object with ``.logits``.
         calibration: iterable of unlabelled input batches (tensors or dicts of tensors).
         config: budget (average bits per quantised weight, all metadata included), posterior,
-            codebook, table, allocation and rounding settings.
+            codebook, table, allocation and rounding settings, and the distillation applied at
+            budgets up to ``config.distill.max_budget`` (3.5 by default; same codes and bits).
         posterior: a posterior fitted earlier (skips the curvature pass).
 
     Returns:
@@ -381,7 +382,7 @@ def quantize_model(
     check_finite(layers)
     q = config.quant
     blocks = layer_blocks(layers, q.group_size, q.unit_groups, q.unit.value)
-    if q.needs_data:
+    if q.needs_data or config.distill.applies(config.budget):
         calibration = list(calibration)  # read twice
     if posterior is None:
         posterior = _fit_posterior(model, calibration, layers, config.posterior, seed=config.seed,
@@ -391,4 +392,11 @@ def quantize_model(
     allocation = allocate(table, config.budget, config.allocation, config.seed)
     weights = encode(table, allocation, {n: m.weight for n, m in layers.items()}, posterior=posterior,
                      rounding=q.rounding)
-    return QuantizationResult(quantized_copy(model, weights), weights, allocation, table, posterior)
+    qmodel = quantized_copy(model, weights)
+    if config.distill.applies(config.budget):
+        from bayesq.distill import apply_distilled, distill
+
+        res = distill(model, weights, posterior, calibration, config.distill, scale_bits=q.scale_bits,
+                      lut_bits=q.lut_bits, seed=config.seed)
+        weights, qmodel = res.weights, apply_distilled(model, res)
+    return QuantizationResult(qmodel, weights, allocation, table, posterior)

@@ -26,6 +26,7 @@ from flows.common import (
     CACHE, code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json,
 )
 from flows.finetune import load_model, raw_path
+from flows.robustness import fp_eval_task, mean_corruption_error, tracked_metrics
 
 _RTN = {Method.RTN_TENSOR: Granularity.TENSOR, Method.RTN_CHANNEL: Granularity.CHANNEL,
         Method.RTN_GROUP: Granularity.GROUP}
@@ -172,44 +173,68 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
     return awq_quantize(model, stats, budget, quant, grid=baselines.awq_grid)
 
 
+def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: str | None, seed: int):
+    """BayesQ's allocation and encoding from a cached table: (weights, allocation)."""
+    from bayesq.quantize import allocate, encode
+
+    allocation = allocate(table, budget, allocation_cfg, seed)
+    weights = {t.blocks.name: model.get_submodule(t.blocks.name).weight for t in table.layers}
+    post = load_posterior(model, Path(posterior_file)) if posterior_file else None
+    return encode(table, allocation, weights, posterior=post, rounding=quant.rounding), allocation, post
+
+
 @task(cache_policy=(INPUTS - "table") + TASK_SOURCE, persist_result=True)
 def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_file: str,
                        model_digest: str, raw: str, raw_digest: str, data, quant, allocation_cfg,
                        table, table_key: str, posterior_file: str | None, code: str,
-                       calibration=None, baselines=None, traces: dict | None = None) -> dict:
-    """Quantise with one method at one budget and evaluate on the test split.
+                       calibration=None, baselines=None, traces: dict | None = None,
+                       distill=None, robustness=None, ood: bool = False) -> dict:
+    """Quantise with one method at one budget and evaluate on the test split (and under shift).
 
     ``table`` / ``posterior_file`` (BayesQ rows), ``calibration`` (GPTQ, AWQ: their input
-    statistics), ``baselines`` (their settings) and ``traces`` (HAWQ) are read only by the methods
-    that need them; ``quantize_seconds`` times everything done here but evaluation.
+    statistics; distillation: its inputs), ``baselines`` (their settings), ``traces`` (HAWQ) and
+    ``distill`` (``bayesq-distill``) are read only by the methods that need them;
+    ``quantize_seconds`` times everything done here but evaluation. ``robustness`` sets the
+    calibration metrics; ``ood`` adds the corrupted / other-domain evaluation.
     """
-    from bayesq.models.zoo import evaluate, get_entry
-    from bayesq.quantize import allocate, encode, quantized_copy
+    from bayesq.config import RobustnessConfig
+    from bayesq.models.zoo import get_entry
+    from bayesq.quantize import quantized_copy
+    from flows.robustness import evaluate_model
 
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))
     splits = entry.load_splits(data, Path(raw))
     start = time.perf_counter()
-    if Method(method) in (Method.BAYESQ, Method.BAYESQ_EF):
-        allocation = allocate(table, budget, allocation_cfg, seed)
-        weights = {t.blocks.name: model.get_submodule(t.blocks.name).weight for t in table.layers}
-        post = load_posterior(model, Path(posterior_file)) if posterior_file else None
-        qweights = encode(table, allocation, weights, posterior=post, rounding=quant.rounding)
+    extra = {}
+    if Method(method) in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL):
+        qweights, allocation, post = _bayesq(model, table, budget, allocation_cfg, quant, posterior_file, seed)
         qmodel = quantized_copy(model, qweights)
+        if Method(method) == Method.BAYESQ_DISTILL and distill.applies(budget):
+            from bayesq.distill import apply_distilled, distill as run_distill
+
+            _, batches = calibration_batches(entry, splits, data, calibration, seed)
+            res = run_distill(model, qweights, post, batches, distill, scale_bits=quant.scale_bits,
+                              lut_bits=quant.lut_bits, seed=seed)
+            qmodel = apply_distilled(model, res)
+            extra = {"distill_seconds": res.seconds, "distill_sample_scale": res.sample_scale,
+                     "distill_teacher_agreement": res.teacher_agreement,
+                     "distill_loss_first": res.loss_first, "distill_loss_last": res.loss_last}
     else:
         res = _baseline(Method(method), model, entry, splits, data, calibration, quant, baselines, budget,
                         seed, traces)
         qmodel, allocation = res.model, res.allocation
     seconds = time.perf_counter() - start
-    acc = evaluate(qmodel, entry.batches(splits.test_inputs, 64, data), splits.test_labels)
+    ev = evaluate_model(entry, qmodel, splits, data, Path(raw), robustness or RobustnessConfig(), ood, seed)
     layer_bits = {}
     for layer, bits in allocation.unit_bits.items():
         layer_bits[layer] = sum(bits) / len(bits)
     return {
-        "model": name, "method": method, "budget": budget, "seed": seed, "accuracy": acc,
+        "model": name, "method": method, "budget": budget, "seed": seed,
+        "accuracy": ev["calibration"]["accuracy"], **ev,
         "avg_bits": allocation.average_bits, "total_bits": allocation.total_bits,
         "budget_bits": allocation.budget_bits, "n_weights": allocation.n_weights,
-        "quantize_seconds": seconds, "layer_bits": layer_bits,
+        "quantize_seconds": seconds, "layer_bits": layer_bits, **extra,
     }
 
 
@@ -237,6 +262,10 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
             model_file = Path(models) / name / "model.safetensors"
             mdig, src = digest(model_file), raw_path(entry, raw)
             sdig = digest(src)
+            rob = params.robustness
+            fp = fp_eval_task(name, str(model_file), mdig, str(src), sdig, params.data, rob, params.seeds[0], code)
+            records.append(fp)
+            print(f"[quantize] {name} FP: acc {fp['accuracy']:.4f}, ECE {fp['calibration']['ece']:.4f}", flush=True)
             for seed in params.seeds:
                 post = posterior_task(name, str(model_file), mdig, str(src), sdig, params.data,
                                       params.calibration, params.posterior, seed,
@@ -247,7 +276,8 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                 print(f"[quantize] {name} seed {seed}: posterior {post['seconds']:.1f}s, "
                       f"table {tab['seconds']:.1f}s", flush=True)
                 key = f"{digest(Path(post['path']))}:{params.quant}:{params.calibration}"
-                prep = {Method.BAYESQ: (post, tab, key, params.quant)}
+                prep = {Method.BAYESQ: (post, tab, key, params.quant),
+                        Method.BAYESQ_DISTILL: (post, tab, key, params.quant)}
                 if Method.BAYESQ_EF in params.methods:
                     prep[Method.BAYESQ_EF] = _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code)
                 hawq = None
@@ -262,8 +292,13 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                                                str(src), sdig, params.data, p_quant, params.allocation,
                                                p_tab and p_tab["table"], p_key, p_post and p_post["path"], code,
                                                calibration=params.calibration, baselines=params.baselines,
-                                               traces=hawq["traces"] if method == Method.HAWQ else None)
+                                               traces=hawq["traces"] if method == Method.HAWQ else None,
+                                               distill=params.distill, robustness=rob,
+                                               ood=method in rob.methods and budget in rob.budgets)
                         r = {**r, "preprocess_seconds": r["quantize_seconds"]}
+                        corruption = mean_corruption_error(r["ood"], fp["ood"])
+                        if corruption:
+                            r = {**r, "corruption": corruption}
                         if method in prep:
                             r = {**r, "posterior_seconds": p_post["seconds"], "table_seconds": p_tab["seconds"],
                                  "preprocess_seconds": p_post["seconds"] + p_tab["seconds"] + r["quantize_seconds"]}
@@ -274,7 +309,9 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                               f"acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits", flush=True)
                         metrics = {k: r[k] for k in ("accuracy", "avg_bits", "total_bits", "quantize_seconds",
                                                      "posterior_seconds", "table_seconds", "traces_seconds",
-                                                     "preprocess_seconds") if k in r}
+                                                     "preprocess_seconds", "distill_seconds",
+                                                     "distill_sample_scale") if k in r}
+                        metrics.update(tracked_metrics(r))
                         mlflow_child(parent.info.run_id, f"{name}/{method.value}/s{seed}/b{budget}",
                                      {"model": name, "method": method.value, "seed": seed, "budget": budget,
                                       "group_size": params.quant.group_size, "bits": str(params.quant.bits),

@@ -42,7 +42,7 @@ class TinyEntry(ZooEntry):
         return cfg.lr_image
 
 
-ALL_METHODS = ("bayesq", "bayesq-ef", "rtn-tensor", "rtn-channel", "rtn-group", "gptq", "awq", "hawq", "aciq")
+ALL_METHODS = ("bayesq", "bayesq-distill", "bayesq-ef", "rtn-tensor", "rtn-channel", "rtn-group", "gptq", "awq", "hawq", "aciq")
 
 
 @pytest.fixture

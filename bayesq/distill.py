@@ -1,0 +1,272 @@
+"""Posterior-predictive distillation of the stored quantiser parameters (calibration only).
+
+The teacher is the posterior predictive at temperature ``tau``:
+
+    p_T(y | x) = 1/M sum_m softmax(f(x; w_m) / tau),   w_m = mu + s * sigma * eps_m,  eps_m ~ N(0, I)
+
+and the student is the quantised model with its integer codes frozen.  Only what the stored
+format keeps besides the codes is trained: the per-group scales and integer zero-points of
+uniform grids (zero-points through a straight-through rounding), the entries of look-up tables
+and, optionally, the layers' biases.  The loss is
+
+    L = tau^2 * KL(p_T || softmax(f_q(x) / tau))     (mean over the batch)
+
+minimised with AdamW (no weight decay) over the unlabelled calibration batches.  Afterwards the
+scales and table entries are rounded to their stored precision and the zero-points to integers
+in [0, 2^b - 1], so the stored model has exactly the bits it had before.
+
+``s`` tempers the posterior.  A Laplace posterior over millions of weights fitted on a few
+hundred inputs is dominated by its prior for most weights (their sampled networks predict at
+chance), so ``s`` is the largest value on a log grid whose samples still agree with the mean
+model's argmax on ``agreement`` of the calibration inputs (label-free); ``s = 1`` is the
+untempered posterior, ``s = 0`` the mean model itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.nn import functional as F
+
+from bayesq.codebook import LevelTables, UniformGrids
+from bayesq.config import DistillConfig
+from bayesq.forward import Batch, batch_size, logits
+from bayesq.posterior import Posterior
+from bayesq.quantize import QuantizedWeight, first_inputs
+
+SCALE_GRID = tuple(2.0**-k for k in range(0, 17))  # candidate tempering factors s, largest first
+
+
+@dataclass(frozen=True)
+class DistillResult:
+    """What :func:`distill` returns.
+
+    Attributes:
+        weights: name -> QuantizedWeight with the same codes and bit-widths, trained books.
+        biases: name -> trained bias (float32) of the layers whose bias was trained (else empty).
+        sample_scale: tempering factor ``s`` of the teacher's posterior samples.
+        teacher_agreement: share of calibration inputs where the teacher's argmax equals the mean
+            model's.
+        loss_first, loss_last: mean distillation loss over the first / last 10% of the steps.
+        steps: optimiser steps taken.
+        seconds: wall time of the whole distillation (teacher included).
+    """
+
+    weights: dict[str, QuantizedWeight]
+    biases: dict[str, torch.Tensor]
+    sample_scale: float
+    teacher_agreement: float
+    loss_first: float
+    loss_last: float
+    steps: int
+    seconds: float
+
+
+def _sampled_weights(posterior: Posterior, scale: float, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """One draw ``mu + scale * sigma * eps`` per layer (float64, diagonal part of the posterior)."""
+    return {n: m + scale * posterior.std(n) * torch.randn(m.shape, generator=gen, dtype=m.dtype)
+            for n, m in posterior.mean.items()}
+
+
+def _forward(model: nn.Module, over: Mapping[str, torch.Tensor], batch: Batch) -> torch.Tensor:
+    """(B, C) logits of ``model`` on ``batch`` with the named parameters replaced by ``over``."""
+    if isinstance(batch, Mapping):
+        out = functional_call(model, dict(over), args=(), kwargs=dict(batch), strict=False)
+    else:
+        out = functional_call(model, dict(over), args=(batch,), strict=False)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _logits_with(model: nn.Module, weights: Mapping[str, torch.Tensor], batch: Batch) -> torch.Tensor:
+    """(B, C) logits of ``model`` with the ``<layer>.weight`` tensors replaced by ``weights``."""
+    over = {f"{n}.weight": w.to(model.get_submodule(n).weight.dtype) for n, w in weights.items()}
+    return _forward(model, over, batch)
+
+
+def sample_agreement(model: nn.Module, posterior: Posterior, batches: Sequence[Batch], scale: float,
+                     samples: int, seed: int) -> float:
+    """Mean share of inputs on which a tempered posterior sample predicts the mean model's argmax."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        ref = [logits(model, b).argmax(-1) for b in batches]
+        agree, n = 0, 0
+        for _ in range(samples):
+            w = _sampled_weights(posterior, scale, gen)
+            for b, r in zip(batches, ref):
+                agree += int((_logits_with(model, w, b).argmax(-1) == r).sum())
+                n += len(r)
+    return agree / max(n, 1)
+
+
+def tempering_scale(model: nn.Module, posterior: Posterior, batches: Sequence[Batch], agreement: float,
+                    samples: int = 2, seed: int = 0) -> float:
+    """Largest ``s`` in :data:`SCALE_GRID` whose samples agree with the mean model on >= ``agreement``.
+
+    Bisection over the grid (agreement falls as ``s`` grows); 0.0 when even the smallest fails.
+    """
+    lo, hi = 0, len(SCALE_GRID)  # invariant: SCALE_GRID[hi] passes (hi = len: "0" passes), lo-1 fails
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sample_agreement(model, posterior, batches, SCALE_GRID[mid], samples, seed) >= agreement:
+            hi = mid
+        else:
+            lo = mid + 1
+    return SCALE_GRID[hi] if hi < len(SCALE_GRID) else 0.0
+
+
+def teacher_probs(model: nn.Module, posterior: Posterior, batches: Sequence[Batch], scale: float,
+                  samples: int, tau: float, seed: int = 0) -> list[torch.Tensor]:
+    """Per batch, (B, C) float32 ``1/M sum_m softmax(f(x; w_m) / tau)`` (M = ``samples``)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = [0.0 for _ in batches]
+    with torch.no_grad():
+        for _ in range(samples):
+            w = _sampled_weights(posterior, scale, gen) if scale > 0 else None
+            for i, b in enumerate(batches):
+                z = logits(model, b) if w is None else _logits_with(model, w, b)
+                out[i] = out[i] + F.softmax(z.float() / tau, dim=-1) / samples
+    return out
+
+
+class _Trainable(nn.Module):
+    """The trainable part of one layer's stored encoding; ``weight()`` decodes differentiably."""
+
+    def __init__(self, qw: QuantizedWeight) -> None:
+        super().__init__()
+        self.qw = qw
+        self.scale, self.zero, self.levels = nn.ParameterDict(), nn.ParameterDict(), nn.ParameterDict()
+        for b, book in qw.books.items():
+            if isinstance(book, UniformGrids):
+                self.scale[str(b)] = nn.Parameter(book.scale.float().clone())
+                self.zero[str(b)] = nn.Parameter(book.zero.float().clone())
+            elif isinstance(book, LevelTables):
+                self.levels[str(b)] = nn.Parameter(book.levels.float().clone())
+
+    def weight(self) -> torch.Tensor:
+        """Weight of ``blocks.shape`` (float32) from the frozen codes and the trainable books."""
+        qw = self.qw
+        parts, order = [], []
+        for b, book in qw.books.items():
+            sel = torch.nonzero(qw.group_bits == b).squeeze(1)
+            codes = qw.codes[sel]
+            if str(b) in self.scale:
+                z = self.zero[str(b)]
+                z = z + (torch.round(z).clamp(0, 2**b - 1) - z).detach()  # straight-through rounding
+                w = self.scale[str(b)][:, None] * (codes.float() - z[:, None])
+            elif str(b) in self.levels:
+                w = torch.gather(self.levels[str(b)][book.row], 1, codes)  # book rows: groups at b bits
+            else:  # VQ codebooks stay as stored
+                w = book.dequantize(codes).float()
+            parts.append(w)
+            order.append(sel)
+        w = qw.blocks.from_groups(torch.cat(parts)[torch.argsort(torch.cat(order))])
+        if qw.col_scale is None:
+            return w
+        n_out = qw.blocks.shape[0]
+        s = qw.col_scale.repeat_interleave(n_out // qw.col_scale.shape[0], dim=0).float()
+        return (w.reshape(n_out, -1) / s).reshape(qw.blocks.shape)
+
+    def stored(self, scale_bits: int, lut_bits: int) -> QuantizedWeight:
+        """The encoding with the trained books rounded to their stored precision."""
+        books = dict(self.qw.books)
+        for b, book in self.qw.books.items():
+            if str(b) in self.scale:
+                scale = _round(self.scale[str(b)].detach().double(), scale_bits).clamp(min=0)
+                zero = torch.round(self.zero[str(b)].detach().double()).clamp(0, 2**b - 1)
+                books[b] = UniformGrids(book.bits, scale, zero)
+            elif str(b) in self.levels:
+                levels = _round(self.levels[str(b)].detach().double(), lut_bits)
+                books[b] = LevelTables(book.bits, levels.sort(dim=1).values, book.row)
+        return QuantizedWeight(self.qw.blocks, self.qw.group_bits, self.qw.codes, books, self.qw.col_scale)
+
+
+def _round(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return x.to(torch.float16 if bits == 16 else torch.float32).double() if bits < 64 else x
+
+
+def distill(
+    model: nn.Module, weights: Mapping[str, QuantizedWeight], posterior: Posterior,
+    batches: Sequence[Batch], cfg: DistillConfig = DistillConfig(), *, scale_bits: int = 16,
+    lut_bits: int = 16, seed: int = 0,
+) -> DistillResult:
+    """Fit the stored scales / zero-points / LUT entries (and biases) to the posterior teacher.
+
+    Args:
+        model: the full-precision model (its weights are the posterior mean); not modified.
+        weights: name -> QuantizedWeight of every quantised layer (codes stay fixed).
+        posterior: the posterior the teacher samples from (its diagonal ``variance``).
+        batches: unlabelled calibration batches, cycled for ``cfg.steps`` steps.
+        scale_bits, lut_bits: stored precision of scales and table entries (``quant``).
+
+    Raises:
+        ValueError: no calibration inputs, or a quantised layer the model does not have.
+    """
+    batches = list(batches)
+    if not batches or sum(batch_size(b) for b in batches) == 0:
+        raise ValueError("distillation needs calibration inputs: pass at least one non-empty batch")
+    modules = dict(model.named_modules())
+    missing = sorted(set(weights) - set(modules))
+    if missing:
+        raise ValueError(f"distill: the model has no layer(s) {missing[:5]}; pass the model the weights came from")
+    start = time.perf_counter()
+    model.eval()
+    probe = first_inputs(batches, 256)
+    scale = tempering_scale(model, posterior, probe, cfg.agreement, samples=2, seed=seed)
+    teacher = teacher_probs(model, posterior, batches, scale, cfg.samples, cfg.temperature, seed)
+    with torch.no_grad():
+        mean_pred = [logits(model, b).argmax(-1) for b in batches]
+    agreement = float(sum(int((t.argmax(-1) == r).sum()) for t, r in zip(teacher, mean_pred))
+                      / sum(len(r) for r in mean_pred))
+
+    layers = nn.ModuleDict({n.replace(".", "/"): _Trainable(qw) for n, qw in weights.items()})
+    params = list(layers.parameters())
+    biases: dict[str, nn.Parameter] = {}
+    if cfg.train_bias:
+        for n in weights:
+            bias = getattr(modules[n], "bias", None)
+            if bias is not None:
+                biases[n] = nn.Parameter(bias.detach().clone())
+        params += list(biases.values())
+    frozen = {k: v.detach() for k, v in itertools.chain(model.named_parameters(), model.named_buffers())}
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    losses = []
+    order = itertools.cycle(range(len(batches)))
+    for _ in range(cfg.steps):
+        i = next(order)
+        over = dict(frozen)
+        over.update({f"{n}.weight": layers[n.replace(".", "/")].weight() for n in weights})
+        over.update({f"{n}.bias": b for n, b in biases.items()})
+        z = _forward(model, over, batches[i])
+        logq = F.log_softmax(z.float() / cfg.temperature, dim=-1)
+        loss = cfg.temperature**2 * F.kl_div(logq, teacher[i], reduction="batchmean")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    tail = max(1, len(losses) // 10)
+    out = {n: layers[n.replace(".", "/")].stored(scale_bits, lut_bits) for n in weights}
+    return DistillResult(
+        weights=out, biases={n: b.detach().clone() for n, b in biases.items()}, sample_scale=scale,
+        teacher_agreement=agreement,
+        loss_first=sum(losses[:tail]) / tail if losses else math.nan,
+        loss_last=sum(losses[-tail:]) / tail if losses else math.nan,
+        steps=len(losses), seconds=time.perf_counter() - start,
+    )
+
+
+def apply_distilled(model: nn.Module, result: DistillResult) -> nn.Module:
+    """Copy of ``model`` running the distilled encoding (dequantised weights, trained biases)."""
+    from bayesq.quantize import quantized_copy
+
+    qmodel = quantized_copy(model, result.weights)
+    with torch.no_grad():
+        for n, b in result.biases.items():
+            qmodel.get_submodule(n).bias.copy_(b)
+    return qmodel

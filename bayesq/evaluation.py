@@ -1,0 +1,62 @@
+"""Test-set evaluation of a (quantised) model: logits, then accuracy, calibration and tail metrics.
+
+:func:`predict` runs the model; :func:`prediction_summary` turns (N, C) logits and labels into
+the numbers the reports use (all from :mod:`bayesq.metrics`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from bayesq import metrics
+from bayesq.forward import Batch, logits
+
+
+def predict(model: nn.Module, batches: Sequence[Batch]) -> Tensor:
+    """(N, C) float32 logits of ``model`` (eval mode, no grad) over ``batches`` in order."""
+    model.eval()
+    with torch.no_grad():
+        out = [logits(model, b).float() for b in tqdm(batches, desc="predict", unit="batch", disable=None,
+                                                       leave=False)]
+    if not out:
+        raise ValueError("predict: no batches to evaluate")
+    return torch.cat(out)
+
+
+def prediction_summary(logit: Tensor, labels: Tensor, n_bins: int = 15, repeats: int = 20,
+                       seed: int = 0) -> dict:
+    """Accuracy, top-5, ECE / MCE (fixed and random bins), NLL, worst-k accuracy, CVaR, F1.
+
+    Args:
+        logit: (N, C) logits; probabilities are ``softmax(logit)`` in float64.
+        labels: (N,) int64 class ids.
+
+    Returns:
+        Floats ``accuracy``, ``top5`` (C > 5 only), ``f1`` (C = 2 only), ``ece``, ``mce``,
+        ``ece_random`` (± ``ece_random_sd``), ``mce_random``, ``nll`` (mean), ``worst5`` /
+        ``worst10`` (accuracy on the 5 % / 10 % least confident), ``cvar90`` / ``cvar95`` (of the
+        per-example NLL) and ``bins``: the fixed-bin reliability diagram as lists ``count``,
+        ``accuracy``, ``confidence``.
+    """
+    if logit.shape[0] != labels.shape[0]:
+        raise ValueError(f"{logit.shape[0]} logits but {labels.shape[0]} labels")
+    p = torch.softmax(logit.double(), dim=-1)
+    loss = metrics.nll(p, labels)
+    out = {"accuracy": metrics.topk_accuracy(p, labels, 1), "nll": float(loss.mean()),
+           "worst5": metrics.worst_k_accuracy(p, labels, 0.05),
+           "worst10": metrics.worst_k_accuracy(p, labels, 0.10),
+           "cvar90": metrics.cvar(loss, 0.90), "cvar95": metrics.cvar(loss, 0.95)}
+    if p.shape[1] > 5:
+        out["top5"] = metrics.topk_accuracy(p, labels, 5)
+    if p.shape[1] == 2:
+        out["f1"] = metrics.f1_binary(p.argmax(1), labels)
+    out.update(metrics.calibration_error(p, labels, n_bins, repeats=repeats, seed=seed))
+    conf, pred = p.max(1)
+    count, acc, cf = metrics.reliability_bins(conf, (pred == labels).double(),
+                                              torch.linspace(0, 1, n_bins + 1, dtype=torch.float64))
+    out["bins"] = {"count": count.tolist(), "accuracy": acc.tolist(), "confidence": cf.tolist()}
+    return out

@@ -1,0 +1,120 @@
+"""Calibration and out-of-domain evaluation used by the quantize stage (I/O side).
+
+``evaluate_model`` gives a model's test-split summary (:func:`bayesq.evaluation.prediction_summary`)
+and, when asked, its accuracy / ECE on corrupted test images (vision) or on the other domains of
+the sentiment archive (text).  ``fp_eval_task`` caches the same for the full-precision model, the
+reference of the mean corruption error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+
+from flows.common import CACHE
+
+CORRUPTION_SEED = 0  # every model sees the same corrupted images
+DOMAIN_SEED = 0
+
+
+def _accuracy_ece(logit, labels, rob) -> dict:
+    from bayesq.metrics import calibration_error, topk_accuracy
+
+    p = logit.double().softmax(-1)
+    return {"accuracy": topk_accuracy(p, labels), "ece": calibration_error(p, labels, rob.ece_bins)["ece"]}
+
+
+def domain_split(raw: Path, domain: str, n: int):
+    """First ``n`` labelled sentences of ``domain`` (seeded order), sorted by length for batching."""
+    import torch
+
+    from bayesq.data.sentiment import binary_labels, load_vader_domain, seeded_permutation
+
+    sentences, labels = binary_labels(load_vader_domain(Path(raw), domain))
+    idx = seeded_permutation(len(sentences), DOMAIN_SEED)[:n].tolist()
+    idx.sort(key=lambda i: len(sentences[i]))
+    return [sentences[i] for i in idx], labels[torch.tensor(idx, dtype=torch.int64)]
+
+
+def ood_eval(entry, model, splits, data, raw: Path, rob) -> dict:
+    """Accuracy and ECE under shift: ``{"corruptions": {name: {severity: {...}}}, "clean": {...}}``
+    for image entries, ``{"domains": {domain: {...}}}`` for text entries."""
+    from bayesq.corruptions import corrupt
+    from bayesq.evaluation import predict
+
+    if entry.task == "image":
+        images = splits.test_inputs[: rob.corruption_examples]
+        labels = splits.test_labels[: rob.corruption_examples]
+        out = {"clean": _accuracy_ece(predict(model, entry.batches(images, 100, data)), labels, rob),
+               "corruptions": {}}
+        for name in rob.corruptions:
+            out["corruptions"][name] = {}
+            for s in rob.severities:
+                x = corrupt(images, name, s, seed=CORRUPTION_SEED)
+                out["corruptions"][name][str(s)] = _accuracy_ece(predict(model, entry.batches(x, 100, data)),
+                                                                 labels, rob)
+        return out
+    out = {"domains": {}}
+    for domain in rob.text_domains:
+        sentences, labels = domain_split(raw, domain, rob.domain_examples)
+        out["domains"][domain] = _accuracy_ece(predict(model, entry.batches(sentences, 64, data)), labels, rob)
+    return out
+
+
+def evaluate_model(entry, model, splits, data, raw: Path, rob, ood: bool, seed: int) -> dict:
+    """``{"calibration": test summary, "ood": shifted-data results or None}``."""
+    from bayesq.evaluation import predict, prediction_summary
+
+    logit = predict(model, entry.batches(splits.test_inputs, 64, data))
+    summary = prediction_summary(logit, splits.test_labels, rob.ece_bins, rob.random_bin_repeats, seed)
+    return {"calibration": summary, "ood": ood_eval(entry, model, splits, data, raw, rob) if ood else None}
+
+
+@task(cache_policy=CACHE, persist_result=True)
+def fp_eval_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str, data, robustness,
+                 seed: int, code: str) -> dict:
+    """The full-precision model's test summary and out-of-domain results (the mCE reference)."""
+    from bayesq.models.zoo import get_entry
+    from flows.finetune import load_model
+
+    entry = get_entry(name)
+    model = load_model(entry, Path(model_file))
+    splits = entry.load_splits(data, Path(raw))
+    res = evaluate_model(entry, model, splits, data, Path(raw), robustness, True, seed)
+    return {"model": name, "method": "fp", "budget": 32.0, "seed": seed,
+            "accuracy": res["calibration"]["accuracy"], "avg_bits": 32.0, **res}
+
+
+def mean_corruption_error(ood: dict, fp_ood: dict) -> dict | None:
+    """``{"mce": mCE, "ce": {corruption: CE}, "undefined": [...]}`` of an image row against the FP
+    row (corruptions on which the FP model makes no error have no CE and are left out), else None."""
+    from bayesq.corruptions import corruption_errors_to_mce
+
+    if not ood or "corruptions" not in ood or not fp_ood:
+        return None
+
+    def errors(o: dict) -> dict:
+        return {c: [1 - v["accuracy"] for _, v in sorted(sev.items(), key=lambda kv: int(kv[0]))]
+                for c, sev in o["corruptions"].items()}
+
+    ref = errors(fp_ood)
+    defined = [c for c, e in ref.items() if sum(e) > 0]  # the FP model makes no error: CE undefined
+    if not defined:
+        return None
+    mce, ce = corruption_errors_to_mce({c: e for c, e in errors(ood).items() if c in defined},
+                                       {c: ref[c] for c in defined})
+    return {"mce": mce, "ce": ce, "undefined": sorted(set(ref) - set(defined))}
+
+
+def tracked_metrics(record: dict) -> dict[str, float]:
+    """Flat calibration / tail / shift metrics of a record, for MLflow."""
+    cal = record.get("calibration") or {}
+    out = {k: cal[k] for k in ("ece", "mce", "ece_random", "nll", "worst5", "worst10", "cvar90", "cvar95",
+                                "top5", "f1") if k in cal}
+    if record.get("corruption"):
+        out["mce_corruption"] = record["corruption"]["mce"]
+    for domain, v in ((record.get("ood") or {}).get("domains") or {}).items():
+        out[f"ood_{domain}_accuracy"] = v["accuracy"]
+        out[f"ood_{domain}_ece"] = v["ece"]
+    return out
