@@ -518,7 +518,7 @@ class RobustnessConfig:
             bad = [v for v in getattr(self, name) if v not in valid]
             if bad:
                 _fail(s, name, bad, f"choose from {list(valid)}")
-        if any(not (isinstance(v, int) and 1 <= v <= 5) for v in self.severities):
+        if any(isinstance(v, bool) or not (isinstance(v, int) and 1 <= v <= 5) for v in self.severities):
             _fail(s, "severities", self.severities, "severities are integers 1..5")
 
 

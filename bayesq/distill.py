@@ -175,16 +175,20 @@ class _Trainable(nn.Module):
 
     def stored(self, scale_bits: int, lut_bits: int) -> QuantizedWeight:
         """The encoding with the trained books rounded to their stored precision."""
-        books = dict(self.qw.books)
+        books, codes = dict(self.qw.books), self.qw.codes.clone()
         for b, book in self.qw.books.items():
             if str(b) in self.scale:
                 scale = _round(self.scale[str(b)].detach().double(), scale_bits).clamp(min=0)
                 zero = torch.round(self.zero[str(b)].detach().double()).clamp(0, 2**b - 1)
                 books[b] = UniformGrids(book.bits, scale, zero)
-            elif str(b) in self.levels:
+            elif str(b) in self.levels:  # tables stay ascending: codes follow their level's new place
                 levels = _round(self.levels[str(b)].detach().double(), lut_bits)
-                books[b] = LevelTables(book.bits, levels.sort(dim=1).values, book.row)
-        return QuantizedWeight(self.qw.blocks, self.qw.group_bits, self.qw.codes, books, self.qw.col_scale)
+                srt, perm = levels.sort(dim=1, stable=True)
+                inv = torch.argsort(perm, dim=1)  # (R, K) old column -> new column
+                sel = torch.nonzero(self.qw.group_bits == b).squeeze(1)
+                codes[sel] = torch.gather(inv[book.row], 1, codes[sel])
+                books[b] = LevelTables(book.bits, srt, book.row)
+        return QuantizedWeight(self.qw.blocks, self.qw.group_bits, codes, books, self.qw.col_scale)
 
 
 def _round(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -199,7 +203,8 @@ def distill(
     """Fit the stored scales / zero-points / LUT entries (and biases) to the posterior teacher.
 
     Args:
-        model: the full-precision model (its weights are the posterior mean); not modified.
+        model: the full-precision model (its weights are the posterior mean); put in eval mode,
+            its parameters are not modified.
         weights: name -> QuantizedWeight of every quantised layer (codes stay fixed).
         posterior: the posterior the teacher samples from (its diagonal ``variance``).
         batches: unlabelled calibration batches, cycled for ``cfg.steps`` steps.

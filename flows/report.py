@@ -33,6 +33,8 @@ def summarise(records: list[dict]) -> dict:
             "avg_bits": statistics.fmean(r["avg_bits"] for r in rs),
             "seconds": statistics.fmean(r.get("preprocess_seconds", r["quantize_seconds"]) for r in rs),
             "n_seeds": len(rs),
+            **{k: statistics.fmean(r["calibration"][k] for r in rs) for k in ("ece", "worst10", "cvar95")
+               if all(r.get("calibration") for r in rs)},
         }
     return out
 
@@ -113,7 +115,10 @@ def frontier_plot(model: str, methods: dict, fp_acc: float, path: Path) -> None:
 
 
 def report(results: Path, models: Path, out: Path) -> None:
-    records = read_json(results)
+    from flows.robustness_report import robustness_report
+
+    everything = read_json(results)
+    records = [r for r in everything if r["method"] != "fp"]  # FP rows: the robustness reference
     summary = summarise(records)
     budgets = sorted({r["budget"] for r in records})
     fp = {m: read_json(Path(models) / m / "fp.json") for m in summary}
@@ -121,9 +126,11 @@ def report(results: Path, models: Path, out: Path) -> None:
     (out / "main_table.md").write_text(main_table(summary, fp, budgets))
     for model, methods in summary.items():
         frontier_plot(model, methods, fp[model]["fp_accuracy"], out / f"frontier_{model}.png")
+    robustness_report(everything, out)
     metrics = {
         model: {"fp_accuracy": fp[model]["fp_accuracy"],
-                **{f"{method}@{b}": {"accuracy": v["accuracy"], "avg_bits": v["avg_bits"], "seconds": v["seconds"]}
+                **{f"{method}@{b}": {k: v[k] for k in ("accuracy", "avg_bits", "seconds", "ece", "worst10", "cvar95")
+                                     if k in v}
                    for method, per in methods.items() for b, v in per.items()}}
         for model, methods in summary.items()
     }

@@ -8,6 +8,7 @@ import yaml
 from torch import nn
 
 from bayesq.config import DataConfig, FinetuneConfig
+from bayesq.corruptions import CORRUPTIONS
 from bayesq.models.zoo import Splits, ZooEntry, register, unregister
 
 
@@ -42,6 +43,7 @@ class TinyEntry(ZooEntry):
         return cfg.lr_image
 
 
+ROBUST = ("bayesq", "bayesq-distill", "bayesq-ef", "gptq", "awq", "rtn-group")  # robustness.methods default
 ALL_METHODS = ("bayesq", "bayesq-distill", "bayesq-ef", "rtn-tensor", "rtn-channel", "rtn-group", "gptq", "awq", "hawq", "aciq")
 
 
@@ -59,6 +61,8 @@ def _params(tmp_path: Path) -> Path:
         "calibration": {"images": 64, "batch_size": 16},
         "quant": {"group_size": 32, "unit_groups": 2, "range_iters": 6},
         "posterior": {"probes": 2},
+        "distill": {"steps": 30},
+        "robustness": {"corruption_examples": 50, "severities": [1, 5], "random_bin_repeats": 3},
     }
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
@@ -86,14 +90,30 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     assert fp[0]["fp_accuracy"] > 0.5  # it learned something
     assert (models / "tiny-cnn" / "model.safetensors").exists()
 
-    records = quantize_flow(params, raw, models, results)
-    assert len(records) == 2 * len(ALL_METHODS)
+    everything = quantize_flow(params, raw, models, results)
+    records = [r for r in everything if r["method"] != "fp"]
+    assert len(records) == 2 * len(ALL_METHODS) and len(everything) == len(records) + 1
     for r in records:
         assert r["avg_bits"] <= r["budget"]
         assert 0.0 <= r["accuracy"] <= 1.0
         assert r["preprocess_seconds"] >= r["quantize_seconds"] > 0
     assert (results / "posterior" / "tiny-cnn_s17_kfac.safetensors").exists()
-    assert read_json(results / "results.json") == records
+    assert read_json(results / "results.json") == everything
+    # calibration summary on every row; shifted data on the robustness rows at 3.0 bits
+    fp = next(r for r in everything if r["method"] == "fp")
+    assert set(fp["ood"]["corruptions"]) == set(CORRUPTIONS) and fp["calibration"]["ece"] >= 0
+    for r in records:
+        assert {"ece", "mce", "worst10", "cvar95", "bins"} <= set(r["calibration"])
+        assert sum(r["calibration"]["bins"]["count"]) == 100  # the tiny test split
+        robust = r["method"] in ROBUST and r["budget"] == 3.0
+        assert (r["ood"] is not None) == robust
+        if robust:
+            assert r["corruption"]["mce"] > 0
+    distilled = {r["budget"]: r for r in records if r["method"] == "bayesq-distill"}
+    assert "distill_seconds" in distilled[3.0] and "distill_seconds" not in distilled[4.0]
+    plain = {r["budget"]: r for r in records if r["method"] == "bayesq"}
+    assert distilled[4.0]["accuracy"] == plain[4.0]["accuracy"]  # above distill.max_budget: the same model
+    assert distilled[3.0]["avg_bits"] == plain[3.0]["avg_bits"]  # same codes, same bits
     table = pd.read_parquet(results / "tables" / "tiny-cnn_s17.parquet")
     assert list(table.columns) == ["layer", "unit", "bits", "loss", "cost_bits", "se"]
     assert sorted(table.bits.unique()) == [2, 3, 4, 8]
@@ -107,13 +127,18 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     assert all({"posterior_seconds", "table_seconds"} <= set(r.data.metrics) for r in bayesq_runs)
 
     again = quantize_flow(params, raw, models, results)  # every task a cache hit
-    assert again == records  # identical wall times prove nothing was recomputed
+    assert again == everything  # identical wall times prove nothing was recomputed
 
     report(results / "results.json", models, reports)
     table_md = (reports / "main_table.md").read_text()
     assert "## tiny-cnn" in table_md and "RTN per-group" in table_md and "HAWQ" in table_md
     assert "BayesQ / GPTQ time:" in table_md and "BayesQ − GPTQ at 3.0 bits:" in table_md
     assert (reports / "frontier_tiny-cnn.png").stat().st_size > 0
+    cal_md = (reports / "calibration_robustness.md").read_text()
+    assert "## Calibration and tails at 3.0 bits" in cal_md and "One seed" in cal_md
+    assert "mCE" in cal_md and "## Distillation" in cal_md and "BayesQ + distillation" in cal_md
+    assert (reports / "reliability_tiny-cnn.png").stat().st_size > 0
+    assert (reports / "layer_bits_tiny-cnn.png").stat().st_size > 0
     metrics = read_json(reports / "metrics.json")
     assert set(metrics["tiny-cnn"]) >= {"fp_accuracy", "bayesq@3.0", "rtn-tensor@4.0"}
 

@@ -1,0 +1,318 @@
+"""Posterior-predictive distillation (bayesq/distill.py) on a tiny MLP and a tiny conv net."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import bayesq.distill as D
+from bayesq import BayesQConfig, QuantConfig, quantize_model
+from bayesq.codebook import LevelTables, UniformGrids
+from bayesq.config import DistillConfig, load_params
+from bayesq.distill import (
+    SCALE_GRID, _Trainable, apply_distilled, distill, sample_agreement, teacher_probs, tempering_scale,
+)
+from bayesq.posterior import Posterior
+from bayesq.quantize import quantized_copy
+
+OFF = DistillConfig(max_budget=0)
+FAST = DistillConfig(lr=1e-3, steps=200)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+
+
+def _convnet():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(8 * 4 * 4, 4))
+
+
+def _cal():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(32, 16, generator=g) for _ in range(4)]
+
+
+def _kl(model, teacher, batches, tau):
+    """tau^2 * KL(teacher || softmax(model / tau)), summed over batches (batch means), float64."""
+    total = 0.0
+    with torch.no_grad():
+        for t, x in zip(teacher, batches):
+            logq = F.log_softmax(model(x).double() / tau, dim=-1)
+            p = t.double()
+            total += tau**2 * float((p * (p.clamp_min(1e-300).log() - logq)).sum(-1).mean())
+    return total
+
+
+@pytest.fixture(scope="module")
+def base(one_thread):
+    """Undistilled BayesQ result at 3 bits (uniform grids)."""
+    model, cal = _mlp(), _cal()
+    res = quantize_model(model, cal, BayesQConfig(budget=3.0, distill=OFF), progress=False)
+    return model, cal, res
+
+
+@pytest.fixture(scope="module")
+def distilled(base):
+    model, cal, res = base
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = distill(model, res.weights, res.posterior, cal, FAST, seed=0)
+    return out, before
+
+
+@pytest.fixture(scope="module")
+def lut(one_thread):
+    model, cal = _mlp(), _cal()
+    res = quantize_model(model, cal, BayesQConfig(budget=3.0, quant=QuantConfig(codebook="lloyd"), distill=OFF),
+                         progress=False)
+    assert any(isinstance(b, LevelTables) for qw in res.weights.values() for b in qw.books.values())
+    return model, cal, res
+
+
+# ---- _Trainable decodes like QuantizedWeight.dequantize --------------------------------------------
+
+def _assert_trainable_matches(weights):
+    for name, qw in weights.items():
+        w = _Trainable(qw).weight()
+        assert w.dtype == torch.float32 and w.shape == qw.blocks.shape, name
+        torch.testing.assert_close(w.double(), qw.dequantize(), rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_trainable_weight_matches_dequantize_uniform(base):
+    weights = base[2].weights
+    assert all(isinstance(b, UniformGrids) for qw in weights.values() for b in qw.books.values())
+    assert any(len(qw.books) > 1 for qw in weights.values())  # a layer mixing bit-widths
+    _assert_trainable_matches(weights)
+
+
+def test_trainable_weight_matches_dequantize_lut(lut):
+    _assert_trainable_matches(lut[2].weights)
+
+
+def test_trainable_weight_matches_dequantize_col_scale(base):
+    qw = base[2].weights["2"]  # Linear(64, 64)
+    g = torch.Generator().manual_seed(3)
+    col = (0.5 + torch.rand(2, 64, generator=g, dtype=torch.float64)).half().double()  # 2 row groups of 32
+    scaled = dataclasses.replace(qw, col_scale=col)
+    assert not torch.allclose(scaled.dequantize(), qw.dequantize())
+    _assert_trainable_matches({"2": scaled})
+
+
+def test_trainable_weight_matches_dequantize_conv(one_thread):
+    g = torch.Generator().manual_seed(2)
+    cal = [torch.randn(8, 3, 6, 6, generator=g) for _ in range(2)]
+    res = quantize_model(_convnet(), cal, BayesQConfig(budget=3.0, distill=OFF), progress=False)
+    assert res.weights["0"].blocks.shape == (8, 3, 3, 3)
+    _assert_trainable_matches(res.weights)
+
+
+# ---- what distill keeps fixed and what it stores ------------------------------------------------------
+
+def test_distill_keeps_codes_bits_and_stores_representable_books(base, distilled):
+    res, (out, _) = base[2], distilled
+    assert set(out.weights) == set(res.weights)
+    for name, qw in res.weights.items():
+        new = out.weights[name]
+        assert torch.equal(new.codes, qw.codes) and torch.equal(new.group_bits, qw.group_bits)
+        assert new.blocks == qw.blocks and set(new.books) == set(qw.books)
+        for b, book in new.books.items():
+            assert isinstance(book, UniformGrids) and book.bits == b
+            assert book.scale.shape == qw.books[b].scale.shape
+            z = book.zero
+            assert torch.equal(z, z.round()) and bool((z >= 0).all()) and bool((z <= 2**b - 1).all())
+            s = book.scale
+            assert bool((s >= 0).all()) and torch.equal(s, s.half().double())
+    assert out.steps == FAST.steps and out.loss_last < out.loss_first
+
+
+def test_distill_lut_levels_stored_fp16(lut):
+    model, cal, res = lut
+    out = distill(model, res.weights, res.posterior, cal, DistillConfig(lr=1e-3, steps=20), seed=0)
+    changed = False
+    for name, qw in res.weights.items():
+        assert torch.equal(out.weights[name].group_bits, qw.group_bits)
+        for b, book in out.weights[name].books.items():
+            lv = book.levels
+            assert torch.equal(lv, lv.half().double()), (name, b)
+            assert torch.equal(book.row, qw.books[b].row)
+            changed |= not torch.equal(lv, qw.books[b].levels)
+    assert changed
+
+
+def test_distill_lut_stored_decodes_to_trained_levels(lut, monkeypatch):
+    model, cal, res = lut
+    trained = {}
+    real = _Trainable.stored
+
+    def spy(self, scale_bits, lut_bits):
+        trained[id(self.qw)] = {b: self.levels[b].detach().double().half().double() for b in self.levels}
+        return real(self, scale_bits, lut_bits)
+
+    monkeypatch.setattr(D._Trainable, "stored", spy)
+    out = distill(model, res.weights, res.posterior, cal, FAST, seed=0)
+    for name, qw in res.weights.items():
+        books = {b: LevelTables(b, trained[id(qw)][str(b)], book.row) for b, book in qw.books.items()}
+        expect = dataclasses.replace(qw, books=books).dequantize()
+        assert torch.equal(out.weights[name].dequantize(), expect), name
+
+
+def test_distill_leaves_model_unchanged(base, distilled):
+    model, before = base[0], distilled[1]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_quantize_model_distillation_keeps_allocation(base):
+    res0 = base[2]
+    res1 = quantize_model(_mlp(), _cal(), BayesQConfig(budget=3.0), progress=False)
+    assert res1.allocation.total_bits == res0.allocation.total_bits
+    assert res1.allocation.unit_bits == res0.allocation.unit_bits
+    differs = False
+    for name, qw in res0.weights.items():
+        new = res1.weights[name]
+        assert torch.equal(new.codes, qw.codes) and torch.equal(new.group_bits, qw.group_bits)
+        differs |= any(not torch.equal(new.books[b].scale, qw.books[b].scale) for b in qw.books)
+    assert differs
+    # the returned model runs the distilled encoding
+    for name, qw in res1.weights.items():
+        assert torch.equal(res1.model.get_submodule(name).weight, qw.dequantize().float())
+
+
+def test_quantize_model_above_max_budget_not_distilled(one_thread):
+    cal = _cal()
+    off = quantize_model(_mlp(), cal, BayesQConfig(budget=4.0, distill=OFF), progress=False)
+    on = quantize_model(_mlp(), cal, BayesQConfig(budget=4.0), progress=False)
+    assert on.allocation.total_bits == off.allocation.total_bits
+    for name, qw in off.weights.items():
+        new = on.weights[name]
+        assert torch.equal(new.codes, qw.codes)
+        for b, book in qw.books.items():
+            assert torch.equal(new.books[b].scale, book.scale) and torch.equal(new.books[b].zero, book.zero)
+        assert torch.equal(on.model.get_submodule(name).weight, off.model.get_submodule(name).weight)
+
+
+# ---- the objective ----------------------------------------------------------------------------------
+
+def test_distill_lowers_teacher_kl(base, distilled):
+    model, cal, res = base
+    out = distilled[0]
+    teacher = teacher_probs(model, res.posterior, cal, out.sample_scale, FAST.samples, FAST.temperature, seed=0)
+    before = _kl(quantized_copy(model, res.weights), teacher, cal, FAST.temperature)
+    after = _kl(apply_distilled(model, out), teacher, cal, FAST.temperature)
+    assert after < 0.8 * before, (before, after)
+
+
+def test_distill_first_loss_is_teacher_kl_on_first_batch(base):
+    model, cal, res = base
+    cfg = DistillConfig(lr=1e-3, steps=10)
+    out = distill(model, res.weights, res.posterior, cal, cfg, seed=0)
+    teacher = teacher_probs(model, res.posterior, cal, out.sample_scale, cfg.samples, cfg.temperature, seed=0)
+    first = _kl(quantized_copy(model, res.weights), teacher[:1], cal[:1], cfg.temperature)
+    assert out.loss_first == pytest.approx(first, rel=2e-3)  # tail = 1 step: untrained loss, batch 0 (fp32)
+
+
+def test_distill_train_bias_changes_bias_and_apply_uses_it(base):
+    model, cal, res = base
+    out = distill(model, res.weights, res.posterior, cal, DistillConfig(lr=1e-3, steps=40, train_bias=True))
+    assert set(out.biases) == set(res.weights)
+    moved = [n for n, b in out.biases.items() if not torch.equal(b, model.get_submodule(n).bias.detach())]
+    assert moved
+    q = apply_distilled(model, out)
+    for n, b in out.biases.items():
+        assert torch.equal(q.get_submodule(n).bias.detach(), b)
+    plain = distill(model, res.weights, res.posterior, cal, DistillConfig(lr=1e-3, steps=2))
+    assert plain.biases == {}
+
+
+# ---- tempering and teacher ------------------------------------------------------------------------
+
+def _posterior_like(post, variance):
+    return Posterior(mean=post.mean, variance={n: torch.full_like(v, variance) for n, v in post.variance.items()},
+                     n_examples=post.n_examples)
+
+
+def test_tempering_scale_tiny_variance_is_one(base):
+    model, cal, res = base
+    assert tempering_scale(model, _posterior_like(res.posterior, 1e-12), cal, 0.95) == 1.0
+
+
+def test_tempering_scale_huge_variance_full_agreement_is_zero(base):
+    model, cal, res = base
+    post = _posterior_like(res.posterior, 1e4)
+    assert sample_agreement(model, post, cal, SCALE_GRID[-1], 2, 0) < 1.0
+    assert tempering_scale(model, post, cal, 1.0) == 0.0
+
+
+@pytest.mark.parametrize("target", [0.5, 0.9, 0.95, 0.99])
+def test_tempering_scale_vs_grid_scan(base, target):
+    model, cal, res = base
+    agree = [sample_agreement(model, res.posterior, cal, s, 2, 0) for s in SCALE_GRID]
+    s = tempering_scale(model, res.posterior, cal, target, samples=2, seed=0)
+    passing = [i for i, a in enumerate(agree) if a >= target]
+    assert passing, "target unreachable on this net; pick a lower one"
+    first = passing[0]
+    if passing == list(range(first, len(SCALE_GRID))):  # monotone from the first pass on: bisection is exact
+        assert s == SCALE_GRID[first]
+        if first > 0:
+            assert agree[first - 1] < target  # twice the scale fails
+    assert agree[SCALE_GRID.index(s)] >= target
+
+
+def test_teacher_probs_scale_zero_is_softmax_of_mean_model(base):
+    model, cal, res = base
+    tau = 2.0
+    with torch.no_grad():
+        ref = [F.softmax(model(x).float() / tau, dim=-1) for x in cal]
+    one = teacher_probs(model, res.posterior, cal, 0.0, samples=1, tau=tau)
+    for a, b in zip(one, ref):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    many = teacher_probs(model, res.posterior, cal, 0.0, samples=3, tau=tau)
+    for a, b in zip(many, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        torch.testing.assert_close(a.double().sum(-1), torch.ones(len(a), dtype=torch.float64), rtol=0, atol=1e-6)
+
+
+def test_teacher_probs_sampled_rows_sum_to_one_and_differ(base):
+    model, cal, res = base
+    t = teacher_probs(model, res.posterior, cal, 1e-2, samples=4, tau=2.0, seed=0)
+    t0 = teacher_probs(model, res.posterior, cal, 0.0, samples=1, tau=2.0)
+    for a, b in zip(t, t0):
+        torch.testing.assert_close(a.double().sum(-1), torch.ones(len(a), dtype=torch.float64), rtol=0, atol=1e-6)
+        assert not torch.allclose(a, b)
+    again = teacher_probs(model, res.posterior, cal, 1e-2, samples=4, tau=2.0, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(t, again))
+
+
+# ---- errors -----------------------------------------------------------------------------------------
+
+def test_distill_empty_calibration_raises(base):
+    model, _, res = base
+    with pytest.raises(ValueError, match="calibration"):
+        distill(model, res.weights, res.posterior, [])
+    with pytest.raises(ValueError, match="calibration"):
+        distill(model, res.weights, res.posterior, [torch.zeros(0, 16)])
+
+
+def test_distill_unknown_layer_raises(base):
+    model, cal, res = base
+    weights = dict(res.weights)
+    weights["encoder.fc9"] = weights["2"]
+    with pytest.raises(ValueError, match=r"encoder\.fc9"):
+        distill(model, weights, res.posterior, cal, DistillConfig(steps=1))
+
+
+@pytest.mark.parametrize("field,value", [("steps", 0), ("agreement", 0), ("temperature", -1), ("samples", 0),
+                                         ("lr", 0.0), ("max_budget", -1.0), ("agreement", 1.5),
+                                         ("train_bias", 1)])
+def test_distill_config_invalid_raises(field, value):
+    with pytest.raises(ValueError, match=rf"distill\.{field}"):
+        DistillConfig(**{field: value})
+
+
+def test_load_params_distill_unknown_key_raises():
+    with pytest.raises(ValueError, match=r"distill.*'stepz'.*'steps'"):
+        load_params({"distill": {"stepz": 3}})

@@ -1,0 +1,221 @@
+"""Test-set evaluation (bayesq/evaluation.py): predict and prediction_summary vs hand computations."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from bayesq.evaluation import predict, prediction_summary
+
+# 6 examples, 3 classes: logits = log(p), so softmax gives back p (rows sum to 1)
+PROBS = np.array([
+    [0.70, 0.20, 0.10],  # label 0: right, conf 0.70
+    [0.50, 0.30, 0.20],  # label 1: wrong, conf 0.50
+    [0.11, 0.78, 0.11],  # label 1: right, conf 0.78
+    [0.28, 0.10, 0.62],  # label 2: right, conf 0.62
+    [0.42, 0.33, 0.25],  # label 2: wrong, conf 0.42
+    [0.04, 0.06, 0.90],  # label 2: right, conf 0.90
+])
+LABELS = np.array([0, 1, 1, 2, 2, 2])
+
+
+def _softmax(logit):
+    z = np.asarray(logit, dtype=np.float64)
+    e = np.exp(z - z.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
+def _bins(conf, correct, n_bins=15):
+    """Loop over equal-width bins (lo, hi]; the first bin also takes conf = 0."""
+    count, acc, cf = [0] * n_bins, [0.0] * n_bins, [0.0] * n_bins
+    for c, ok in zip(conf, correct):
+        b = next(i for i in range(n_bins) if c <= (i + 1) / n_bins)
+        count[b] += 1
+        acc[b] += ok
+        cf[b] += c
+    acc = [a / n if n else 0.0 for a, n in zip(acc, count)]
+    cf = [c / n if n else 0.0 for c, n in zip(cf, count)]
+    return count, acc, cf
+
+
+def _cvar(loss, alpha):
+    """Rockafellar-Uryasev: min over v of v + E[(L - v)+] / (1 - alpha) (attained at a data point)."""
+    return min(v + sum(max(x - v, 0.0) for x in loss) / (len(loss) * (1 - alpha)) for v in loss)
+
+
+def _worst(conf, correct, k):
+    m = max(1, math.ceil(k * len(conf) - 1e-9))
+    order = sorted(range(len(conf)), key=lambda i: conf[i])
+    return sum(correct[i] for i in order[:m]) / m
+
+
+def _reference(logit, labels):
+    p = _softmax(logit)
+    n = len(labels)
+    pred = p.argmax(1)
+    conf = p.max(1)
+    correct = [int(pred[i] == labels[i]) for i in range(n)]
+    loss = [-math.log(p[i, labels[i]]) for i in range(n)]
+    count, acc, cf = _bins(conf, correct)
+    gaps = [abs(a - c) for a, c in zip(acc, cf)]
+    return {
+        "accuracy": sum(correct) / n, "nll": sum(loss) / n,
+        "worst5": _worst(conf, correct, 0.05), "worst10": _worst(conf, correct, 0.10),
+        "cvar90": _cvar(loss, 0.90), "cvar95": _cvar(loss, 0.95),
+        "ece": sum(k / n * g for k, g in zip(count, gaps)),
+        "mce": max(g for k, g in zip(count, gaps) if k),
+        "bins": {"count": count, "accuracy": acc, "confidence": cf},
+    }
+
+
+def _check(out, ref):
+    for key in ("accuracy", "nll", "worst5", "worst10", "cvar90", "cvar95", "ece", "mce"):
+        assert out[key] == pytest.approx(ref[key], rel=1e-9, abs=1e-12), key
+    assert out["bins"]["count"] == ref["bins"]["count"]
+    np.testing.assert_allclose(out["bins"]["accuracy"], ref["bins"]["accuracy"], rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(out["bins"]["confidence"], ref["bins"]["confidence"], rtol=1e-12, atol=1e-15)
+
+
+# ---- predict -------------------------------------------------------------------------------------
+
+class _DictModel(nn.Module):
+    """forward(input_ids=..., attention_mask=...) -> object with ``.logits`` (Hugging Face style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, input_ids, attention_mask):
+        h = (self.emb(input_ids) * attention_mask[..., None]).sum(1)
+        return SimpleNamespace(logits=self.head(h))
+
+
+def test_predict_concatenates_batches_in_order():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 3)).double()
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(n, 4, generator=g, dtype=torch.float64) for n in (3, 5, 1, 2)]
+    model.train()  # predict must switch dropout off
+    out = predict(model, batches)
+    assert not model.training
+    with torch.no_grad():
+        ref = model(torch.cat(batches)).float()
+    assert out.dtype == torch.float32 and out.shape == (11, 3)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-7)
+    rev = predict(model, batches[::-1])
+    assert not torch.allclose(rev, out)  # order matters, so the check above is about order
+    assert not out.requires_grad
+
+
+def test_predict_dict_batches_with_logits_attribute():
+    torch.manual_seed(0)
+    model = _DictModel()
+    g = torch.Generator().manual_seed(2)
+    batches = []
+    for n in (2, 4, 3):
+        ids = torch.randint(0, 11, (n, 5), generator=g)
+        mask = (torch.rand(n, 5, generator=g) > 0.3).long()
+        batches.append({"input_ids": ids, "attention_mask": mask})
+    out = predict(model, batches)
+    with torch.no_grad():
+        ref = torch.cat([model(**b).logits for b in batches])
+    assert out.shape == (9, 3)
+    assert torch.equal(out, ref)
+
+
+def test_predict_empty_raises():
+    with pytest.raises(ValueError, match="no batches"):
+        predict(nn.Linear(2, 2), [])
+
+
+# ---- prediction_summary ----------------------------------------------------------------------------
+
+def test_prediction_summary_hand_example():
+    logit = torch.tensor(np.log(PROBS))
+    out = prediction_summary(logit, torch.tensor(LABELS))
+    # by hand: right on rows 0, 2, 3, 5; least confident is row 4 (0.42, wrong)
+    assert out["accuracy"] == pytest.approx(4 / 6, abs=1e-15)
+    nll = -(math.log(0.7) + math.log(0.3) + math.log(0.78) + math.log(0.62) + math.log(0.25) + math.log(0.9)) / 6
+    assert out["nll"] == pytest.approx(nll, rel=1e-12)
+    assert out["worst5"] == 0.0 and out["worst10"] == 0.0  # ceil(0.05 * 6) = ceil(0.6) = 1 example: row 4
+    assert out["cvar90"] == pytest.approx(-math.log(0.25), rel=1e-12)  # tail of 0.6 examples: the largest loss
+    # bins of width 1/15: 0.42 -> 6, 0.5 -> 7, 0.62 -> 9, 0.7 -> 10, 0.78 -> 11, 0.9 -> 13
+    count = [0] * 15
+    for b in (6, 7, 9, 10, 11, 13):
+        count[b] = 1
+    assert out["bins"]["count"] == count
+    ece = (0.3 + 0.5 + 0.22 + 0.38 + 0.42 + 0.1) / 6  # one example per bin: |correct - conf|
+    assert out["ece"] == pytest.approx(ece, rel=1e-12)
+    assert out["mce"] == pytest.approx(0.5, rel=1e-12)
+    assert "top5" not in out and "f1" not in out
+    _check(out, _reference(logit.numpy(), LABELS))
+
+
+@pytest.mark.parametrize("n,c", [(40, 4), (37, 7), (50, 2)])
+def test_prediction_summary_vs_loops(n, c):
+    g = torch.Generator().manual_seed(n * 10 + c)
+    logit = 2.0 * torch.randn(n, c, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, c, (n,), generator=g)
+    out = prediction_summary(logit, labels)
+    _check(out, _reference(logit.numpy(), labels.numpy()))
+    assert sum(out["bins"]["count"]) == n and len(out["bins"]["count"]) == 15
+    assert ("top5" in out) == (c > 5)
+    assert ("f1" in out) == (c == 2)
+
+
+def test_prediction_summary_top5_vs_loop():
+    n, c = 60, 8
+    g = torch.Generator().manual_seed(5)
+    logit = torch.randn(n, c, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, c, (n,), generator=g)
+    p = _softmax(logit.numpy())
+    hits = sum(int(sum(p[i, j] > p[i, labels[i]] for j in range(c)) < 5) for i in range(n))
+    out = prediction_summary(logit, labels)
+    assert out["top5"] == pytest.approx(hits / n, abs=1e-15)
+    assert out["accuracy"] < out["top5"] < 1.0
+    assert "top5" not in prediction_summary(logit[:, :5], labels.clamp(max=4))
+
+
+def test_prediction_summary_f1_binary():
+    g = torch.Generator().manual_seed(6)
+    logit = torch.randn(45, 2, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 2, (45,), generator=g)
+    pred = logit.argmax(1)
+    tp = int(((pred == 1) & (labels == 1)).sum())
+    fp = int(((pred == 1) & (labels == 0)).sum())
+    fn = int(((pred == 0) & (labels == 1)).sum())
+    out = prediction_summary(logit, labels)
+    assert out["f1"] == pytest.approx(2 * tp / (2 * tp + fp + fn), abs=1e-15)
+    sklearn_metrics = pytest.importorskip("sklearn.metrics")
+    assert out["f1"] == pytest.approx(sklearn_metrics.f1_score(labels.numpy(), pred.numpy()), abs=1e-12)
+
+
+def test_prediction_summary_random_bins_seeded():
+    g = torch.Generator().manual_seed(7)
+    logit = torch.randn(30, 3, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 3, (30,), generator=g)
+    a = prediction_summary(logit, labels, repeats=4, seed=3)
+    b = prediction_summary(logit, labels, repeats=4, seed=3)
+    c = prediction_summary(logit, labels, repeats=4, seed=4)
+    for key in ("ece_random", "mce_random", "ece_random_sd", "mce_random_sd"):
+        assert a[key] == b[key]
+    assert a["ece_random"] != c["ece_random"]
+    assert a["ece"] == c["ece"]  # fixed bins do not depend on the seed
+    assert 0 <= a["ece_random"] <= a["mce_random"] <= 1
+
+
+def test_prediction_summary_float32_logits_computed_in_float64():
+    logit = torch.tensor(np.log(PROBS))
+    a = prediction_summary(logit, torch.tensor(LABELS))
+    b = prediction_summary(logit.float(), torch.tensor(LABELS))
+    assert b["nll"] == pytest.approx(a["nll"], rel=1e-6)
+
+
+def test_prediction_summary_length_mismatch_raises():
+    logit = torch.zeros(5, 3)
+    with pytest.raises(ValueError, match="5 logits but 4 labels"):
+        prediction_summary(logit, torch.zeros(4, dtype=torch.int64))
