@@ -14,7 +14,8 @@ from pathlib import Path
 
 from flows.common import read_json, write_json
 
-METHOD_LABEL = {"bayesq": "BayesQ", "bayesq-distill": "BayesQ + distillation", "bayesq-ef": "BayesQ + EF (K-FAC)", "gptq": "GPTQ (g64, act-order)",
+METHOD_LABEL = {"bayesq": "BayesQ", "bayesq-distill": "BayesQ + distillation", "bayesq-ef": "BayesQ + EF (K-FAC)",
+                "gptq": "GPTQ (g64, act-order)",
                 "awq": "AWQ (g64)", "hawq": "HAWQ-style (per layer)", "aciq": "ACIQ (per channel)",
                 "rtn-tensor": "RTN per-tensor", "rtn-channel": "RTN per-channel", "rtn-group": "RTN per-group (g64)"}
 

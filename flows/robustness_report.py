@@ -162,7 +162,7 @@ def ood_tables(records: list[dict]) -> list[str]:
                     drops = [ind - ds[d]["accuracy"] for d in domains]
                     seed = f" (s{r['seed']})" if len(ood[method]) > 1 else ""
                     lines.append(f"| {LABEL[method]}{seed} | {100 * ind:.2f} | " + " | ".join(
-                        f"{100 * ds[d]['accuracy']:.2f} (−{100 * (ind - ds[d]['accuracy']):.2f})" for d in domains)
+                        f"{100 * ds[d]['accuracy']:.2f} ({100 * (ds[d]['accuracy'] - ind):+.2f})" for d in domains)
                         + f" | {100 * _mean(drops):.2f} | " + " | ".join(f"{100 * ds[d]['ece']:.2f}" for d in domains)
                         + " |")
             lines.append("")
