@@ -34,7 +34,7 @@ def table_medians(folder: Path) -> None:
 def core_posterior(model: str) -> Path:
     """The core ablation row's posterior: named by the main settings of params.yaml, seed 17."""
     from flows.common import read_params
-    from flows.quantize import config_tag
+    from flows.prepare import config_tag
 
     params = read_params(ROOT / "params.yaml")
     tag = config_tag(params.calibration, params.posterior)
@@ -51,7 +51,7 @@ def deployed_error(model_name: str, budget: float, posterior: Path, codebooks: l
     from bayesq.models.zoo import get_entry
     from bayesq.quantize import allocate, encode
     from flows.finetune import load_model
-    from flows.quantize import load_posterior
+    from flows.prepare import load_posterior
 
     model = load_model(get_entry(model_name), ROOT / "models" / model_name / "model.safetensors")
     post = load_posterior(model, posterior)

@@ -25,7 +25,7 @@ def main() -> None:
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.config import Rounding, replace
     from bayesq.quantize import allocate, build_table, encode, quantized_copy
-    from flows.quantize import load_posterior
+    from flows.prepare import load_posterior
 
     params, model = c.params, c.model
     q = replace(params.quant, rounding=Rounding.ERROR_FEEDBACK)

@@ -42,7 +42,7 @@ def case(description: str) -> Case:
     from bayesq.models.zoo import get_entry
     from flows.common import read_params
     from flows.finetune import load_model, raw_path
-    from flows.quantize import calibration_batches
+    from flows.prepare import calibration_batches
 
     params = read_params(a.params)
     entry = get_entry(a.model)

@@ -23,7 +23,7 @@ from bayesq.forward import logits
 from bayesq.quantize import fit_posterior
 from flows.common import read_params
 from flows.finetune import load_model, raw_path
-from flows.quantize import calibration_batches
+from flows.prepare import calibration_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,8 @@ from bayesq.config import Method, ablation_params
 from bayesq.quantize import loss_reduction_curve
 from flows.common import code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json
 from flows.finetune import raw_path
-from flows.quantize import config_tag, posterior_task, quantize_eval_task, table_task
+from flows.prepare import config_tag, posterior_task, prep_code, table_task
+from flows.quantize import quantize_eval_task
 
 
 def ablation_rows(params) -> list[tuple[str, str, dict, object]]:
@@ -70,11 +71,11 @@ def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig
     """Posterior, table and every budget of one ablation row on one model (tasks are cached)."""
     records, curve = [], None
     post = posterior_task(name, str(model_file), mdig, str(src), sdig, p.data, p.calibration,
-                          p.posterior, seed, str(Path(out) / "posterior"), code,
+                          p.posterior, seed, str(Path(out) / "posterior"), prep_code(),
                           tag=config_tag(p.calibration, p.posterior))
     tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])),
                      str(src), sdig, p.data, p.calibration, p.quant, seed,
-                     str(Path(out) / "tables"), code, tag=config_tag(p.quant))
+                     str(Path(out) / "tables"), prep_code(), tag=config_tag(p.quant))
     key = f"{digest(Path(post['path']))}:{p.quant}:{p.calibration}"
     if index == 0:
         curve = {str(b): {str(f): v for f, v in loss_reduction_curve(

@@ -35,8 +35,9 @@ def digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def code_version(*paths: str) -> str:
-    """Hash of the sources a task runs (files or folders relative to the repository root).
+def code_version(*paths: str, exclude: tuple[str, ...] = ()) -> str:
+    """Hash of the sources a task runs (files or folders relative to the repository root,
+    default ``bayesq`` and ``flows``), leaving out ``exclude`` (files or folders).
 
     Part of every cache key, because Prefect's TASK_SOURCE sees only the task wrapper.
     """
@@ -45,7 +46,10 @@ def code_version(*paths: str) -> str:
     for rel in paths or ("bayesq", "flows"):
         p = ROOT / rel
         files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+    skip = [ROOT / e for e in exclude]
     for p in files:
+        if any(p == e or e in p.parents for e in skip):
+            continue
         h.update(str(p.relative_to(ROOT)).encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]

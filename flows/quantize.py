@@ -10,7 +10,9 @@ statistics inside it, on the same calibration inputs). Every record carries
 ``preprocess_seconds``: the method's whole one-time cost at that budget (BayesQ: posterior +
 table + allocation and encoding; GPTQ / AWQ: input statistics + solve; HAWQ: traces + knapsack).  One MLflow parent run per invocation,
 one child run per (model, method, seed, budget), logged from the flow body so cache hits are
-logged too.  Writes ``<out>/results.json``, ``<out>/posterior/`` and ``<out>/tables/``.
+logged too.  Every quantised model is written in the export format (``bayesq.export``) to
+``<out>/exports/`` and evaluated after loading it back from there.  Writes
+``<out>/results.json``, ``<out>/posterior/``, ``<out>/tables/`` and ``<out>/exports/``.
 """
 
 from __future__ import annotations
@@ -21,131 +23,16 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from bayesq.config import Curvature, FisherScale, Granularity, Method, Rounding, replace
+from bayesq.config import Granularity, Method
 from flows.common import (
-    CACHE, code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json,
+    code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json,
 )
 from flows.finetune import load_model, raw_path
+from flows.prepare import calibration_batches, load_posterior, prep_code, prepare
 from flows.robustness import fp_eval_task, mean_corruption_error, tracked_metrics
 
 _RTN = {Method.RTN_TENSOR: Granularity.TENSOR, Method.RTN_CHANNEL: Granularity.CHANNEL,
         Method.RTN_GROUP: Granularity.GROUP}
-
-
-def calibration_batches(entry, splits, data, calibration, seed: int):
-    """Unlabelled calibration batches drawn from the training inputs with ``seed``."""
-    from bayesq.data.calibration import sample_calibration_indices
-    from bayesq.models.zoo import _take
-
-    n_cal = calibration.images if entry.task == "image" else calibration.sentences
-    idx = sample_calibration_indices(len(splits.train_labels), min(n_cal, len(splits.train_labels)), seed)
-    inputs = _take(splits.train_inputs, idx)
-    return idx, entry.batches(inputs, calibration.batch_size, data)
-
-
-@task(cache_policy=CACHE, persist_result=True)
-def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
-                   data, calibration, posterior, seed: int, out: str, code: str, tag: str = "") -> dict:
-    """Fit the posterior on the seed's calibration set; save it as safetensors.
-
-    The file holds the variances, the error-feedback metrics of structured posteriors and the
-    calibration indices (which inputs were used).
-    """
-    import torch
-    from safetensors.torch import save_file
-
-    from bayesq.config import BayesQConfig
-    from bayesq.models.zoo import get_entry
-    from bayesq.quantize import fit_posterior
-
-    entry = get_entry(name)
-    model = load_model(entry, Path(model_file))
-    splits = entry.load_splits(data, Path(raw))
-    idx, batches = calibration_batches(entry, splits, data, calibration, seed)
-    if calibration.fisher_scale == FisherScale.TRAIN:
-        posterior = replace(posterior, n_data=len(splits.train_labels))
-    start = time.perf_counter()
-    post = fit_posterior(model, batches, BayesQConfig(posterior=posterior, seed=seed))
-    seconds = time.perf_counter() - start
-    path = Path(out) / f"{name}_s{seed}{'_' + tag if tag else ''}.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {f"variance/{k}": v.float().contiguous() for k, v in post.variance.items()}
-    for k, f in (post.kfac or {}).items():  # damped K-FAC factors (float64: they get inverted)
-        tensors[f"kfac_A/{k}"], tensors[f"kfac_G/{k}"] = f.A.contiguous(), f.G.contiguous()
-    tensors["calibration_indices"] = idx.to(torch.int64)
-    save_file(tensors, str(path), metadata={"n_examples": str(post.n_examples), "seed": str(seed),
-                                            "n_data": str(post.n_data), "curvature": posterior.curvature.value})
-    return {"path": str(path), "seconds": seconds, "n_examples": post.n_examples}
-
-
-def load_posterior(model, path: Path):
-    """The :class:`bayesq.posterior.Posterior` saved by ``posterior_task`` (means from ``model``)."""
-    from safetensors import safe_open
-
-    from bayesq.blocks import quantizable_layers
-    from bayesq.curvature.kfac import KFACFactors
-    from bayesq.posterior import Posterior
-
-    layers = quantizable_layers(model)
-    with safe_open(str(path), "pt") as f:
-        var = {n: f.get_tensor(f"variance/{n}").double() for n in layers}
-        keys = set(f.keys())
-        meta = f.metadata()
-        n = int(meta["n_examples"])
-        kfac = {k: KFACFactors(f.get_tensor(f"kfac_A/{k}"), f.get_tensor(f"kfac_G/{k}"), n)
-                for k in layers if f"kfac_A/{k}" in keys}
-    mean = {k: m.weight.detach().double() for k, m in layers.items()}
-    return Posterior(mean, var, n, kfac or None, int(meta.get("n_data", 0)))
-
-
-@task(cache_policy=CACHE, persist_result=True)
-def table_task(name: str, model_file: str, model_digest: str, posterior_file: str,
-               posterior_digest: str, raw: str, raw_digest: str, data, calibration, quant,
-               seed: int, out: str, code: str, tag: str = ""):
-    """BayesQ expected-loss table (LossTable, persisted by Prefect) plus its Parquet copy
-    ``<out>/<posterior file stem>[_<tag>].parquet`` (with every entry's standard error)."""
-    import pandas as pd
-
-    from bayesq.blocks import layer_blocks, quantizable_layers
-    from bayesq.models.zoo import get_entry
-    from bayesq.quantize import build_table
-
-    entry = get_entry(name)
-    model = load_model(entry, Path(model_file))
-    post = load_posterior(model, Path(posterior_file))
-    blocks = layer_blocks(quantizable_layers(model), quant.group_size, quant.unit_groups, quant.unit.value)
-    batches = None
-    if quant.needs_data:
-        _, batches = calibration_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
-    start = time.perf_counter()
-    table = build_table(post, blocks, quant, seed=seed, model=model, calibration=batches, progress=False)
-    seconds = time.perf_counter() - start
-    path = Path(out) / f"{Path(posterior_file).stem}{'_' + tag if tag else ''}.parquet"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame.from_records(table.records()).to_parquet(path, index=False)
-    return {"table": table, "seconds": seconds, "path": str(path)}
-
-
-def config_tag(*configs) -> str:
-    """Short hash naming an artifact by the settings that shape it."""
-    import hashlib
-
-    return hashlib.sha256("|".join(map(str, configs)).encode()).hexdigest()[:10]
-
-
-@task(cache_policy=CACHE, persist_result=True)
-def hawq_traces_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
-                     data, calibration, probes: int, seed: int, code: str) -> dict:
-    """HAWQ's per-layer Hutchinson Hessian traces on the seed's calibration set (timed)."""
-    from bayesq.baselines.hawq import hessian_traces
-    from bayesq.models.zoo import get_entry
-
-    entry = get_entry(name)
-    model = load_model(entry, Path(model_file))
-    _, batches = calibration_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
-    start = time.perf_counter()
-    traces = hessian_traces(model, batches, probes=probes, seed=seed)
-    return {"traces": traces, "seconds": time.perf_counter() - start}
 
 
 def _baseline(method: Method, model, entry, splits, data, calibration, quant, baselines, budget: float,
@@ -174,7 +61,7 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
 
 
 def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: str | None, seed: int):
-    """BayesQ's allocation and encoding from a cached table: (weights, allocation)."""
+    """BayesQ's allocation and encoding from a cached table: (weights, allocation, posterior)."""
     from bayesq.quantize import allocate, encode
 
     allocation = allocate(table, budget, allocation_cfg, seed)
@@ -183,21 +70,37 @@ def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: 
     return encode(table, allocation, weights, posterior=post, rounding=quant.rounding), allocation, post
 
 
+def _logit_diff(entry, qmodel, loaded, splits, data) -> float:
+    """Largest |logit difference| between the in-memory and the loaded model on the first test batch."""
+    import torch
+
+    from bayesq.evaluation import predict
+    from bayesq.models.zoo import _take
+
+    batch = entry.batches(_take(splits.test_inputs, torch.arange(min(64, len(splits.test_labels)))), 64, data)
+    with torch.no_grad():
+        return float((predict(qmodel, batch) - predict(loaded, batch)).abs().max())
+
+
 @task(cache_policy=(INPUTS - "table") + TASK_SOURCE, persist_result=True)
 def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_file: str,
                        model_digest: str, raw: str, raw_digest: str, data, quant, allocation_cfg,
                        table, table_key: str, posterior_file: str | None, code: str,
                        calibration=None, baselines=None, traces: dict | None = None,
-                       distill=None, robustness=None, ood: bool = False) -> dict:
-    """Quantise with one method at one budget and evaluate on the test split (and under shift).
+                       distill=None, robustness=None, ood: bool = False, export_dir: str = "") -> dict:
+    """Quantise with one method at one budget, write the export, load it back and evaluate the
+    loaded model on the test split (and under shift).
 
     ``table`` / ``posterior_file`` (BayesQ rows), ``calibration`` (GPTQ, AWQ: their input
     statistics; distillation: its inputs), ``baselines`` (their settings), ``traces`` (HAWQ) and
     ``distill`` (``bayesq-distill``) are read only by the methods that need them;
     ``quantize_seconds`` times everything done here but evaluation. ``robustness`` sets the
-    calibration metrics; ``ood`` adds the corrupted / other-domain evaluation.
+    calibration metrics; ``ood`` adds the corrupted / other-domain evaluation. The export is
+    ``<export_dir>/<model>_<method>_b<budget>_s<seed>.safetensors``; the record carries its sizes
+    and the largest logit difference between the loaded and the in-memory model on one batch.
     """
     from bayesq.config import RobustnessConfig
+    from bayesq.export import load as load_export, save_export
     from bayesq.models.zoo import get_entry
     from bayesq.quantize import quantized_copy
     from flows.robustness import evaluate_model
@@ -216,16 +119,22 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
             _, batches = calibration_batches(entry, splits, data, calibration, seed)
             res = run_distill(model, qweights, post, batches, distill, scale_bits=quant.scale_bits,
                               lut_bits=quant.lut_bits, seed=seed)
-            qmodel = apply_distilled(model, res)
+            qweights, qmodel = res.weights, apply_distilled(model, res)
             extra = {"distill_seconds": res.seconds, "distill_sample_scale": res.sample_scale,
                      "distill_teacher_agreement": res.teacher_agreement,
                      "distill_loss_first": res.loss_first, "distill_loss_last": res.loss_last}
     else:
         res = _baseline(Method(method), model, entry, splits, data, calibration, quant, baselines, budget,
                         seed, traces)
-        qmodel, allocation = res.model, res.allocation
+        qmodel, allocation, qweights = res.model, res.allocation, res.weights
     seconds = time.perf_counter() - start
-    ev = evaluate_model(entry, qmodel, splits, data, Path(raw), robustness or RobustnessConfig(), ood, seed)
+    meta = {"model": name, "method": method, "budget": str(budget), "seed": str(seed), "code_version": code,
+            "model_sha256": model_digest, "table_key": table_key}
+    path = Path(export_dir) / f"{name}_{method}_b{budget}_s{seed}.safetensors"
+    export = save_export(path, qmodel, qweights, quant, allocation.total_bits, architecture=name, metadata=meta)
+    loaded = load_export(path)
+    extra["export"] = {**export.as_dict(), "max_logit_diff": _logit_diff(entry, qmodel, loaded, splits, data)}
+    ev = evaluate_model(entry, loaded, splits, data, Path(raw), robustness or RobustnessConfig(), ood, seed)
     layer_bits = {}
     for layer, bits in allocation.unit_bits.items():
         layer_bits[layer] = sum(bits) / len(bits)
@@ -236,17 +145,6 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
         "budget_bits": allocation.budget_bits, "n_weights": allocation.n_weights,
         "quantize_seconds": seconds, "layer_bits": layer_bits, **extra,
     }
-
-
-def _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code):
-    """Posterior and table of the ``bayesq-ef`` row: K-FAC posterior, error-feedback rounding."""
-    posterior = replace(params.posterior, curvature=Curvature.KFAC)
-    quant = replace(params.quant, rounding=Rounding.ERROR_FEEDBACK)
-    post = posterior_task(name, str(model_file), mdig, str(src), sdig, params.data, params.calibration,
-                          posterior, seed, str(Path(out) / "posterior"), code, tag="kfac")
-    tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])), str(src), sdig,
-                     params.data, params.calibration, quant, seed, str(Path(out) / "tables"), code, tag="ef")
-    return post, tab, f"{digest(Path(post['path']))}:{quant}:{params.calibration}", quant
 
 
 @flow(name="bayesq-quantize")
@@ -263,27 +161,14 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
             mdig, src = digest(model_file), raw_path(entry, raw)
             sdig = digest(src)
             rob = params.robustness
-            fp = fp_eval_task(name, str(model_file), mdig, str(src), sdig, params.data, rob, params.seeds[0], code)
+            fp = fp_eval_task(name, str(model_file), mdig, str(src), sdig, params.data, rob, params.seeds[0],
+                              prep_code())
             records.append(fp)
             print(f"[quantize] {name} FP: acc {fp['accuracy']:.4f}, ECE {fp['calibration']['ece']:.4f}", flush=True)
             for seed in params.seeds:
-                post = posterior_task(name, str(model_file), mdig, str(src), sdig, params.data,
-                                      params.calibration, params.posterior, seed,
-                                      str(Path(out) / "posterior"), code)
-                tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])),
-                                 str(src), sdig, params.data, params.calibration, params.quant, seed,
-                                 str(Path(out) / "tables"), code)
+                post, tab, prep, hawq = prepare(params, name, model_file, mdig, src, sdig, seed, out)
                 print(f"[quantize] {name} seed {seed}: posterior {post['seconds']:.1f}s, "
                       f"table {tab['seconds']:.1f}s", flush=True)
-                key = f"{digest(Path(post['path']))}:{params.quant}:{params.calibration}"
-                prep = {Method.BAYESQ: (post, tab, key, params.quant),
-                        Method.BAYESQ_DISTILL: (post, tab, key, params.quant)}
-                if Method.BAYESQ_EF in params.methods:
-                    prep[Method.BAYESQ_EF] = _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code)
-                hawq = None
-                if Method.HAWQ in params.methods:
-                    hawq = hawq_traces_task(name, str(model_file), mdig, str(src), sdig, params.data,
-                                            params.calibration, params.baselines.hawq_probes, seed, code)
                 for budget in params.budgets:
                     for method in params.methods:
                         # baselines read no BayesQ posterior or table (and are not keyed on them)
@@ -294,7 +179,8 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                                                calibration=params.calibration, baselines=params.baselines,
                                                traces=hawq["traces"] if method == Method.HAWQ else None,
                                                distill=params.distill, robustness=rob,
-                                               ood=method in rob.methods and budget in rob.budgets)
+                                               ood=method in rob.methods and budget in rob.budgets,
+                                               export_dir=str(Path(out) / "exports"))
                         r = {**r, "preprocess_seconds": r["quantize_seconds"]}
                         corruption = mean_corruption_error(r["ood"], fp["ood"])
                         if corruption:
@@ -312,6 +198,8 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                                                      "preprocess_seconds", "distill_seconds",
                                                      "distill_sample_scale") if k in r}
                         metrics.update(tracked_metrics(r))
+                        metrics.update({f"export_{k}": r["export"][k] for k in
+                                        ("file_bytes", "payload_avg_bits", "fp_bytes", "max_logit_diff")})
                         mlflow_child(parent.info.run_id, f"{name}/{method.value}/s{seed}/b{budget}",
                                      {"model": name, "method": method.value, "seed": seed, "budget": budget,
                                       "group_size": params.quant.group_size, "bits": str(params.quant.bits),

@@ -98,6 +98,11 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
         assert 0.0 <= r["accuracy"] <= 1.0
         assert r["preprocess_seconds"] >= r["quantize_seconds"] > 0
     assert (results / "posterior" / "tiny-cnn_s17_kfac.safetensors").exists()
+    for r in records:  # evaluated from the export on disk, which holds exactly the accounted bits
+        ex = r["export"]
+        assert Path(ex["path"]).stat().st_size == ex["file_bytes"]
+        assert r["total_bits"] <= ex["payload_bits"] < r["total_bits"] + 8 * 3 * 4  # byte rounding only
+        assert ex["max_logit_diff"] == 0.0
     assert read_json(results / "results.json") == everything
     # calibration summary on every row; shifted data on the robustness rows at 3.0 bits
     fp = next(r for r in everything if r["method"] == "fp")

@@ -1,0 +1,476 @@
+"""The on-disk format of a quantised model: densely packed codes plus exactly the metadata the
+storage accounting (``bayesq.storage``) charges, in one safetensors file.
+
+Per quantised layer ``L`` (tensors, all little-endian):
+
+    L/codes      uint8   bit stream of the codes, group by group, real weights only
+                         (b_g bits each, no padding to 4 bits or to a byte between groups)
+    L/header     uint8   each unit's bit-width as an index into the layer's bit set,
+                         ceil(log2 |bit set|) bits per unit (absent when there is one choice)
+    L/scale      fp16    one per group of a uniform grid or mu-law table (fp32 if scale_bits 32)
+    L/zero       uint8   b_g-bit zero-point of each uniform-grid group, packed
+    L/lut        fp16    2**b entries per unit with a Lloyd table, in unit order
+    L/vq         fp16    (K, dim) VQ codebook (VQ layers)
+    L/col_scale  fp16    AWQ's stored per-input-channel scales (groups, channels)
+    fp/<key>             every other tensor of the model's state (biases, norms, embeddings), as is
+
+So ``8 * (bytes of the L/* tensors)`` equals the accounted bits plus at most 7 bits of byte
+rounding per packed stream. The safetensors header (JSON: the layer layouts, per-layer bit
+sets, format name and version, the content hash, caller metadata) and the ``fp/`` tensors
+are the fixed overhead the average bits do not count (:class:`ExportInfo` reports both).
+
+Bit order: value ``i`` of a stream occupies stream bits ``[o_i, o_i + w_i)``, ``o_i = sum_{j<i} w_j``,
+least significant bit first; stream bit ``t`` is bit ``t mod 8`` of byte ``t div 8``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from bayesq.blocks import LayerBlocks
+from bayesq.codebook import LevelTables, UniformGrids, mulaw_levels
+from bayesq.config import Codebook, QuantConfig
+from bayesq.quantize import QuantizedWeight
+from bayesq.storage import header_bits
+from bayesq.vq import VQBook
+
+FORMAT = "bayesq-packed"
+VERSION = 1
+
+
+class ExportError(ValueError):
+    """A file that is not a readable BayesQ export (truncated, corrupted, other version)."""
+
+
+@dataclass(frozen=True)
+class ExportInfo:
+    """Sizes of a written export.
+
+    Attributes:
+        path: the file.
+        file_bytes: size on disk.
+        payload_bits: 8 x bytes of the quantised layers' tensors (codes, headers, scales,
+            zero-points, LUTs, codebooks, column scales); checked on writing to equal
+            ``accounted_bits`` up to the byte rounding of each packed stream (< 8 bits).
+        accounted_bits: the allocation's exact storage bits (what ``avg_bits`` is computed from).
+        n_weights: quantised weights.
+        fp_bytes: the non-quantised tensors (``fp/``).
+        header_bytes: safetensors header (8-byte length + JSON).
+    """
+
+    path: str
+    file_bytes: int
+    payload_bits: int
+    accounted_bits: int
+    n_weights: int
+    fp_bytes: int
+    header_bytes: int
+
+    @property
+    def payload_avg_bits(self) -> float:
+        return self.payload_bits / self.n_weights
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "payload_avg_bits": self.payload_avg_bits}
+
+
+# ---- bit packing --------------------------------------------------------------------------------
+
+def pack_bits(values: torch.Tensor, widths: torch.Tensor | int) -> np.ndarray:
+    """Pack (n,) non-negative int64 ``values`` of ``widths`` bits each into ceil(sum w / 8) bytes.
+
+    ``values[i] < 2**widths[i] <= 2**32``; returns a uint8 array (layout: module docstring).
+    """
+    values = values.reshape(-1).to(torch.int64)
+    widths = torch.as_tensor(widths, dtype=torch.int64).expand(values.shape).reshape(-1)
+    if bool((widths < 0).any()) or bool((widths > 32).any()):
+        raise ValueError("bit widths must lie in [0, 32]")
+    if bool((values < 0).any()) or bool((values >= (1 << widths)).any()):
+        raise ValueError("a value does not fit its bit width")
+    end = torch.cumsum(widths, 0)
+    total = int(end[-1]) if end.numel() else 0
+    off = end - widths  # (n,) first bit of each value
+    words = torch.zeros(total // 32 + 2, dtype=torch.int64)
+    sh = off & 31
+    words.index_add_(0, off >> 5, (values << sh) & 0xFFFFFFFF)  # fields never overlap: add == or
+    words.index_add_(0, (off >> 5) + 1, values >> (32 - sh))
+    raw = words.numpy().astype("<u4").view(np.uint8)
+    return raw[: (total + 7) // 8].copy()
+
+
+def words_of(data: np.ndarray | bytes) -> torch.Tensor:
+    """Stream bytes -> int64 tensor of its 32-bit little-endian words, plus one zero word of
+    slack (a field that ends in the last word reads the next one)."""
+    buf = np.frombuffer(bytes(data), dtype=np.uint8)
+    pad = (-buf.size) % 4 + 4
+    words = np.concatenate([buf, np.zeros(pad, np.uint8)]).view("<u4")
+    return torch.from_numpy(words.astype(np.int64))
+
+
+def unpack_bits(data: np.ndarray | bytes | torch.Tensor, offsets: torch.Tensor, widths: torch.Tensor | int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits` at given bit ``offsets``: (n,) int64 values.
+
+    ``data``: the stream's bytes, or its words from :func:`words_of`.
+    """
+    words = data if isinstance(data, torch.Tensor) else words_of(data)
+    offsets = offsets.to(torch.int64)
+    widths = torch.as_tensor(widths, dtype=torch.int64).expand(offsets.shape)
+    idx = offsets >> 5
+    if offsets.numel() and int((offsets + widths).max()) > 32 * (words.numel() - 1):
+        raise ExportError("a packed stream is shorter than its layout says: the file is truncated or corrupted")
+    both = words[idx] | (words[idx + 1] << 32)  # wraps for high words; bits below 64 are intact
+    return (both >> (offsets & 31)) & ((1 << widths) - 1)
+
+
+def offsets_of(widths: torch.Tensor) -> torch.Tensor:
+    """(n,) int64 first bit of each field of a stream with (n,) ``widths``."""
+    widths = widths.to(torch.int64)
+    return torch.cumsum(widths, 0) - widths
+
+
+# ---- layer <-> tensors ----------------------------------------------------------------------------
+
+def _kind(book, codebook: Codebook) -> str:
+    if isinstance(book, UniformGrids):
+        return "grid"
+    if isinstance(book, VQBook):
+        return "vq"
+    if isinstance(book, LevelTables):
+        return "mulaw" if codebook == Codebook.MULAW else "lut"
+    raise ValueError(f"cannot export a codebook of type {type(book).__name__}")
+
+
+def _group_fields(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(G,) real fields per group (weights, or VQ vectors) and (G,) bits per field."""
+    sizes = qw.blocks.group_sizes()
+    per_field = qw.group_bits.clone()
+    for b, book in qw.books.items():
+        if isinstance(book, VQBook):
+            sizes = (sizes + book.dim - 1) // book.dim
+            per_field[qw.group_bits == b] = b * book.dim
+    return sizes, per_field
+
+
+def _real_codes(qw: QuantizedWeight, sizes: torch.Tensor) -> torch.Tensor:
+    """The codes of the real (unpadded) fields, group by group: (sum sizes,) int64."""
+    mask = torch.arange(qw.codes.shape[1])[None, :] < sizes[:, None]  # (G, width)
+    return qw.codes[mask]
+
+
+def _stored(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return x.to(torch.float16 if bits == 16 else torch.float32).contiguous()
+
+
+def layer_tensors(qw: QuantizedWeight, quant: QuantConfig) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors (names relative to the layer) and the JSON layout of one quantised weight."""
+    lb = qw.blocks
+    bit_set = list(quant.bits)
+    sizes, field_bits = _group_fields(qw)
+    gsel = torch.arange(lb.n_groups)
+    t: dict[str, torch.Tensor] = {}
+    t["codes"] = torch.from_numpy(pack_bits(_real_codes(qw, sizes), field_bits.repeat_interleave(sizes)))
+    unit_first = torch.arange(0, lb.n_groups, lb.unit_groups)
+    unit_bits = qw.group_bits[unit_first]
+    if bool((qw.group_bits != unit_bits.repeat_interleave(lb.unit_groups)[: lb.n_groups]).any()):
+        raise ValueError(f"layer '{lb.name}': groups of one allocation unit have different bit-widths")
+    missing = sorted(set(unit_bits.tolist()) - set(bit_set))
+    if missing:
+        raise ValueError(f"layer '{lb.name}' uses bit-widths {missing} outside quant.bits {bit_set}")
+    hb = header_bits(len(bit_set))
+    if hb:
+        idx = torch.tensor([bit_set.index(int(b)) for b in unit_bits])
+        t["header"] = torch.from_numpy(pack_bits(idx, hb))
+    kinds, zero, lut, mu = {}, [], [], None
+    scale_of = torch.zeros(lb.n_groups, dtype=torch.float64)
+    has_scale = torch.zeros(lb.n_groups, dtype=torch.bool)
+    for b, book in sorted(qw.books.items()):
+        kind = kinds[b] = _kind(book, Codebook(quant.codebook))
+        sel = gsel[qw.group_bits == b]
+        if kind == "grid":
+            scale_of[sel], has_scale[sel] = book.scale, True
+            zero.append((sel, book.zero.to(torch.int64)))
+        elif kind == "mulaw":
+            mu = quant.mulaw_mu
+            absmax = _mulaw_scale(book, b, mu, quant.scale_bits, lb.name)
+            scale_of[sel], has_scale[sel] = absmax, True
+        elif kind == "lut":
+            rows = book.row  # (n_sel,) table of each selected group; a unit's groups share one
+            first = rows[:: lb.unit_groups]
+            if bool((rows != first.repeat_interleave(lb.unit_groups)[: rows.numel()]).any()):
+                raise ValueError(f"layer '{lb.name}': a {b}-bit LUT is not shared by its unit's groups")
+            lut += [(int(g), book.levels[r]) for g, r in zip(sel[:: lb.unit_groups], first)]
+        else:
+            t["vq"] = _stored(book.codebook, quant.lut_bits)
+    if has_scale.any():
+        t["scale"] = _stored(scale_of[has_scale], quant.scale_bits)
+    if zero:
+        sel = torch.cat([s for s, _ in zero])
+        order = torch.argsort(sel)
+        z = torch.cat([v for _, v in zero])[order]
+        t["zero"] = torch.from_numpy(pack_bits(z, qw.group_bits[sel[order]]))
+    if lut:  # tables in unit order
+        t["lut"] = _stored(torch.cat([tab for _, tab in sorted(lut, key=lambda x: x[0])]), quant.lut_bits)
+    if qw.col_scale is not None:
+        t["col_scale"] = _stored(_channel_scales(qw), 16)
+    layout = {"shape": list(lb.shape), "group_size": lb.group_size, "unit_groups": lb.unit_groups,
+              "row_aligned": lb.row_aligned, "bit_set": bit_set, "kinds": {str(b): k for b, k in kinds.items()},
+              "mu": mu, "scale_bits": quant.scale_bits, "lut_bits": quant.lut_bits}
+    return t, layout
+
+
+def _mulaw_scale(book: LevelTables, bits: int, mu: float, scale_bits: int, name: str) -> torch.Tensor:
+    """The stored per-group scale A of mu-law tables (checked to rebuild the tables exactly)."""
+    levels = book.levels[book.row]  # (n, K)
+    unit = mulaw_levels(torch.ones(1, dtype=torch.float64), bits, mu, scale_bits)[0]
+    absmax = levels[:, -1] / unit[-1]
+    if not torch.equal(mulaw_levels(absmax, bits, mu, scale_bits), levels):
+        raise ValueError(f"layer '{name}': its {bits}-bit tables are not mu-law tables of one stored scale "
+                         "(edited after quantisation?); export them with quant.codebook: lloyd")
+    return absmax
+
+
+def _channel_scales(qw: QuantizedWeight) -> torch.Tensor:
+    """AWQ's (groups, channels) stored scales from the (groups, d_in) expanded ones."""
+    kernel = math.prod(qw.blocks.shape[2:])
+    s = qw.col_scale[:, ::kernel]
+    if not torch.equal(s.repeat_interleave(kernel, 1), qw.col_scale):
+        raise ValueError(f"layer '{qw.blocks.name}': column scales differ within one input channel")
+    return s
+
+
+def _need(t: Mapping[str, torch.Tensor], key: str, name: str, n: int | None = None) -> torch.Tensor:
+    if key not in t:
+        raise ExportError(f"layer '{name}' has no '{key}' tensor: the file is corrupted or was edited")
+    x = t[key]
+    if n is not None and x.numel() != n:
+        raise ExportError(f"layer '{name}': '{key}' holds {x.numel()} values, its layout needs {n}: "
+                          "the file is corrupted or was edited")
+    return x
+
+
+def _stream(t, key: str, name: str, widths: torch.Tensor) -> torch.Tensor:
+    data = _need(t, key, name, (int(widths.sum()) + 7) // 8)
+    return unpack_bits(data.numpy().tobytes(), offsets_of(widths), widths)
+
+
+def layer_from_tensors(name: str, t: Mapping[str, torch.Tensor], layout: Mapping) -> QuantizedWeight:
+    """Inverse of :func:`layer_tensors`: the :class:`QuantizedWeight` (codes of padding zero)."""
+    lb = LayerBlocks(name, tuple(layout["shape"]), layout["group_size"], layout["unit_groups"],
+                     layout["row_aligned"])
+    bit_set, kinds = layout["bit_set"], {int(b): k for b, k in layout["kinds"].items()}
+    hb = header_bits(len(bit_set))
+    if hb:
+        idx = _stream(t, "header", name, torch.full((lb.n_units,), hb))
+        if int(idx.max()) >= len(bit_set):
+            raise ExportError(f"layer '{name}': a unit header names bit-width #{int(idx.max())} of {bit_set}")
+        unit_bits = torch.tensor(bit_set)[idx]
+    else:
+        unit_bits = torch.full((lb.n_units,), bit_set[0])
+    group_bits = unit_bits[lb.group_unit()]  # (G,)
+    if set(group_bits.unique().tolist()) - set(kinds):
+        raise ExportError(f"layer '{name}': unit headers use bit-widths without a codebook kind")
+    sizes = lb.group_sizes()
+    width = lb.group_size
+    if "vq" in kinds.values():
+        dim = _need(t, "vq", name).shape[1]
+        sizes, width = (sizes + dim - 1) // dim, lb.group_size // dim
+        field_bits = group_bits * dim
+    else:
+        field_bits = group_bits
+    real = _stream(t, "codes", name, field_bits.repeat_interleave(sizes))
+    codes = torch.zeros(lb.n_groups, width, dtype=torch.int64)
+    codes[torch.arange(width)[None, :] < sizes[:, None]] = real
+    scaled = torch.tensor([kinds[int(b)] in ("grid", "mulaw") for b in group_bits], dtype=torch.bool)
+    scale = torch.zeros(lb.n_groups, dtype=torch.float64)
+    if scaled.any():
+        scale[scaled] = _need(t, "scale", name, int(scaled.sum())).double()
+    grid = torch.tensor([kinds[int(b)] == "grid" for b in group_bits], dtype=torch.bool)
+    zero = torch.zeros(lb.n_groups, dtype=torch.float64)
+    if grid.any():
+        zero[grid] = _stream(t, "zero", name, group_bits[grid]).double()
+    luts = _unit_tables(t, name, lb, unit_bits, kinds)
+    books = {}
+    for b in sorted(set(group_bits.tolist())):
+        sel = group_bits == b
+        kind = kinds[b]
+        if kind == "grid":
+            books[b] = UniformGrids(b, scale[sel], zero[sel])
+        elif kind == "mulaw":
+            books[b] = LevelTables(b, mulaw_levels(scale[sel], b, layout["mu"], layout["scale_bits"]),
+                                   torch.arange(int(sel.sum())))
+        elif kind == "lut":
+            units = torch.unique(lb.group_unit()[sel])
+            levels = torch.stack([luts[int(u)] for u in units])  # (units at b, K)
+            books[b] = LevelTables(b, levels, torch.searchsorted(units, lb.group_unit()[sel]))
+        else:
+            books[b] = VQBook(b, t["vq"].double(), torch.zeros(0, dtype=torch.float64))
+    col = None
+    if "col_scale" in t:
+        col = t["col_scale"].double().repeat_interleave(math.prod(lb.shape[2:]), 1)
+    return QuantizedWeight(lb, group_bits, codes, books, col)
+
+
+def _unit_tables(t, name: str, lb: LayerBlocks, unit_bits: torch.Tensor, kinds: dict) -> dict[int, torch.Tensor]:
+    """unit -> (2**b,) float64 LUT of the units with a Lloyd table."""
+    units = [u for u, b in enumerate(unit_bits.tolist()) if kinds[b] == "lut"]
+    if not units:
+        return {}
+    sizes = [2 ** int(unit_bits[u]) for u in units]
+    flat = _need(t, "lut", name, sum(sizes)).double()
+    return dict(zip(units, torch.split(flat, sizes)))
+
+
+# ---- files ----------------------------------------------------------------------------------------
+
+def content_hash(tensors: Mapping[str, torch.Tensor], layers_json: str) -> str:
+    """sha256 over every tensor (name, dtype, shape, bytes, in name order) and the layer layouts."""
+    h = hashlib.sha256(layers_json.encode())
+    for key in sorted(tensors):
+        x = tensors[key].contiguous()
+        h.update(f"{key}|{x.dtype}|{tuple(x.shape)}".encode())
+        h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes() if x.numel() else b"")
+    return h.hexdigest()
+
+
+def save_export(
+    path: str | Path, qmodel: nn.Module, weights: Mapping[str, QuantizedWeight], quant: QuantConfig,
+    accounted_bits: int, *, architecture: str = "", metadata: Mapping[str, str] | None = None,
+) -> ExportInfo:
+    """Write ``weights`` (the codes and codebooks) and the rest of ``qmodel``'s state to ``path``.
+
+    Args:
+        qmodel: the in-memory quantised model (its non-quantised tensors are stored as they are;
+            distillation may have trained its biases).
+        weights: layer name -> :class:`QuantizedWeight`.
+        quant: the bit set (header width), codebook kind and stored precisions.
+        accounted_bits: the allocation's ``total_bits`` (reported next to the file's payload).
+        architecture: a zoo model name :func:`load` can rebuild the module from.
+        metadata: extra strings stored in the header (lineage, method, budget, ...).
+
+    The file is written to a temporary name and renamed, so a crash leaves no partial export.
+    """
+    from safetensors.torch import save_file
+
+    tensors, layouts, payload, streams = {}, {}, 0, 0
+    for name, qw in weights.items():
+        t, layouts[name] = layer_tensors(qw, quant)
+        for k, v in t.items():
+            tensors[f"{name}/{k}"] = v.contiguous()
+            payload += v.numel() * v.element_size()
+            streams += v.dtype == torch.uint8
+    if not accounted_bits <= 8 * payload <= accounted_bits + 7 * streams:
+        raise ValueError(f"the export holds {8 * payload} bits of codes and metadata but the allocation "
+                         f"accounts {accounted_bits} (+ at most {7 * streams} bits of byte rounding): pass the "
+                         "QuantConfig the weights were quantised with (bit set, scale and LUT precision)")
+    fp_bytes = 0
+    for k, v in qmodel.state_dict().items():
+        if k.removesuffix(".weight") in weights and k.endswith(".weight"):
+            continue
+        tensors[f"fp/{k}"] = v.detach().cpu().clone().contiguous()
+        fp_bytes += v.numel() * v.element_size()
+    layers_json = json.dumps(layouts, sort_keys=True)
+    meta = {"format": FORMAT, "format_version": str(VERSION), "layers": layers_json,
+            "architecture": architecture, "content_sha256": content_hash(tensors, layers_json),
+            "accounted_bits": str(int(accounted_bits)), "user": json.dumps(dict(metadata or {}), sort_keys=True)}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+    size = path.stat().st_size
+    n = sum(qw.blocks.numel for qw in weights.values())
+    return ExportInfo(str(path), size, 8 * payload, int(accounted_bits), n, fp_bytes, size - payload - fp_bytes)
+
+
+@dataclass(frozen=True)
+class ExportContents:
+    """What :func:`read_export` returns: the quantised layers, the other tensors, the metadata."""
+
+    weights: dict[str, QuantizedWeight]
+    fp_state: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata.get("architecture", "")
+
+    @property
+    def user(self) -> dict:
+        return json.loads(self.metadata.get("user", "{}"))
+
+
+def read_export(path: str | Path) -> ExportContents:
+    """Read and verify an export (format, version, content hash) without building a module.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ExportError: not a safetensors file or truncated, another format or format version,
+            a content hash that does not match (corrupted), a layer whose tensors do not fit
+            its layout.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no export at {path}: run `bayesq quantize` or the pipeline to write it")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise ExportError(f"{path} is not a readable safetensors file ({err}); it is truncated or corrupted: "
+                          "export the model again") from None
+    if meta.get("format") != FORMAT:
+        raise ExportError(f"{path} is not a BayesQ export (format {meta.get('format')!r}, expected {FORMAT!r})")
+    if meta.get("format_version") != str(VERSION):
+        raise ExportError(f"{path} was written in format version {meta.get('format_version')}; this BayesQ "
+                          f"reads version {VERSION}: export the model again with this version")
+    layers_json = meta.get("layers", "")
+    if content_hash(tensors, layers_json) != meta.get("content_sha256"):
+        raise ExportError(f"{path}: content hash mismatch, the file is corrupted: export the model again")
+    layouts = json.loads(layers_json)
+    weights = {}
+    for name, layout in layouts.items():
+        sub = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + "/")}
+        weights[name] = layer_from_tensors(name, sub, layout)
+    fp_state = {k[3:]: v for k, v in tensors.items() if k.startswith("fp/")}
+    return ExportContents(weights, fp_state, dict(meta))
+
+
+def load(path: str | Path, skeleton: nn.Module | None = None) -> nn.Module:
+    """The exported model as an ``nn.Module`` whose quantised Linear/Conv2d layers are
+    :class:`bayesq.qlayers.QuantLinear` / :class:`bayesq.qlayers.QuantConv2d` (packed codes, run
+    by the kernels), in eval mode, on the CPU.
+
+    ``skeleton``: a module of the same architecture (its weights are replaced); default: the
+    zoo model named in the file's ``architecture``.
+
+    Raises:
+        ExportError: see :func:`read_export`; also a skeleton that does not match the file.
+    """
+    from bayesq.qlayers import replace_quantized
+
+    contents = read_export(path)
+    if skeleton is None:
+        if not contents.architecture:
+            raise ExportError(f"{path} names no architecture: pass skeleton= (a module of the same architecture)")
+        from bayesq.models.zoo import get_entry
+
+        skeleton = get_entry(contents.architecture).build(pretrained=False)
+    model = skeleton
+    expected = {k for k in model.state_dict() if not (k.endswith(".weight") and k[:-7] in contents.weights)}
+    missing, extra = sorted(expected - set(contents.fp_state)), sorted(set(contents.fp_state) - expected)
+    if missing or extra:
+        raise ExportError(f"{path} does not match the module: missing {missing[:3]}, unexpected {extra[:3]}")
+    model.load_state_dict(contents.fp_state, strict=False)
+    replace_quantized(model, contents.weights)
+    return model.eval()

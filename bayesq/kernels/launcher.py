@@ -1,0 +1,133 @@
+"""Checks inputs, picks the backend and launches: Triton on CUDA tensors (or on CPU under
+``TRITON_INTERPRET=1`` when asked for explicitly), else the PyTorch reference.
+
+Conv2d: dequantise-then-conv. The Triton ``dequant_kernel`` writes the dense weight and cuDNN
+runs the convolution. An im2col GEMM would materialise ``kh*kw`` copies of every activation
+and lose cuDNN's Winograd / implicit-GEMM paths, while a conv weight (at most a few MB here)
+is dequantised in microseconds; so the packed format saves memory and disk for convolutions,
+and the fused decode-in-matmul kernels serve Linear layers, where weight reads dominate.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from bayesq.kernels import reference
+from bayesq.kernels.packed import PackedWeight
+
+GEMV_MAX_ROWS = 8  # batch rows up to which the GEMV kernel (no tl.dot) is used
+
+
+def triton_available() -> bool:
+    """Triton importable (it is part of the CUDA torch builds)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device, pw: PackedWeight) -> str:
+    """``auto`` -> ``triton`` on CUDA for packed weights, else ``torch``; ``triton`` is checked."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and pw.mode != "dense" and triton_available() else "torch"
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("backend='triton' needs the triton package (pip install triton)")
+        if device.type != "cuda" and not _interpret():
+            raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before the first "
+                             "launch; or use backend='auto' (PyTorch reference on CPU)")
+        if pw.mode == "dense":
+            raise ValueError("this weight is held dense (VQ codebook or per-row-group column scales): "
+                             "use backend='torch'")
+    return backend
+
+
+def _check(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"input must be floating point, got {x.dtype}")
+    if x.shape[-1] != pw.k:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {pw.k}")
+    if x.device != pw.device:
+        raise ValueError(f"input on {x.device} but the packed weight on {pw.device}: move one of them")
+    if bias is not None and (bias.shape != (pw.n,) or bias.device != x.device):
+        raise ValueError(f"bias must be ({pw.n},) on {x.device}, got {tuple(bias.shape)} on {bias.device}")
+
+
+def _args(pw: PackedWeight):
+    """Kernel pointers; unused ones (an empty LUT) point at a non-empty buffer of any type."""
+    return (pw.words, pw.goff if pw.goff.numel() else pw.words, pw.gbits, pw.scale, pw.zero,
+            pw.lut if pw.lut.numel() else pw.words, pw.lutoff if pw.lutoff.numel() else pw.words)
+
+
+def _block_n(n: int) -> int:
+    """Output rows per GEMV program: the widest of 64 / 32 / 16 that still gives >= 256 programs
+    (two waves on a 132-SM H100), so small layers are not served by a few SMs."""
+    for bn in (64, 32):
+        if _cdiv(n, bn) >= 256:
+            return bn
+    return 16
+
+
+def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
+                   backend: str = "auto", weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x W^T + bias``: x (..., K) float16/bfloat16/float32 -> (..., N) in x's dtype.
+
+    Triton: GEMV kernel for at most ``GEMV_MAX_ROWS`` rows, else the tiled GEMM (tensor cores
+    in x's dtype, float32 accumulation; float32 inputs use TF32 on GPUs). ``weight``: a cached
+    dequantised weight for the reference path.
+    """
+    _check(x, pw, bias)
+    if resolve_backend(backend, x.device, pw) == "torch":
+        return reference.linear(x, pw, bias, weight)
+    from bayesq.kernels import triton_dequant as tk
+
+    x2 = x.reshape(-1, pw.k).contiguous()  # (M, K)
+    m = x2.shape[0]
+    out = torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], pw.n)
+    col = pw.col_scale if pw.col_scale is not None else pw.words
+    b = bias if bias is not None else pw.words
+    common = dict(ROW_ALIGNED=bool(pw.groups_per_row), LUT=pw.mode == "lut", UNIFORM_B=pw.uniform_bits,
+                  HAS_BIAS=bias is not None, HAS_COL=pw.col_scale is not None)
+    if m <= GEMV_MAX_ROWS:
+        bn = _block_n(pw.n)
+        tk.gemv_kernel[(_cdiv(pw.n, bn),)](x2, out, b, col, *_args(pw), m, pw.n, pw.k, pw.group_size,
+                                           pw.groups_per_row, x2.stride(0), out.stride(0), **common,
+                                           BLOCK_M=max(1, 1 << (m - 1).bit_length()), BLOCK_N=bn, BLOCK_K=64)
+    else:
+        bm = 16 if m <= 16 else 32 if m <= 64 else 64
+        grid = (_cdiv(m, bm), _cdiv(pw.n, 64))
+        tk.gemm_kernel[grid](x2, out, b, col, *_args(pw), m, pw.n, pw.k, pw.group_size, pw.groups_per_row,
+                             x2.stride(0), out.stride(0), **common, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64)
+    return out.reshape(*x.shape[:-1], pw.n)
+
+
+def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
+    """(N, K) dense weight in ``dtype`` (Triton ``dequant_kernel`` or the reference)."""
+    if resolve_backend(backend, pw.device, pw) == "torch":
+        w = reference.dequantize(pw)
+        return w.to(dtype)
+    from bayesq.kernels import triton_dequant as tk
+
+    out = torch.empty(pw.n, pw.k, dtype=dtype, device=pw.device)
+    grid = (_cdiv(pw.n, 32), _cdiv(pw.k, 64))
+    tk.dequant_kernel[grid](out, *_args(pw), pw.n, pw.k, pw.group_size, pw.groups_per_row,
+                            ROW_ALIGNED=bool(pw.groups_per_row), LUT=pw.mode == "lut", UNIFORM_B=pw.uniform_bits,
+                            BLOCK_N=32, BLOCK_K=64)
+    if pw.col_scale is not None:
+        out = (out.float() / pw.col_scale[None, :]).to(dtype)
+    return out

@@ -1,0 +1,143 @@
+"""The in-memory layout the kernels read, built from a :class:`bayesq.quantize.QuantizedWeight`.
+
+A weight W (N outputs x K inputs; Conv2d: K = in/groups * kh * kw) is cut into groups as in
+``bayesq.blocks``: element (n, k) belongs to group
+
+    g = n * GPR + k // gs,  p = k mod gs          (row-aligned layouts, GPR groups per row)
+    g = (n K + k) // gs,    p = (n K + k) mod gs  (otherwise; groups may straddle rows)
+
+and its code sits at stream bit ``goff[g] + p * gbits[g]`` (the export's code stream: groups in
+order, real weights only, any mix of 2/3/4/8-bit groups, no padding). When every group has the
+same width b and is full, that is simply bit ``(n K + k) * b`` and the kernels skip ``goff`` /
+``gbits`` (``uniform_bits = b``). It decodes to
+
+    affine:  W[n, k] = scale[g] * (code - zero[g])
+    lut:     W[n, k] = lut[lutoff[g] + code]           (Lloyd / mu-law tables; in mixed layers
+                                                       uniform groups become 2**b-entry tables)
+    dense:   W held dequantised (VQ codebooks, column scales per output-row group)
+
+and AWQ's column scales (one row) divide the input: ``y = W (x / s)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+import torch
+
+from bayesq.codebook import LevelTables, UniformGrids
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """Packed codes and per-group decoding data of one weight.
+
+    Attributes:
+        words: (n_words + 1,) int32 code stream (uint32 bit patterns, one slack word).
+        goff: (G,) int32 first stream bit of each group (int64 beyond 2**31 bits).
+        gbits: (G,) uint8 bit-width of each group.
+        scale: (G,) float16 (float32 when the stored scales are fp32); zero: (G,) uint8 (affine).
+        lut: (T,) float32 tables (lut mode); lutoff: (G,) int32 start of each group's table.
+        dense: (N, K) float32 dequantised weight (dense mode) or None.
+        col_scale: (K,) float32 input divisor or None.
+        n, k: output and input size; group_size; groups_per_row: GPR (0: not row-aligned);
+        uniform_bits: b when every group is full and b bits wide, else 0.
+    Per-group data read by the kernels: 8 bytes (mixed widths) or 3 bytes (uniform_bits) per group.
+    """
+
+    words: torch.Tensor
+    goff: torch.Tensor
+    gbits: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    lut: torch.Tensor
+    lutoff: torch.Tensor
+    dense: torch.Tensor | None
+    col_scale: torch.Tensor | None
+    n: int
+    k: int
+    group_size: int
+    groups_per_row: int
+    uniform_bits: int = 0
+
+    @property
+    def mode(self) -> str:
+        if self.dense is not None:
+            return "dense"
+        return "lut" if self.lut.numel() else "affine"
+
+    @property
+    def device(self) -> torch.device:
+        return self.words.device
+
+    def to(self, device) -> "PackedWeight":
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensor fields (for registering as module buffers)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    @property
+    def stream_bytes(self) -> int:
+        return self.words.numel() * 4
+
+
+def _int32_words(stream: np.ndarray) -> torch.Tensor:
+    from bayesq.export import words_of
+
+    return torch.from_numpy(words_of(stream).numpy().astype("<u4").view("<i4"))
+
+
+def pack_weight(qw) -> PackedWeight:
+    """:class:`PackedWeight` of a :class:`bayesq.quantize.QuantizedWeight` (codes repacked)."""
+    from bayesq.export import pack_bits
+    from bayesq.vq import VQBook
+
+    lb = qw.blocks
+    n, k = lb.shape[0], lb.numel // lb.shape[0]
+    gpr = lb.groups_per_row if lb.row_aligned else 0
+    sizes = lb.group_sizes()
+    empty = torch.zeros(0)
+    col = None
+    if qw.col_scale is not None and qw.col_scale.shape[0] == 1:
+        col = qw.col_scale[0].float()
+    dense = any(isinstance(b, VQBook) for b in qw.books.values()) or (qw.col_scale is not None and col is None)
+    if dense:
+        z = torch.zeros(0, dtype=torch.int64)
+        return PackedWeight(torch.zeros(1, dtype=torch.int32), z.int(), z.to(torch.uint8), empty.half(),
+                            z.to(torch.uint8), empty, z.int(), qw.dequantize().reshape(n, k).float(), None, n, k,
+                            lb.group_size, gpr)
+    mask = torch.arange(lb.group_size)[None, :] < sizes[:, None]  # (G, gs) real weights
+    gbits = qw.group_bits.to(torch.int64)
+    words = _int32_words(pack_bits(qw.codes[mask], gbits.repeat_interleave(sizes)))
+    goff = torch.cumsum(gbits * sizes, 0) - gbits * sizes
+    goff = goff.int() if int(goff[-1] + gbits[-1] * sizes[-1]) < 2**31 else goff
+    full = bool((sizes == lb.group_size).all()) and len(set(gbits.tolist())) == 1
+    scale = torch.zeros(lb.n_groups, dtype=torch.float64)
+    zero = torch.zeros(lb.n_groups, dtype=torch.float64)
+    tables: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float64)] * lb.n_groups
+    has_lut = any(isinstance(b, LevelTables) for b in qw.books.values())
+    for b, book in qw.books.items():
+        sel = torch.nonzero(qw.group_bits == b).reshape(-1)
+        if isinstance(book, UniformGrids):
+            scale[sel], zero[sel] = book.scale, book.zero
+            if has_lut:
+                levels = book.scale[:, None] * (torch.arange(2**b, dtype=torch.float64)[None, :] - book.zero[:, None])
+                for i, g in enumerate(sel.tolist()):
+                    tables[g] = levels[i]
+        else:
+            for i, g in enumerate(sel.tolist()):
+                tables[g] = book.levels[book.row[i]]
+    if has_lut:
+        lengths = torch.tensor([t.numel() for t in tables])
+        lut, lutoff = torch.cat(tables).float(), (torch.cumsum(lengths, 0) - lengths).int()
+    else:
+        lut, lutoff = empty, torch.zeros(0, dtype=torch.int32)
+    stored = scale.half()
+    if not torch.equal(stored.double(), scale):
+        stored = scale.float()  # fp32 stored scales
+    return PackedWeight(words, goff, gbits.to(torch.uint8), stored, zero.to(torch.uint8), lut, lutoff, None, col,
+                        n, k, lb.group_size, gpr, int(gbits[0]) if full else 0)

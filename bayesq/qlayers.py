@@ -1,0 +1,120 @@
+"""Quantised Linear / Conv2d modules that hold packed codes (:mod:`bayesq.kernels`) and run
+them: fused dequantising GEMV / GEMM for Linear, dequantise-then-conv for Conv2d (through the
+original module's forward, so Conv2d subclasses keep their padding logic).
+
+On the CPU (the reference backend) the dequantised weight is computed once from the packed
+buffers and kept (``cache_dense``), as a CPU deployment would; on CUDA every forward decodes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from bayesq.kernels import PackedWeight, dequant_linear, dequantize, pack_weight
+from bayesq.kernels.launcher import resolve_backend
+
+
+class _Packed(nn.Module):
+    """Shared part: the packed buffers (moved by ``.to``), the layout ints, the backend."""
+
+    def __init__(self, pw: PackedWeight, bias: torch.Tensor | None, backend: str = "auto") -> None:
+        super().__init__()
+        for name, t in pw.tensors().items():
+            self.register_buffer(name, t)
+        for name in ("dense", "col_scale"):
+            if getattr(pw, name) is None:
+                self.register_buffer(name, None)
+        self.n, self.k, self.group_size, self.groups_per_row = pw.n, pw.k, pw.group_size, pw.groups_per_row
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.backend = backend
+        self.cache_dense = True
+        self._dense: torch.Tensor | None = None
+
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.words, self.goff, self.gbits, self.scale, self.zero, self.lut, self.lutoff,
+                            self.dense, self.col_scale, self.n, self.k, self.group_size, self.groups_per_row)
+
+    def weight_dense(self) -> torch.Tensor:
+        """(N, K) float32 dequantised weight (cached on the reference backend)."""
+        pw = self.packed()
+        if self._dense is None or self._dense.device != pw.device:
+            self._dense = dequantize(pw, torch.float32, "torch")
+        return self._dense
+
+    def _reference(self, device: torch.device) -> bool:
+        return resolve_backend(self.backend, device, self.packed()) == "torch"
+
+    def _apply(self, fn, recurse=True):
+        """``.to(device)`` moves the buffers; ``.half()`` / ``.to(dtype)`` leave the packed data's
+        types (fp16 scales, fp32 tables) as stored, so decoding stays exact."""
+        self._dense = None
+        dtypes = {k: b.dtype for k, b in self._buffers.items() if b is not None}
+        out = super()._apply(fn, recurse)
+        for k, dt in dtypes.items():
+            if self._buffers[k].dtype != dt:
+                self._buffers[k] = self._buffers[k].to(dt)
+        return out
+
+
+class QuantLinear(_Packed):
+    """``y = x W^T + b`` with W decoded from packed codes; x (..., in_features)."""
+
+    def __init__(self, pw: PackedWeight, bias: torch.Tensor | None, backend: str = "auto") -> None:
+        super().__init__(pw, bias, backend)
+        self.in_features, self.out_features = pw.k, pw.n
+
+    @classmethod
+    def from_quantized(cls, qw, bias: torch.Tensor | None, backend: str = "auto") -> "QuantLinear":
+        return cls(pack_weight(qw), bias, backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._reference(x.device):
+            return F.linear(x, self.weight_dense().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return dequant_linear(x, self.packed(), self.bias, self.backend)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.k}, out_features={self.n}, mode={self.packed().mode}"
+
+
+class QuantConv2d(_Packed):
+    """A Conv2d (or subclass: static "same" padding, ...) whose weight is decoded from packed codes
+    and then convolved by the original module's own forward (dequantise-then-conv)."""
+
+    def __init__(self, pw: PackedWeight, conv: nn.Conv2d, backend: str = "auto") -> None:
+        super().__init__(pw, None, backend)
+        self.weight_shape = tuple(conv.weight.shape)
+        del conv.weight  # the float weight is not kept; forward sets the decoded one
+        self.conv = conv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._reference(x.device):
+            w = self.weight_dense()
+        else:
+            w = dequantize(self.packed(), x.dtype, self.backend)
+        self.conv.weight = w.reshape(self.weight_shape).to(x.dtype)  # a plain tensor attribute
+        return self.conv(x)
+
+    def extra_repr(self) -> str:
+        return f"weight={self.weight_shape}, mode={self.packed().mode}"
+
+
+def replace_quantized(model: nn.Module, weights: dict, backend: str = "auto") -> nn.Module:
+    """Swap each named Linear / Conv2d of ``model`` for its quantised module (in place)."""
+    for name, qw in weights.items():
+        mod = model.get_submodule(name)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if tuple(mod.weight.shape) != qw.blocks.shape:
+            raise ValueError(f"layer '{name}': module weight {tuple(mod.weight.shape)} vs quantised "
+                             f"{qw.blocks.shape}: the skeleton does not match")
+        if isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward:
+            new = QuantLinear(pack_weight(qw), mod.bias, backend)
+        elif isinstance(mod, nn.Conv2d):
+            new = QuantConv2d(pack_weight(qw), mod, backend)
+        else:
+            raise ValueError(f"layer '{name}' is a {type(mod).__name__}; BayesQ runs quantised nn.Linear "
+                             "(plain forward) and nn.Conv2d layers")
+        setattr(parent, child, new)
+    return model

@@ -1,0 +1,351 @@
+"""Speed of the dequantising kernels (GEMV / GEMM) and of the quantised embedded models vs FP16.
+
+    python benchmarks/kernels.py [--quick] [--out FILE.json] [--exports results/exports] \
+        [--models lite0-fmnist minilm-sentiment resnet18-fmnist] [--method bayesq] [--budget 3.0] \
+        [--seed 17] [--threads N]
+
+On a CUDA device: (1) the device-to-device copy bandwidth of a 1 GiB tensor (the measured peak)
+next to the datasheet figure; (2) for random packed weights (uniform 2/3/4/8 bits, groups of 64)
+of shapes 4096x4096, 8192x8192, 768x3072 and 3072x768 at batch 1, 4 and 16: the Triton kernel's
+median time, the bytes it must move (code words + per-group goff/gbits/scale/zero + x + y), its
+GB/s and % of the measured peak, its speedup over ``F.linear`` with the FP16 weight (same run),
+the weight-only limits 16 / (b + (16 + b) / 64) (fp16 scale + b-bit zero per group, the file
+format) and 16 / (b + 160 / 64) (the 20 bytes per group of the in-memory layout), and the max
+abs error against the float32 reference; (3) median and IQR of the latency (batch 1) and
+throughput (batch 64 images / 32 sentences) of each exported model
+``<exports>/<model>_<method>_b<budget>_s<seed>.safetensors`` vs its FP16 fine-tuned model.
+Goal: >= 80 % of peak bandwidth at batch 1 for 3 and 4 bits.  Without a GPU it says so and runs
+a small CPU check (reference backend vs float32 ``F.linear``; the Triton kernels too under
+``TRITON_INTERPRET=1``).  ``--quick``: shapes 4096x4096 and 768x3072, bits 3 and 4 only;
+``--threads 1`` steadies the CPU timings on a busy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import timeit
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = ((4096, 4096), (8192, 8192), (768, 3072), (3072, 768))
+QUICK_SHAPES = ((4096, 4096), (768, 3072))
+BITS, QUICK_BITS, BATCHES = (2, 3, 4, 8), (3, 4), (1, 4, 16)
+GROUP = 64
+META_BYTES = 8 + 4 + 4 + 4  # goff int64, gbits int32, scale fp32, zero fp32 per group
+COLUMNS = (("us", ".1f"), ("fp16_us", ".1f"), ("gbs", ".0f"), ("pct_peak", ".1f"), ("fp16_gbs", ".0f"),
+           ("speedup", ".2f"), ("limit_file", ".2f"), ("limit_mem", ".2f"), ("max_abs_err", ".2e"))
+DATASHEET_TBS = (("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100 SXM", 3.35), ("H100 80GB HBM3", 3.35))
+
+
+def random_packed(n: int, k: int, bits: int, seed: int):
+    """PackedWeight (N, K) of random ``bits``-bit codes, groups of 64, fp16 scales, integer zeros."""
+    from bayesq.blocks import LayerBlocks
+    from bayesq.codebook import UniformGrids
+    from bayesq.kernels import pack_weight
+    from bayesq.quantize import QuantizedWeight
+
+    gen = torch.Generator().manual_seed(seed * 1009 + bits)
+    lb = LayerBlocks("bench", (n, k), GROUP, 1)
+    g = lb.n_groups
+    codes = torch.randint(0, 2**bits, (g, GROUP), generator=gen, dtype=torch.int64)
+    scale = ((0.5 + torch.rand(g, generator=gen, dtype=torch.float64)) * 2 / ((2**bits - 1) * k**0.5)).half().double()
+    zero = torch.randint(0, 2**bits, (g,), generator=gen).double()
+    qw = QuantizedWeight(lb, torch.full((g,), bits, dtype=torch.int64), codes, {bits: UniformGrids(bits, scale, zero)})
+    return pack_weight(qw)
+
+
+def moved_bytes(pw, m: int) -> int:
+    """Bytes a dequantising matmul must move: code words, group metadata, fp16 x (M, K) and y (M, N)."""
+    return pw.words.numel() * 4 + pw.goff.numel() * META_BYTES + 2 * m * (pw.k + pw.n)
+
+
+def limits(bits: int) -> tuple[float, float]:
+    """Weight-only GEMV speedup bounds over FP16: file format (fp16 scale + b-bit zero per 64) and in-memory."""
+    return 16 / (bits + (16 + bits) / GROUP), 16 / (bits + 8 * META_BYTES / GROUP)
+
+
+def show(title: str, head: list[str], rows: list[list]) -> None:
+    """Print a table (rich when importable, else aligned plain text)."""
+    cells = [[c if isinstance(c, str) else f"{c:.4g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(head)]
+        print(f"\n{title}\n" + "  ".join(h.rjust(w) for h, w in zip(head, widths)))
+        for r in cells:
+            print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        return
+    t = Table(title=title)
+    for h in head:
+        t.add_column(h, justify="right")
+    for r in cells:
+        t.add_row(*r)
+    Console(width=200).print(t)
+
+
+def bench_ms(fn) -> float:
+    """Median milliseconds of ``fn()`` on the GPU: triton's do_bench (L2 flushed before each call),
+    else CUDA events around 50 calls after 10 warm-up calls, each after an L2 flush."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    except ImportError:
+        pass
+    flush, times = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda"), []
+    for i in range(60):
+        flush.zero_()  # also keeps the GPU busy while the launch is queued
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 10:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_bandwidth() -> tuple[float, float | None, str]:
+    """(measured GB/s of a 1 GiB device-to-device copy (read + write), datasheet GB/s or None, device name)."""
+    x = torch.empty(2**29, dtype=torch.float16, device="cuda")
+    y = torch.empty_like(x)
+    measured = 2 * x.numel() * 2 / (bench_ms(lambda: y.copy_(x)) * 1e-3) / 1e9
+    del x, y
+    name = torch.cuda.get_device_name()
+    nominal = next((tbs * 1e3 for key, tbs in DATASHEET_TBS if key.lower() in name.lower()), None)
+    return measured, nominal, name
+
+
+def kernel_rows(shapes, bits_list, peak: float, seed: int) -> list[dict]:
+    """Triton kernel vs FP16 ``F.linear`` for every shape x bit-width x batch (times in us)."""
+    from bayesq.kernels import dequant_linear
+    from bayesq.kernels import reference
+
+    rows = []
+    for n, k in shapes:
+        for bits in bits_list:
+            pw = random_packed(n, k, bits, seed).to("cuda")
+            w32 = reference.dequantize(pw)  # (N, K) float32 on the GPU
+            w16 = w32.half()
+            for m in BATCHES:
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + m)).to("cuda", torch.float16)
+                err = float((dequant_linear(x, pw, None, "triton").float() - F.linear(x.float(), w32)).abs().max())
+                tq = bench_ms(lambda: dequant_linear(x, pw, None, "triton")) * 1e3
+                tf = bench_ms(lambda: F.linear(x, w16)) * 1e3
+                gbs = moved_bytes(pw, m) / (tq * 1e-6) / 1e9
+                fp_gbs = (2 * n * k + 2 * m * (n + k)) / (tf * 1e-6) / 1e9
+                lim_file, lim_mem = limits(bits)
+                rows.append(dict(n=n, k=k, bits=bits, m=m, us=tq, fp16_us=tf, bytes=moved_bytes(pw, m), gbs=gbs,
+                                 pct_peak=100 * gbs / peak, fp16_gbs=fp_gbs, speedup=tf / tq, limit_file=lim_file,
+                                 limit_mem=lim_mem, max_abs_err=err))
+            del pw, w32, w16
+            torch.cuda.empty_cache()
+    return rows
+
+
+def inputs_for(entry, batch: int, seed: int) -> tuple[object, str]:
+    """A batch of ``batch`` seeded-random test examples (synthetic inputs if the data cannot be read)."""
+    data = None
+    try:
+        from flows.common import read_params
+        from flows.finetune import raw_path
+
+        data = read_params(ROOT / "params.yaml").data
+        splits = entry.load_splits(data, raw_path(entry, ROOT / "data" / "raw"))
+        idx = torch.randperm(len(splits.test_labels), generator=torch.Generator().manual_seed(seed))[:batch]
+        inp = splits.test_inputs
+        picked = inp[idx] if isinstance(inp, torch.Tensor) else [inp[i] for i in idx.tolist()]
+        out = entry.batches(picked, batch, data)[0]
+        return out, "test set" + (f", L={out['input_ids'].shape[1]}" if isinstance(out, dict) else "")
+    except Exception as err:  # noqa: BLE001 - any data problem: fall back to synthetic inputs
+        why = f"synthetic ({type(err).__name__}: {str(err)[:80]})"
+    size = data.image_size if data else 64
+    if entry.task == "image":
+        return torch.randn(batch, 3, size, size), why
+    length = data.text_max_length if data else 64
+    ids = torch.randint(1000, 20000, (batch, length))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}, why
+
+
+def to_half(model):
+    """Model on CUDA in float16, except the packed buffers of quantised layers (their biases are cast)."""
+    from bayesq.qlayers import QuantConv2d, QuantLinear
+
+    model = model.cuda()
+    for mod in model.modules():
+        if isinstance(mod, (QuantLinear, QuantConv2d)):
+            if mod.bias is not None:
+                mod.bias.data = mod.bias.data.half()
+        else:
+            mod._apply(lambda t: t.half() if t.is_floating_point() else t, recurse=False)
+    return model.eval()
+
+
+def on_cuda(batch):
+    """Token ids as they are, images as float16, on the GPU."""
+    return {key: v.cuda() for key, v in batch.items()} if isinstance(batch, dict) else batch.to("cuda", torch.float16)
+
+
+def timed(model, batch, reps: int = 30, warmup: int = 5) -> list[float]:
+    """Wall-clock seconds of ``reps`` synchronised forward passes after ``warmup`` ones."""
+    from bayesq.forward import logits
+
+    out = []
+    with torch.inference_mode():
+        for i in range(warmup + reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            logits(model, batch)
+            torch.cuda.synchronize()
+            if i >= warmup:
+                out.append(time.perf_counter() - t0)
+    return out
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """(median, 25 %, 75 %)."""
+    q = statistics.quantiles(xs, n=4)
+    return q[1], q[0], q[2]
+
+
+def iqr(q: tuple[float, float, float], spec: str) -> str:
+    return f"{q[0]:{spec}} [{q[1]:{spec}}, {q[2]:{spec}}]"
+
+
+def end_to_end(a) -> list[dict]:
+    """Latency (batch 1) and throughput (batch 64 images / 32 sentences) of each export vs FP16."""
+    from bayesq.export import load
+    from bayesq.forward import logits
+    from bayesq.models.zoo import get_entry
+    from flows.finetune import load_model
+
+    rows = []
+    for name in a.models:
+        path = a.exports / f"{name}_{a.method}_b{a.budget}_s{a.seed}.safetensors"
+        fp_path = ROOT / "models" / name / "model.safetensors"
+        if not path.exists() or not fp_path.exists():
+            print(f"{name}: skipped, {path if not path.exists() else fp_path} not found (run the pipeline first)")
+            continue
+        try:
+            entry = get_entry(name)
+            models = {"fp16": to_half(load_model(entry, fp_path)), "quantized": to_half(load(path))}
+            big = 64 if entry.task == "image" else 32
+            batch, source = inputs_for(entry, big, a.seed)
+            one = batch[:1] if isinstance(batch, torch.Tensor) else {key: v[:1] for key, v in batch.items()}
+            batch, one = on_cuda(batch), on_cuda(one)
+            with torch.inference_mode():
+                out = [logits(m, batch).float() for m in models.values()]
+            diff = float((out[0] - out[1]).abs().max())
+            row = dict(model=name, export=str(path), inputs=source, max_logit_diff=diff, batch=big)
+            for tag, model in models.items():
+                lat = [t * 1e3 for t in timed(model, one)]
+                thr = [big / t for t in timed(model, batch)]
+                row[tag] = dict(latency_ms=quartiles(lat), throughput=quartiles(thr))
+            rows.append(row)
+        except Exception as err:  # noqa: BLE001 - report and go on with the next model
+            print(f"{name}: failed: {type(err).__name__}: {err}")
+            rows.append(dict(model=name, export=str(path), error=f"{type(err).__name__}: {err}"))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def gpu(a) -> dict:
+    """The GPU part: peak bandwidth, kernel table, goal lines, end-to-end table."""
+    measured, nominal, name = peak_bandwidth()
+    print(f"device {name}: measured copy bandwidth {measured:.0f} GB/s; datasheet "
+          + (f"{nominal:.0f} GB/s ({100 * measured / nominal:.0f} % of it)" if nominal else "unknown"))
+    rows = kernel_rows(QUICK_SHAPES if a.quick else SHAPES, QUICK_BITS if a.quick else BITS, measured, a.seed)
+    show("dequantising matmul (Triton) vs FP16 F.linear; % of the measured copy bandwidth",
+         ["N x K", "bits", "M", "us", "fp16 us", "GB/s", "% peak", "fp16 GB/s", "speedup", "limit", "limit mem",
+          "max|err|"],
+         [[f"{r['n']}x{r['k']}", r["bits"], r["m"]] + [f"{r[key]:{spec}}" for key, spec in COLUMNS] for r in rows])
+    for bits in (3, 4):
+        pct = [r["pct_peak"] for r in rows if r["bits"] == bits and r["m"] == 1]
+        if pct:
+            print(f"goal {bits}-bit batch 1: {min(pct):.0f}-{max(pct):.0f} % of peak "
+                  f"({'met' if min(pct) >= 80 else 'NOT met'}: >= 80 %)")
+    e2e = end_to_end(a)
+    if any("error" not in r for r in e2e):
+        show("end to end: median [IQR] latency (batch 1) and throughput; quantised vs FP16",
+             ["model", "inputs", "fp16 ms", "quant ms", "lat ratio", "batch", "fp16 ex/s", "quant ex/s", "thr ratio",
+              "max|dlogit|"],
+             [[r["model"], r["inputs"][:40], iqr(r["fp16"]["latency_ms"], ".3f"),
+               iqr(r["quantized"]["latency_ms"], ".3f"), r["quantized"]["latency_ms"][0] / r["fp16"]["latency_ms"][0],
+               r["batch"], iqr(r["fp16"]["throughput"], ".0f"), iqr(r["quantized"]["throughput"], ".0f"),
+               r["quantized"]["throughput"][0] / r["fp16"]["throughput"][0], f"{r['max_logit_diff']:.2e}"]
+              for r in e2e if "error" not in r])
+    return dict(device=name, peak_gbs=measured, datasheet_gbs=nominal, kernels=rows, end_to_end=e2e)
+
+
+def median_us(fn, reps: int = 7) -> float:
+    """Median wall-clock microseconds of ``fn()`` on the CPU after one warm-up call."""
+    fn()
+    return statistics.median(timeit.repeat(fn, number=1, repeat=reps)) * 1e6
+
+
+def cpu_check(seed: int) -> list[dict]:
+    """96x160: reference backend vs float32 F.linear (batch 1); Triton (interpreted) errors if asked."""
+    from bayesq.kernels import dequant_linear, dequantize, triton_available
+    from bayesq.kernels import reference
+
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1" and triton_available()
+    rows = []
+    for bits in (3, 4):
+        pw = random_packed(96, 160, bits, seed)
+        w = reference.dequantize(pw)
+        x = torch.randn(16, 160, generator=torch.Generator().manual_seed(seed))
+        row = dict(n=96, k=160, bits=bits, ref_us=median_us(lambda: dequant_linear(x[:1], pw, None, "torch")),
+                   f32_us=median_us(lambda: F.linear(x[:1], w)))
+        if interp:
+            for m in (1, 16):  # GEMV, GEMM
+                y = dequant_linear(x[:m], pw, None, "triton")
+                row[f"triton_err_m{m}"] = float((y - F.linear(x[:m], w)).abs().max())
+            row["triton_dequant_err"] = float((dequantize(pw, torch.float32, "triton") - w).abs().max())
+        rows.append(row)
+    head = ["N x K", "bits", "reference us", "f32 F.linear us", "ratio"]
+    if interp:
+        head += ["triton err M=1", "M=16", "dequant err"]
+    show("CPU check: reference backend (decodes every call) vs float32 F.linear, batch 1", head,
+         [[f"{r['n']}x{r['k']}", r["bits"], r["ref_us"], r["f32_us"], r["ref_us"] / r["f32_us"]]
+          + ([f"{r['triton_err_m1']:.2e}", f"{r['triton_err_m16']:.2e}", f"{r['triton_dequant_err']:.2e}"]
+             if interp else []) for r in rows])
+    if not interp:
+        print("Triton kernels not run (set TRITON_INTERPRET=1 to check them in the interpreter)")
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="shapes 4096x4096 and 768x3072, bits 3 and 4")
+    p.add_argument("--out", type=Path, help="write all figures to this JSON file")
+    p.add_argument("--exports", type=Path, default=ROOT / "results" / "exports")
+    p.add_argument("--models", nargs="+", default=["lite0-fmnist", "minilm-sentiment", "resnet18-fmnist"])
+    p.add_argument("--method", default="bayesq")
+    p.add_argument("--budget", type=float, default=3.0)
+    p.add_argument("--seed", type=int, default=17)
+    p.add_argument("--threads", type=int, help="torch CPU threads (CPU timings on a busy machine: 1)")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if torch.cuda.is_available():
+        result = dict(gpu=True, **gpu(a))
+    else:
+        print("no GPU found (torch.cuda.is_available() is False): kernel timings need a CUDA device; "
+              "ran the CPU checks only")
+        result = dict(gpu=False, cpu_check=cpu_check(a.seed))
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=1, default=str))
+        print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

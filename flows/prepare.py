@@ -1,0 +1,178 @@
+"""Per (model, seed) preparation shared by the quantize and ablate stages: the calibration
+inputs, the posterior, the BayesQ loss tables, HAWQ's Hessian traces.
+
+These tasks are keyed on :func:`prep_code` — every source under ``bayesq/`` and ``flows/`` but
+the export format, the kernels and the downstream flows — so work on those does not refit a
+posterior or rebuild a table (the posteriors and tables of the embedded models take ~30 min).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import task
+
+from bayesq.config import Curvature, FisherScale, Rounding, replace
+from flows.common import CACHE, code_version, digest
+from flows.finetune import load_model
+
+# sources the preparation tasks do not run (a new file elsewhere is included by default)
+PREP_EXCLUDE = ("bayesq/export.py", "bayesq/qlayers.py", "bayesq/kernels", "flows/quantize.py", "flows/ablate.py",
+                "flows/report.py", "flows/robustness_report.py", "flows/cli.py", "flows/zoo.py")
+
+
+def prep_code() -> str:
+    """Code version of the preparation tasks (and the FP evaluation)."""
+    return code_version(exclude=PREP_EXCLUDE)
+
+
+def calibration_batches(entry, splits, data, calibration, seed: int):
+    """Unlabelled calibration batches drawn from the training inputs with ``seed``."""
+    from bayesq.data.calibration import sample_calibration_indices
+    from bayesq.models.zoo import _take
+
+    n_cal = calibration.images if entry.task == "image" else calibration.sentences
+    idx = sample_calibration_indices(len(splits.train_labels), min(n_cal, len(splits.train_labels)), seed)
+    inputs = _take(splits.train_inputs, idx)
+    return idx, entry.batches(inputs, calibration.batch_size, data)
+
+
+@task(cache_policy=CACHE, persist_result=True)
+def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
+                   data, calibration, posterior, seed: int, out: str, code: str, tag: str = "") -> dict:
+    """Fit the posterior on the seed's calibration set; save it as safetensors.
+
+    The file holds the variances, the error-feedback metrics of structured posteriors and the
+    calibration indices (which inputs were used).
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from bayesq.config import BayesQConfig
+    from bayesq.models.zoo import get_entry
+    from bayesq.quantize import fit_posterior
+
+    entry = get_entry(name)
+    model = load_model(entry, Path(model_file))
+    splits = entry.load_splits(data, Path(raw))
+    idx, batches = calibration_batches(entry, splits, data, calibration, seed)
+    if calibration.fisher_scale == FisherScale.TRAIN:
+        posterior = replace(posterior, n_data=len(splits.train_labels))
+    start = time.perf_counter()
+    post = fit_posterior(model, batches, BayesQConfig(posterior=posterior, seed=seed))
+    seconds = time.perf_counter() - start
+    path = Path(out) / f"{name}_s{seed}{'_' + tag if tag else ''}.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {f"variance/{k}": v.float().contiguous() for k, v in post.variance.items()}
+    for k, f in (post.kfac or {}).items():  # damped K-FAC factors (float64: they get inverted)
+        tensors[f"kfac_A/{k}"], tensors[f"kfac_G/{k}"] = f.A.contiguous(), f.G.contiguous()
+    tensors["calibration_indices"] = idx.to(torch.int64)
+    save_file(tensors, str(path), metadata={"n_examples": str(post.n_examples), "seed": str(seed),
+                                            "n_data": str(post.n_data), "curvature": posterior.curvature.value})
+    return {"path": str(path), "seconds": seconds, "n_examples": post.n_examples}
+
+
+def load_posterior(model, path: Path):
+    """The :class:`bayesq.posterior.Posterior` saved by ``posterior_task`` (means from ``model``)."""
+    from safetensors import safe_open
+
+    from bayesq.blocks import quantizable_layers
+    from bayesq.curvature.kfac import KFACFactors
+    from bayesq.posterior import Posterior
+
+    layers = quantizable_layers(model)
+    with safe_open(str(path), "pt") as f:
+        var = {n: f.get_tensor(f"variance/{n}").double() for n in layers}
+        keys = set(f.keys())
+        meta = f.metadata()
+        n = int(meta["n_examples"])
+        kfac = {k: KFACFactors(f.get_tensor(f"kfac_A/{k}"), f.get_tensor(f"kfac_G/{k}"), n)
+                for k in layers if f"kfac_A/{k}" in keys}
+    mean = {k: m.weight.detach().double() for k, m in layers.items()}
+    return Posterior(mean, var, n, kfac or None, int(meta.get("n_data", 0)))
+
+
+@task(cache_policy=CACHE, persist_result=True)
+def table_task(name: str, model_file: str, model_digest: str, posterior_file: str,
+               posterior_digest: str, raw: str, raw_digest: str, data, calibration, quant,
+               seed: int, out: str, code: str, tag: str = ""):
+    """BayesQ expected-loss table (LossTable, persisted by Prefect) plus its Parquet copy
+    ``<out>/<posterior file stem>[_<tag>].parquet`` (with every entry's standard error)."""
+    import pandas as pd
+
+    from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.models.zoo import get_entry
+    from bayesq.quantize import build_table
+
+    entry = get_entry(name)
+    model = load_model(entry, Path(model_file))
+    post = load_posterior(model, Path(posterior_file))
+    blocks = layer_blocks(quantizable_layers(model), quant.group_size, quant.unit_groups, quant.unit.value)
+    batches = None
+    if quant.needs_data:
+        _, batches = calibration_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
+    start = time.perf_counter()
+    table = build_table(post, blocks, quant, seed=seed, model=model, calibration=batches, progress=False)
+    seconds = time.perf_counter() - start
+    path = Path(out) / f"{Path(posterior_file).stem}{'_' + tag if tag else ''}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame.from_records(table.records()).to_parquet(path, index=False)
+    return {"table": table, "seconds": seconds, "path": str(path)}
+
+
+def config_tag(*configs) -> str:
+    """Short hash naming an artifact by the settings that shape it."""
+    import hashlib
+
+    return hashlib.sha256("|".join(map(str, configs)).encode()).hexdigest()[:10]
+
+
+@task(cache_policy=CACHE, persist_result=True)
+def hawq_traces_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
+                     data, calibration, probes: int, seed: int, code: str) -> dict:
+    """HAWQ's per-layer Hutchinson Hessian traces on the seed's calibration set (timed)."""
+    from bayesq.baselines.hawq import hessian_traces
+    from bayesq.models.zoo import get_entry
+
+    entry = get_entry(name)
+    model = load_model(entry, Path(model_file))
+    _, batches = calibration_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
+    start = time.perf_counter()
+    traces = hessian_traces(model, batches, probes=probes, seed=seed)
+    return {"traces": traces, "seconds": time.perf_counter() - start}
+
+
+def _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code):
+    """Posterior and table of the ``bayesq-ef`` row: K-FAC posterior, error-feedback rounding."""
+    posterior = replace(params.posterior, curvature=Curvature.KFAC)
+    quant = replace(params.quant, rounding=Rounding.ERROR_FEEDBACK)
+    post = posterior_task(name, str(model_file), mdig, str(src), sdig, params.data, params.calibration,
+                          posterior, seed, str(Path(out) / "posterior"), code, tag="kfac")
+    tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])), str(src), sdig,
+                     params.data, params.calibration, quant, seed, str(Path(out) / "tables"), code, tag="ef")
+    return post, tab, f"{digest(Path(post['path']))}:{quant}:{params.calibration}", quant
+
+
+def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str, seed: int, out: Path) -> tuple:
+    """Cached posterior, table, K-FAC prep and HAWQ traces of one (model, seed).
+
+    Returns ``(post, tab, prep, hawq)``: ``prep`` maps each BayesQ method to its
+    ``(posterior, table, table key, quant)``; ``hawq`` is None unless HAWQ is a method.
+    """
+    from bayesq.config import Method
+
+    code = prep_code()
+    post = posterior_task(name, str(model_file), mdig, str(src), sdig, params.data, params.calibration,
+                          params.posterior, seed, str(Path(out) / "posterior"), code)
+    tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])), str(src), sdig,
+                     params.data, params.calibration, params.quant, seed, str(Path(out) / "tables"), code)
+    key = f"{digest(Path(post['path']))}:{params.quant}:{params.calibration}"
+    prep = {Method.BAYESQ: (post, tab, key, params.quant), Method.BAYESQ_DISTILL: (post, tab, key, params.quant)}
+    if Method.BAYESQ_EF in params.methods:
+        prep[Method.BAYESQ_EF] = _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code)
+    hawq = None
+    if Method.HAWQ in params.methods:
+        hawq = hawq_traces_task(name, str(model_file), mdig, str(src), sdig, params.data, params.calibration,
+                                params.baselines.hawq_probes, seed, code)
+    return post, tab, prep, hawq

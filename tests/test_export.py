@@ -1,0 +1,249 @@
+"""Export format: bit packing vs a bit-string reference, exact accounting of the file, round
+trips (codes, codebooks, logits) for every codebook and layout, and clear errors on bad files."""
+
+import functools
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from bayesq.config import BayesQConfig, Codebook, Granularity, QuantConfig
+from bayesq.export import (
+    ExportError, FORMAT, load, pack_bits, read_export, save_export, unpack_bits, offsets_of,
+)
+from bayesq.qlayers import QuantConv2d, QuantLinear
+from bayesq.quantize import quantize_model
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 6, 3, groups=2), nn.Flatten(),
+                         nn.Linear(6 * 6 * 6, 37), nn.ReLU(), nn.Linear(37, 5)).eval()
+
+
+def _x(n=24):
+    return torch.randn(n, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _bitstring_pack(values, widths) -> bytes:
+    """Reference: '0'/'1' characters, least significant bit first, cut into bytes."""
+    bits = "".join(format(v, f"0{w}b")[::-1] if w else "" for v, w in zip(values, widths))
+    bits += "0" * (-len(bits) % 8)
+    return bytes(int(bits[i:i + 8][::-1], 2) for i in range(0, len(bits), 8))
+
+
+def test_pack_bits_vs_bitstring_reference():
+    g = torch.Generator().manual_seed(0)
+    widths = torch.tensor([2, 3, 4, 8] * 50 + [1, 5, 16, 32, 0, 7])[torch.randperm(206, generator=g)]
+    values = (torch.rand(206, generator=g, dtype=torch.float64) * (2.0 ** widths)).floor().long()
+    packed = pack_bits(values, widths)
+    assert packed.tobytes() == _bitstring_pack(values.tolist(), widths.tolist())
+    assert torch.equal(unpack_bits(packed, offsets_of(widths), widths), values)
+
+
+def test_pack_bits_three_bit_is_dense():
+    """8 three-bit codes are 3 bytes, not 4 (no padding to nibbles)."""
+    assert pack_bits(torch.arange(8), 3).nbytes == 3
+    assert pack_bits(torch.arange(8), 3).tobytes() == _bitstring_pack(list(range(8)), [3] * 8)
+
+
+def test_pack_bits_rejects_values_wider_than_their_width():
+    with pytest.raises(ValueError, match="does not fit its bit width"):
+        pack_bits(torch.tensor([4]), 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _quantized(codebook="uniform", budget=5.5, **quant):
+    """BayesQ on the small net (cached: deterministic; callers do not modify the result)."""
+    cfg = BayesQConfig()
+    q = replace(cfg.quant, codebook=Codebook(codebook), group_size=16, unit_groups=2, **quant)
+    cfg = replace(cfg, budget=budget, quant=q, distill=replace(cfg.distill, max_budget=0.0),
+                  posterior=replace(cfg.posterior, probes=4))
+    x = _x()
+    return quantize_model(_net(), [x[:12], x[12:]], cfg, progress=False), q
+
+
+def _check_round_trip(res, quant, path, skeleton=None):
+    info = save_export(path, res.model, res.weights, quant, res.allocation.total_bits)
+    assert info.file_bytes == path.stat().st_size == info.payload_bits // 8 + info.fp_bytes + info.header_bytes
+    n_streams = 3 * len(res.weights)  # codes, headers, zero-points: each rounded up to whole bytes
+    assert res.allocation.total_bits <= info.payload_bits < res.allocation.total_bits + 8 * n_streams
+    back = read_export(path)
+    for name, qw in res.weights.items():
+        assert torch.equal(back.weights[name].dequantize(), qw.dequantize()), name
+        assert torch.equal(back.weights[name].group_bits, qw.group_bits)
+    model = load(path, skeleton=skeleton or _net())
+    x = _x(7)
+    with torch.no_grad():
+        assert torch.equal(model(x), res.model(x))
+    return info, model
+
+
+@pytest.mark.parametrize("codebook", ["uniform", "lloyd", "mulaw", "lloyd-uniform"])
+def test_export_round_trip_codebooks(tmp_path, codebook):
+    res, quant = _quantized(codebook)
+    _, model = _check_round_trip(res, quant, tmp_path / "m.safetensors")
+    assert isinstance(model[0], QuantConv2d) and isinstance(model[4], QuantLinear)
+
+
+def test_export_round_trip_vq(tmp_path):
+    res, quant = _quantized("vq", budget=6.0, unit="tensor", vq_dim=2, bits=(2, 3, 4))
+    _check_round_trip(res, quant, tmp_path / "vq.safetensors")
+
+
+@pytest.mark.parametrize("unit", ["channel", "group"])
+def test_export_round_trip_units(tmp_path, unit):
+    res, quant = _quantized(budget=4.5, unit=unit)
+    _check_round_trip(res, quant, tmp_path / f"{unit}.safetensors")
+
+
+def test_export_round_trip_fp32_scales_and_one_bit_width(tmp_path):
+    res, quant = _quantized(budget=6.5, bits=(4,), scale_bits=32)
+    info, _ = _check_round_trip(res, quant, tmp_path / "fp32.safetensors")
+    assert "header" not in "".join(read_export(info.path).metadata)  # no choice: no header stream
+
+
+def test_export_round_trip_baselines(tmp_path):
+    """RTN per-channel and AWQ (stored column scales) from the same format."""
+    from bayesq.baselines.activations import input_stats
+    from bayesq.baselines.awq import awq_quantize
+    from bayesq.baselines.rtn import rtn_quantize
+    from bayesq.blocks import quantizable_layers
+
+    q = QuantConfig(group_size=16, unit_groups=2)
+    net = _net()
+    rtn = rtn_quantize(net, Granularity.CHANNEL, 4.5, q)
+    _check_round_trip(rtn, q, tmp_path / "rtn.safetensors")
+    stats = input_stats(net, [_x()], quantizable_layers(net))
+    awq = awq_quantize(net, stats, 4.5, q)
+    assert any(w.col_scale is not None for w in awq.weights.values())
+    _check_round_trip(awq, q, tmp_path / "awq.safetensors")
+
+
+def test_export_distilled_model_keeps_trained_biases(tmp_path):
+    cfg = BayesQConfig()
+    q = replace(cfg.quant, group_size=32, unit_groups=2)
+    cfg = replace(cfg, budget=3.0, quant=q, distill=replace(cfg.distill, steps=5, train_bias=True))
+    x = _x()
+    res = quantize_model(_net(), [x[:12], x[12:]], cfg, progress=False)
+    assert not torch.equal(res.model[6].bias, _net()[6].bias)  # distillation trained it
+    _check_round_trip(res, q, tmp_path / "d.safetensors")
+
+
+def test_export_wrong_quant_config_is_clear(tmp_path):
+    res, quant = _quantized()
+    with pytest.raises(ValueError, match="outside quant.bits"):
+        save_export(tmp_path / "x.safetensors", res.model, res.weights, replace(quant, bits=(2, 3)),
+                    res.allocation.total_bits)
+    with pytest.raises(ValueError, match="accounts"):
+        save_export(tmp_path / "x.safetensors", res.model, res.weights, replace(quant, scale_bits=32),
+                    res.allocation.total_bits)
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.fixture
+def written(tmp_path):
+    res, quant = _quantized()
+    path = tmp_path / "m.safetensors"
+    save_export(path, res.model, res.weights, quant, res.allocation.total_bits, metadata={"method": "bayesq"})
+    return path
+
+
+def test_read_export_metadata(written):
+    c = read_export(written)
+    assert c.metadata["format"] == FORMAT and c.user == {"method": "bayesq"}
+    assert set(c.weights) == {"0", "2", "4", "6"} and "0.bias" in c.fp_state
+
+
+def test_read_export_truncated_is_clear(written):
+    data = written.read_bytes()
+    written.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ExportError, match="truncated or corrupted"):
+        read_export(written)
+
+
+def test_read_export_corrupted_byte_is_clear(written):
+    data = bytearray(written.read_bytes())
+    data[-20] ^= 0xFF  # a byte of the tensor data
+    written.write_bytes(bytes(data))
+    with pytest.raises(ExportError, match="content hash mismatch"):
+        read_export(written)
+
+
+def _rewrite_metadata(path, **changes):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(path), metadata={**meta, **changes})
+
+
+def test_read_export_other_version_is_clear(written):
+    _rewrite_metadata(written, format_version="99")
+    with pytest.raises(ExportError, match="format version 99; this BayesQ reads version 1"):
+        read_export(written)
+
+
+def test_read_export_not_bayesq_and_missing_are_clear(tmp_path):
+    path = tmp_path / "plain.safetensors"
+    save_file({"w": torch.zeros(2)}, str(path))
+    with pytest.raises(ExportError, match="not a BayesQ export"):
+        read_export(path)
+    with pytest.raises(FileNotFoundError, match="no export at"):
+        read_export(tmp_path / "absent.safetensors")
+
+
+def test_read_export_layout_edited_is_clear(written):
+    from safetensors import safe_open
+
+    from bayesq.export import content_hash
+
+    with safe_open(str(written), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    layers = json.loads(meta["layers"])
+    layers["4"]["group_size"] = 8  # more groups than the stored streams hold
+    lj = json.dumps(layers, sort_keys=True)
+    save_file(tensors, str(written), metadata={**meta, "layers": lj, "content_sha256": content_hash(tensors, lj)})
+    with pytest.raises(ExportError, match="layer '4'"):
+        read_export(written)
+
+
+def test_load_wrong_skeleton_is_clear(written):
+    with pytest.raises(ExportError, match="does not match the module"):
+        load(written, skeleton=nn.Sequential(nn.Linear(3, 3)))
+    with pytest.raises(ExportError, match="names no architecture"):
+        load(written)
+
+
+EMBEDDED = ["lite0-fmnist", "resnet18-fmnist", "minilm-sentiment"]
+
+
+@pytest.mark.parametrize("name", EMBEDDED)
+def test_export_embedded_models_round_trip(tmp_path, name, one_thread):
+    """Every layer type of the embedded architectures (depthwise convs, BERT linears) packs and
+    loads back to identical logits (RTN per-group at 3 bits: a mix of widths)."""
+    from bayesq.baselines.rtn import rtn_quantize
+    from bayesq.config import DataConfig
+    from bayesq.models.zoo import get_entry
+
+    entry = get_entry(name)
+    torch.manual_seed(0)
+    model = entry.build(pretrained=False).eval()
+    q = QuantConfig()
+    res = rtn_quantize(model, Granularity.GROUP, 3.0, q)
+    path = tmp_path / f"{name}.safetensors"
+    info = save_export(path, res.model, res.weights, q, res.allocation.total_bits, architecture=name)
+    assert info.payload_bits - res.allocation.total_bits < 8 * 3 * len(res.weights)
+    loaded = load(path)  # rebuilt from the architecture named in the file
+    if entry.task == "image":
+        x = [torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(2))]
+    else:
+        x = entry.batches(["a fine film", "dull and long"], 2, DataConfig())
+    from bayesq.evaluation import predict
+
+    assert torch.equal(predict(loaded, x), predict(res.model, x))
+    assert math.isclose(info.payload_avg_bits, res.average_bits, rel_tol=1e-3)

@@ -1,0 +1,162 @@
+"""Kernels vs the PyTorch reference (Triton under TRITON_INTERPRET=1 on CPU, set in conftest)
+and the reference vs ``QuantizedWeight.dequantize``: exact unpacking, fp32 matmul within
+tolerance, across bit-widths, group sizes, layouts and odd shapes."""
+
+import pytest
+import torch
+
+from bayesq.kernels import dequant_linear, dequantize, pack_weight
+from bayesq.kernels import reference
+from bayesq.kernels.launcher import GEMV_MAX_ROWS
+from tests.nets import random_quantized
+
+CASES = [  # shape, group size, unit groups, bit choices, row-aligned, LUT widths
+    ((16, 64), 64, 1, (4,), False, ()),
+    ((24, 96), 32, 2, (3,), False, ()),
+    ((37, 50), 16, 3, (2, 3, 4, 8), False, ()),  # groups straddle rows, mixed widths
+    ((5, 300), 128, 1, (2, 8), False, ()),
+    ((33, 70), 32, 3, (2, 3, 4, 8), True, ()),  # row-aligned: last group of each row is short
+    ((20, 40), 16, 1, (2, 3, 4, 8), False, (2, 3, 4)),  # LUT groups mixed with uniform 8-bit ones
+    ((9, 27), 8, 2, (3, 4), True, (3, 4)),
+]
+IDS = ["4bit", "3bit", "mixed-straddle", "2-8bit-tall", "row-aligned", "lut-mixed", "lut-row-aligned"]
+
+
+def _codes_matrix(qw):
+    """(N, K) codes of a QuantizedWeight through the layer layout (independent of the packer)."""
+    return qw.blocks.from_groups(qw.codes).reshape(qw.blocks.shape[0], -1)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_unpack_codes_vs_layout(case):
+    shape, gs, ug, bits, aligned, lut = case
+    qw = random_quantized(shape, gs, ug, bits, aligned, lut, seed=1)
+    pw = pack_weight(qw)
+    assert torch.equal(reference.unpack_codes(pw), _codes_matrix(qw))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_reference_dequantize_vs_quantized_weight(case):
+    shape, gs, ug, bits, aligned, lut = case
+    qw = random_quantized(shape, gs, ug, bits, aligned, lut, seed=2)
+    w = reference.dequantize(pack_weight(qw))
+    assert w.dtype == torch.float32
+    assert torch.equal(w, qw.dequantize().reshape(shape[0], -1).float())  # bit for bit
+
+
+def test_pack_weight_stream_is_dense():
+    """3-bit codes take 3 bits each: 24 x 96 weights -> 864 bytes of code words (+1 slack word)."""
+    pw = pack_weight(random_quantized((24, 96), 32, 1, (3,)))
+    assert pw.words.numel() == 24 * 96 * 3 // 32 + 1
+
+
+def test_pack_weight_uniform_fast_path_only_for_full_single_width_groups():
+    assert pack_weight(random_quantized((16, 64), 64, 1, (4,))).uniform_bits == 4
+    assert pack_weight(random_quantized((24, 96), 32, 1, (3,))).uniform_bits == 3
+    assert pack_weight(random_quantized((5, 300), 128, 1, (4,))).uniform_bits == 0  # short last group
+    assert pack_weight(random_quantized((37, 64), 16, 1, (2, 8))).uniform_bits == 0  # mixed widths
+
+
+def test_quant_linear_half_keeps_packed_types():
+    """``.half()`` casts the bias, not the fp16 scales / fp32 tables the kernels decode with."""
+    from bayesq.qlayers import QuantLinear
+
+    qw = random_quantized((20, 40), 16, 1, (2, 3, 4, 8), lut_bits=(3,), seed=13)
+    layer = QuantLinear(pack_weight(qw), torch.randn(20)).half()
+    assert layer.lut.dtype == torch.float32 and layer.scale.dtype == torch.float16 and layer.bias.dtype == torch.float16
+    x = torch.randn(3, 40)
+    torch.testing.assert_close(layer(x.half()).float(), x.half().float() @ qw.dequantize().float().T + layer.bias.float(),
+                               rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_triton_dequant_vs_reference(case):
+    shape, gs, ug, bits, aligned, lut = case
+    pw = pack_weight(random_quantized(shape, gs, ug, bits, aligned, lut, seed=3))
+    assert torch.equal(dequantize(pw, torch.float32, "triton"), reference.dequantize(pw))
+
+
+@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_triton_gemv_vs_reference(case, rows):
+    shape, gs, ug, bits, aligned, lut = case
+    pw = pack_weight(random_quantized(shape, gs, ug, bits, aligned, lut, seed=4))
+    g = torch.Generator().manual_seed(5)
+    x, bias = torch.randn(rows, shape[1], generator=g), torch.randn(shape[0], generator=g)
+    y = dequant_linear(x, pw, bias, "triton")
+    ref = x.double() @ reference.dequantize(pw).double().T + bias.double()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_triton_gemm_vs_reference(case):
+    shape, gs, ug, bits, aligned, lut = case
+    pw = pack_weight(random_quantized(shape, gs, ug, bits, aligned, lut, seed=6))
+    x = torch.randn(2, 19, shape[1], generator=torch.Generator().manual_seed(7))  # 38 rows: GEMM, ragged tile
+    y = dequant_linear(x, pw, None, "triton")
+    assert y.shape == (2, 19, shape[0])
+    ref = x.double() @ reference.dequantize(pw).double().T
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_column_scale_vs_reference():
+    """AWQ's single-row column scale: the kernel divides the input, the reference the weight."""
+    from dataclasses import replace
+
+    qw = random_quantized((12, 40), 16, 1, (3, 4), seed=8)
+    s = torch.rand(1, 40, generator=torch.Generator().manual_seed(9), dtype=torch.float64).add(0.5).half().double()
+    pw = pack_weight(replace(qw, col_scale=s))
+    assert pw.mode == "affine" and pw.col_scale is not None
+    assert torch.equal(reference.dequantize(pw), replace(qw, col_scale=s).dequantize().float())
+    x = torch.randn(20, 40, generator=torch.Generator().manual_seed(10))
+    ref = x.double() @ reference.dequantize(pw).double().T
+    for rows in (x[:2], x):
+        torch.testing.assert_close(dequant_linear(rows, pw, None, "triton").double(), ref[: len(rows)],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_launcher_auto_on_cpu_is_reference():
+    pw = pack_weight(random_quantized((8, 32), 16, 1, (4,)))
+    x = torch.randn(3, 32)
+    assert torch.equal(dequant_linear(x, pw), reference.linear(x, pw))
+
+
+def test_launcher_rejects_bad_inputs(monkeypatch):
+    pw = pack_weight(random_quantized((8, 32), 16, 1, (4,)))
+    with pytest.raises(ValueError, match="31 features, the weight expects 32"):
+        dequant_linear(torch.randn(2, 31), pw)
+    with pytest.raises(TypeError, match="floating point"):
+        dequant_linear(torch.ones(2, 32, dtype=torch.int64), pw)
+    with pytest.raises(ValueError, match=r"bias must be \(8,\)"):
+        dequant_linear(torch.randn(2, 32), pw, torch.randn(7))
+    with pytest.raises(ValueError, match="backend must be auto, triton or torch"):
+        dequant_linear(torch.randn(2, 32), pw, backend="cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        dequant_linear(torch.randn(2, 32), pw, backend="triton")
+
+
+def test_launcher_dense_weight_needs_torch_backend():
+    from dataclasses import replace
+
+    qw = random_quantized((8, 32), 16, 1, (4,))
+    pw = pack_weight(replace(qw, col_scale=torch.ones(2, 32, dtype=torch.float64)))  # two row groups
+    assert pw.mode == "dense"
+    with pytest.raises(ValueError, match="backend='torch'"):
+        dequant_linear(torch.randn(2, 32), pw, backend="triton")
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(dequant_linear(x, pw), x @ qw.dequantize().float().T)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_cuda_kernels_vs_reference(case):
+    shape, gs, ug, bits, aligned, lut = case
+    pw = pack_weight(random_quantized(shape, gs, ug, bits, aligned, lut, seed=11))
+    ref = reference.dequantize(pw)
+    gpu = pw.to("cuda")
+    assert torch.equal(dequantize(gpu, torch.float32).cpu(), ref)
+    for rows in (1, 40):
+        x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(12))
+        y = dequant_linear(x.cuda().half(), gpu).float().cpu()
+        torch.testing.assert_close(y, x.half().float() @ ref.T, rtol=2e-2, atol=2e-2)
