@@ -10,7 +10,7 @@ of shapes 4096x4096, 8192x8192, 768x3072 and 3072x768 at batch 1, 4 and 16: the 
 median time, the bytes it must move (code words + per-group goff/gbits/scale/zero + x + y), its
 GB/s and % of the measured peak, its speedup over ``F.linear`` with the FP16 weight (same run),
 the weight-only limits 16 / (b + (16 + b) / 64) (fp16 scale + b-bit zero per group, the file
-format) and 16 / (b + 160 / 64) (the 20 bytes per group of the in-memory layout), and the max
+format) and 16 / (b + 24 / 64) (fp16 scale + uint8 zero per group, as the kernels read them), and the max
 abs error against the float32 reference; (3) median and IQR of the latency (batch 1) and
 throughput (batch 64 images / 32 sentences) of each exported model
 ``<exports>/<model>_<method>_b<budget>_s<seed>.safetensors`` vs its FP16 fine-tuned model.
@@ -38,7 +38,7 @@ SHAPES = ((4096, 4096), (8192, 8192), (768, 3072), (3072, 768))
 QUICK_SHAPES = ((4096, 4096), (768, 3072))
 BITS, QUICK_BITS, BATCHES = (2, 3, 4, 8), (3, 4), (1, 4, 16)
 GROUP = 64
-META_BYTES = 8 + 4 + 4 + 4  # goff int64, gbits int32, scale fp32, zero fp32 per group
+UNIFORM_META_BYTES = 2 + 1  # per group read by the kernels at one bit-width: fp16 scale, uint8 zero
 COLUMNS = (("us", ".1f"), ("fp16_us", ".1f"), ("gbs", ".0f"), ("pct_peak", ".1f"), ("fp16_gbs", ".0f"),
            ("speedup", ".2f"), ("limit_file", ".2f"), ("limit_mem", ".2f"), ("max_abs_err", ".2e"))
 DATASHEET_TBS = (("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100 SXM", 3.35), ("H100 80GB HBM3", 3.35))
@@ -62,13 +62,15 @@ def random_packed(n: int, k: int, bits: int, seed: int):
 
 
 def moved_bytes(pw, m: int) -> int:
-    """Bytes a dequantising matmul must move: code words, group metadata, fp16 x (M, K) and y (M, N)."""
-    return pw.words.numel() * 4 + pw.goff.numel() * META_BYTES + 2 * m * (pw.k + pw.n)
+    """Bytes a dequantising matmul must move: code words, the per-group data the kernel reads
+    (scale, zero; goff / gbits only for mixed widths; LUTs), fp16 x (M, K) and y (M, N)."""
+    meta = [pw.scale, pw.zero, pw.lut, pw.lutoff] + ([] if pw.uniform_bits else [pw.goff, pw.gbits])
+    return pw.words.numel() * 4 + sum(t.numel() * t.element_size() for t in meta) + 2 * m * (pw.k + pw.n)
 
 
 def limits(bits: int) -> tuple[float, float]:
     """Weight-only GEMV speedup bounds over FP16: file format (fp16 scale + b-bit zero per 64) and in-memory."""
-    return 16 / (bits + (16 + bits) / GROUP), 16 / (bits + 8 * META_BYTES / GROUP)
+    return 16 / (bits + (16 + bits) / GROUP), 16 / (bits + 8 * UNIFORM_META_BYTES / GROUP)
 
 
 def show(title: str, head: list[str], rows: list[list]) -> None:
@@ -176,17 +178,8 @@ def inputs_for(entry, batch: int, seed: int) -> tuple[object, str]:
 
 
 def to_half(model):
-    """Model on CUDA in float16, except the packed buffers of quantised layers (their biases are cast)."""
-    from bayesq.qlayers import QuantConv2d, QuantLinear
-
-    model = model.cuda()
-    for mod in model.modules():
-        if isinstance(mod, (QuantLinear, QuantConv2d)):
-            if mod.bias is not None:
-                mod.bias.data = mod.bias.data.half()
-        else:
-            mod._apply(lambda t: t.half() if t.is_floating_point() else t, recurse=False)
-    return model.eval()
+    """Model on CUDA in float16 (quantised layers keep their packed buffers' types: see qlayers)."""
+    return model.cuda().half().eval()
 
 
 def on_cuda(batch):

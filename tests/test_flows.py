@@ -144,6 +144,8 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     assert "mCE" in cal_md and "## Distillation" in cal_md and "BayesQ + distillation" in cal_md
     assert (reports / "reliability_tiny-cnn.png").stat().st_size > 0
     assert (reports / "layer_bits_tiny-cnn.png").stat().st_size > 0
+    exports_md = (reports / "exports.md").read_text()
+    assert "## tiny-cnn" in exports_md and exports_md.count("| BayesQ |") == 2  # both budgets
     metrics = read_json(reports / "metrics.json")
     assert set(metrics["tiny-cnn"]) >= {"fp_accuracy", "bayesq@3.0", "rtn-tensor@4.0"}
 

@@ -1,0 +1,168 @@
+"""The ``bayesq`` command line (Typer): the pipeline, one model without DVC, reports, the UIs,
+and what an export says about where it came from.
+
+    bayesq run [--profile quick|full]
+    bayesq quantize MODEL --budget 3.0 --out FILE
+    bayesq report
+    bayesq ui
+    bayesq lineage FILE
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from flows import ROOT
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="BayesQ: posterior-guided post-training quantisation (pipeline, models, reports).")
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(1)
+
+
+@app.command()
+def run(profile: str = typer.Option("quick", help="params.yaml profile: quick (one seed) or full (three)")) -> None:
+    """Run the whole pipeline (fetch data, then `dvc repro`: finetune -> quantize -> report)."""
+    if profile not in ("quick", "full"):
+        _fail(f"--profile must be quick or full, got {profile!r}")
+    steps = [[sys.executable, "-m", "flows.fetch", "--out", "data/raw"],
+             ["dvc", "repro", "report"] if profile == "quick" else
+             ["dvc", "exp", "run", "-S", f"profile={profile}", "report"]]
+    for cmd in steps:
+        typer.echo("$ " + " ".join(cmd))
+        code = subprocess.call(cmd, cwd=ROOT)
+        if code:
+            raise typer.Exit(code)
+
+
+@app.command()
+def quantize(
+    model: str = typer.Argument(..., help="zoo model name, e.g. lite0-fmnist"),
+    budget: float = typer.Option(3.0, help="average bits per quantised weight, all metadata counted"),
+    out: Path = typer.Option(..., help="export file to write (.safetensors)"),
+    params: Path = typer.Option(ROOT / "params.yaml", help="settings (posterior, quant, allocation, distill)"),
+    models: Path = typer.Option(ROOT / "models", help="folder of fine-tuned models (<name>/model.safetensors)"),
+    raw: Path = typer.Option(ROOT / "data" / "raw", help="raw data folder (calibration inputs)"),
+    seed: Optional[int] = typer.Option(None, help="calibration seed (default: the first of params.yaml)"),
+    distill: bool = typer.Option(True, help="distil scales at budgets up to distill.max_budget"),
+) -> None:
+    """Quantise one model with BayesQ and write its export, without DVC or Prefect."""
+    from bayesq.config import BayesQConfig, replace
+    from bayesq.export import save_export
+    from bayesq.models.zoo import get_entry
+    from bayesq.quantize import quantize_model
+    from flows.common import digest, read_params
+    from flows.finetune import load_model, raw_path
+    from flows.prepare import calibration_batches
+
+    try:
+        p = read_params(params)
+        entry = get_entry(model)
+    except (ValueError, KeyError, FileNotFoundError) as err:
+        _fail(str(err))
+    model_file = models / model / "model.safetensors"
+    if not model_file.is_file():
+        _fail(f"no fine-tuned model at {model_file}: run `bayesq run` first, or pass --models")
+    seed = p.seeds[0] if seed is None else seed
+    net = load_model(entry, model_file)
+    splits = entry.load_splits(p.data, raw_path(entry, raw))
+    idx, batches = calibration_batches(entry, splits, p.data, p.calibration, seed)
+    d = p.distill if distill else replace(p.distill, max_budget=0.0)
+    cfg = BayesQConfig(budget=budget, posterior=p.posterior, quant=p.quant, allocation=p.allocation, distill=d,
+                       seed=seed)
+    start = time.perf_counter()
+    try:
+        res = quantize_model(net, batches, cfg)
+    except ValueError as err:
+        _fail(str(err))
+    meta = {"model": model, "method": "bayesq-distill" if d.applies(budget) else "bayesq", "budget": str(budget),
+            "seed": str(seed), "model_sha256": digest(model_file), "params": str(params),
+            "calibration_indices": ",".join(map(str, idx.tolist()))}
+    info = save_export(out, res.model, res.weights, p.quant, res.allocation.total_bits, architecture=model,
+                       metadata=meta)
+    typer.echo(f"{model} at {budget} bits: {res.average_bits:.4f} bits/weight accounted, "
+               f"{info.payload_avg_bits:.4f} in the file; {info.file_bytes / 1e6:.2f} MB "
+               f"({info.fp_bytes / 1e6:.2f} MB float tensors) -> {out} ({time.perf_counter() - start:.0f} s)")
+
+
+@app.command()
+def report(results: Path = typer.Option(ROOT / "results" / "results.json", help="the quantize stage's results"),
+           models: Path = typer.Option(ROOT / "models", help="fine-tuned models (their fp.json)"),
+           out: Path = typer.Option(ROOT / "reports", help="folder for the tables and figures")) -> None:
+    """Write the reports (main table, exports, calibration / robustness, figures) from results."""
+    from flows.report import report as write_report
+
+    if not results.is_file():
+        _fail(f"no results at {results}: run `bayesq run` first")
+    write_report(results, models, out)
+    typer.echo(f"reports written to {out}")
+
+
+@app.command()
+def lineage(file: Path = typer.Argument(..., help="an export (.safetensors)")) -> None:
+    """Print what produced an export: model, method, budget, seed, code and input hashes."""
+    from bayesq.export import ExportError, read_export
+
+    try:
+        c = read_export(file)
+    except (ExportError, FileNotFoundError) as err:
+        _fail(str(err))
+    rows = {"format": f"{c.metadata['format']} v{c.metadata['format_version']}",
+            "content sha256": c.metadata["content_sha256"], "architecture": c.architecture or "-",
+            "accounted bits": c.metadata.get("accounted_bits", "-"), **c.user}
+    indices = rows.pop("calibration_indices", None)
+    if indices:
+        ids = indices.split(",")
+        rows["calibration indices"] = f"{len(ids)} inputs: {', '.join(ids[:8])}{', ...' if len(ids) > 8 else ''}"
+    width = max(map(len, rows))
+    for k, v in rows.items():
+        typer.echo(f"{k.ljust(width)}  {v}")
+
+
+def _serve(cmds: dict[str, list[str]]) -> None:
+    """Start the servers, wait until Ctrl-C or one of them exits, then stop all of them."""
+    procs = {name: subprocess.Popen(cmd, cwd=ROOT) for name, cmd in cmds.items()}
+    try:
+        while all(p.poll() is None for p in procs.values()):
+            time.sleep(0.5)
+        gone = [n for n, p in procs.items() if p.poll() is not None]
+        typer.secho(f"{', '.join(gone)} exited; stopping the others", fg=typer.colors.YELLOW, err=True)
+    except KeyboardInterrupt:
+        typer.echo("stopping")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@app.command()
+def ui(mlflow_port: int = typer.Option(5000, help="MLflow UI port on 127.0.0.1"),
+       prefect_port: int = typer.Option(4200, help="Prefect UI port on 127.0.0.1")) -> None:
+    """MLflow UI and Prefect UI on loopback; Ctrl-C stops both."""
+    import os
+
+    bin_dir = Path(sys.executable).parent
+    cmds = {"mlflow": [str(bin_dir / "mlflow"), "ui", "--backend-store-uri", os.environ["MLFLOW_TRACKING_URI"],
+                       "--host", "127.0.0.1", "--port", str(mlflow_port)],
+            "prefect": [str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1",
+                        "--port", str(prefect_port)]}
+    typer.echo(f"MLflow  http://127.0.0.1:{mlflow_port}\nPrefect http://127.0.0.1:{prefect_port}\nCtrl-C stops both")
+    _serve(cmds)
+
+
+if __name__ == "__main__":
+    app()

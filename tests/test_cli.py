@@ -1,0 +1,76 @@
+"""The ``bayesq`` command line: help on every command, one model quantised and exported without
+DVC, its lineage printed back, clear errors."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from bayesq.models.zoo import register, unregister
+from flows.cli import app
+from tests.test_flows import TinyEntry, _params
+
+runner = CliRunner()
+COMMANDS = ["run", "quantize", "report", "lineage", "ui"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_cli_help_on_every_command(command):
+    res = runner.invoke(app, [command, "--help"])
+    assert res.exit_code == 0 and "Usage" in res.output
+
+
+def test_cli_help_lists_commands():
+    res = runner.invoke(app, ["--help"])
+    assert res.exit_code == 0 and all(c in res.output for c in COMMANDS)
+
+
+@pytest.fixture
+def tiny_models(tmp_path):
+    from safetensors.torch import save_model
+
+    register(TinyEntry(), replace=True)
+    folder = tmp_path / "models" / "tiny-cnn"
+    folder.mkdir(parents=True)
+    torch.manual_seed(0)
+    save_model(TinyEntry().build(), str(folder / "model.safetensors"))
+    yield tmp_path
+    unregister("tiny-cnn")
+
+
+def test_cli_quantize_writes_export_and_lineage_reads_it(tiny_models, one_thread):
+    from bayesq.export import load
+
+    params, out = _params(tiny_models), tiny_models / "tiny.safetensors"
+    res = runner.invoke(app, ["quantize", "tiny-cnn", "--budget", "4.0", "--out", str(out), "--params", str(params),
+                              "--models", str(tiny_models / "models"), "--raw", str(tiny_models)])
+    assert res.exit_code == 0, res.output
+    assert "bits/weight accounted" in res.output and out.is_file()
+    model = load(out)
+    assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 4)
+    res = runner.invoke(app, ["lineage", str(out)])
+    assert res.exit_code == 0, res.output
+    for key in ("model", "tiny-cnn", "bayesq", "budget", "4.0", "seed", "17", "model_sha256", "calibration indices",
+                "64 inputs"):
+        assert key in res.output
+
+
+def test_cli_quantize_errors_are_clear(tiny_models):
+    params = _params(tiny_models)
+    common = ["--params", str(params), "--raw", str(tiny_models), "--out", str(tiny_models / "x.safetensors")]
+    res = runner.invoke(app, ["quantize", "tiny-cnn", "--models", str(tiny_models / "none"), *common])
+    assert res.exit_code == 1 and "no fine-tuned model" in res.output and "bayesq run" in res.output
+    res = runner.invoke(app, ["quantize", "no-such-model", *common])
+    assert res.exit_code == 1 and "no-such-model" in res.output
+    res = runner.invoke(app, ["quantize", "tiny-cnn", "--budget", "1.0", "--models", str(tiny_models / "models"),
+                              *common])
+    assert res.exit_code == 1 and "infeasible" in res.output
+    assert not (tiny_models / "x.safetensors").exists()
+
+
+def test_cli_lineage_and_report_errors_are_clear(tmp_path):
+    res = runner.invoke(app, ["lineage", str(tmp_path / "absent.safetensors")])
+    assert res.exit_code == 1 and "no export at" in res.output
+    res = runner.invoke(app, ["report", "--results", str(tmp_path / "results.json")])
+    assert res.exit_code == 1 and "bayesq run" in res.output
+    res = runner.invoke(app, ["run", "--profile", "huge"])
+    assert res.exit_code == 1 and "quick or full" in res.output
