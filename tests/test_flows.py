@@ -199,3 +199,19 @@ def test_ablation_flow_rows_failures_and_report(tmp_path, prefect_harness, tiny_
     for text in ("| **codebook** |", "Lloyd LUT", "failed¹", "at least 16 bits", "Diminishing returns",
                  "Per-layer bit allocation", "`quant.codebook=lloyd`"):
         assert text in md, text
+
+
+class TinyEntryB(TinyEntry):
+    """A second tiny zoo model (same data, another name and initialisation)."""
+
+    name = "tiny-cnn-b"
+
+    def build(self, pretrained: bool = True) -> nn.Module:
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 4))
+
+
+def register_tiny() -> None:
+    """Zoo-file loader of the tiny models (Dask workers run it in their own processes)."""
+    register(TinyEntry(), replace=True)
+    register(TinyEntryB(), replace=True)
