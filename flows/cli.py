@@ -6,6 +6,8 @@ and what an export says about where it came from.
     bayesq report
     bayesq ui
     bayesq lineage FILE
+    bayesq zoo run --zoo zoo.yaml [--dask local]
+    bayesq zoo serve --zoo zoo.yaml --cron "0 3 * * 0"
 """
 
 from __future__ import annotations
@@ -126,6 +128,62 @@ def lineage(file: Path = typer.Argument(..., help="an export (.safetensors)")) -
     width = max(map(len, rows))
     for k, v in rows.items():
         typer.echo(f"{k.ljust(width)}  {v}")
+
+
+zoo_app = typer.Typer(no_args_is_help=True, help="Recompress a model zoo (once, or served on a schedule).")
+app.add_typer(zoo_app, name="zoo")
+
+
+def zoo_deployment(zoo: Path, cron: str, params: Path, raw: Path, models: Path, out: Path, dask: Optional[str]):
+    """A Prefect deployment of the zoo flow on ``cron`` (validated), with absolute paths."""
+    from prefect.client.schemas.schedules import CronSchedule
+
+    from flows.zoo import make_zoo_flow, read_zoo
+
+    read_zoo(zoo)  # fail now, not at 3 a.m.
+    try:
+        schedule = CronSchedule(cron=cron)
+    except ValueError as err:
+        raise ValueError(f"--cron {cron!r} is not a cron expression (e.g. '0 3 * * 0': Sundays 03:00): {err}") from None
+    parameters = {"zoo": str(zoo.resolve()), "params_path": str(params.resolve()), "raw": str(raw.resolve()),
+                  "models": str(models.resolve()), "out": str(out.resolve())}
+    return make_zoo_flow(dask).to_deployment(name="bayesq-zoo", schedule=schedule, parameters=parameters)
+
+
+@zoo_app.command("run")
+def zoo_run(zoo: Path = typer.Option(..., help="zoo file (YAML list of models)"),
+            params: Path = typer.Option(ROOT / "params.yaml"), raw: Path = typer.Option(ROOT / "data" / "raw"),
+            models: Path = typer.Option(ROOT / "models"), out: Path = typer.Option(ROOT / "results-zoo"),
+            dask: Optional[str] = typer.Option(None, help="'local' (2-worker LocalCluster) or a scheduler address"),
+            workers: int = typer.Option(2, help="workers of the local Dask cluster")) -> None:
+    """Recompress every model of the zoo file at its budgets, once."""
+    from flows.zoo import make_zoo_flow, read_zoo
+
+    try:
+        read_zoo(zoo)
+    except (ValueError, FileNotFoundError) as err:
+        _fail(str(err))
+    res = make_zoo_flow(dask, workers)(zoo, params, raw, models, out)
+    typer.echo(f"{len(res['records'])} model-budget rows, {len(res['failures'])} failed model(s) -> {out}")
+    if res["failures"]:
+        raise typer.Exit(1)
+
+
+@zoo_app.command("serve")
+def zoo_serve(zoo: Path = typer.Option(..., help="zoo file (YAML list of models)"),
+              cron: str = typer.Option("0 3 * * 0", help="schedule (cron; default Sundays 03:00)"),
+              params: Path = typer.Option(ROOT / "params.yaml"), raw: Path = typer.Option(ROOT / "data" / "raw"),
+              models: Path = typer.Option(ROOT / "models"), out: Path = typer.Option(ROOT / "results-zoo"),
+              dask: Optional[str] = typer.Option(None, help="'local' or a Dask scheduler address")) -> None:
+    """Serve the zoo flow as a Prefect deployment on a cron schedule (runs until Ctrl-C)."""
+    from prefect import serve
+
+    try:
+        deployment = zoo_deployment(zoo, cron, params, raw, models, out, dask)
+    except (ValueError, FileNotFoundError) as err:
+        _fail(str(err))
+    typer.echo(f"serving 'bayesq-zoo' on '{cron}'; Ctrl-C stops")
+    serve(deployment)
 
 
 def _serve(cmds: dict[str, list[str]]) -> None:

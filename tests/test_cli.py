@@ -74,3 +74,23 @@ def test_cli_lineage_and_report_errors_are_clear(tmp_path):
     assert res.exit_code == 1 and "bayesq run" in res.output
     res = runner.invoke(app, ["run", "--profile", "huge"])
     assert res.exit_code == 1 and "quick or full" in res.output
+
+
+def test_cli_zoo_help():
+    for args in (["zoo", "--help"], ["zoo", "run", "--help"], ["zoo", "serve", "--help"]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 0 and "Usage" in res.output
+
+
+def test_zoo_deployment_schedule_and_errors(tmp_path):
+    from flows.cli import zoo_deployment
+
+    zoo = tmp_path / "zoo.yaml"
+    zoo.write_text("models:\n  - name: lite0-fmnist\n    budgets: [3.0]\n")
+    dep = zoo_deployment(zoo, "0 3 * * 0", tmp_path / "p.yaml", tmp_path, tmp_path, tmp_path / "out", None)
+    assert dep.name == "bayesq-zoo" and dep.schedules[0].schedule.cron == "0 3 * * 0"
+    assert dep.parameters["zoo"] == str(zoo.resolve())
+    with pytest.raises(ValueError, match="not a cron expression"):
+        zoo_deployment(zoo, "every sunday", tmp_path / "p.yaml", tmp_path, tmp_path, tmp_path / "out", None)
+    res = runner.invoke(app, ["zoo", "serve", "--zoo", str(tmp_path / "absent.yaml")])
+    assert res.exit_code == 1 and "absent.yaml" in res.output
