@@ -215,3 +215,16 @@ def register_tiny() -> None:
     """Zoo-file loader of the tiny models (Dask workers run it in their own processes)."""
     register(TinyEntry(), replace=True)
     register(TinyEntryB(), replace=True)
+
+
+def register_tiny_stalling() -> None:
+    """Like :func:`register_tiny`, then, if ``BAYESQ_TEST_STALL`` names a file, create it and
+    stall (a model still running when the test kills the flow)."""
+    import os
+    import time
+
+    register_tiny()
+    marker = os.environ.get("BAYESQ_TEST_STALL")
+    if marker:
+        Path(marker).touch()
+        time.sleep(600)

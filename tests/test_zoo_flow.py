@@ -96,3 +96,42 @@ def test_zoo_flow_dask_two_workers_matches_serial(zoo_setup, prefect_harness):
         a, b = read_export(s["export"]["path"]), read_export(d["export"]["path"])
         assert a.metadata["content_sha256"] == b.metadata["content_sha256"]
         assert d["export"]["file_bytes"] == s["export"]["file_bytes"]
+
+
+def test_zoo_flow_killed_and_restarted_redoes_no_finished_task(zoo_setup):
+    """Kill the flow process while one model stalls; the restart reuses the finished model's
+    tasks (its export is not rewritten) and completes the other."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    tmp = zoo_setup
+    zoo = _zoo(tmp, [{"name": "tiny-cnn", "loader": LOADER, "budgets": [4.0]},
+                     {"name": "tiny-cnn-b", "loader": "tests.test_flows:register_tiny_stalling", "budgets": [4.0]}])
+    cmd = [sys.executable, "-m", "flows.zoo", "--zoo", str(zoo), "--params", str(_params(tmp)), "--raw", str(tmp),
+           "--models", str(tmp / "models"), "--out", str(tmp / "zoo")]
+    marker, export = tmp / "stalled", tmp / "zoo" / "exports" / "tiny-cnn_bayesq-distill_b4.0_s17.safetensors"
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "BAYESQ_TEST_STALL": str(marker)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (marker.exists() and export.exists()) and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert marker.exists() and export.exists(), "the first run did not reach the stalled model"
+        time.sleep(2)  # let the finished task's result be persisted
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (tmp / "zoo" / "zoo_results.json").exists()  # killed before the end
+    written = export.stat().st_mtime_ns
+    done = subprocess.run(cmd, cwd=root, env={k: v for k, v in os.environ.items() if k != "BAYESQ_TEST_STALL"},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert export.stat().st_mtime_ns == written  # the finished model was a cache hit
+    import json
+
+    result = json.loads((tmp / "zoo" / "zoo_results.json").read_text())
+    assert not result["failures"] and {r["model"] for r in result["records"]} == {"tiny-cnn", "tiny-cnn-b"}
