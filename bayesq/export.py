@@ -42,6 +42,7 @@ from bayesq.config import Codebook, QuantConfig
 from bayesq.quantize import QuantizedWeight
 from bayesq.storage import header_bits
 from bayesq.vq import VQBook
+from bayesq.tensorfile import file_sha256, save_tensors
 
 FORMAT = "bayesq-packed"
 VERSION = 1
@@ -65,6 +66,8 @@ class ExportInfo:
         n_weights: quantised weights.
         fp_bytes: the non-quantised tensors (``fp/``).
         header_bytes: safetensors header (8-byte length + JSON).
+        content_sha256: hash of the tensors and layouts (:func:`content_hash`).
+        sha256: sha256 of the file's bytes (``sha256sum``).
     """
 
     path: str
@@ -74,6 +77,8 @@ class ExportInfo:
     n_weights: int
     fp_bytes: int
     header_bytes: int
+    content_sha256: str
+    sha256: str
 
     @property
     def payload_avg_bits(self) -> float:
@@ -160,7 +165,7 @@ def _group_fields(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return sizes, per_field
 
 
-def _real_codes(qw: QuantizedWeight, sizes: torch.Tensor) -> torch.Tensor:
+def real_codes(qw: QuantizedWeight, sizes: torch.Tensor) -> torch.Tensor:
     """The codes of the real (unpadded) fields, group by group: (sum sizes,) int64."""
     mask = torch.arange(qw.codes.shape[1])[None, :] < sizes[:, None]  # (G, width)
     return qw.codes[mask]
@@ -177,7 +182,7 @@ def layer_tensors(qw: QuantizedWeight, quant: QuantConfig) -> tuple[dict[str, to
     sizes, field_bits = _group_fields(qw)
     gsel = torch.arange(lb.n_groups)
     t: dict[str, torch.Tensor] = {}
-    t["codes"] = torch.from_numpy(pack_bits(_real_codes(qw, sizes), field_bits.repeat_interleave(sizes)))
+    t["codes"] = torch.from_numpy(pack_bits(real_codes(qw, sizes), field_bits.repeat_interleave(sizes)))
     unit_first = torch.arange(0, lb.n_groups, lb.unit_groups)
     unit_bits = qw.group_bits[unit_first]
     if bool((qw.group_bits != unit_bits.repeat_interleave(lb.unit_groups)[: lb.n_groups]).any()):
@@ -189,15 +194,17 @@ def layer_tensors(qw: QuantizedWeight, quant: QuantConfig) -> tuple[dict[str, to
     if hb:
         idx = torch.tensor([bit_set.index(int(b)) for b in unit_bits])
         t["header"] = torch.from_numpy(pack_bits(idx, hb))
-    kinds, zero, lut, mu = {}, [], [], None
+    kinds, lut, mu = {}, [], None
     scale_of = torch.zeros(lb.n_groups, dtype=torch.float64)
+    zero_of = torch.zeros(lb.n_groups, dtype=torch.int64)
     has_scale = torch.zeros(lb.n_groups, dtype=torch.bool)
+    has_zero = torch.zeros(lb.n_groups, dtype=torch.bool)
     for b, book in sorted(qw.books.items()):
         kind = kinds[b] = _kind(book, Codebook(quant.codebook))
         sel = gsel[qw.group_bits == b]
         if kind == "grid":
             scale_of[sel], has_scale[sel] = book.scale, True
-            zero.append((sel, book.zero.to(torch.int64)))
+            zero_of[sel], has_zero[sel] = book.zero.to(torch.int64), True
         elif kind == "mulaw":
             mu = quant.mulaw_mu
             absmax = _mulaw_scale(book, b, mu, quant.scale_bits, lb.name)
@@ -212,11 +219,8 @@ def layer_tensors(qw: QuantizedWeight, quant: QuantConfig) -> tuple[dict[str, to
             t["vq"] = _stored(book.codebook, quant.lut_bits)
     if has_scale.any():
         t["scale"] = _stored(scale_of[has_scale], quant.scale_bits)
-    if zero:
-        sel = torch.cat([s for s, _ in zero])
-        order = torch.argsort(sel)
-        z = torch.cat([v for _, v in zero])[order]
-        t["zero"] = torch.from_numpy(pack_bits(z, qw.group_bits[sel[order]]))
+    if has_zero.any():  # in group order, each at its group's width
+        t["zero"] = torch.from_numpy(pack_bits(zero_of[has_zero], qw.group_bits[has_zero]))
     if lut:  # tables in unit order
         t["lut"] = _stored(torch.cat([tab for _, tab in sorted(lut, key=lambda x: x[0])]), quant.lut_bits)
     if qw.col_scale is not None:
@@ -356,10 +360,9 @@ def save_export(
         architecture: a zoo model name :func:`load` can rebuild the module from.
         metadata: extra strings stored in the header (lineage, method, budget, ...).
 
-    The file is written to a temporary name and renamed, so a crash leaves no partial export.
+    The file is written to a temporary name and renamed, so a crash leaves no partial export, and
+    byte-deterministically (:mod:`bayesq.tensorfile`): the same weights and metadata give the same file.
     """
-    from safetensors.torch import save_file
-
     tensors, layouts, payload, streams = {}, {}, 0, 0
     for name, qw in weights.items():
         t, layouts[name] = layer_tensors(qw, quant)
@@ -381,14 +384,11 @@ def save_export(
     meta = {"format": FORMAT, "format_version": str(VERSION), "layers": layers_json,
             "architecture": architecture, "content_sha256": content_hash(tensors, layers_json),
             "accounted_bits": str(int(accounted_bits)), "user": json.dumps(dict(metadata or {}), sort_keys=True)}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
+    path = save_tensors(path, tensors, meta)
     size = path.stat().st_size
     n = sum(qw.blocks.numel for qw in weights.values())
-    return ExportInfo(str(path), size, 8 * payload, int(accounted_bits), n, fp_bytes, size - payload - fp_bytes)
+    return ExportInfo(str(path), size, 8 * payload, int(accounted_bits), n, fp_bytes, size - payload - fp_bytes,
+                      meta["content_sha256"], file_sha256(path))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from bayesq.kernels import PackedWeight, dequant_linear, dequantize, pack_weight
 from bayesq.kernels.launcher import resolve_backend
@@ -70,9 +69,8 @@ class QuantLinear(_Packed):
         return cls(pack_weight(qw), bias, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._reference(x.device):
-            return F.linear(x, self.weight_dense().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return dequant_linear(x, self.packed(), self.bias, self.backend)
+        cached = self.weight_dense() if self._reference(x.device) else None  # reference path: decode once
+        return dequant_linear(x, self.packed(), self.bias, self.backend, weight=cached)
 
     def extra_repr(self) -> str:
         return f"in_features={self.k}, out_features={self.n}, mode={self.packed().mode}"

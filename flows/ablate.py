@@ -45,7 +45,8 @@ def ablate_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list[d
     code = code_version()
     records, curves = [], {}
     names = params.ablations.models or params.models
-    with mlflow_parent("bayesq-ablations", f"ablate-{params.profile}", {"profile": params.profile}) as parent:
+    with mlflow_parent("bayesq-ablations", f"ablate-{params.profile}", {"profile": params.profile},
+                       params_path) as parent:
         for name in names:
             entry = get_entry(name)
             model_file = Path(models) / name / "model.safetensors"

@@ -62,8 +62,9 @@ def quantize(
     from bayesq.export import save_export
     from bayesq.models.zoo import get_entry
     from bayesq.quantize import quantize_model
-    from flows.common import digest, read_params
+    from flows.common import code_version, digest, read_params
     from flows.finetune import load_model, raw_path
+    from flows.lineage import export_lineage, input_lineage
     from flows.prepare import calibration_batches
 
     try:
@@ -86,9 +87,11 @@ def quantize(
         res = quantize_model(net, batches, cfg)
     except ValueError as err:
         _fail(str(err))
+    src = raw_path(entry, raw)
     meta = {"model": model, "method": "bayesq-distill" if d.applies(budget) else "bayesq", "budget": str(budget),
-            "seed": str(seed), "model_sha256": digest(model_file), "params": str(params),
-            "calibration_indices": ",".join(map(str, idx.tolist()))}
+            "seed": str(seed), "code_version": code_version(), "params_file": str(params), **export_lineage(p),
+            **input_lineage(str(model_file), str(src), digest(src), None, idx),
+            "posterior": f"fitted in this run, not saved ({p.posterior.curvature.value}; settings in params)"}
     info = save_export(out, res.model, res.weights, p.quant, res.allocation.total_bits, architecture=model,
                        metadata=meta)
     typer.echo(f"{model} at {budget} bits: {res.average_bits:.4f} bits/weight accounted, "
@@ -109,9 +112,37 @@ def report(results: Path = typer.Option(ROOT / "results" / "results.json", help=
     typer.echo(f"reports written to {out}")
 
 
+def _flat(prefix: str, obj) -> dict[str, str]:
+    if isinstance(obj, dict) and obj:
+        return {k: v for key, val in obj.items() for k, v in _flat(f"{prefix}.{key}", val).items()}
+    return {prefix: str(obj)}
+
+
+def _check(rows: dict[str, str]) -> list[str]:
+    """Re-hash the checkpoint and posterior the export names (paths relative to the repository
+    or the working directory); lines saying ok / MISMATCH / missing."""
+    from bayesq.tensorfile import file_sha256
+
+    out = []
+    for what, key in (("checkpoint", "checkpoint_sha256"), ("posterior", "posterior_sha256")):
+        if key not in rows:
+            continue
+        path = next((p for p in (ROOT / rows[what], Path(rows[what])) if p.is_file()), None)
+        if path is None:
+            out.append(f"{what} {rows[what]}: missing here (`dvc pull` fetches the pipeline's artifacts)")
+        else:
+            ok = file_sha256(path) == rows[key]
+            out.append(f"{what} {path}: {'ok' if ok else 'MISMATCH (the file changed since the export was written)'}")
+    return out
+
+
 @app.command()
-def lineage(file: Path = typer.Argument(..., help="an export (.safetensors)")) -> None:
-    """Print what produced an export: model, method, budget, seed, code and input hashes."""
+def lineage(file: Path = typer.Argument(..., help="an export (.safetensors)"),
+            check: bool = typer.Option(False, "--check", help="re-hash the checkpoint and posterior it names")) -> None:
+    """Print what produced an export: model, method, budget, seed, commit, params, checkpoint,
+    posterior and calibration inputs (with their hashes)."""
+    import json
+
     from bayesq.export import ExportError, read_export
 
     try:
@@ -122,12 +153,23 @@ def lineage(file: Path = typer.Argument(..., help="an export (.safetensors)")) -
             "content sha256": c.metadata["content_sha256"], "architecture": c.architecture or "-",
             "accounted bits": c.metadata.get("accounted_bits", "-"), **c.user}
     indices = rows.pop("calibration_indices", None)
-    if indices:
+    if indices and indices[0].isdigit():
         ids = indices.split(",")
-        rows["calibration indices"] = f"{len(ids)} inputs: {', '.join(ids[:8])}{', ...' if len(ids) > 8 else ''}"
+        rows["calibration_indices"] = f"{len(ids)} training inputs: {', '.join(ids[:8])}{', ...' if len(ids) > 8 else ''}"
+    elif indices:
+        rows["calibration_indices"] = indices
+    params = rows.pop("params", None)
+    if params:
+        rows.update(_flat("params", json.loads(params)))
     width = max(map(len, rows))
     for k, v in rows.items():
         typer.echo(f"{k.ljust(width)}  {v}")
+    if check:
+        problems = _check(rows)
+        for line in problems:
+            typer.echo(line)
+        if any("MISMATCH" in line for line in problems):
+            raise typer.Exit(1)
 
 
 zoo_app = typer.Typer(no_args_is_help=True, help="Recompress a model zoo (once, or served on a schedule).")
@@ -155,15 +197,19 @@ def zoo_run(zoo: Path = typer.Option(..., help="zoo file (YAML list of models)")
             params: Path = typer.Option(ROOT / "params.yaml"), raw: Path = typer.Option(ROOT / "data" / "raw"),
             models: Path = typer.Option(ROOT / "models"), out: Path = typer.Option(ROOT / "results-zoo"),
             dask: Optional[str] = typer.Option(None, help="'local' (2-worker LocalCluster) or a scheduler address"),
-            workers: int = typer.Option(2, help="workers of the local Dask cluster")) -> None:
+            workers: int = typer.Option(2, help="tasks at a time: threads (no --dask; 1 = serial) or the local "
+                                                "Dask cluster's worker processes")) -> None:
     """Recompress every model of the zoo file at its budgets, once."""
     from flows.zoo import make_zoo_flow, read_zoo
 
     try:
         read_zoo(zoo)
+        zoo_flow = make_zoo_flow(dask, workers)
     except (ValueError, FileNotFoundError) as err:
         _fail(str(err))
-    res = make_zoo_flow(dask, workers)(zoo, params, raw, models, out)
+    start = time.perf_counter()
+    res = zoo_flow(zoo, params, raw, models, out)
+    typer.echo(f"wall time {time.perf_counter() - start:.1f} s")
     typer.echo(f"{len(res['records'])} model-budget rows, {len(res['failures'])} failed model(s) -> {out}")
     if res["failures"]:
         raise typer.Exit(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import subprocess
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -16,7 +16,17 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 from bayesq.config import Params, load_params
 from flows import ROOT
 
-CACHE = INPUTS + TASK_SOURCE  # plus an explicit `code` input: TASK_SOURCE sees only the wrapper
+
+def locked(policy):
+    """``policy`` with serialisable isolation: the run computing a cache key holds a lock file on
+    it (:mod:`flows.locks`; stale when its process died), so a concurrent run sharing the result
+    store waits and then reads the result instead of computing it again or reading half of it."""
+    from flows.locks import locked as with_locks
+
+    return with_locks(policy, Path(os.environ.get("PREFECT_LOCAL_STORAGE_PATH", ROOT / ".prefect" / "results")) / "locks")
+
+
+CACHE = locked(INPUTS + TASK_SOURCE)  # plus an explicit `code` input: TASK_SOURCE sees only the wrapper
 
 
 def read_params(path: Path) -> Params:
@@ -55,17 +65,18 @@ def code_version(*paths: str, exclude: tuple[str, ...] = ()) -> str:
     return h.hexdigest()[:16]
 
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as sorted, indented JSON, atomically (temporary file + rename), so a concurrent
+    reader or writer never sees half a file."""
+    import tempfile
+
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".partial")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
 
 
 def read_json(path: Path) -> Any:
@@ -79,12 +90,31 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 
 @contextmanager
-def mlflow_parent(experiment: str, run_name: str, tags: dict[str, str]) -> Iterator[Any]:
-    """One parent MLflow run per flow invocation (tracking URI from MLFLOW_TRACKING_URI)."""
+def mlflow_store_lock() -> Iterator[None]:
+    """Inter-process lock on a SQLite MLflow store (``<db>.lock``; no-op for other stores): two
+    processes opening a new store at once both run its schema migration, and both may create the
+    same experiment."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    from filelock import FileLock
+
+    with FileLock(uri.removeprefix("sqlite:///") + ".lock", timeout=600):
+        yield
+
+
+@contextmanager
+def mlflow_parent(experiment: str, run_name: str, tags: dict[str, str], params_path: Path | None = None) -> Iterator[Any]:
+    """One parent MLflow run per flow invocation (tracking URI from MLFLOW_TRACKING_URI), tagged
+    with its lineage (:func:`flows.lineage.run_tags`: commit, params and ``dvc.lock`` hashes)."""
     import mlflow
 
-    mlflow.set_experiment(experiment)
-    with mlflow.start_run(run_name=run_name, tags={"git_commit": git_commit(), **tags}) as run:
+    from flows.lineage import run_tags
+
+    with mlflow_store_lock():  # creating the store's schema or the experiment races between processes
+        mlflow.set_experiment(experiment)
+    with mlflow.start_run(run_name=run_name, tags={**run_tags(params_path), **tags}) as run:
         yield run
 
 
@@ -96,7 +126,7 @@ def mlflow_child(parent_id: str, name: str, params: dict, metrics: dict, tags: d
     parent = client.get_run(parent_id)
     run = client.create_run(
         parent.info.experiment_id, run_name=name,
-        tags={"mlflow.parentRunId": parent_id, "git_commit": git_commit(), **tags},
+        tags={"mlflow.parentRunId": parent_id, "git_commit": parent.data.tags.get("git_commit", ""), **tags},
     )
     for k, v in params.items():
         client.log_param(run.info.run_id, k, v)

@@ -19,7 +19,8 @@ from flows.finetune import load_model
 
 # sources the preparation tasks do not run (a new file elsewhere is included by default)
 PREP_EXCLUDE = ("bayesq/export.py", "bayesq/qlayers.py", "bayesq/kernels", "flows/quantize.py", "flows/ablate.py",
-                "flows/report.py", "flows/robustness_report.py", "flows/cli.py", "flows/zoo.py")
+                "flows/report.py", "flows/robustness_report.py", "flows/cli.py", "flows/zoo.py", "flows/lineage.py",
+                "flows/locks.py")
 
 
 def prep_code() -> str:
@@ -27,13 +28,19 @@ def prep_code() -> str:
     return code_version(exclude=PREP_EXCLUDE)
 
 
-def calibration_batches(entry, splits, data, calibration, seed: int):
-    """Unlabelled calibration batches drawn from the training inputs with ``seed``."""
+def calibration_indices(entry, splits, calibration, seed: int):
+    """(n_cal,) int64 indices into the training split of the seed's calibration inputs."""
     from bayesq.data.calibration import sample_calibration_indices
-    from bayesq.models.zoo import _take
 
     n_cal = calibration.images if entry.task == "image" else calibration.sentences
-    idx = sample_calibration_indices(len(splits.train_labels), min(n_cal, len(splits.train_labels)), seed)
+    return sample_calibration_indices(len(splits.train_labels), min(n_cal, len(splits.train_labels)), seed)
+
+
+def calibration_batches(entry, splits, data, calibration, seed: int):
+    """Unlabelled calibration batches drawn from the training inputs with ``seed``: (indices, batches)."""
+    from bayesq.models.zoo import _take
+
+    idx = calibration_indices(entry, splits, calibration, seed)
     inputs = _take(splits.train_inputs, idx)
     return idx, entry.batches(inputs, calibration.batch_size, data)
 
@@ -44,10 +51,12 @@ def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_
     """Fit the posterior on the seed's calibration set; save it as safetensors.
 
     The file holds the variances, the error-feedback metrics of structured posteriors and the
-    calibration indices (which inputs were used).
+    calibration indices (which inputs were used); it is written byte-deterministically, so
+    ``sha256`` (returned) identifies the posterior across runs.
     """
     import torch
-    from safetensors.torch import save_file
+
+    from bayesq.tensorfile import file_sha256, save_tensors
 
     from bayesq.config import BayesQConfig
     from bayesq.models.zoo import get_entry
@@ -63,14 +72,13 @@ def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_
     post = fit_posterior(model, batches, BayesQConfig(posterior=posterior, seed=seed))
     seconds = time.perf_counter() - start
     path = Path(out) / f"{name}_s{seed}{'_' + tag if tag else ''}.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {f"variance/{k}": v.float().contiguous() for k, v in post.variance.items()}
     for k, f in (post.kfac or {}).items():  # damped K-FAC factors (float64: they get inverted)
         tensors[f"kfac_A/{k}"], tensors[f"kfac_G/{k}"] = f.A.contiguous(), f.G.contiguous()
     tensors["calibration_indices"] = idx.to(torch.int64)
-    save_file(tensors, str(path), metadata={"n_examples": str(post.n_examples), "seed": str(seed),
-                                            "n_data": str(post.n_data), "curvature": posterior.curvature.value})
-    return {"path": str(path), "seconds": seconds, "n_examples": post.n_examples}
+    save_tensors(path, tensors, {"n_examples": str(post.n_examples), "seed": str(seed), "n_data": str(post.n_data),
+                                 "curvature": posterior.curvature.value})
+    return {"path": str(path), "seconds": seconds, "n_examples": post.n_examples, "sha256": file_sha256(path)}
 
 
 def load_posterior(model, path: Path):
@@ -119,6 +127,25 @@ def table_task(name: str, model_file: str, model_digest: str, posterior_file: st
     path.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame.from_records(table.records()).to_parquet(path, index=False)
     return {"table": table, "seconds": seconds, "path": str(path)}
+
+
+@task(cache_policy=CACHE, persist_result=True)
+def layer_table_task(name: str, model_file: str, model_digest: str, posterior_file: str, posterior_sha256: str,
+                     layer: str, quant, code: str):
+    """One layer's closed-form loss table (:class:`bayesq.expected_loss.LayerTable`), so the
+    layers of a model can be built in parallel; only for tables that read no calibration data
+    (``not quant.needs_data``: the Monte Carlo proxies pick layers across the whole table)."""
+    from bayesq.blocks import layer_blocks
+    from bayesq.models.zoo import get_entry
+    from bayesq.quantize import build_table
+
+    if quant.needs_data:
+        raise ValueError(f"quant.whitening = '{quant.whitening.value}' / quant.proxy = '{quant.proxy.value}' "
+                         "need the whole model's table: use table_task")
+    model = load_model(get_entry(name), Path(model_file))
+    post = load_posterior(model, Path(posterior_file))
+    blocks = layer_blocks({layer: model.get_submodule(layer)}, quant.group_size, quant.unit_groups, quant.unit.value)
+    return build_table(post, blocks, quant, progress=False).layers[0]
 
 
 def config_tag(*configs) -> str:

@@ -25,9 +25,10 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from bayesq.config import Granularity, Method
 from flows.common import (
-    code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json,
+    code_version, digest, locked, mlflow_child, mlflow_parent, parser, read_params, write_json,
 )
 from flows.finetune import load_model, raw_path
+from flows.lineage import artifact_tags, export_lineage
 from flows.prepare import calibration_batches, load_posterior, prep_code, prepare
 from flows.robustness import fp_eval_task, mean_corruption_error, tracked_metrics
 
@@ -82,12 +83,16 @@ def _logit_diff(entry, qmodel, loaded, splits, data) -> float:
         return float((predict(qmodel, batch) - predict(loaded, batch)).abs().max())
 
 
-@task(cache_policy=(INPUTS - "table") + TASK_SOURCE, persist_result=True)
+DATA_FREE = (Method.RTN_TENSOR, Method.RTN_CHANNEL, Method.RTN_GROUP, Method.ACIQ)
+
+
+@task(cache_policy=locked((INPUTS - "table" - "lineage") + TASK_SOURCE), persist_result=True)
 def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_file: str,
                        model_digest: str, raw: str, raw_digest: str, data, quant, allocation_cfg,
                        table, table_key: str, posterior_file: str | None, code: str,
                        calibration=None, baselines=None, traces: dict | None = None,
-                       distill=None, robustness=None, ood: bool = False, export_dir: str = "") -> dict:
+                       distill=None, robustness=None, ood: bool = False, export_dir: str = "",
+                       lineage: dict | None = None) -> dict:
     """Quantise with one method at one budget, write the export, load it back and evaluate the
     loaded model on the test split (and under shift).
 
@@ -96,13 +101,18 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     ``distill`` (``bayesq-distill``) are read only by the methods that need them;
     ``quantize_seconds`` times everything done here but evaluation. ``robustness`` sets the
     calibration metrics; ``ood`` adds the corrupted / other-domain evaluation. The export is
-    ``<export_dir>/<model>_<method>_b<budget>_s<seed>.safetensors``; the record carries its sizes
-    and the largest logit difference between the loaded and the in-memory model on one batch.
+    ``<export_dir>/<model>_<method>_b<budget>_s<seed>.safetensors``; the record carries its sizes,
+    digests and the largest logit difference between the loaded and the in-memory model on one
+    batch. Its header holds the row's lineage: ``lineage`` (the invocation's params and commit,
+    :func:`flows.lineage.export_lineage`; not part of the cache key, so a cache hit keeps the
+    file and the lineage of the run that wrote it) and the inputs (:func:`flows.lineage.input_lineage`).
     """
     from bayesq.config import RobustnessConfig
     from bayesq.export import load as load_export, save_export
     from bayesq.models.zoo import get_entry
     from bayesq.quantize import quantized_copy
+    from flows.lineage import input_lineage
+    from flows.prepare import calibration_indices
     from flows.robustness import evaluate_model
 
     entry = get_entry(name)
@@ -128,8 +138,9 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
                         seed, traces)
         qmodel, allocation, qweights = res.model, res.allocation, res.weights
     seconds = time.perf_counter() - start
+    used = None if Method(method) in DATA_FREE or calibration is None else calibration_indices(entry, splits, calibration, seed)
     meta = {"model": name, "method": method, "budget": str(budget), "seed": str(seed), "code_version": code,
-            "model_sha256": model_digest, "table_key": table_key}
+            **(lineage or {}), **input_lineage(model_file, raw, raw_digest, posterior_file, used)}
     path = Path(export_dir) / f"{name}_{method}_b{budget}_s{seed}.safetensors"
     export = save_export(path, qmodel, qweights, quant, allocation.total_bits, architecture=name, metadata=meta)
     loaded = load_export(path)
@@ -153,8 +164,9 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
 
     params = read_params(params_path)
     code = code_version()
+    lineage = export_lineage(params)
     records = []
-    with mlflow_parent("bayesq", f"quantize-{params.profile}", {"profile": params.profile}) as parent:
+    with mlflow_parent("bayesq", f"quantize-{params.profile}", {"profile": params.profile}, params_path) as parent:
         for name in params.models:
             entry = get_entry(name)
             model_file = Path(models) / name / "model.safetensors"
@@ -180,7 +192,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                                                traces=hawq["traces"] if method == Method.HAWQ else None,
                                                distill=params.distill, robustness=rob,
                                                ood=method in rob.methods and budget in rob.budgets,
-                                               export_dir=str(Path(out) / "exports"))
+                                               export_dir=str(Path(out) / "exports"), lineage=lineage)
                         r = {**r, "preprocess_seconds": r["quantize_seconds"]}
                         corruption = mean_corruption_error(r["ood"], fp["ood"])
                         if corruption:
@@ -204,7 +216,9 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                                      {"model": name, "method": method.value, "seed": seed, "budget": budget,
                                       "group_size": params.quant.group_size, "bits": str(params.quant.bits),
                                       "damping": params.posterior.damping},
-                                     metrics, {"profile": params.profile, "code_version": code})
+                                     metrics, {"profile": params.profile, "code_version": code,
+                                               **artifact_tags(r["export"], model_digest=mdig,
+                                                               posterior_sha256=(p_post or {}).get("sha256", ""))})
                         records.append(r)
     write_json(Path(out) / "results.json", records)
     return records

@@ -12,11 +12,14 @@ A zoo file lists the models::
         checkpoint: models/lite0-fmnist/model.safetensors   # default: <models>/<name>/model.safetensors
         budgets: [3.0, 3.5]
 
-Per model one task (submitted to the task runner, so models run in parallel on Dask) that calls
-the cached posterior and table tasks of ``flows/prepare.py`` and one cached quantise-export-
-evaluate task per budget (``flows.quantize.quantize_eval_task``, method ``bayesq-distill``:
-distilled up to ``distill.max_budget``). So an unchanged model is all cache hits, a new model or
-budget runs only its own tasks, and a model that fails is reported while the others go on.
+Per model the flow submits a task graph to the task runner (Prefect's thread pool, or Dask
+workers): the posterior, then one loss-table task per layer (the layers fan out across workers;
+one task for the whole table when it reads calibration data), then one quantise-export-evaluate
+task per budget (method ``bayesq-distill``: distilled up to ``distill.max_budget``). They call
+the cached tasks of ``flows/prepare.py`` and ``flows/quantize.py``, so an unchanged model is all
+cache hits, a new model or budget runs only its own tasks, and a model that fails is reported
+while the others go on. One MLflow parent run per invocation, one child per model and budget,
+tagged with the lineage (``flows/lineage.py``).
 Writes ``<out>/zoo_results.json`` (``records``: one per model and budget; ``failures``) and the
 exports in ``<out>/exports/``.
 """
@@ -24,6 +27,7 @@ exports in ``<out>/exports/``.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -31,9 +35,7 @@ import yaml
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.common import code_version, digest, parser, read_params, write_json
-
-
+from flows.common import code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json
 
 @dataclass(frozen=True)
 class ZooModel:
@@ -92,12 +94,9 @@ def resolve_entry(m: ZooModel):
     return get_entry(m.name)
 
 
-@task(cache_policy=NO_CACHE)
-def recompress_model(m: ZooModel, params, raw: str, models: str, out: str, code: str) -> list[dict]:
-    """Posterior, table and every budget of one model (each a cached task, run here)."""
+def _inputs(m: ZooModel, models: str, raw: str) -> tuple[Path, Path]:
+    """The checkpoint and dataset of ``m`` (clear errors when missing)."""
     from flows.finetune import raw_path
-    from flows.prepare import posterior_task, table_task
-    from flows.quantize import quantize_eval_task
 
     entry = resolve_entry(m)
     ckpt = Path(m.checkpoint) if m.checkpoint else Path(models) / m.name / "model.safetensors"
@@ -106,53 +105,137 @@ def recompress_model(m: ZooModel, params, raw: str, models: str, out: str, code:
     src = Path(m.dataset) if m.dataset else raw_path(entry, Path(raw))
     if not src.exists():
         raise FileNotFoundError(f"no dataset for '{m.name}' at {src}: set its 'dataset' in the zoo file")
-    mdig, sdig, seed = digest(ckpt), digest(src), params.seeds[0]
-    post = posterior_task(m.name, str(ckpt), mdig, str(src), sdig, params.data, params.calibration, params.posterior,
-                          seed, str(Path(out) / "posterior"), code)
-    tab = table_task(m.name, str(ckpt), mdig, post["path"], digest(Path(post["path"])), str(src), sdig, params.data,
-                     params.calibration, params.quant, seed, str(Path(out) / "tables"), code)
-    key = f"{digest(Path(post['path']))}:{params.quant}:{params.calibration}"
-    records = []
-    for budget in m.budgets:
-        r = quantize_eval_task(m.name, "bayesq-distill", budget, seed, str(ckpt), mdig, str(src), sdig, params.data,
-                               params.quant, params.allocation, tab["table"], key, post["path"], code,
-                               calibration=params.calibration, distill=params.distill, robustness=params.robustness,
-                               export_dir=str(Path(out) / "exports"))
-        records.append({k: r[k] for k in ("model", "budget", "seed", "accuracy", "avg_bits", "total_bits",
-                                          "quantize_seconds", "export")})
-    return records
+    return ckpt, src
+
+
+# Tasks submitted to the task runner. Each first runs the model's loader (a Dask worker is a fresh
+# process that has not registered it) and then calls the cached task of flows/prepare.py or
+# flows/quantize.py, so their cache keys are the pipeline's.
+
+@task(cache_policy=NO_CACHE)
+def posterior(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, params, out: str) -> dict:
+    from flows.prepare import posterior_task, prep_code
+
+    resolve_entry(m)
+    return posterior_task(m.name, ckpt, mdig, src, sdig, params.data, params.calibration, params.posterior,
+                          params.seeds[0], str(Path(out) / "posterior"), prep_code())
+
+
+@task(cache_policy=NO_CACHE)
+def layer_table(m: ZooModel, ckpt: str, mdig: str, post: dict, layer: str, params):
+    from flows.prepare import layer_table_task, prep_code
+
+    resolve_entry(m)
+    return layer_table_task(m.name, ckpt, mdig, post["path"], post["sha256"], layer, params.quant, prep_code())
+
+
+@task(cache_policy=NO_CACHE)
+def whole_table(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post: dict, params, out: str):
+    from flows.prepare import prep_code, table_task
+
+    resolve_entry(m)
+    return table_task(m.name, ckpt, mdig, post["path"], post["sha256"], src, sdig, params.data, params.calibration,
+                      params.quant, params.seeds[0], str(Path(out) / "tables"), prep_code())["table"]
+
+
+@task(cache_policy=NO_CACHE)
+def merge_tables(parts: list):
+    """The per-layer tables (network order) as one LossTable."""
+    from bayesq.expected_loss import LossTable
+
+    return LossTable(tuple(parts))
+
+
+@task(cache_policy=NO_CACHE)
+def quantize_budget(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post: dict, table, params, out: str,
+                    code: str, lineage: dict, budget: float) -> dict:
+    """BayesQ (distilled up to ``distill.max_budget``) at one budget: export, load back, evaluate."""
+    from flows.quantize import quantize_eval_task
+
+    resolve_entry(m)
+    key = f"{post['sha256']}:{params.quant}:{params.calibration}"
+    r = quantize_eval_task(m.name, "bayesq-distill", budget, params.seeds[0], ckpt, mdig, src, sdig, params.data,
+                           params.quant, params.allocation, table, key, post["path"], code,
+                           calibration=params.calibration, distill=params.distill, robustness=params.robustness,
+                           export_dir=str(Path(out) / "exports"), lineage=lineage)
+    return {**{k: r[k] for k in ("model", "budget", "seed", "accuracy", "avg_bits", "total_bits",
+                                 "quantize_seconds", "export")},
+            "posterior_seconds": post["seconds"], "posterior_sha256": post["sha256"], "model_digest": mdig}
+
+
+def submit_model(m: ZooModel, params, raw: str, models: str, out: str, code: str, lineage: dict) -> list:
+    """Submit one model's task graph: posterior -> one table task per layer (or one for the whole
+    model when the table reads calibration data) -> merge -> one quantise task per budget.
+    Returns the budgets' futures; raises at once when the model's inputs are missing."""
+    from bayesq.blocks import quantizable_layers
+    from flows.finetune import load_model
+
+    ckpt, src = _inputs(m, models, raw)
+    mdig, sdig = digest(ckpt), digest(src)
+    args = (m, str(ckpt), mdig)
+    post = posterior.submit(*args, str(src), sdig, params, out)
+    if params.quant.needs_data:
+        table = whole_table.submit(*args, str(src), sdig, post, params, out)
+    else:
+        layers = quantizable_layers(load_model(resolve_entry(m), ckpt))
+        table = merge_tables.submit([layer_table.submit(*args, post, layer, params) for layer in layers])
+    return [quantize_budget.submit(*args, str(src), sdig, post, table, params, out, code, lineage, budget=budget)
+            for budget in m.budgets]
 
 
 def task_runner(dask: str | None, workers: int = 2):
-    """Prefect's default thread pool (``dask`` None), a Dask LocalCluster of ``workers`` processes
-    (``dask`` = "local"), or the Dask scheduler at ``dask`` (e.g. tcp://10.0.0.5:8786)."""
+    """Prefect's thread pool with ``workers`` threads (``dask`` None; 1: one task at a time), a Dask
+    LocalCluster of ``workers`` processes (``dask`` = "local"; each gets cpu_count // workers
+    intra-op threads), or the Dask scheduler at ``dask`` (e.g. tcp://10.0.0.5:8786)."""
+    if workers < 1:
+        raise ValueError(f"workers = {workers}: need at least 1")
     if dask is None:
-        return None
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        return ThreadPoolTaskRunner(max_workers=workers)
+    import dask as dask_lib
     from prefect_dask import DaskTaskRunner
 
     if dask == "local":
+        threads = max(1, (os.cpu_count() or 1) // workers)  # set before the worker processes start
+        dask_lib.config.set({f"distributed.nanny.pre-spawn-environ.{k}": threads
+                             for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
         return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True})
     return DaskTaskRunner(address=dask)
 
 
 def zoo_flow_body(zoo: Path, params_path: Path, raw: Path, models: Path, out: Path) -> dict:
-    """Submit every model, gather records and failures, write ``zoo_results.json``."""
+    """Submit every model's tasks, gather records and failures, log them to MLflow (one parent
+    run, one child per model and budget) and write ``zoo_results.json``."""
+    from flows.lineage import artifact_tags, export_lineage
+
     params = read_params(params_path)
-    code = code_version()
-    futures = {m.name: recompress_model.submit(m, params, str(raw), str(models), str(out), code)
-               for m in read_zoo(zoo)}
-    records, failures = [], []
-    for name, fut in futures.items():
+    code, lineage = code_version(), export_lineage(params)
+    futures, failures = {}, []
+    for m in read_zoo(zoo):
         try:
-            rs = fut.result()
+            futures[m.name] = submit_model(m, params, str(raw), str(models), str(out), code, lineage)
         except Exception as err:  # one failing model is reported; the others go on
-            failures.append({"model": name, "error": f"{type(err).__name__}: {err}"})
-            print(f"[zoo] {name}: FAILED: {err}", flush=True)
-            continue
-        for r in rs:
-            print(f"[zoo] {name} budget {r['budget']}: acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits, "
-                  f"{r['export']['file_bytes'] / 1e6:.2f} MB", flush=True)
-        records += rs
+            failures.append({"model": m.name, "error": f"{type(err).__name__}: {err}"})
+    records = []
+    with mlflow_parent("bayesq-zoo", f"zoo-{Path(zoo).stem}", {"zoo": str(zoo)}, params_path) as parent:
+        for name, futs in futures.items():
+            try:
+                rs = [f.result() for f in futs]
+            except Exception as err:
+                failures.append({"model": name, "error": f"{type(err).__name__}: {err}"})
+                continue
+            for r in rs:
+                print(f"[zoo] {name} budget {r['budget']}: acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits, "
+                      f"{r['export']['file_bytes'] / 1e6:.2f} MB", flush=True)
+                mlflow_child(parent.info.run_id, f"{name}/b{r['budget']}",
+                             {"model": name, "method": "bayesq-distill", "budget": r["budget"], "seed": r["seed"]},
+                             {k: r[k] for k in ("accuracy", "avg_bits", "total_bits", "quantize_seconds")},
+                             {"code_version": code, **artifact_tags(r["export"], model_digest=r["model_digest"],
+                                                                    posterior_sha256=r["posterior_sha256"])})
+            records += rs
+    for f in failures:
+        print(f"[zoo] {f['model']}: FAILED: {f['error']}", flush=True)
     result = {"records": records, "failures": failures}
     write_json(Path(out) / "zoo_results.json", result)
     return result
@@ -160,9 +243,7 @@ def zoo_flow_body(zoo: Path, params_path: Path, raw: Path, models: Path, out: Pa
 
 def make_zoo_flow(dask: str | None = None, workers: int = 2):
     """The zoo flow on the chosen task runner (see :func:`task_runner`)."""
-    runner = task_runner(dask, workers)
-    kwargs = {"task_runner": runner} if runner is not None else {}
-    return flow(name="bayesq-zoo", **kwargs)(zoo_flow_body)
+    return flow(name="bayesq-zoo", task_runner=task_runner(dask, workers))(zoo_flow_body)
 
 
 def main() -> None:
@@ -173,7 +254,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("results-zoo"))
     p.add_argument("--dask", nargs="?", const="local", default=None,
                    help="run on Dask: a local cluster, or the scheduler address given")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="threads (no --dask; 1 = serial) or Dask worker processes")
     a = p.parse_args()
     make_zoo_flow(a.dask, a.workers)(a.zoo, a.params, a.raw, a.models, a.out)
 

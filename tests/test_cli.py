@@ -33,6 +33,7 @@ def tiny_models(tmp_path):
     folder.mkdir(parents=True)
     torch.manual_seed(0)
     save_model(TinyEntry().build(), str(folder / "model.safetensors"))
+    (tmp_path / "tiny.bin").write_bytes(b"synthetic")  # the (synthetic) dataset file lineage hashes
     yield tmp_path
     unregister("tiny-cnn")
 
@@ -47,11 +48,17 @@ def test_cli_quantize_writes_export_and_lineage_reads_it(tiny_models, one_thread
     assert "bits/weight accounted" in res.output and out.is_file()
     model = load(out)
     assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 4)
-    res = runner.invoke(app, ["lineage", str(out)])
+    res = runner.invoke(app, ["lineage", str(out), "--check"])
     assert res.exit_code == 0, res.output
-    for key in ("model", "tiny-cnn", "bayesq", "budget", "4.0", "seed", "17", "model_sha256", "calibration indices",
-                "64 inputs"):
-        assert key in res.output
+    for key in ("model", "tiny-cnn", "bayesq", "budget", "4.0", "seed", "17", "checkpoint_sha256", "git_commit",
+                "calibration_indices", "64 training inputs", "params.quant.bits", "[2, 3, 4, 8]", "code_version",
+                "dataset_digest", "posterior", "fitted in this run"):
+        assert key in res.output, key
+    assert "checkpoint" in res.output and ": ok" in res.output
+    ckpt = tiny_models / "models" / "tiny-cnn" / "model.safetensors"
+    ckpt.write_bytes(ckpt.read_bytes() + b" ")  # the checkpoint changed after the export
+    res = runner.invoke(app, ["lineage", str(out), "--check"])
+    assert res.exit_code == 1 and "MISMATCH" in res.output
 
 
 def test_cli_quantize_errors_are_clear(tiny_models):

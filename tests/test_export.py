@@ -4,7 +4,9 @@ trips (codes, codebooks, logits) for every codebook and layout, and clear errors
 import functools
 import json
 import math
+import os
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -252,3 +254,38 @@ def test_export_embedded_models_round_trip(tmp_path, name, one_thread):
 
     assert torch.equal(predict(loaded, x), predict(res.model, x))
     assert math.isclose(info.payload_avg_bits, res.average_bits, rel_tol=1e-3)
+
+
+_QUANTIZE_SCRIPT = """
+import sys
+import torch
+from torch import nn
+from bayesq.config import BayesQConfig
+from bayesq.export import save_export
+from bayesq.quantize import quantize_model
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+g = torch.Generator().manual_seed(1)
+cal = [torch.randn(32, 16, generator=g) for _ in range(4)]
+cfg = BayesQConfig(budget=3.0, seed=17)  # distillation on (3.0 <= distill.max_budget)
+res = quantize_model(model, cal, cfg, progress=False)
+save_export(sys.argv[1], res.model, res.weights, cfg.quant, res.allocation.total_bits,
+            metadata={"seed": "17", "method": "bayesq-distill", "budget": "3.0"})
+"""
+
+
+def test_export_same_seed_byte_identical_across_processes(tmp_path):
+    """Posterior, table, allocation, distillation and export run twice in fresh processes (each with
+    its own hash seed): the two files are byte for byte the same."""
+    import subprocess
+    import sys
+
+    from bayesq.tensorfile import file_sha256
+
+    paths = [tmp_path / f"run{i}.safetensors" for i in range(2)]
+    for i, p in enumerate(paths):
+        subprocess.run([sys.executable, "-c", _QUANTIZE_SCRIPT, str(p)], check=True, cwd=Path(__file__).parent.parent,
+                       env={**os.environ, "PYTHONHASHSEED": str(i + 1), "OMP_NUM_THREADS": "1"})
+    assert file_sha256(paths[0]) == file_sha256(paths[1])
+    assert read_export(paths[0]).user["seed"] == "17"

@@ -131,6 +131,8 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     bayesq_runs = [r for r in children if r.data.params["method"] == "bayesq"]
     assert all({"posterior_seconds", "table_seconds"} <= set(r.data.metrics) for r in bayesq_runs)
 
+    _check_lineage(records, runs, results, params, models)
+
     again = quantize_flow(params, raw, models, results)  # every task a cache hit
     assert again == everything  # identical wall times prove nothing was recomputed
 
@@ -148,6 +150,42 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     assert "## tiny-cnn" in exports_md and exports_md.count("| BayesQ |") == 2  # both budgets
     metrics = read_json(reports / "metrics.json")
     assert set(metrics["tiny-cnn"]) >= {"fp_accuracy", "bayesq@3.0", "rtn-tensor@4.0"}
+
+
+def _check_lineage(records, runs, results, params_path, models):
+    """Exports name their params, posterior (and its sha256), calibration indices and commit; MLflow
+    runs carry the commit, params hash and the export / input digests."""
+    import json
+
+    from safetensors import safe_open
+
+    from bayesq.export import read_export
+    from bayesq.tensorfile import file_sha256
+    from flows.common import read_params
+    from flows.lineage import git_commit, params_json
+
+    by = {(r["method"], r["budget"]): r for r in records}
+    user = read_export(by[("bayesq", 3.0)]["export"]["path"]).user
+    post = results / "posterior" / "tiny-cnn_s17.safetensors"
+    assert Path(user["posterior"]).resolve() == post.resolve() and user["posterior_sha256"] == file_sha256(post)
+    with safe_open(str(post), "pt") as f:
+        assert user["calibration_indices"] == ",".join(map(str, f.get_tensor("calibration_indices").tolist()))
+    assert user["params"] == params_json(read_params(params_path))
+    assert json.loads(user["params"])["quant"]["group_size"] == 32
+    assert user["git_commit"].removesuffix("-dirty") == git_commit()
+    assert user["checkpoint_sha256"] == file_sha256(models / "tiny-cnn" / "model.safetensors")
+    gptq = read_export(by[("gptq", 3.0)]["export"]["path"]).user
+    assert gptq["calibration_indices"] == user["calibration_indices"] and gptq["posterior"].startswith("none")
+    assert read_export(by[("rtn-group", 3.0)]["export"]["path"]).user["calibration_indices"].startswith("none")
+    ef = read_export(by[("bayesq-ef", 3.0)]["export"]["path"]).user
+    assert ef["posterior"].endswith("tiny-cnn_s17_kfac.safetensors")
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    assert parent.data.tags["git_commit"] == git_commit() and parent.data.tags["params_sha256"]
+    assert parent.data.tags["git_dirty"] in ("true", "false")
+    for run in runs:
+        if "mlflow.parentRunId" in run.data.tags:
+            r = by[(run.data.params["method"], float(run.data.params["budget"]))]
+            assert run.data.tags["export_sha256"] == file_sha256(r["export"]["path"]) == r["export"]["sha256"]
 
 
 def test_read_params_misspelled_key_is_clear(tmp_path):
@@ -217,14 +255,23 @@ def register_tiny() -> None:
     register(TinyEntryB(), replace=True)
 
 
-def register_tiny_stalling() -> None:
-    """Like :func:`register_tiny`, then, if ``BAYESQ_TEST_STALL`` names a file, create it and
-    stall (a model still running when the test kills the flow)."""
-    import os
-    import time
+class StallingEntryB(TinyEntryB):
+    """``tiny-cnn-b`` whose data loading, if ``BAYESQ_TEST_STALL`` names a file, creates it and
+    stalls: a cached task (the posterior) still running, holding its cache-key lock, when the
+    test kills the flow."""
 
-    register_tiny()
-    marker = os.environ.get("BAYESQ_TEST_STALL")
-    if marker:
-        Path(marker).touch()
-        time.sleep(600)
+    def load_splits(self, data: DataConfig, raw: Path) -> Splits:
+        import os
+        import time
+
+        marker = os.environ.get("BAYESQ_TEST_STALL")
+        if marker:
+            Path(marker).touch()
+            time.sleep(600)
+        return super().load_splits(data, raw)
+
+
+def register_tiny_stalling() -> None:
+    """Like :func:`register_tiny`, with the stalling ``tiny-cnn-b``."""
+    register(TinyEntry(), replace=True)
+    register(StallingEntryB(), replace=True)

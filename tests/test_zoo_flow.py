@@ -4,6 +4,7 @@ without stopping the others, and the same results on a 2-worker Dask cluster as 
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from flows.zoo import ZooModel, make_zoo_flow, read_zoo
@@ -81,26 +82,35 @@ def test_zoo_flow_caches_adds_and_isolates_failures(zoo_setup, prefect_harness, 
     assert again == second
 
 
-def test_zoo_flow_dask_two_workers_matches_serial(zoo_setup, prefect_harness):
+def test_zoo_flow_dask_two_workers_matches_serial_byte_for_byte(zoo_setup, prefect_harness, monkeypatch):
+    """The serial run, then the same zoo recomputed (cache refreshed) on a 2-worker Dask cluster
+    into the same folder: the same records and byte-identical export files."""
+    from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
+
     tmp = zoo_setup
     zoo = _zoo(tmp, [{"name": "tiny-cnn", "loader": LOADER, "budgets": [4.0]},
-                     {"name": "tiny-cnn-b", "loader": LOADER, "budgets": [4.0]}])
-    serial = _run(tmp, zoo, "serial")
-    dask = _run(tmp, zoo, "dask", dask="local")
-    assert not serial["failures"] and not dask["failures"]
+                     {"name": "tiny-cnn-b", "loader": LOADER, "budgets": [3.0, 4.0]}])
+    serial = _run(tmp, zoo, "zoo")
+    files = {r["export"]["path"]: (Path(r["export"]["path"]).read_bytes(), Path(r["export"]["path"]).stat().st_mtime_ns)
+             for r in serial["records"]}
+    monkeypatch.setenv("PREFECT_TASKS_REFRESH_CACHE", "true")  # the Dask workers' processes
+    with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True}):
+        dask = _run(tmp, zoo, "zoo", dask="local")
+    assert not serial["failures"] and not dask["failures"] and len(dask["records"]) == 3
     assert _key(dask["records"]) == _key(serial["records"])
-    from bayesq.export import read_export
-
-    for s in serial["records"]:  # the same tensors and layouts (content hash), the same size
-        d = next(r for r in dask["records"] if r["model"] == s["model"])
-        a, b = read_export(s["export"]["path"]), read_export(d["export"]["path"])
-        assert a.metadata["content_sha256"] == b.metadata["content_sha256"]
-        assert d["export"]["file_bytes"] == s["export"]["file_bytes"]
+    for r in dask["records"]:
+        data, written = files[r["export"]["path"]]
+        path = Path(r["export"]["path"])
+        assert path.stat().st_mtime_ns != written  # recomputed and rewritten by a worker
+        assert path.read_bytes() == data
+        assert r["export"]["sha256"] == next(s for s in serial["records"] if s["export"]["path"] == str(path))[
+            "export"]["sha256"]
 
 
 def test_zoo_flow_killed_and_restarted_redoes_no_finished_task(zoo_setup):
-    """Kill the flow process while one model stalls; the restart reuses the finished model's
-    tasks (its export is not rewritten) and completes the other."""
+    """Kill the flow process while one model's posterior task stalls (holding its cache-key lock);
+    the restart reuses the finished model's tasks (its export is not rewritten), takes over the
+    dead run's lock and completes the other model."""
     import os
     import signal
     import subprocess
@@ -126,6 +136,8 @@ def test_zoo_flow_killed_and_restarted_redoes_no_finished_task(zoo_setup):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert not (tmp / "zoo" / "zoo_results.json").exists()  # killed before the end
+    locks = Path(os.environ["PREFECT_LOCAL_STORAGE_PATH"]) / "locks"
+    assert list(locks.glob("*.lock")), "the killed run left no lock behind"
     written = export.stat().st_mtime_ns
     done = subprocess.run(cmd, cwd=root, env={k: v for k, v in os.environ.items() if k != "BAYESQ_TEST_STALL"},
                           capture_output=True, text=True, timeout=600)
@@ -135,3 +147,80 @@ def test_zoo_flow_killed_and_restarted_redoes_no_finished_task(zoo_setup):
 
     result = json.loads((tmp / "zoo" / "zoo_results.json").read_text())
     assert not result["failures"] and {r["model"] for r in result["records"]} == {"tiny-cnn", "tiny-cnn-b"}
+
+
+def test_zoo_flow_two_concurrent_runs_share_cache_and_mlflow_store(zoo_setup):
+    """Two zoo flow processes started together against one result cache, one output folder and one
+    MLflow store: both finish, both parent runs keep all their child runs, every task's result is
+    computed once (the cache-key lock makes the other process wait and read it: the two runs log
+    the same wall times), and the exports and results file are whole."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import mlflow
+
+    from bayesq.export import read_export
+    from bayesq.tensorfile import file_sha256
+
+    tmp = zoo_setup
+    zoo = _zoo(tmp, [{"name": "tiny-cnn", "loader": LOADER, "budgets": [3.0, 4.0]},
+                     {"name": "tiny-cnn-b", "loader": LOADER, "budgets": [4.0]}])
+    cmd = [sys.executable, "-m", "flows.zoo", "--zoo", str(zoo), "--params", str(_params(tmp)), "--raw", str(tmp),
+           "--models", str(tmp / "models"), "--out", str(tmp / "zoo")]
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+
+    client = mlflow.tracking.MlflowClient()
+    exp = client.get_experiment_by_name("bayesq-zoo")
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags and r.data.tags.get("zoo") == str(zoo)]
+    assert len(parents) == 2 and all(p.info.status == "FINISHED" for p in parents)
+    logged = []
+    for parent in parents:
+        children = sorted((r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id),
+                          key=lambda r: r.info.run_name)
+        assert [c.info.run_name for c in children] == ["tiny-cnn-b/b4.0", "tiny-cnn/b3.0", "tiny-cnn/b4.0"]
+        logged.append([(c.data.metrics["quantize_seconds"], c.data.tags["export_sha256"]) for c in children])
+    assert logged[0] == logged[1]  # one computation per task, read by the other run
+    result = json.loads((tmp / "zoo" / "zoo_results.json").read_text())
+    assert not result["failures"] and len(result["records"]) == 3
+    for r in result["records"]:
+        read_export(r["export"]["path"])  # verifies the content hash
+        assert file_sha256(r["export"]["path"]) == r["export"]["sha256"]
+    assert not list((tmp / "zoo").rglob("*.partial"))
+
+
+def test_layer_table_tasks_vs_whole_table(zoo_setup, one_thread):
+    """The per-layer tables the zoo fans out, merged, equal the one-task table exactly."""
+    from bayesq.blocks import quantizable_layers
+    from bayesq.models.zoo import get_entry
+    from flows.common import digest, read_params
+    from flows.finetune import load_model
+    from flows.prepare import layer_table_task, posterior_task, table_task
+
+    tmp = zoo_setup
+    p = read_params(_params(tmp))
+    ckpt, src = tmp / "models" / "tiny-cnn" / "model.safetensors", tmp / "tiny.bin"
+    mdig, sdig = digest(ckpt), digest(src)
+    post = posterior_task.fn("tiny-cnn", str(ckpt), mdig, str(src), sdig, p.data, p.calibration, p.posterior, 17,
+                             str(tmp / "post"), "c")
+    whole = table_task.fn("tiny-cnn", str(ckpt), mdig, post["path"], post["sha256"], str(src), sdig, p.data,
+                          p.calibration, p.quant, 17, str(tmp / "tables"), "c")["table"]
+    layers = list(quantizable_layers(load_model(get_entry("tiny-cnn"), ckpt)))
+    parts = [layer_table_task.fn("tiny-cnn", str(ckpt), mdig, post["path"], post["sha256"], name, p.quant, "c")
+             for name in layers]
+    assert [t.blocks.name for t in parts] == [t.blocks.name for t in whole.layers] == layers
+    for a, b in zip(parts, whole.layers):
+        assert a.bits == b.bits
+        assert torch.equal(a.unit_loss, b.unit_loss) and torch.equal(a.unit_cost, b.unit_cost)
+    with pytest.raises(ValueError, match="whole model's table"):
+        from bayesq.config import replace
+
+        layer_table_task.fn("tiny-cnn", str(ckpt), mdig, post["path"], post["sha256"], layers[0],
+                            replace(p.quant, whitening="pca"), "c")

@@ -93,7 +93,7 @@ def _int32_words(stream: np.ndarray) -> torch.Tensor:
 
 def pack_weight(qw) -> PackedWeight:
     """:class:`PackedWeight` of a :class:`bayesq.quantize.QuantizedWeight` (codes repacked)."""
-    from bayesq.export import pack_bits
+    from bayesq.export import pack_bits, real_codes
     from bayesq.vq import VQBook
 
     lb = qw.blocks
@@ -110,32 +110,27 @@ def pack_weight(qw) -> PackedWeight:
         return PackedWeight(torch.zeros(1, dtype=torch.int32), z.int(), z.to(torch.uint8), empty.half(),
                             z.to(torch.uint8), empty, z.int(), qw.dequantize().reshape(n, k).float(), None, n, k,
                             lb.group_size, gpr)
-    mask = torch.arange(lb.group_size)[None, :] < sizes[:, None]  # (G, gs) real weights
     gbits = qw.group_bits.to(torch.int64)
-    words = _int32_words(pack_bits(qw.codes[mask], gbits.repeat_interleave(sizes)))
+    words = _int32_words(pack_bits(real_codes(qw, sizes), gbits.repeat_interleave(sizes)))
     goff = torch.cumsum(gbits * sizes, 0) - gbits * sizes
     goff = goff.int() if int(goff[-1] + gbits[-1] * sizes[-1]) < 2**31 else goff
     full = bool((sizes == lb.group_size).all()) and len(set(gbits.tolist())) == 1
     scale = torch.zeros(lb.n_groups, dtype=torch.float64)
     zero = torch.zeros(lb.n_groups, dtype=torch.float64)
-    tables: list[torch.Tensor] = [torch.zeros(0, dtype=torch.float64)] * lb.n_groups
     has_lut = any(isinstance(b, LevelTables) for b in qw.books.values())
+    lengths = 2 ** gbits  # LUT entries per group (LUT mode: every group gets a table of its levels)
+    lutoff = torch.cumsum(lengths, 0) - lengths
+    lut = torch.zeros(int(lengths.sum()) if has_lut else 0, dtype=torch.float64)
     for b, book in qw.books.items():
         sel = torch.nonzero(qw.group_bits == b).reshape(-1)
         if isinstance(book, UniformGrids):
             scale[sel], zero[sel] = book.scale, book.zero
-            if has_lut:
-                levels = book.scale[:, None] * (torch.arange(2**b, dtype=torch.float64)[None, :] - book.zero[:, None])
-                for i, g in enumerate(sel.tolist()):
-                    tables[g] = levels[i]
+            levels = book.scale[:, None] * (torch.arange(2**b, dtype=torch.float64)[None, :] - book.zero[:, None])
         else:
-            for i, g in enumerate(sel.tolist()):
-                tables[g] = book.levels[book.row[i]]
-    if has_lut:
-        lengths = torch.tensor([t.numel() for t in tables])
-        lut, lutoff = torch.cat(tables).float(), (torch.cumsum(lengths, 0) - lengths).int()
-    else:
-        lut, lutoff = empty, torch.zeros(0, dtype=torch.int32)
+            levels = book.levels[book.row]  # (n_sel, 2^b)
+        if has_lut:
+            lut[lutoff[sel][:, None] + torch.arange(2**b)[None, :]] = levels
+    lut, lutoff = (lut.float(), lutoff.int()) if has_lut else (empty, torch.zeros(0, dtype=torch.int32))
     stored = scale.half()
     if not torch.equal(stored.double(), scale):
         stored = scale.float()  # fp32 stored scales
