@@ -198,17 +198,21 @@ def zoo_run(zoo: Path = typer.Option(..., help="zoo file (YAML list of models)")
             models: Path = typer.Option(ROOT / "models"), out: Path = typer.Option(ROOT / "results-zoo"),
             dask: Optional[str] = typer.Option(None, help="'local' (2-worker LocalCluster) or a scheduler address"),
             workers: int = typer.Option(2, help="tasks at a time: threads (no --dask; 1 = serial) or the local "
-                                                "Dask cluster's worker processes")) -> None:
+                                                "Dask cluster's worker processes"),
+            threads: Optional[int] = typer.Option(None, help="torch intra-op threads per task (default: all "
+                                                             "cores, or cores / workers on a local Dask "
+                                                             "cluster); equal counts give byte-identical exports")
+            ) -> None:
     """Recompress every model of the zoo file at its budgets, once."""
     from flows.zoo import make_zoo_flow, read_zoo
 
     try:
         read_zoo(zoo)
-        zoo_flow = make_zoo_flow(dask, workers)
+        zoo_flow = make_zoo_flow(dask, workers, threads)
     except (ValueError, FileNotFoundError) as err:
         _fail(str(err))
     start = time.perf_counter()
-    res = zoo_flow(zoo, params, raw, models, out)
+    res = zoo_flow(zoo, params, raw, models, out, threads)
     typer.echo(f"wall time {time.perf_counter() - start:.1f} s")
     typer.echo(f"{len(res['records'])} model-budget rows, {len(res['failures'])} failed model(s) -> {out}")
     if res["failures"]:

@@ -97,12 +97,15 @@ def input_lineage(model_file: str, raw: str, raw_digest: str, posterior_file: st
                   calibration_indices) -> dict[str, str]:
     """Export metadata of one row's inputs: checkpoint and posterior as paths with the sha256 of
     their bytes (``sha256sum`` checks them), the dataset with its :func:`flows.common.digest`, and
-    the calibration inputs as indices into the training split (None: a data-free method)."""
+    the calibration inputs as indices into the training split (None: a data-free method), and the
+    process's torch intra-op threads (float reductions, hence the bytes, follow their number)."""
+    import torch
+
     from bayesq.tensorfile import file_sha256
 
     meta = {"checkpoint": _rel(model_file), "checkpoint_sha256": file_sha256(model_file), "dataset": _rel(raw),
             "dataset_digest": raw_digest, "posterior": "none (this method fits no posterior)",
-            "calibration_indices": "none (data-free method)"}
+            "calibration_indices": "none (data-free method)", "torch_threads": str(torch.get_num_threads())}
     if posterior_file:
         meta["posterior"] = _rel(posterior_file)
         meta["posterior_sha256"] = file_sha256(posterior_file)

@@ -37,6 +37,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.common import code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json
 
+
 @dataclass(frozen=True)
 class ZooModel:
     """One model of a zoo file (paths relative to the working directory)."""
@@ -108,31 +109,45 @@ def _inputs(m: ZooModel, models: str, raw: str) -> tuple[Path, Path]:
     return ckpt, src
 
 
-# Tasks submitted to the task runner. Each first runs the model's loader (a Dask worker is a fresh
-# process that has not registered it) and then calls the cached task of flows/prepare.py or
-# flows/quantize.py, so their cache keys are the pipeline's.
+def pin_threads(threads: int | None) -> None:
+    """Set torch's intra-op threads in this process (None: leave them). The split of float
+    reductions (a convolution's weight gradient during distillation) follows the thread count, so
+    byte-identical exports from two runs need the same count; exports record it (``torch_threads``)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+# Tasks submitted to the task runner. Each first pins the thread count and runs the model's loader
+# (a Dask worker is a fresh process that has not registered it), then calls the cached task of
+# flows/prepare.py or flows/quantize.py, so their cache keys are the pipeline's.
 
 @task(cache_policy=NO_CACHE)
-def posterior(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, params, out: str) -> dict:
+def posterior(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, params, out: str, threads: int | None) -> dict:
     from flows.prepare import posterior_task, prep_code
 
+    pin_threads(threads)
     resolve_entry(m)
     return posterior_task(m.name, ckpt, mdig, src, sdig, params.data, params.calibration, params.posterior,
                           params.seeds[0], str(Path(out) / "posterior"), prep_code())
 
 
 @task(cache_policy=NO_CACHE)
-def layer_table(m: ZooModel, ckpt: str, mdig: str, post: dict, layer: str, params):
+def layer_table(m: ZooModel, ckpt: str, mdig: str, post: dict, layer: str, params, threads: int | None):
     from flows.prepare import layer_table_task, prep_code
 
+    pin_threads(threads)
     resolve_entry(m)
     return layer_table_task(m.name, ckpt, mdig, post["path"], post["sha256"], layer, params.quant, prep_code())
 
 
 @task(cache_policy=NO_CACHE)
-def whole_table(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post: dict, params, out: str):
+def whole_table(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post: dict, params, out: str,
+                threads: int | None):
     from flows.prepare import prep_code, table_task
 
+    pin_threads(threads)
     resolve_entry(m)
     return table_task(m.name, ckpt, mdig, post["path"], post["sha256"], src, sdig, params.data, params.calibration,
                       params.quant, params.seeds[0], str(Path(out) / "tables"), prep_code())["table"]
@@ -148,10 +163,11 @@ def merge_tables(parts: list):
 
 @task(cache_policy=NO_CACHE)
 def quantize_budget(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post: dict, table, params, out: str,
-                    code: str, lineage: dict, budget: float) -> dict:
+                    code: str, lineage: dict, threads: int | None, budget: float) -> dict:
     """BayesQ (distilled up to ``distill.max_budget``) at one budget: export, load back, evaluate."""
     from flows.quantize import quantize_eval_task
 
+    pin_threads(threads)
     resolve_entry(m)
     key = f"{post['sha256']}:{params.quant}:{params.calibration}"
     r = quantize_eval_task(m.name, "bayesq-distill", budget, params.seeds[0], ckpt, mdig, src, sdig, params.data,
@@ -163,7 +179,8 @@ def quantize_budget(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post
             "posterior_seconds": post["seconds"], "posterior_sha256": post["sha256"], "model_digest": mdig}
 
 
-def submit_model(m: ZooModel, params, raw: str, models: str, out: str, code: str, lineage: dict) -> list:
+def submit_model(m: ZooModel, params, raw: str, models: str, out: str, code: str, lineage: dict,
+                 threads: int | None = None) -> list:
     """Submit one model's task graph: posterior -> one table task per layer (or one for the whole
     model when the table reads calibration data) -> merge -> one quantise task per budget.
     Returns the budgets' futures; raises at once when the model's inputs are missing."""
@@ -173,22 +190,24 @@ def submit_model(m: ZooModel, params, raw: str, models: str, out: str, code: str
     ckpt, src = _inputs(m, models, raw)
     mdig, sdig = digest(ckpt), digest(src)
     args = (m, str(ckpt), mdig)
-    post = posterior.submit(*args, str(src), sdig, params, out)
+    post = posterior.submit(*args, str(src), sdig, params, out, threads)
     if params.quant.needs_data:
-        table = whole_table.submit(*args, str(src), sdig, post, params, out)
+        table = whole_table.submit(*args, str(src), sdig, post, params, out, threads)
     else:
         layers = quantizable_layers(load_model(resolve_entry(m), ckpt))
-        table = merge_tables.submit([layer_table.submit(*args, post, layer, params) for layer in layers])
-    return [quantize_budget.submit(*args, str(src), sdig, post, table, params, out, code, lineage, budget=budget)
-            for budget in m.budgets]
+        table = merge_tables.submit([layer_table.submit(*args, post, layer, params, threads) for layer in layers])
+    return [quantize_budget.submit(*args, str(src), sdig, post, table, params, out, code, lineage, threads,
+                                   budget=budget) for budget in m.budgets]
 
 
-def task_runner(dask: str | None, workers: int = 2):
+def task_runner(dask: str | None, workers: int = 2, threads: int | None = None):
     """Prefect's thread pool with ``workers`` threads (``dask`` None; 1: one task at a time), a Dask
-    LocalCluster of ``workers`` processes (``dask`` = "local"; each gets cpu_count // workers
-    intra-op threads), or the Dask scheduler at ``dask`` (e.g. tcp://10.0.0.5:8786)."""
+    LocalCluster of ``workers`` processes (``dask`` = "local"; each starts with ``threads`` or
+    cpu_count // workers intra-op threads), or the Dask scheduler at ``dask`` (e.g. tcp://10.0.0.5:8786)."""
     if workers < 1:
         raise ValueError(f"workers = {workers}: need at least 1")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads = {threads}: need at least 1 (or leave it unset)")
     if dask is None:
         from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -197,16 +216,20 @@ def task_runner(dask: str | None, workers: int = 2):
     from prefect_dask import DaskTaskRunner
 
     if dask == "local":
-        threads = max(1, (os.cpu_count() or 1) // workers)  # set before the worker processes start
+        threads = threads or max(1, (os.cpu_count() or 1) // workers)  # set before the workers start
         dask_lib.config.set({f"distributed.nanny.pre-spawn-environ.{k}": threads
                              for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
+        # Dask's default MALLOC_TRIM_THRESHOLD_=65536 turns off glibc's adaptive mmap threshold, so
+        # every large torch buffer is mmapped and page-faulted afresh: a layer table took 2.4x as long.
+        dask_lib.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None})
         return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True})
     return DaskTaskRunner(address=dask)
 
 
-def zoo_flow_body(zoo: Path, params_path: Path, raw: Path, models: Path, out: Path) -> dict:
+def zoo_flow_body(zoo: Path, params_path: Path, raw: Path, models: Path, out: Path, threads: int | None = None) -> dict:
     """Submit every model's tasks, gather records and failures, log them to MLflow (one parent
-    run, one child per model and budget) and write ``zoo_results.json``."""
+    run, one child per model and budget) and write ``zoo_results.json``. ``threads``: torch
+    intra-op threads per task (None: the process's own setting; see :func:`pin_threads`)."""
     from flows.lineage import artifact_tags, export_lineage
 
     params = read_params(params_path)
@@ -214,7 +237,7 @@ def zoo_flow_body(zoo: Path, params_path: Path, raw: Path, models: Path, out: Pa
     futures, failures = {}, []
     for m in read_zoo(zoo):
         try:
-            futures[m.name] = submit_model(m, params, str(raw), str(models), str(out), code, lineage)
+            futures[m.name] = submit_model(m, params, str(raw), str(models), str(out), code, lineage, threads)
         except Exception as err:  # one failing model is reported; the others go on
             failures.append({"model": m.name, "error": f"{type(err).__name__}: {err}"})
     records = []
@@ -241,9 +264,9 @@ def zoo_flow_body(zoo: Path, params_path: Path, raw: Path, models: Path, out: Pa
     return result
 
 
-def make_zoo_flow(dask: str | None = None, workers: int = 2):
+def make_zoo_flow(dask: str | None = None, workers: int = 2, threads: int | None = None):
     """The zoo flow on the chosen task runner (see :func:`task_runner`)."""
-    return flow(name="bayesq-zoo", task_runner=task_runner(dask, workers))(zoo_flow_body)
+    return flow(name="bayesq-zoo", task_runner=task_runner(dask, workers, threads))(zoo_flow_body)
 
 
 def main() -> None:
@@ -255,8 +278,9 @@ def main() -> None:
     p.add_argument("--dask", nargs="?", const="local", default=None,
                    help="run on Dask: a local cluster, or the scheduler address given")
     p.add_argument("--workers", type=int, default=2, help="threads (no --dask; 1 = serial) or Dask worker processes")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per task")
     a = p.parse_args()
-    make_zoo_flow(a.dask, a.workers)(a.zoo, a.params, a.raw, a.models, a.out)
+    make_zoo_flow(a.dask, a.workers, a.threads)(a.zoo, a.params, a.raw, a.models, a.out, a.threads)
 
 
 if __name__ == "__main__":

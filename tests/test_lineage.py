@@ -52,7 +52,7 @@ def test_git_commit_and_dirty_in_a_repository(tmp_path):
     assert git_dirty(tmp_path) is True
 
 
-def test_input_lineage_hashes_files_and_marks_data_free(tmp_path):
+def test_input_lineage_hashes_files_and_marks_data_free(tmp_path, one_thread):
     ckpt, post = tmp_path / "m.safetensors", tmp_path / "p.safetensors"
     ckpt.write_bytes(b"weights")
     post.write_bytes(b"posterior")
@@ -60,6 +60,7 @@ def test_input_lineage_hashes_files_and_marks_data_free(tmp_path):
     assert meta["checkpoint_sha256"] == hashlib.sha256(b"weights").hexdigest()
     assert meta["posterior_sha256"] == hashlib.sha256(b"posterior").hexdigest()
     assert meta["calibration_indices"] == "5,2,9" and meta["dataset_digest"] == "d1g"
+    assert meta["torch_threads"] == "1"
     free = input_lineage(str(ckpt), str(tmp_path), "d1g", None, None)
     assert free["posterior"].startswith("none") and free["calibration_indices"].startswith("none")
     assert "posterior_sha256" not in free

@@ -7,7 +7,8 @@ import pytest
 import torch
 import yaml
 
-from flows.zoo import ZooModel, make_zoo_flow, read_zoo
+from bayesq.export import read_export
+from flows.zoo import ZooModel, make_zoo_flow, read_zoo, task_runner
 from tests.test_flows import TinyEntry, TinyEntryB, _params, register_tiny
 
 LOADER = "tests.test_flows:register_tiny"
@@ -55,8 +56,8 @@ def zoo_setup(tmp_path):
     unregister("tiny-cnn-b")
 
 
-def _run(tmp, zoo, out, dask=None):
-    return make_zoo_flow(dask)(zoo, _params(tmp), tmp, tmp / "models", tmp / out)
+def _run(tmp, zoo, out, dask=None, threads=None):
+    return make_zoo_flow(dask, threads=threads)(zoo, _params(tmp), tmp, tmp / "models", tmp / out, threads)
 
 
 def _key(records):
@@ -82,20 +83,43 @@ def test_zoo_flow_caches_adds_and_isolates_failures(zoo_setup, prefect_harness, 
     assert again == second
 
 
+def test_task_runner_local_dask_workers_threads_and_allocator(monkeypatch):
+    """Local Dask workers start with the requested intra-op threads and without Dask's
+    MALLOC_TRIM_THRESHOLD_ (it made a ResNet layer table 2.4x slower)."""
+    import copy
+    import os
+
+    import dask
+    from distributed import Client, LocalCluster
+
+    monkeypatch.setattr(dask.config, "config", copy.deepcopy(dask.config.config))  # restored afterwards
+    for var in ("OMP_NUM_THREADS", "MALLOC_TRIM_THRESHOLD_"):  # the OS value would win over the config
+        monkeypatch.delenv(var, raising=False)
+    task_runner("local", workers=2, threads=3)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        env = client.submit(lambda: {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MALLOC_TRIM_THRESHOLD_")},
+                            pure=False).result()
+    assert env == {"OMP_NUM_THREADS": "3", "MALLOC_TRIM_THRESHOLD_": None}
+    with pytest.raises(ValueError, match="threads = 0"):
+        task_runner(None, workers=1, threads=0)
+
+
 def test_zoo_flow_dask_two_workers_matches_serial_byte_for_byte(zoo_setup, prefect_harness, monkeypatch):
     """The serial run, then the same zoo recomputed (cache refreshed) on a 2-worker Dask cluster
-    into the same folder: the same records and byte-identical export files."""
+    into the same folder, both with one torch thread per task: the same records and byte-identical
+    export files, which record that thread count."""
     from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
 
     tmp = zoo_setup
     zoo = _zoo(tmp, [{"name": "tiny-cnn", "loader": LOADER, "budgets": [4.0]},
                      {"name": "tiny-cnn-b", "loader": LOADER, "budgets": [3.0, 4.0]}])
-    serial = _run(tmp, zoo, "zoo")
+    serial = _run(tmp, zoo, "zoo", threads=1)
     files = {r["export"]["path"]: (Path(r["export"]["path"]).read_bytes(), Path(r["export"]["path"]).stat().st_mtime_ns)
              for r in serial["records"]}
     monkeypatch.setenv("PREFECT_TASKS_REFRESH_CACHE", "true")  # the Dask workers' processes
     with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: True}):
-        dask = _run(tmp, zoo, "zoo", dask="local")
+        dask = _run(tmp, zoo, "zoo", dask="local", threads=1)
     assert not serial["failures"] and not dask["failures"] and len(dask["records"]) == 3
     assert _key(dask["records"]) == _key(serial["records"])
     for r in dask["records"]:
@@ -103,6 +127,7 @@ def test_zoo_flow_dask_two_workers_matches_serial_byte_for_byte(zoo_setup, prefe
         path = Path(r["export"]["path"])
         assert path.stat().st_mtime_ns != written  # recomputed and rewritten by a worker
         assert path.read_bytes() == data
+        assert read_export(path).user["torch_threads"] == "1"
         assert r["export"]["sha256"] == next(s for s in serial["records"] if s["export"]["path"] == str(path))[
             "export"]["sha256"]
 
