@@ -84,7 +84,7 @@ def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig
     for budget in params.ablations.budgets:
         r = quantize_eval_task(name, Method.BAYESQ.value, budget, seed, str(model_file), mdig,
                                str(src), sdig, p.data, p.quant, p.allocation, tab["table"], key,
-                               post["path"], code)
+                               post["path"], code, export_dir=str(Path(out) / "exports" / group / label))
         r = {**r, "group": group, "row": label, "overrides": {k: str(v) for k, v in over.items()},
              "posterior_seconds": post["seconds"], "table_seconds": tab["seconds"]}
         print(f"[ablate] {name} {group} / {label} @ {budget}: acc {r['accuracy']:.4f} "

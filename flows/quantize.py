@@ -91,7 +91,7 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
                        model_digest: str, raw: str, raw_digest: str, data, quant, allocation_cfg,
                        table, table_key: str, posterior_file: str | None, code: str,
                        calibration=None, baselines=None, traces: dict | None = None,
-                       distill=None, robustness=None, ood: bool = False, export_dir: str = "",
+                       distill=None, robustness=None, ood: bool = False, *, export_dir: str,
                        lineage: dict | None = None) -> dict:
     """Quantise with one method at one budget, write the export, load it back and evaluate the
     loaded model on the test split (and under shift).

@@ -227,6 +227,8 @@ def test_ablation_flow_rows_failures_and_report(tmp_path, prefect_harness, tiny_
     records = ablate_flow(path, raw, models, out)
     ok = [r for r in records if "error" not in r]
     assert len(ok) == 6 and all(r["avg_bits"] <= r["budget"] for r in ok)
+    paths = {r["export"]["path"] for r in ok}  # one file per row and budget, under the output folder
+    assert len(paths) == 6 and all(Path(x).is_relative_to(out / "exports") and Path(x).is_file() for x in paths)
     failed = [r for r in records if "error" in r]
     assert len(failed) == 1 and "at least 16 bits" in failed[0]["error"]
     data = read_json(out / "ablations.json")
