@@ -237,13 +237,16 @@ def zoo_serve(zoo: Path = typer.Option(..., help="zoo file (YAML list of models)
 
 
 def _serve(cmds: dict[str, list[str]]) -> None:
-    """Start the servers, wait until Ctrl-C or one of them exits, then stop all of them."""
+    """Start the servers, wait until Ctrl-C or one of them exits, then stop all of them.
+
+    Ctrl-C is a clean stop; a server that exits by itself (e.g. its port is taken) exits 1."""
     procs = {name: subprocess.Popen(cmd, cwd=ROOT) for name, cmd in cmds.items()}
     try:
         while all(p.poll() is None for p in procs.values()):
             time.sleep(0.5)
-        gone = [n for n, p in procs.items() if p.poll() is not None]
-        typer.secho(f"{', '.join(gone)} exited; stopping the others", fg=typer.colors.YELLOW, err=True)
+        gone = [f"{n} (status {p.returncode})" for n, p in procs.items() if p.poll() is not None]
+        typer.secho(f"{', '.join(gone)} exited; stopping the others", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
     except KeyboardInterrupt:
         typer.echo("stopping")
     finally:

@@ -1,12 +1,17 @@
 """The ``bayesq`` command line: help on every command, one model quantised and exported without
 DVC, its lineage printed back, clear errors."""
 
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
+import typer
 from typer.testing import CliRunner
 
 from bayesq.models.zoo import register, unregister
-from flows.cli import app
+from flows.cli import _serve, app
 from tests.test_flows import TinyEntry, _params
 
 runner = CliRunner()
@@ -101,3 +106,36 @@ def test_zoo_deployment_schedule_and_errors(tmp_path):
         zoo_deployment(zoo, "every sunday", tmp_path / "p.yaml", tmp_path, tmp_path, tmp_path / "out", None)
     res = runner.invoke(app, ["zoo", "serve", "--zoo", str(tmp_path / "absent.yaml")])
     assert res.exit_code == 1 and "absent.yaml" in res.output
+
+
+def _sleeper(seconds: float = 60.0) -> list[str]:
+    return [sys.executable, "-c", f"import time; time.sleep({seconds})"]
+
+
+def test_serve_one_server_exits_stops_the_others_and_fails(monkeypatch):
+    started = []
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(real_popen(*a, **k)) or started[-1])
+    with pytest.raises(typer.Exit) as err:
+        _serve({"long": _sleeper(), "dies": [sys.executable, "-c", "raise SystemExit(3)"]})
+    assert err.value.exit_code == 1
+    assert [p.returncode for p in started][1] == 3
+    assert started[0].returncode is not None  # the long-running one was stopped, not left behind
+
+
+def test_serve_ctrl_c_stops_every_server(monkeypatch):
+    started = []
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(real_popen(*a, **k)) or started[-1])
+
+    real_sleep, calls = time.sleep, []
+
+    def interrupt_once(seconds):  # the first wait in _serve's loop is "Ctrl-C"; Popen.wait sleeps too
+        calls.append(seconds)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", interrupt_once)
+    _serve({"a": _sleeper(), "b": _sleeper()})  # returns normally: Ctrl-C is a clean stop
+    assert len(started) == 2 and all(p.returncode is not None for p in started)
