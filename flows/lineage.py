@@ -27,6 +27,8 @@ from flows import ROOT
 
 # params sections that shape a quantised model (stored in every export)
 EXPORT_SECTIONS = ("data", "calibration", "posterior", "quant", "allocation", "distill", "baselines")
+# tracked files a pipeline run writes: DVC's lock file and the committed reports
+PIPELINE_WRITES = ("dvc.lock", "reports")
 
 
 def git_commit(root: Path = ROOT) -> str:
@@ -39,10 +41,14 @@ def git_commit(root: Path = ROOT) -> str:
 
 
 def git_dirty(root: Path = ROOT) -> bool:
-    """Whether tracked files differ from HEAD (the commit alone does not describe the code)."""
+    """Whether tracked files differ from HEAD (the commit alone does not describe the code).
+
+    Files the pipeline itself rewrites (:data:`PIPELINE_WRITES`) do not count: ``dvc repro``
+    updates ``dvc.lock`` after each stage, before the next stage records its lineage."""
+    excludes = [f":(exclude){path}" for path in PIPELINE_WRITES]
     try:
-        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", *excludes],
+                             cwd=root, capture_output=True, text=True, check=True)
         return bool(out.stdout.strip())
     except (OSError, subprocess.CalledProcessError):
         return False

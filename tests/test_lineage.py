@@ -42,12 +42,18 @@ def test_git_commit_and_dirty_in_a_repository(tmp_path):
     run = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)  # noqa: E731
     run("init", "-q")
     (tmp_path / "f.txt").write_text("a")
-    run("add", "f.txt")
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'")
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "main_table.md").write_text("| a |")
+    run("add", "f.txt", "dvc.lock", "reports/main_table.md")
     run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
     assert git_commit(tmp_path) == head and git_dirty(tmp_path) is False
     (tmp_path / "untracked.txt").write_text("x")
     assert git_dirty(tmp_path) is False  # untracked files are not the code that ran
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\nstages: {}")
+    (tmp_path / "reports" / "main_table.md").write_text("| b |")
+    assert git_dirty(tmp_path) is False  # what `dvc repro` itself rewrites mid-run is not the code
     (tmp_path / "f.txt").write_text("b")
     assert git_dirty(tmp_path) is True
 
