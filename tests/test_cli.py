@@ -112,10 +112,19 @@ def _sleeper(seconds: float = 60.0) -> list[str]:
     return [sys.executable, "-c", f"import time; time.sleep({seconds})"]
 
 
-def test_serve_one_server_exits_stops_the_others_and_fails(monkeypatch):
-    started = []
-    real_popen = subprocess.Popen
-    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(real_popen(*a, **k)) or started[-1])
+@pytest.fixture
+def started(monkeypatch):
+    """The processes ``_serve`` starts, in order; any still running are killed after the test."""
+    procs, real_popen = [], subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: procs.append(real_popen(*a, **k)) or procs[-1])
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_serve_one_server_exits_stops_the_others_and_fails(started):
     with pytest.raises(typer.Exit) as err:
         _serve({"long": _sleeper(), "dies": [sys.executable, "-c", "raise SystemExit(3)"]})
     assert err.value.exit_code == 1
@@ -123,11 +132,7 @@ def test_serve_one_server_exits_stops_the_others_and_fails(monkeypatch):
     assert started[0].returncode is not None  # the long-running one was stopped, not left behind
 
 
-def test_serve_ctrl_c_stops_every_server(monkeypatch):
-    started = []
-    real_popen = subprocess.Popen
-    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(real_popen(*a, **k)) or started[-1])
-
+def test_serve_ctrl_c_stops_every_server(started, monkeypatch):
     real_sleep, calls = time.sleep, []
 
     def interrupt_once(seconds):  # the first wait in _serve's loop is "Ctrl-C"; Popen.wait sleeps too
