@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from scipy.optimize import minimize_scalar
@@ -214,15 +215,71 @@ def minmax_grids(w: torch.Tensor, bits: int, scale_bits: int = 16, ratio: torch.
     return grids_from_range(ratio * w.min(1).values, ratio * w.max(1).values, bits, scale_bits)
 
 
+def search_range(
+    wmin: torch.Tensor, wmax: torch.Tensor, bits: int, cost: Callable[[UniformGrids], torch.Tensor], *,
+    iters: int = 20, min_ratio: float = 0.2, scale_bits: int = 16, grid: int = 0,
+) -> tuple[UniformGrids, torch.Tensor]:
+    """Per-row clipping ratio ``rho`` in [min_ratio, 1] of the range ``rho * [min, max]``.
+
+    ``cost(grids) -> (G,)`` scores the grids of every row. ``rho = 1`` (plain min/max) is always
+    a candidate, so the result is never worse than RTN's range under ``cost``. With ``grid > 0``
+    the ratios ``linspace(min_ratio, 1, grid)`` are scored first and the golden-section search
+    (``iters - 2`` steps) runs inside one grid step of the best of them; with ``grid = 0`` it
+    runs on the whole of [min_ratio, 1].
+
+    Args:
+        wmin, wmax: (G,) float64 smallest / largest real weight of each row.
+
+    Returns:
+        (grids, cost): the chosen grids and their (G,) float64 cost.
+    """
+    def cost_at(rho: torch.Tensor) -> torch.Tensor:
+        return cost(grids_from_range(rho * wmin, rho * wmax, bits, scale_bits))
+
+    one = torch.ones_like(wmin)
+    best_cost, best_rho = cost_at(one), one.clone()
+
+    def consider(rho: torch.Tensor, f: torch.Tensor) -> None:
+        nonlocal best_cost, best_rho
+        better = f < best_cost
+        best_cost, best_rho = torch.where(better, f, best_cost), torch.where(better, rho, best_rho)
+
+    a, b = torch.full_like(wmin, min_ratio), one.clone()
+    if grid > 1:
+        for r in torch.linspace(min_ratio, 1.0, grid, dtype=wmin.dtype).tolist()[:-1]:
+            rho = torch.full_like(wmin, r)
+            consider(rho, cost_at(rho))
+        step = (1.0 - min_ratio) / (grid - 1)
+        a, b = (best_rho - step).clamp_min(min_ratio), (best_rho + step).clamp_max(1.0)
+    c = b - _GOLDEN * (b - a)
+    d = a + _GOLDEN * (b - a)
+    fc, fd = cost_at(c), cost_at(d)
+    consider(c, fc)
+    consider(d, fd)
+    for _ in range(max(0, iters - 2)):
+        left = fc < fd  # minimum in [a, d]
+        b = torch.where(left, d, b)
+        a = torch.where(left, a, c)
+        new = torch.where(left, b - _GOLDEN * (b - a), a + _GOLDEN * (b - a))
+        fnew = cost_at(new)
+        c, fc, d, fd = (  # left: (new, c) become (c, d); right: (d, new) become (c, d)
+            torch.where(left, new, d), torch.where(left, fnew, fd),
+            torch.where(left, c, new), torch.where(left, fc, fnew),
+        )
+        consider(new, fnew)
+    grids = grids_from_range(best_rho * wmin, best_rho * wmax, bits, scale_bits)
+    return grids, best_cost
+
+
 def fit_uniform_grids(
     mu: torch.Tensor, sigma: torch.Tensor, mask: torch.Tensor, bits: int, *,
     iters: int = 20, min_ratio: float = 0.2, scale_bits: int = 16,
 ) -> tuple[UniformGrids, torch.Tensor]:
-    """Per-group clipping range minimising the posterior-expected whitened distortion.
+    """Per-group clipping range minimising the posterior-expected whitened distortion of draws.
 
-    The range is ``rho * [min, max]`` of the group's means, with ``rho`` found by a vectorised
-    golden-section search on [min_ratio, 1]; ``rho = 1`` (plain min/max) is always a candidate,
-    so the result is never worse than the RTN range under this objective.
+    The ``draws`` objective (kept as an ablation): the range is ``rho * [min, max]`` of the
+    group's means, ``rho`` from :func:`search_range` (golden section on [min_ratio, 1]) on
+    :func:`grid_cost_chunked`.
 
     Args:
         mu, sigma: (G, n) float64 posterior means / standard deviations of each group.
@@ -234,38 +291,89 @@ def fit_uniform_grids(
         (grids, cost): the chosen grids and their (G,) float64 summed expected whitened cost.
     """
     levels = 2**bits
-    wmin, wmax = mu.min(1).values, mu.max(1).values
+    return search_range(
+        mu.min(1).values, mu.max(1).values, bits,
+        lambda g: grid_cost_chunked(mu, sigma, g.lo, g.scale, levels, mask),
+        iters=iters, min_ratio=min_ratio, scale_bits=scale_bits,
+    )
 
-    def cost_at(rho: torch.Tensor) -> tuple[torch.Tensor, UniformGrids]:
-        g = grids_from_range(rho * wmin, rho * wmax, bits, scale_bits)
-        return grid_cost_chunked(mu, sigma, g.lo, g.scale, levels, mask), g
 
-    one = torch.ones_like(wmin)
-    best_cost, best = cost_at(one)
-    best_rho = one.clone()
-    a = torch.full_like(wmin, min_ratio)
-    b = one.clone()
-    c = b - _GOLDEN * (b - a)
-    d = a + _GOLDEN * (b - a)
-    fc, _ = cost_at(c)
-    fd, _ = cost_at(d)
-    for rho, f in ((c, fc), (d, fd)):
-        better = f < best_cost
-        best_cost, best_rho = torch.where(better, f, best_cost), torch.where(better, rho, best_rho)
-    for _ in range(max(0, iters - 2)):
-        left = fc < fd  # minimum in [a, d]
-        b = torch.where(left, d, b)
-        a = torch.where(left, a, c)
-        new = torch.where(left, b - _GOLDEN * (b - a), a + _GOLDEN * (b - a))
-        fnew, _ = cost_at(new)
-        c, fc, d, fd = (  # left: (new, c) become (c, d); right: (d, new) become (c, d)
-            torch.where(left, new, d), torch.where(left, fnew, fd),
-            torch.where(left, c, new), torch.where(left, fc, fnew),
-        )
-        better = fnew < best_cost
-        best_cost, best_rho = torch.where(better, fnew, best_cost), torch.where(better, new, best_rho)
-    grids = grids_from_range(best_rho * wmin, best_rho * wmax, bits, scale_bits)
-    return grids, best_cost
+# ---- The deployed objective: weighted squared error of the stored weights ---------------------
+
+def grid_sq_error(w: torch.Tensor, weight: torch.Tensor, grids: UniformGrids) -> torch.Tensor:
+    """(G,) float64 ``sum_i weight_i (Q(w_i) - w_i)^2`` of (G, n) ``w`` under its rows' grids."""
+    return ((grids.dequantize(grids.quantize(w)) - w).pow(2) * weight).sum(1)
+
+
+def levels_sq_error(w: torch.Tensor, weight: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """(R,) float64 ``sum_i weight_i (Q(w_i) - w_i)^2`` under each row's sorted ``levels`` (R, K)."""
+    return ((dequantize_levels(quantize_levels(w, levels), levels) - w).pow(2) * weight).sum(1)
+
+
+def fit_uniform_grids_deployed(
+    w: torch.Tensor, weight: torch.Tensor, bits: int, *, iters: int = 12, min_ratio: float = 0.2,
+    scale_bits: int = 16, grid: int = 20,
+) -> tuple[UniformGrids, torch.Tensor]:
+    """Per-group range minimising the weighted squared error of the deployed weights.
+
+    ``J(rho) = sum_i weight_i (Q_rho(w_i) - w_i)^2`` with ``Q_rho`` the grid over
+    ``rho * [min, max]`` of the group's weights (:func:`search_range`: a ``grid`` of ratios, then
+    golden section). ``weight`` is the metric (data curvature, + prior precision) times the
+    padding mask.
+
+    Args:
+        w: (G, n) float64 trained weights (padding repeats a real weight of its group).
+        weight: (G, n) float64 >= 0.
+
+    Returns:
+        (grids, (G,) float64 cost ``J``).
+    """
+    return search_range(w.min(1).values, w.max(1).values, bits, lambda g: grid_sq_error(w, weight, g),
+                        iters=iters, min_ratio=min_ratio, scale_bits=scale_bits, grid=grid)
+
+
+def fit_weighted_levels(
+    w: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor, bits: int, *, iters: int = 30,
+    lut_bits: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted k-means (Lloyd) levels of the deployed weights, one LUT of ``2**bits`` per row.
+
+    Minimises ``J(c) = sum_i weight_i (c_{k(i)} - w_i)^2`` with ``k(i)`` the nearest level: each
+    iteration assigns every weight to its nearest level and moves every level to its cell's
+    weighted mean ``sum weight w / sum weight`` (cells with no weight keep their level), so J
+    never increases. Start: the min/max uniform levels of the row's real weights (RTN's levels
+    as a LUT); levels stay inside [min, max]. Levels are rounded to the LUT format and a row
+    whose rounded result is worse than its rounded start keeps the start.
+
+    Args:
+        w: (R, n) float64 weights; weight: (R, n) float64 >= 0 (metric x mask); mask: (R, n)
+            1 for real weights, 0 for padding.
+
+    Returns:
+        (levels (R, K) float64 ascending as stored, (R,) float64 ``J`` of those levels).
+    """
+    if w.shape != weight.shape or w.shape != mask.shape or w.ndim != 2 or bits < 1:
+        raise ValueError(f"need (R, n) w, weight and mask of one shape and bits >= 1; got "
+                         f"{tuple(w.shape)}, {tuple(weight.shape)}, {tuple(mask.shape)}, bits={bits}")
+    k = 2**bits
+    big = torch.finfo(w.dtype).max
+    lo = torch.where(mask > 0, w, big).min(1).values
+    hi = torch.where(mask > 0, w, -big).max(1).values
+    lo, hi = torch.minimum(lo, hi), torch.maximum(lo, hi)  # rows without real weights: any
+    start = lo[:, None] + (hi - lo)[:, None] * torch.linspace(0, 1, k, dtype=w.dtype, device=w.device)
+    levels = start
+    for _ in range(iters):
+        codes = quantize_levels(w, levels)  # (R, n)
+        m0 = torch.zeros_like(levels).scatter_add_(1, codes, weight)  # (R, K) cell weight
+        m1 = torch.zeros_like(levels).scatter_add_(1, codes, weight * w)
+        new = torch.where(m0 > 0, m1 / m0.clamp_min(1e-300), levels).sort(1).values
+        if torch.equal(new, levels):
+            break
+        levels = new
+    levels, start = _round_stored(levels, lut_bits, "LUT levels"), _round_stored(start, lut_bits, "LUT levels")
+    cost, cost0 = levels_sq_error(w, weight, levels), levels_sq_error(w, weight, start)
+    keep = cost0 < cost
+    return torch.where(keep[:, None], start, levels), torch.where(keep, cost0, cost)
 
 
 def quantize(w: torch.Tensor, grids: UniformGrids) -> torch.Tensor:

@@ -22,11 +22,11 @@ class Granularity(str, Enum):
     GROUP = "group"
 
 
-class FisherScale(str, Enum):
-    """Which data set size the summed calibration Fisher is scaled to (the Laplace 'N')."""
+class Prior(str, Enum):
+    """How each layer's prior precision lambda_l is set."""
 
-    TRAIN = "train"  # the training split the model was fine-tuned on
-    CALIBRATION = "calibration"  # the calibration set itself: p(w | D_cal)
+    FITTED = "fitted"  # maximise the layer's Laplace marginal likelihood (MacKay's fixed point)
+    FIXED = "fixed"  # lambda_l = posterior.damping for every layer
 
 
 class Curvature(str, Enum):
@@ -57,6 +57,20 @@ class Codebook(str, Enum):
     LLOYD_UNIFORM = "lloyd-uniform"  # Lloyd LUT compiled to a uniform grid per group (no LUT)
     MULAW = "mulaw"  # fixed mu-law companding table, one scale per group (control)
     VQ = "vq"  # vectors of vq_dim weights, one weighted k-means codebook per layer (tensor units)
+
+
+class Objective(str, Enum):
+    """What a loss-table entry scores."""
+
+    DEPLOYED = "deployed"  # posterior-expected loss increase of deploying Q(mu): 0.5 (q - mu)^T C (q - mu)
+    DRAWS = "draws"  # distortion of quantised posterior draws E_w[(Q(w) - w)^2 / sigma^2] (ablation)
+
+
+class CostTerms(str, Enum):
+    """Which precision terms weigh the deployed weights' error (``quant.objective: deployed``)."""
+
+    DATA = "data"  # the data curvature C alone (the task's loss)
+    DATA_PRIOR = "data-prior"  # C + lambda_l: the posterior precision (prior as a penalty)
 
 
 class Rounding(str, Enum):
@@ -122,15 +136,18 @@ def _enum(cfg: Any, section: str, name: str, enum: type[Enum]) -> None:
 
 @dataclass(frozen=True)
 class PosteriorConfig:
-    """Label-free diagonal Fisher Laplace posterior: ``precision = n_data * mean_n F_n + damping``.
+    """Label-free Laplace posterior: ``precision = N * mean_n C_n + lambda_l``.
 
-    ``n_data`` scales the mean per-example Fisher to the data set the posterior conditions on;
-    0 means "the calibration set" (``precision = sum_n F_n + damping``, the paper's p(w | D_cal)).
+    ``n_data`` is the one definition of the data size N that scales the mean per-example
+    curvature, in the library and in the pipeline alike; 0 means "the calibration set"
+    (``precision = sum_n C_n + lambda_l``). ``prior = fitted``: each layer's prior precision
+    lambda_l maximises its Laplace marginal likelihood; ``fixed``: ``lambda_l = damping``.
     Variances ``1 / precision`` are clipped to ``[var_min, var_max]``.
     """
 
     damping: float = 1e-2
     n_data: int = 0
+    prior: Prior = Prior.FITTED
     var_min: float = 1e-12
     var_max: float = 1e4
     label_samples: int = 1
@@ -145,6 +162,7 @@ class PosteriorConfig:
     def __post_init__(self) -> None:
         s = "posterior"
         _enum(self, s, "curvature", Curvature)
+        _enum(self, s, "prior", Prior)
         if self.probes < 1:
             _fail(s, "probes", self.probes, "must be >= 1 (Rademacher probes per batch)")
         if not 0 < self.kfac_decay <= 1:
@@ -180,6 +198,9 @@ class QuantConfig:
     scale_bits: int = 16
     range_iters: int = 12
     min_range_ratio: float = 0.2
+    range_grid: int = 20
+    objective: Objective = Objective.DEPLOYED
+    cost_terms: CostTerms = CostTerms.DATA
     unit: AllocationUnit = AllocationUnit.BLOCK
     codebook: Codebook = Codebook.UNIFORM
     whitening: Whitening = Whitening.POSTERIOR
@@ -195,7 +216,8 @@ class QuantConfig:
     def __post_init__(self) -> None:
         s = "quant"
         for name, enum in (("unit", AllocationUnit), ("codebook", Codebook), ("whitening", Whitening),
-                           ("rounding", Rounding), ("proxy", Proxy)):
+                           ("rounding", Rounding), ("proxy", Proxy), ("objective", Objective),
+                           ("cost_terms", CostTerms)):
             _enum(self, s, name, enum)
         if self.mc_samples < 4 or self.mc_samples % 2:
             _fail(s, "mc_samples", self.mc_samples, "need an even number >= 4 (antithetic pairs)")
@@ -230,6 +252,8 @@ class QuantConfig:
             _fail(s, "scale_bits", self.scale_bits, "scales are stored as fp16 (16) or fp32 (32)")
         if self.range_iters < 1:
             _fail(s, "range_iters", self.range_iters, "must be >= 1")
+        if isinstance(self.range_grid, bool) or not isinstance(self.range_grid, int) or self.range_grid < 0:
+            _fail(s, "range_grid", self.range_grid, "must be an integer >= 0 (0: golden section only)")
         if not 0 < self.min_range_ratio <= 1:
             _fail(s, "min_range_ratio", self.min_range_ratio, "must be in (0, 1]")
 
@@ -293,7 +317,10 @@ class DistillConfig:
     Teacher: mean of ``softmax(f(x; w_m) / temperature)`` over ``samples`` posterior draws,
     tempered until they agree with the mean model on ``agreement`` of the calibration inputs
     (:mod:`bayesq.distill`); AdamW with learning rate ``lr`` for ``steps`` steps. Applied when
-    the budget is at most ``max_budget`` (0 switches it off).
+    the budget is at most ``max_budget`` (0 switches it off). The calibration inputs are split
+    by the seed: ``holdout`` of them are held out of the fit, and the distilled parameters are
+    kept only if they lower the mean KL(p_FP || p_quantised) on the held-out inputs (``accept``;
+    false: always kept, an ablation).
     """
 
     max_budget: float = 3.5
@@ -303,6 +330,8 @@ class DistillConfig:
     lr: float = 1e-4
     train_bias: bool = False
     agreement: float = 0.95
+    holdout: float = 0.25
+    accept: bool = True
 
     def __post_init__(self) -> None:
         s = "distill"
@@ -319,6 +348,11 @@ class DistillConfig:
             _fail(s, "train_bias", self.train_bias, "must be true or false")
         if not 0 < self.agreement <= 1:
             _fail(s, "agreement", self.agreement, "must be in (0, 1] (share of calibration inputs)")
+        h = self.holdout
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 < h < 1:
+            _fail(s, "holdout", h, "must be in (0, 1) (share of calibration inputs held out of the fit)")
+        if not isinstance(self.accept, bool):
+            _fail(s, "accept", self.accept, "must be true or false")
 
     def applies(self, budget: float) -> bool:
         """Whether a model quantised at ``budget`` average bits is distilled."""
@@ -400,27 +434,27 @@ class FinetuneConfig:
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    """Unlabelled calibration set sizes (labels are never used), batch size, Fisher scale.
+    """Unlabelled calibration set sizes (labels are never used) and batch size.
 
-    ``fisher_scale = train`` sets ``posterior.n_data`` to the model's training-split size, so the
-    posterior is that of the trained weights given their training data, with the curvature
-    estimated on the calibration inputs.
+    The Laplace data size N is ``posterior.n_data`` (one definition for the library and the
+    pipeline); the key ``fisher_scale`` that set it here before is rejected with that hint.
     """
 
     images: int = 500
     sentences: int = 1000
     batch_size: int = 32
-    fisher_scale: FisherScale = FisherScale.TRAIN
 
     def __post_init__(self) -> None:
         s = "calibration"
-        try:
-            object.__setattr__(self, "fisher_scale", FisherScale(self.fisher_scale))
-        except ValueError:
-            _fail(s, "fisher_scale", self.fisher_scale, f"choose from {[f.value for f in FisherScale]}")
         for name in ("images", "sentences", "batch_size"):
             if getattr(self, name) < 1:
                 _fail(s, name, getattr(self, name), "must be >= 1")
+
+
+_REMOVED = {  # keys of earlier versions: section -> {key: what to do instead}
+    "calibration": {"fisher_scale": "the Laplace data size N is posterior.n_data alone "
+                                    "(0 = the calibration set size); delete this key"},
+}
 
 
 def from_mapping(cls: type, data: Mapping[str, Any] | None, section: str) -> Any:
@@ -431,6 +465,9 @@ def from_mapping(cls: type, data: Mapping[str, Any] | None, section: str) -> Any
     """
     data = dict(data or {})
     known = {f.name: f for f in fields(cls)}
+    for key, hint in _REMOVED.get(section, {}).items():
+        if key in data:
+            raise ValueError(f"{section}.{key} was removed: {hint}")
     for key in data:
         if key not in known:
             close = difflib.get_close_matches(key, list(known), n=1)
@@ -457,23 +494,39 @@ def replace(cfg: Any, **changes: Any) -> Any:
 
 @dataclass(frozen=True)
 class BaselinesConfig:
-    """Settings of the baselines that have their own knobs (``baselines`` in params.yaml)."""
+    """Settings of the baselines that have their own knobs (``baselines`` in params.yaml).
+
+    ``select``: GPTQ and AWQ are the variant with the least calibration KL among their own mixed
+    rule, uniform bit-widths at the smallest group size of ``group_sizes`` (then per-channel)
+    that fits the budget, and (GPTQ) a supplied allocation (:mod:`bayesq.baselines.select`);
+    false: their own mixed rule only (an ablation).
+    """
 
     gptq_damp: float = 0.01  # dampening, fraction of mean(diag H)
     gptq_act_order: bool = True  # columns by decreasing diag(H)
     awq_grid: int = 20  # alpha in {0, 1/grid, ..., (grid-1)/grid}
     hawq_probes: int = 2  # Rademacher probes per calibration batch for the Hessian traces
+    select: bool = True  # GPTQ / AWQ: best budget-feasible variant on the calibration KL
+    group_sizes: tuple[int, ...] = (32, 64, 128, 256)  # uniform variants' group sizes (per-channel last)
 
     def __post_init__(self) -> None:
         s = "baselines"
         if not 0 < self.gptq_damp < 1:
             _fail(s, "gptq_damp", self.gptq_damp, "must be in (0, 1) (GPTQ uses 0.01)")
-        if not isinstance(self.gptq_act_order, bool):
-            _fail(s, "gptq_act_order", self.gptq_act_order, "must be true or false")
+        for name in ("gptq_act_order", "select"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(s, name, getattr(self, name), "must be true or false")
         for name in ("awq_grid", "hawq_probes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 _fail(s, name, v, "must be an integer >= 1")
+        g = self.group_sizes
+        if (not isinstance(g, (tuple, list)) or not g
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in g)):
+            _fail(s, "group_sizes", g, "need a non-empty list of integer group sizes >= 1, e.g. [32, 64, 128, 256]")
+        if list(g) != sorted(set(g)):
+            _fail(s, "group_sizes", g, "must be strictly ascending, e.g. [32, 64, 128, 256]")
+        object.__setattr__(self, "group_sizes", tuple(g))
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,15 @@ minimised with AdamW (no weight decay) over the unlabelled calibration batches. 
 scales and table entries are rounded to their stored precision and the zero-points to integers
 in [0, 2^b - 1], so the stored model has exactly the bits it had before.
 
+The calibration inputs are first split by the seed into a fit part and a held-out part
+(``holdout`` of the inputs); the teacher, the tempering and the training see only the fit part.
+The distilled encoding is kept only if it lowers the held-out
+
+    KL_held(q) = 1/|H| sum_{x in H} KL(softmax(f(x)) || softmax(f_q(x)))     (temperature 1)
+
+of the full-precision model ``f`` against the quantised one, strictly; otherwise the undistilled
+encoding is returned unchanged, so distillation cannot make the model worse on held-out inputs.
+
 ``s`` tempers the posterior.  A Laplace posterior over millions of weights fitted on a few
 hundred inputs is dominated by its prior for most weights (their sampled networks predict at
 chance), so ``s`` is the largest value on a log grid whose samples still agree with the mean
@@ -39,7 +48,7 @@ from bayesq.codebook import LevelTables, UniformGrids
 from bayesq.config import DistillConfig
 from bayesq.forward import Batch, batch_size, logits
 from bayesq.posterior import Posterior
-from bayesq.quantize import QuantizedWeight, first_inputs
+from bayesq.quantize import QuantizedWeight, first_inputs, quantized_copy
 
 SCALE_GRID = tuple(2.0**-k for k in range(0, 17))  # candidate tempering factors s, largest first
 
@@ -48,15 +57,24 @@ SCALE_GRID = tuple(2.0**-k for k in range(0, 17))  # candidate tempering factors
 class DistillResult:
     """What :func:`distill` returns.
 
+    Which encoding is kept: the distilled one when ``accepted``, else the undistilled one
+    (``weights`` are then the very QuantizedWeight objects passed in and ``biases`` is empty).
+
     Attributes:
-        weights: name -> QuantizedWeight with the same codes and bit-widths, trained books.
-        biases: name -> trained bias (float32) of the layers whose bias was trained (else empty).
+        weights: name -> QuantizedWeight with the same codes and bit-widths: the trained books if
+            ``accepted``, else the input encodings unchanged.
+        biases: name -> trained bias (float32) of the layers whose bias was trained, if
+            ``accepted`` (else empty: the model's biases stay).
         sample_scale: tempering factor ``s`` of the teacher's posterior samples.
-        teacher_agreement: share of calibration inputs where the teacher's argmax equals the mean
-            model's.
+        teacher_agreement: share of the fit part's calibration inputs where the teacher's argmax
+            equals the mean model's.
         loss_first, loss_last: mean distillation loss over the first / last 10% of the steps.
         steps: optimiser steps taken.
-        seconds: wall time of the whole distillation (teacher included).
+        seconds: wall time of the whole distillation (teacher and held-out check included).
+        accepted: whether the distilled parameters were kept: ``kl_after < kl_before`` when
+            ``cfg.accept``, always True when not (ablation).
+        kl_before, kl_after: mean KL(p_FP(y|x) || p_quantised(y|x)) in nats (temperature 1) over
+            the held-out calibration inputs, of the undistilled / distilled encoding.
     """
 
     weights: dict[str, QuantizedWeight]
@@ -67,6 +85,9 @@ class DistillResult:
     loss_last: float
     steps: int
     seconds: float
+    accepted: bool
+    kl_before: float
+    kl_after: float
 
 
 def _sampled_weights(posterior: Posterior, scale: float, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -88,6 +109,88 @@ def _logits_with(model: nn.Module, weights: Mapping[str, torch.Tensor], batch: B
     """(B, C) logits of ``model`` with the ``<layer>.weight`` tensors replaced by ``weights``."""
     over = {f"{n}.weight": w.to(model.get_submodule(n).weight.dtype) for n, w in weights.items()}
     return _forward(model, over, batch)
+
+
+def _take(batch: Batch, rows: torch.Tensor) -> Batch:
+    """The examples ``rows`` ((k,) int64) of a tensor batch, or of every tensor of a dict batch."""
+    if isinstance(batch, Mapping):
+        return {key: v[rows.to(v.device)] for key, v in batch.items()}
+    return batch[rows.to(batch.device)]
+
+
+def split_calibration(batches: Sequence[Batch], holdout: float, seed: int = 0) -> tuple[list[Batch], list[Batch]]:
+    """Split the calibration inputs into a fit part and a held-out part, deterministically by ``seed``.
+
+    Of the ``N`` inputs, the first ``n_held = round(holdout * N)`` (Python's ``round``, clamped to
+    [1, N - 1]) of a permutation drawn from ``torch.Generator().manual_seed(seed)`` are held out.
+    Every batch is cut into its fit rows and its held-out rows (order kept, empty parts dropped),
+    so tensor batches stay tensors of the same trailing shape and dict batches keep their keys
+    (all values indexed along dim 0, as :func:`bayesq.quantize.first_inputs` slices them).
+
+    Returns:
+        ``(fit, held)``: two lists of batches of the input's kind; together they hold every
+        input exactly once.
+
+    Raises:
+        ValueError: ``holdout`` not in (0, 1), or fewer than 2 inputs.
+    """
+    if isinstance(holdout, bool) or not 0 < holdout < 1:
+        raise ValueError(f"distill.holdout = {holdout!r}: must be in (0, 1) "
+                         "(share of calibration inputs held out)")
+    sizes = [batch_size(b) for b in batches]
+    n = sum(sizes)
+    if n < 2:
+        raise ValueError(f"distill: the calibration set has {n} input(s), but distillation's held-out check needs "
+                         "at least 2 (one to fit, one held out): pass more calibration inputs")
+    n_held = min(n - 1, max(1, round(holdout * n)))
+    held = torch.zeros(n, dtype=torch.bool)
+    held[torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:n_held]] = True
+    fit_part, held_part, start = [], [], 0
+    for batch, k in zip(batches, sizes):
+        mask = held[start:start + k]
+        start += k
+        for part, rows in ((fit_part, ~mask), (held_part, mask)):
+            if bool(rows.any()):
+                part.append(_take(batch, torch.nonzero(rows).squeeze(1)))
+    return fit_part, held_part
+
+
+def _encoding(model: nn.Module, weights: Mapping[str, QuantizedWeight],
+              biases: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameter overrides running an encoding: dequantised weights and biases, cast to the layers'
+    dtype and device (the values :func:`bayesq.quantize.quantized_copy` / :func:`apply_distilled` store)."""
+    over = {}
+    for n, qw in weights.items():
+        w = model.get_submodule(n).weight
+        over[f"{n}.weight"] = qw.dequantize().to(device=w.device, dtype=w.dtype)
+    for n, b in biases.items():
+        ref = model.get_submodule(n).bias
+        over[f"{n}.bias"] = b.to(device=ref.device, dtype=ref.dtype)
+    return over
+
+
+def _log_probs(model: nn.Module, over: Mapping[str, torch.Tensor], batches: Sequence[Batch]) -> list[torch.Tensor]:
+    """Per batch, (B, C) float64 ``log_softmax`` of ``model``'s logits with parameters ``over`` replaced."""
+    with torch.no_grad():
+        return [F.log_softmax(_forward(model, over, b).double(), dim=-1) for b in batches]
+
+
+def _mean_kl(log_p: Sequence[torch.Tensor], log_q: Sequence[torch.Tensor]) -> float:
+    """``1/N sum_x KL(p(.|x) || q(.|x))`` in nats over all N rows of the per-batch (B, C) log-probabilities."""
+    total = sum(float(F.kl_div(q, p, reduction="sum", log_target=True)) for p, q in zip(log_p, log_q))
+    return total / sum(len(p) for p in log_p)
+
+
+def predictive_kl(model: nn.Module, weights: Mapping[str, QuantizedWeight], batches: Sequence[Batch],
+                  biases: Mapping[str, torch.Tensor] | None = None) -> float:
+    """Mean KL(p_FP(y|x) || p_quantised(y|x)) in nats (temperature 1, float64) over the inputs of ``batches``.
+
+    ``p_FP`` is ``model``'s softmax; ``p_quantised`` that of ``model`` with the layers in
+    ``weights`` dequantised and the biases in ``biases`` (name -> (out,) tensor) replaced;
+    ``model`` is not modified.
+    """
+    quantised = _log_probs(model, _encoding(model, weights, biases or {}), batches)
+    return _mean_kl(_log_probs(model, {}, batches), quantised)
 
 
 def sample_agreement(model: nn.Module, posterior: Posterior, batches: Sequence[Batch], scale: float,
@@ -195,41 +298,15 @@ def _round(x: torch.Tensor, bits: int) -> torch.Tensor:
     return x.to(torch.float16 if bits == 16 else torch.float32).double() if bits < 64 else x
 
 
-def distill(
-    model: nn.Module, weights: Mapping[str, QuantizedWeight], posterior: Posterior,
-    batches: Sequence[Batch], cfg: DistillConfig = DistillConfig(), *, scale_bits: int = 16,
-    lut_bits: int = 16, seed: int = 0,
-) -> DistillResult:
-    """Fit the stored scales / zero-points / LUT entries (and biases) to the posterior teacher.
+def _train(model: nn.Module, weights: Mapping[str, QuantizedWeight], batches: Sequence[Batch],
+           teacher: Sequence[torch.Tensor], cfg: DistillConfig, scale_bits: int, lut_bits: int,
+           ) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor], list[float]]:
+    """AdamW on ``tau^2 KL(teacher || softmax(f_q / tau))``, cycling over ``batches``.
 
-    Args:
-        model: the full-precision model (its weights are the posterior mean); put in eval mode,
-            its parameters are not modified.
-        weights: name -> QuantizedWeight of every quantised layer (codes stay fixed).
-        posterior: the posterior the teacher samples from (its diagonal ``variance``).
-        batches: unlabelled calibration batches, cycled for ``cfg.steps`` steps.
-        scale_bits, lut_bits: stored precision of scales and table entries (``quant``).
-
-    Raises:
-        ValueError: no calibration inputs, or a quantised layer the model does not have.
+    Returns the trained encodings rounded to their stored precision, the trained biases
+    (float32 copies; empty unless ``cfg.train_bias``) and the per-step losses.
     """
-    batches = list(batches)
-    if not batches or sum(batch_size(b) for b in batches) == 0:
-        raise ValueError("distillation needs calibration inputs: pass at least one non-empty batch")
     modules = dict(model.named_modules())
-    missing = sorted(set(weights) - set(modules))
-    if missing:
-        raise ValueError(f"distill: the model has no layer(s) {missing[:5]}; pass the model the weights came from")
-    start = time.perf_counter()
-    model.eval()
-    probe = first_inputs(batches, 256)
-    scale = tempering_scale(model, posterior, probe, cfg.agreement, samples=2, seed=seed)
-    teacher = teacher_probs(model, posterior, batches, scale, cfg.samples, cfg.temperature, seed)
-    with torch.no_grad():
-        mean_pred = [logits(model, b).argmax(-1) for b in batches]
-    agreement = float(sum(int((t.argmax(-1) == r).sum()) for t, r in zip(teacher, mean_pred))
-                      / sum(len(r) for r in mean_pred))
-
     layers = nn.ModuleDict({n.replace(".", "/"): _Trainable(qw) for n, qw in weights.items()})
     params = list(layers.parameters())
     biases: dict[str, nn.Parameter] = {}
@@ -255,21 +332,75 @@ def distill(
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    tail = max(1, len(losses) // 10)
     out = {n: layers[n.replace(".", "/")].stored(scale_bits, lut_bits) for n in weights}
+    return out, {n: b.detach().clone() for n, b in biases.items()}, losses
+
+
+def distill(
+    model: nn.Module, weights: Mapping[str, QuantizedWeight], posterior: Posterior,
+    batches: Sequence[Batch], cfg: DistillConfig = DistillConfig(), *, scale_bits: int = 16,
+    lut_bits: int = 16, seed: int = 0,
+) -> DistillResult:
+    """Fit the stored scales / zero-points / LUT entries (and biases) to the posterior teacher.
+
+    The calibration inputs are split by ``seed`` (:func:`split_calibration`, ``cfg.holdout``
+    held out); the teacher, its tempering and the fit use the fit part.  The distilled encoding
+    is kept only if its mean KL(p_FP || p_quantised) on the held-out part is strictly below the
+    undistilled encoding's (``cfg.accept``; always kept when false); otherwise the result holds
+    the input ``weights`` unchanged and no biases.
+
+    Args:
+        model: the full-precision model (its weights are the posterior mean); put in eval mode,
+            its parameters are not modified.
+        weights: name -> QuantizedWeight of every quantised layer (codes stay fixed).
+        posterior: the posterior the teacher samples from (its diagonal ``variance``).
+        batches: unlabelled calibration batches (tensors or dicts of tensors); the fit part is
+            cycled for ``cfg.steps`` steps.
+        scale_bits, lut_bits: stored precision of scales and table entries (``quant``).
+        seed: seeds the split, the tempering probe and the teacher's draws.
+
+    Raises:
+        ValueError: no calibration inputs, fewer than 2, or a quantised layer the model does
+            not have.
+    """
+    batches = list(batches)
+    if not batches or sum(batch_size(b) for b in batches) == 0:
+        raise ValueError("distillation needs calibration inputs: pass at least one non-empty batch")
+    missing = sorted(set(weights) - {n for n, _ in model.named_modules()})
+    if missing:
+        raise ValueError(f"distill: the model has no layer(s) {missing[:5]}; pass the model the weights came from")
+    fit, held = split_calibration(batches, cfg.holdout, seed)
+    start = time.perf_counter()
+    model.eval()
+    probe = first_inputs(fit, 256)
+    scale = tempering_scale(model, posterior, probe, cfg.agreement, samples=2, seed=seed)
+    teacher = teacher_probs(model, posterior, fit, scale, cfg.samples, cfg.temperature, seed)
+    with torch.no_grad():
+        mean_pred = [logits(model, b).argmax(-1) for b in fit]
+    agreement = float(sum(int((t.argmax(-1) == r).sum()) for t, r in zip(teacher, mean_pred))
+                      / sum(len(r) for r in mean_pred))
+    out, biases, losses = _train(model, weights, fit, teacher, cfg, scale_bits, lut_bits)
+
+    reference = _log_probs(model, {}, held)
+    kl_before = _mean_kl(reference, _log_probs(model, _encoding(model, weights, {}), held))
+    kl_after = _mean_kl(reference, _log_probs(model, _encoding(model, out, biases), held))
+    accepted = kl_after < kl_before or not cfg.accept
+    if not accepted:
+        out, biases = dict(weights), {}
+    tail = max(1, len(losses) // 10)
     return DistillResult(
-        weights=out, biases={n: b.detach().clone() for n, b in biases.items()}, sample_scale=scale,
-        teacher_agreement=agreement,
+        weights=out, biases=biases, sample_scale=scale, teacher_agreement=agreement,
         loss_first=sum(losses[:tail]) / tail if losses else math.nan,
         loss_last=sum(losses[-tail:]) / tail if losses else math.nan,
         steps=len(losses), seconds=time.perf_counter() - start,
+        accepted=accepted, kl_before=kl_before, kl_after=kl_after,
     )
 
 
 def apply_distilled(model: nn.Module, result: DistillResult) -> nn.Module:
-    """Copy of ``model`` running the distilled encoding (dequantised weights, trained biases)."""
-    from bayesq.quantize import quantized_copy
-
+    """Copy of ``model`` running the kept encoding: the distilled one (dequantised weights, trained
+    biases) if ``result.accepted``, else the undistilled one (``result.weights`` are then the input
+    encodings and ``result.biases`` is empty, so the model's biases stay)."""
     qmodel = quantized_copy(model, result.weights)
     with torch.no_grad():
         for n, b in result.biases.items():

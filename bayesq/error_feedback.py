@@ -29,6 +29,20 @@ from __future__ import annotations
 import torch
 
 
+def damped_metric(H: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """GPTQ's relative dampening of a (groups, d, d) or (d, d) column metric ``H`` (float64 copy).
+
+    Dead inputs (``H_jj = 0``) get ``H_jj = 1``; then ``H + damp * mean(diag H) * I`` per group.
+    """
+    if damp <= 0:
+        raise ValueError(f"damp={damp}: the relative dampening must be > 0 (GPTQ uses 0.01)")
+    H = H.double().clone()
+    diag = H.diagonal(dim1=-2, dim2=-1)  # view: (..., d)
+    diag[diag <= 0] = 1.0
+    diag += damp * diag.mean(-1, keepdim=True)
+    return H
+
+
 def _broadcast(name: str, x: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     try:
         return torch.broadcast_to(torch.as_tensor(x), shape)

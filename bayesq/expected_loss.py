@@ -40,10 +40,10 @@ from tqdm.auto import tqdm
 from bayesq.blocks import LayerBlocks
 from bayesq.codebook import (
     LevelTables, UniformGrids, compile_to_uniform, fit_lloyd_levels, fit_uniform_grids,
-    grid_cost_chunked, grids_from_range, levels_cost_chunked, minmax_grids, mulaw_levels,
-    optimal_uniform_range, quantize_levels,
+    fit_uniform_grids_deployed, fit_weighted_levels, grid_cost_chunked, grid_sq_error, grids_from_range,
+    levels_cost_chunked, levels_sq_error, minmax_grids, mulaw_levels, optimal_uniform_range, quantize_levels,
 )
-from bayesq.config import Codebook, QuantConfig, Whitening
+from bayesq.config import Codebook, CostTerms, Objective, QuantConfig, Whitening
 from bayesq.posterior import Posterior
 from bayesq.storage import header_bits, lut_unit_cost_bits, mulaw_unit_cost_bits, unit_cost_bits, vq_cost_bits
 from bayesq.vq import MAX_CODEBOOK, VQBook, fit_vq, vq_assign
@@ -166,7 +166,8 @@ def _fixed_range_grids(mu: torch.Tensor, mask: torch.Tensor, bits: int, scale_bi
 
 
 class _LayerFit:
-    """Codebook fits of one layer: group rows of mu, sigma, mask and the metric weights."""
+    """Codebook fits of one layer under the ``draws`` objective (an ablation): group rows of mu,
+    sigma, mask and the metric weights; every cost is the expected distortion of posterior draws."""
 
     def __init__(self, blocks: LayerBlocks, mu: torch.Tensor, sigma: torch.Tensor,
                  omega: torch.Tensor | None, cfg: QuantConfig):
@@ -183,6 +184,26 @@ class _LayerFit:
         """(G,) expected cost of per-group uniform grids."""
         return grid_cost_chunked(self.mu, self.sigma, grids.lo, grids.scale, grids.levels, self.weight)
 
+    def levels(self, levels: torch.Tensor) -> torch.Tensor:
+        """(G,) expected cost of per-group LUTs (G, K)."""
+        return levels_cost_chunked(self.mu, self.sigma, levels, self.mask, self.omega)
+
+    def search(self, b: int) -> tuple[UniformGrids, torch.Tensor]:
+        cfg = self.cfg
+        return fit_uniform_grids(self.mu, self.sigma, self.weight, b, iters=cfg.range_iters,
+                                 min_ratio=cfg.min_range_ratio, scale_bits=cfg.scale_bits)
+
+    def lut(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One LUT per allocation unit: ((U, K) levels, (U,) cost)."""
+        lb = self.blocks
+        rows = [_unit_rows(lb, x) for x in (self.mu, self.sigma, self.omega)]
+        return fit_lloyd_levels(rows[0], rows[1], _unit_mask(lb, self.mask), b, omega=rows[2],
+                                lut_bits=self.cfg.lut_bits, within_range=True)
+
+    def vq_constant(self) -> torch.Tensor:
+        """(G,) part of a VQ entry that no codebook changes: ``sum omega sigma^2``."""
+        return self.weight.sum(1)
+
     def candidate(self, bits: int) -> tuple[Book, torch.Tensor, str]:
         """(codebook, (U,) unit loss, storage kind) of one candidate bit-width."""
         cfg, b = self.cfg, bits
@@ -193,8 +214,7 @@ class _LayerFit:
         if kind == Codebook.VQ and 2 ** (b * cfg.vq_dim) <= MAX_CODEBOOK:
             return self._vq(b)
         if kind in (Codebook.UNIFORM, Codebook.VQ):
-            g, cost = fit_uniform_grids(self.mu, self.sigma, self.weight, b, iters=cfg.range_iters,
-                                        min_ratio=cfg.min_range_ratio, scale_bits=cfg.scale_bits)
+            g, cost = self.search(b)
             return g, self._units(cost), "grid"
         if kind == Codebook.UNIFORM_FIXED:
             g = _fixed_range_grids(self.mu, self.mask, b, cfg.scale_bits)
@@ -202,14 +222,10 @@ class _LayerFit:
         if kind == Codebook.MULAW:
             absmax = self.mu.abs().max(1).values
             levels = mulaw_levels(absmax, b, cfg.mulaw_mu, cfg.scale_bits)  # (G, K)
-            cost = levels_cost_chunked(self.mu, self.sigma, levels, self.mask, self.omega)
             book = LevelTables(b, levels, torch.arange(levels.shape[0]))
-            return book, self._units(cost), "mulaw"
-        lb = self.blocks
-        rows = [_unit_rows(lb, x) for x in (self.mu, self.sigma, self.omega)]
-        levels, cost = fit_lloyd_levels(rows[0], rows[1], _unit_mask(lb, self.mask), b, omega=rows[2],
-                                        lut_bits=cfg.lut_bits, within_range=True)  # (U, K), (U,)
-        book = LevelTables(b, levels, lb.group_unit())
+            return book, self._units(self.levels(levels)), "mulaw"
+        levels, cost = self.lut(b)  # (U, K), (U,)
+        book = LevelTables(b, levels, self.blocks.group_unit())
         if kind == Codebook.LLOYD:
             return book, 0.5 * cost, "lut"
         codes = book.quantize(self.mu)  # (G, g) the LUT's assignment
@@ -225,22 +241,63 @@ class _LayerFit:
         codebook, _, _ = fit_vq(self.mu.reshape(-1, d), om.reshape(-1, d), 2 ** (b * d), lut_bits=self.cfg.lut_bits)
         book = VQBook(b, codebook, om)
         _, vec_cost = vq_assign(self.mu.reshape(-1, d), om.reshape(-1, d), codebook)  # (G g / d,)
-        group_cost = vec_cost.reshape(n_groups, -1).sum(1) + (self.weight).sum(1)  # + sum omega sigma^2
+        group_cost = vec_cost.reshape(n_groups, -1).sum(1) + self.vq_constant()
         return book, self._units(group_cost), "vq"
 
     def _units(self, group_cost: torch.Tensor) -> torch.Tensor:
         return 0.5 * _unit_sum(self.blocks, group_cost)
 
 
-def layer_table(blocks: LayerBlocks, mu: torch.Tensor, sigma: torch.Tensor, cfg: QuantConfig,
+class _DeployedFit(_LayerFit):
+    """Codebook fits under the ``deployed`` objective: every cost is the metric-weighted squared
+    error of the stored weights, ``sum_i omega_i (Q(mu_i) - mu_i)^2``; the posterior's variances
+    do not enter (they add the same constant to every candidate)."""
+
+    def __init__(self, blocks: LayerBlocks, mu: torch.Tensor, omega: torch.Tensor, cfg: QuantConfig):
+        self.blocks, self.cfg = blocks, cfg
+        self.mu, self.mask = blocks.to_groups(mu.reshape(-1))  # (G, g) each
+        self.omega, _ = blocks.to_groups(omega.reshape(-1))
+        self.weight = self.mask * self.omega
+
+    def uniform(self, grids: UniformGrids) -> torch.Tensor:
+        return grid_sq_error(self.mu, self.weight, grids)
+
+    def levels(self, levels: torch.Tensor) -> torch.Tensor:
+        return levels_sq_error(self.mu, self.weight, levels)
+
+    def search(self, b: int) -> tuple[UniformGrids, torch.Tensor]:
+        cfg = self.cfg
+        return fit_uniform_grids_deployed(self.mu, self.weight, b, iters=cfg.range_iters,
+                                          min_ratio=cfg.min_range_ratio, scale_bits=cfg.scale_bits,
+                                          grid=cfg.range_grid)
+
+    def lut(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lb = self.blocks
+        mu, weight = _unit_rows(lb, self.mu), _unit_rows(lb, self.omega) * _unit_mask(lb, self.mask)
+        return fit_weighted_levels(mu, weight, _unit_mask(lb, self.mask), b, lut_bits=self.cfg.lut_bits)
+
+    def vq_constant(self) -> torch.Tensor:
+        return torch.zeros(self.mu.shape[0], dtype=self.mu.dtype)
+
+
+def layer_table(blocks: LayerBlocks, mu: torch.Tensor, sigma: torch.Tensor | None, cfg: QuantConfig,
                 omega: torch.Tensor | None = None) -> LayerTable:
-    """Closed-form table of one layer (``omega`` None: posterior whitening ``1 / sigma^2``).
+    """Closed-form table of one layer.
+
+    ``quant.objective = deployed``: ``L_u(b) = 0.5 sum_{i in u} omega_i (Q_b(mu_i) - mu_i)^2``
+    (``omega`` required: the metric, e.g. the data curvature); ``draws``: the expected distortion
+    of posterior draws (``sigma`` required; ``omega`` None = whitening ``1 / sigma^2``).
 
     Args:
-        mu, sigma: float64 posterior means / standard deviations shaped like the weight.
-        omega: optional metric weights shaped like the weight.
+        mu, sigma, omega: float64 shaped like the weight (posterior means, standard deviations,
+            metric weights).
     """
-    fit = _LayerFit(blocks, mu, sigma, omega, cfg)
+    if Objective(cfg.objective) == Objective.DEPLOYED:
+        if omega is None:
+            raise ValueError("the deployed objective needs the metric weights omega (e.g. the data curvature)")
+        fit: _LayerFit = _DeployedFit(blocks, mu, omega, cfg)
+    else:
+        fit = _LayerFit(blocks, mu, sigma, omega, cfg)
     books, losses, kinds = [], [], []
     for b in cfg.bits:
         book, loss, kind = fit.candidate(b)
@@ -252,11 +309,23 @@ def layer_table(blocks: LayerBlocks, mu: torch.Tensor, sigma: torch.Tensor, cfg:
 
 
 def metric_weights(posterior: Posterior, name: str, whitening: Whitening,
-                   input_diag: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
-    """omega of one layer for the chosen whitening (None = posterior ``1 / sigma^2``)."""
+                   input_diag: dict[str, torch.Tensor] | None = None,
+                   objective: Objective = Objective.DRAWS, cost_terms: CostTerms = CostTerms.DATA,
+                   ) -> torch.Tensor | None:
+    """omega of one layer for the chosen whitening.
+
+    ``posterior`` whitening: under the ``deployed`` objective the data curvature ``h``
+    (``cost_terms = data``) or the posterior precision ``h + lambda_l`` (``data-prior``); under
+    ``draws`` None (``1 / sigma^2``). ``identity``: 1; ``pca``: the input moments ``A_ii``.
+    """
     mu = posterior.mean[name]
     if whitening == Whitening.POSTERIOR:
-        return None
+        if Objective(objective) == Objective.DRAWS:
+            return None
+        h = posterior.data_precision(name).to(mu.dtype)
+        if CostTerms(cost_terms) == CostTerms.DATA_PRIOR:
+            h = h + (posterior.prior_precision or {}).get(name, 0.0)
+        return h
     if whitening == Whitening.IDENTITY:
         return torch.ones_like(mu)
     if input_diag is None or name not in input_diag:
@@ -269,10 +338,11 @@ def posterior_table(
     posterior: Posterior, blocks: list[LayerBlocks], cfg: QuantConfig, progress: bool = True,
     input_diag: dict[str, torch.Tensor] | None = None,
 ) -> LossTable:
-    """BayesQ closed-form table: posterior-fitted codebooks and their expected loss."""
+    """BayesQ closed-form table: codebooks fitted to, and entries of, ``cfg.objective``."""
     tables = []
     for lb in tqdm(blocks, desc="loss table", disable=not progress, leave=False):
-        omega = metric_weights(posterior, lb.name, Whitening(cfg.whitening), input_diag)
+        omega = metric_weights(posterior, lb.name, Whitening(cfg.whitening), input_diag, cfg.objective,
+                               cfg.cost_terms)
         tables.append(layer_table(lb, posterior.mean[lb.name], posterior.std(lb.name), cfg, omega))
     return LossTable(tuple(tables))
 
@@ -353,7 +423,7 @@ def apply_mc_proxy(
     posterior's damped K-FAC factors (``monte_carlo.mc_layer_output_loss``). Draws are shared by
     every candidate of a layer (common random numbers) and come in antithetic pairs.
     """
-    from bayesq.monte_carlo import mc_layer_output_loss, mc_logit_kl
+    from bayesq.monte_carlo import MCEstimate, kfac_quadratic, mc_layer_output_loss, mc_logit_kl
 
     layers = list(table.layers)
     for i in tqdm(top_layers(table, cfg.mc_top_fraction), desc=f"mc-{kind}", disable=not progress, leave=False):
@@ -361,19 +431,25 @@ def apply_mc_proxy(
         name = t.blocks.name
         mu, sd = posterior.mean[name], posterior.std(name)
         qs = [layer_quantizer(t, j) for j in range(len(t.bits))]
+        deployed = Objective(cfg.objective) == Objective.DEPLOYED
         if kind == "output":
             f = (posterior.kfac or {}).get(name)
             if f is None:
                 raise ValueError(f"layer '{name}' has no K-FAC factors: the output proxy needs posterior.curvature kfac or lowrank")
             mat = lambda x: x.reshape(x.shape[0], -1)  # noqa: E731  (out, d_in)
-            est = mc_layer_output_loss(mat(mu), mat(sd), f.A, f.G, [lambda w, q=q: mat(q(w.reshape(mu.shape))) for q in qs],
-                                       samples=cfg.mc_samples, seed=seed + i)
+            if deployed:  # exact: 0.5 tr(G' D A' D^T) of the deployed error D = Q(mu) - mu
+                total = torch.stack([0.5 * kfac_quadratic(mat(q(mu) - mu), f.A, f.G) for q in qs]).double()
+                est = MCEstimate(total, torch.zeros_like(total), 0, total[None])
+            else:
+                est = mc_layer_output_loss(mat(mu), mat(sd), f.A, f.G,
+                                           [lambda w, q=q: mat(q(w.reshape(mu.shape))) for q in qs],
+                                           samples=cfg.mc_samples, seed=seed + i)
         elif kind == "kl":
             if model is None or not batches or n_kl < 1:
                 raise ValueError("the logit-KL proxy needs the model and calibration batches")
-            est = mc_logit_kl(model, batches, name, mu.to(model.get_submodule(name).weight.dtype),
-                              sd.to(model.get_submodule(name).weight.dtype), qs, samples=cfg.mc_samples,
-                              seed=seed + i)
+            dtype = model.get_submodule(name).weight.dtype
+            est = mc_logit_kl(model, batches, name, mu.to(dtype), sd.to(dtype), qs, samples=cfg.mc_samples,
+                              seed=seed + i, deployed=deployed)
             est = est.scaled(_data_scale(posterior, cfg) / n_kl)
         else:
             raise ValueError(f"unknown Monte Carlo proxy {kind!r}: use 'kl' or 'output'")

@@ -266,13 +266,15 @@ def _kl_sum(teacher_logp: torch.Tensor, student_logits: torch.Tensor, temperatur
 def mc_logit_kl(
     model: nn.Module, batches: Sequence[Batch], layer_name: str, mu: torch.Tensor,
     sigma: torch.Tensor, quantizers: Sequence[Quantizer], *, samples: int = 8,
-    antithetic: bool = True, seed: int = 0, temperature: float = 1.0,
+    antithetic: bool = True, seed: int = 0, temperature: float = 1.0, deployed: bool = False,
 ) -> MCEstimate:
     """Summed logit KL between the model at a posterior draw of one layer and at its quantisation.
 
         L_q = E_{w ~ N(mu, sigma^2)} sum_x KL(softmax(f(x; w)/T) || softmax(f(x; Q_q(w))/T)),
 
-    ``w`` replacing ``layer_name``'s weight only.  The model runs in eval mode under
+    ``w`` replacing ``layer_name``'s weight only. ``deployed``: the student is the deployed
+    quantisation of the means, ``Q_q(mu)``, the same for every draw (the posterior-expected KL
+    of deploying it); otherwise each draw is quantised (the ``draws`` objective).  The model runs in eval mode under
     ``torch.no_grad()``; its weights and every module's training flag are restored exactly
     afterwards, also when an exception is raised.
 
@@ -306,9 +308,11 @@ def mc_logit_kl(
     if not batch_list:
         raise ValueError("batches is empty: pass at least one calibration batch")
 
+    fixed = [_apply(q, mu) for q in qs] if deployed else None
+
     def evaluate(eps: torch.Tensor) -> torch.Tensor:
         w = mu + sigma * eps
-        w_q = [_apply(q, w) for q in qs]
+        w_q = fixed if fixed is not None else [_apply(q, w) for q in qs]
         total = torch.zeros(len(qs), dtype=torch.float64)
         for batch in batch_list:
             weight.copy_(w)

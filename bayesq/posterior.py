@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+from scipy.optimize import brentq
 from torch import nn
 
-from bayesq.config import Curvature, PosteriorConfig
+from bayesq.config import Curvature, PosteriorConfig, Prior
 from bayesq.curvature.kfac import KFACFactors, _input_rows, damped, kfac_diagonal, kfac_factors
 from bayesq.curvature.lowrank import truncate
 from bayesq.forward import Batch, batch_size, logits
@@ -61,6 +62,11 @@ class Posterior:
             None for diagonal posteriors.
         n_data: data size the precision is scaled to (``posterior.n_data``; 0 = the
             calibration set itself).
+        curvature: name -> the data term ``h = N * mean_n C_n`` of the precision's diagonal
+            (float64, like the weight; clamped at 0); None when only variances are known.
+        prior_precision: name -> the layer's prior precision ``lambda_l`` (fitted or fixed).
+        input_moment: K-FAC / low-rank posteriors: name -> the undamped input factor A
+            (d_in, d_in), the column metric of the data term's error-feedback rounding.
     """
 
     mean: dict[str, torch.Tensor]
@@ -68,12 +74,37 @@ class Posterior:
     n_examples: int
     kfac: dict[str, KFACFactors] | None = None
     n_data: int = 0
+    curvature: dict[str, torch.Tensor] | None = None
+    prior_precision: dict[str, float] | None = None
+    input_moment: dict[str, torch.Tensor] | None = None
 
     def std(self, name: str) -> torch.Tensor:
         return self.variance[name].sqrt()
 
     def precision(self, name: str) -> torch.Tensor:
         return 1.0 / self.variance[name]
+
+    def data_precision(self, name: str) -> torch.Tensor:
+        """Data curvature ``h`` of layer ``name`` (the precision less the prior when only variances
+        are stored)."""
+        if self.curvature is not None:
+            return self.curvature[name]
+        lam = (self.prior_precision or {}).get(name, 0.0)
+        return (1.0 / self.variance[name] - lam).clamp_min(0)
+
+    def prior_dominated_share(self, name: str | None = None, tolerance: float = 0.1) -> float:
+        """Share of weights whose posterior variance is within ``tolerance`` of the prior's,
+        ``1 / (h + lambda) >= (1 - tolerance) / lambda``, i.e. ``h <= lambda * tol / (1 - tol)``
+        (one layer, or all layers pooled)."""
+        if self.prior_precision is None:
+            raise ValueError("this posterior carries no prior precisions (fit it with fit_posterior)")
+        names = [name] if name is not None else list(self.mean)
+        hit = total = 0
+        for n in names:
+            lam = self.prior_precision[n]
+            hit += int((self.data_precision(n) <= lam * tolerance / (1 - tolerance)).sum())
+            total += self.mean[n].numel()
+        return hit / max(total, 1)
 
     def sample(self, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """One draw ``mu + sigma * eps`` per layer (diagonal part)."""
@@ -83,9 +114,58 @@ class Posterior:
         }
 
 
-def layer_damping(curvature: torch.Tensor, cfg: PosteriorConfig, n_examples: int) -> float:
-    """Damping of one layer: ``cfg.damping``, raised by the auto and small-calibration rules."""
-    lam = cfg.damping
+LAMBDA_RANGE = (1e-8, 1e12)  # bracket of a fitted prior precision
+
+
+def _effective(eig: torch.Tensor, lam: float) -> float:
+    """gamma(lambda) = sum_i h_i / (h_i + lambda): parameters the data determine."""
+    return float((eig / (eig + lam)).sum())
+
+
+def fit_prior_precision(eig: torch.Tensor, sq_norm: float) -> float:
+    """Prior precision maximising one layer's Laplace marginal likelihood (MacKay).
+
+    With precision eigenvalues ``h_i + lambda`` (``h`` the data curvature's eigenvalues; the
+    diagonal for a diagonal posterior, ``N g_j a_k`` for K-FAC) and the trained weights ``mu``
+    as the mode,
+
+        log Z(lambda) = -lambda/2 |mu|^2 + P/2 log lambda - 1/2 sum_i log(h_i + lambda) + const,
+
+    whose stationary point is MacKay's fixed point ``lambda |mu|^2 = gamma(lambda)``,
+    ``gamma = sum_i h_i / (h_i + lambda)``. ``gamma(lambda) - lambda |mu|^2`` falls strictly in
+    lambda, so the root is unique; it is found by Brent's method on log lambda inside
+    ``LAMBDA_RANGE`` (a layer with no curvature gets the lower end, all-zero weights the upper).
+
+    Args:
+        eig: float64 tensor of the data curvature's eigenvalues (any shape), clamped at 0.
+        sq_norm: ``|mu|^2`` of the layer's trained weights.
+    """
+    eig = eig.double().clamp_min(0).reshape(-1)
+    lo, hi = LAMBDA_RANGE
+
+    def f(t: float) -> float:
+        lam = math.exp(t)
+        return _effective(eig, lam) - lam * sq_norm
+
+    if f(math.log(lo)) <= 0:
+        return lo
+    if f(math.log(hi)) >= 0:
+        return hi
+    return math.exp(brentq(f, math.log(lo), math.log(hi), xtol=1e-10, rtol=1e-12))
+
+
+def log_evidence(eig: torch.Tensor, sq_norm: float, lam: float) -> float:
+    """The lambda-dependent part of the Laplace log marginal likelihood (see
+    :func:`fit_prior_precision`); for tests and reports."""
+    eig = eig.double().clamp_min(0).reshape(-1)
+    return float(-0.5 * lam * sq_norm + 0.5 * eig.numel() * math.log(lam) - 0.5 * torch.log(eig + lam).sum())
+
+
+def layer_damping(curvature: torch.Tensor, cfg: PosteriorConfig, n_examples: int,
+                  fitted: float | None = None) -> float:
+    """Prior precision of one layer: ``fitted`` (the marginal-likelihood fit) when given, else
+    ``cfg.damping``; raised by the auto and small-calibration rules."""
+    lam = cfg.damping if fitted is None else fitted
     if cfg.auto_damping:
         lam = max(lam, 0.01 * float(curvature.double().median()))
     if n_examples < cfg.small_calibration:
@@ -132,12 +212,17 @@ def fit_diagonal_posterior(
         raise ValueError("empty calibration set: fit the posterior on at least one input")
     scale = cfg.n_data / n_examples if cfg.n_data else 1.0
     var: dict[str, torch.Tensor] = {}
+    curv: dict[str, torch.Tensor] = {}
+    prior: dict[str, float] = {}
+    mean = {n: weights[n].detach().double().clone() for n in fisher_sum}
     for name, f in fisher_sum.items():
         _check_curvature(name, f, indefinite)
         h = scale * f.double().clamp(min=0)
-        var[name] = _variance(h, layer_damping(h, cfg, n_examples), cfg, n_examples)
-    mean = {n: weights[n].detach().double().clone() for n in fisher_sum}
-    return Posterior(mean=mean, variance=var, n_examples=n_examples, n_data=cfg.n_data)
+        fitted = fit_prior_precision(h, float(mean[name].pow(2).sum())) if cfg.prior == Prior.FITTED else None
+        lam = layer_damping(h, cfg, n_examples, fitted)
+        var[name], curv[name], prior[name] = _variance(h, lam, cfg, n_examples), h, lam
+    return Posterior(mean=mean, variance=var, n_examples=n_examples, n_data=cfg.n_data, curvature=curv,
+                     prior_precision=prior)
 
 
 def spd_backoff(f: KFACFactors, damping: float) -> tuple[KFACFactors, float]:
@@ -181,17 +266,23 @@ def fit_kfac_posterior(
     if n < 1:
         raise ValueError("empty calibration set: fit the posterior on at least one input")
     big_n = cfg.n_data or n
-    var, kfac = {}, {}
+    var, kfac, curv, prior, moment = {}, {}, {}, {}, {}
+    mean = {k: weights[k].detach().double().clone() for k in factors}
     for name, f in factors.items():
         A, G = (_truncated(f.A, cfg), _truncated(f.G, cfg)) if lowrank else (f.A, f.G)
         shape = weights[name].shape
         h = big_n * kfac_diagonal(KFACFactors(A, G, n)).reshape(shape)  # (out, ...) like the weight
         _check_curvature(name, h, indefinite=False)
-        lam = layer_damping(h, cfg, n)
-        var[name] = _variance(h.clamp(min=0), lam, cfg, n)
+        fitted = None
+        if cfg.prior == Prior.FITTED:
+            eig = big_n * torch.outer(*(torch.linalg.eigvalsh(0.5 * (m + m.T)).clamp_min(0) for m in (G, A)))
+            fitted = fit_prior_precision(eig, float(mean[name].pow(2).sum()))  # eig: (d_out, d_in)
+        lam = layer_damping(h, cfg, n, fitted)
+        var[name], curv[name], prior[name] = _variance(h.clamp(min=0), lam, cfg, n), h.clamp(min=0), lam
         kfac[name], _ = spd_backoff(KFACFactors(A, big_n * G, n), lam)
-    mean = {k: weights[k].detach().double().clone() for k in factors}
-    return Posterior(mean=mean, variance=var, n_examples=n, kfac=kfac, n_data=cfg.n_data)
+        moment[name] = A
+    return Posterior(mean=mean, variance=var, n_examples=n, kfac=kfac, n_data=cfg.n_data, curvature=curv,
+                     prior_precision=prior, input_moment=moment)
 
 
 def fit_posterior(

@@ -20,8 +20,10 @@ from bayesq.allocation import (
 )
 from bayesq.blocks import LayerBlocks, check_finite, layer_blocks, quantizable_layers
 from bayesq.codebook import UniformGrids
-from bayesq.config import AllocationConfig, Allocator, BayesQConfig, Proxy, QuantConfig, Rounding, Whitening
-from bayesq.error_feedback import error_feedback_groups
+from bayesq.config import (
+    AllocationConfig, Allocator, BayesQConfig, CostTerms, Objective, Proxy, QuantConfig, Rounding, Whitening,
+)
+from bayesq.error_feedback import damped_metric, error_feedback_groups
 from bayesq.expected_loss import Book, LossTable, apply_mc_proxy, posterior_table
 from bayesq.forward import Batch, batch_size
 from bayesq.posterior import Posterior, fit_posterior as _fit_posterior, input_moments
@@ -250,6 +252,20 @@ def element_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, 
     return per[0], per[1], per[2].to(torch.int64)
 
 
+def ef_column_metric(posterior: Posterior, q: QuantConfig, damp: float = 0.01) -> dict[str, torch.Tensor] | None:
+    """Column metric of error-feedback rounding for the table's cost, or None (then ``encode``
+    uses the posterior's damped K-FAC input factor).
+
+    Under the ``deployed`` objective with ``cost_terms = data`` the cost is the data term
+    ``0.5 tr(N G D A D^T)``, so the metric is the undamped input factor A with GPTQ's relative
+    dampening (``error_feedback.damped_metric``); the prior's damping would drown A.
+    """
+    if (Rounding(q.rounding) != Rounding.ERROR_FEEDBACK or Objective(q.objective) != Objective.DEPLOYED
+            or CostTerms(q.cost_terms) != CostTerms.DATA or not posterior.input_moment):
+        return None
+    return {name: damped_metric(a, damp) for name, a in posterior.input_moment.items()}
+
+
 def encode(
     table: LossTable, allocation: Allocation, weights: dict[str, torch.Tensor], *,
     posterior: Posterior | None = None, rounding: Rounding = Rounding.NEAREST,
@@ -391,7 +407,7 @@ def quantize_model(
                         progress=progress)
     allocation = allocate(table, config.budget, config.allocation, config.seed)
     weights = encode(table, allocation, {n: m.weight for n, m in layers.items()}, posterior=posterior,
-                     rounding=q.rounding)
+                     rounding=q.rounding, column_metric=ef_column_metric(posterior, q))
     qmodel = quantized_copy(model, weights)
     if config.distill.applies(config.budget):
         from bayesq.distill import apply_distilled, distill

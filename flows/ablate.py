@@ -3,7 +3,8 @@
     python -m flows.ablate --params params.yaml --raw data/raw --models models --out results-ablations
 
 Rows come from ``ablations.rows`` in ``params.yaml`` (``{group: {label: {section.key: value}}}``),
-each the main parameters with its overrides applied (validated on load).  Per (model, row) a
+each the main parameters with its overrides applied (validated on load); a row may also name
+``method: bayesq-distill`` (default ``bayesq``).  Per (model, row) a
 posterior task and a table task (both cached, so rows that share a posterior or table reuse
 it), then one quantise-and-evaluate task per ablation budget.  Every evaluation is an MLflow
 child run tagged with its group and row.  Writes ``<out>/ablations.json``: ``records`` (one per
@@ -24,12 +25,28 @@ from flows.prepare import config_tag, posterior_task, prep_code, table_task
 from flows.quantize import quantize_eval_task
 
 
+ROW_METHODS = (Method.BAYESQ, Method.BAYESQ_DISTILL)  # what a row's optional ``method`` key may name
+
+
+def row_method(over: dict, where: str) -> Method:
+    """The method of a row: its ``method`` key (``bayesq`` or ``bayesq-distill``), default ``bayesq``."""
+    value = over.get("method", Method.BAYESQ.value)
+    if value not in [m.value for m in ROW_METHODS]:
+        raise ValueError(f"{where}: method {value!r} is not one an ablation row can run; "
+                         f"use one of {[m.value for m in ROW_METHODS]}")
+    return Method(value)
+
+
 def ablation_rows(params) -> list[tuple[str, str, dict, object]]:
-    """(group, label, overrides, params of the row) for every row, validated."""
+    """(group, label, overrides, params of the row) for every row, validated; a row's optional
+    ``method`` key (not a params section) is kept in the overrides and read by :func:`row_method`."""
     rows = []
     for group, labels in params.ablations.rows.items():
         for label, over in labels.items():
-            rows.append((group, label, dict(over), ablation_params(params, over, f"ablations.rows.{group}.{label}")))
+            where = f"ablations.rows.{group}.{label}"
+            row_method(dict(over), where)
+            dotted = {k: v for k, v in over.items() if k != "method"}
+            rows.append((group, label, dict(over), ablation_params(params, dotted, where)))
     if not rows:
         raise ValueError("ablations.rows is empty: list at least one row in params.yaml")
     return rows
@@ -82,9 +99,11 @@ def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig
         curve = {str(b): {str(f): v for f, v in loss_reduction_curve(
             tab["table"], b, p.allocation).items()} for b in params.ablations.budgets}
     for budget in params.ablations.budgets:
-        r = quantize_eval_task(name, Method.BAYESQ.value, budget, seed, str(model_file), mdig,
+        method = row_method(over, label)
+        r = quantize_eval_task(name, method.value, budget, seed, str(model_file), mdig,
                                str(src), sdig, p.data, p.quant, p.allocation, tab["table"], key,
-                               post["path"], code, export_dir=str(Path(out) / "exports" / group / label))
+                               post["path"], code, calibration=p.calibration, distill=p.distill,
+                               export_dir=str(Path(out) / "exports" / group / label))
         r = {**r, "group": group, "row": label, "overrides": {k: str(v) for k, v in over.items()},
              "posterior_seconds": post["seconds"], "table_seconds": tab["seconds"]}
         print(f"[ablate] {name} {group} / {label} @ {budget}: acc {r['accuracy']:.4f} "

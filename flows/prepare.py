@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prefect import task
 
-from bayesq.config import Curvature, FisherScale, Rounding, replace
+from bayesq.config import Curvature, Rounding, replace
 from flows.common import CACHE, code_version, digest
 from flows.finetune import load_model
 
@@ -66,19 +66,30 @@ def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_
     model = load_model(entry, Path(model_file))
     splits = entry.load_splits(data, Path(raw))
     idx, batches = calibration_batches(entry, splits, data, calibration, seed)
-    if calibration.fisher_scale == FisherScale.TRAIN:
-        posterior = replace(posterior, n_data=len(splits.train_labels))
     start = time.perf_counter()
     post = fit_posterior(model, batches, BayesQConfig(posterior=posterior, seed=seed))
     seconds = time.perf_counter() - start
     path = Path(out) / f"{name}_s{seed}{'_' + tag if tag else ''}.safetensors"
     tensors = {f"variance/{k}": v.float().contiguous() for k, v in post.variance.items()}
+    tensors.update({f"curvature/{k}": v.float().contiguous() for k, v in post.curvature.items()})
+    tensors.update({f"prior_precision/{k}": torch.tensor([v], dtype=torch.float64)
+                    for k, v in post.prior_precision.items()})
     for k, f in (post.kfac or {}).items():  # damped K-FAC factors (float64: they get inverted)
         tensors[f"kfac_A/{k}"], tensors[f"kfac_G/{k}"] = f.A.contiguous(), f.G.contiguous()
+        tensors[f"input_moment/{k}"] = post.input_moment[k].contiguous()
     tensors["calibration_indices"] = idx.to(torch.int64)
     save_tensors(path, tensors, {"n_examples": str(post.n_examples), "seed": str(seed), "n_data": str(post.n_data),
-                                 "curvature": posterior.curvature.value})
-    return {"path": str(path), "seconds": seconds, "n_examples": post.n_examples, "sha256": file_sha256(path)}
+                                 "curvature": posterior.curvature.value, "prior": posterior.prior.value})
+    return {"path": str(path), "seconds": seconds, "n_examples": post.n_examples, "sha256": file_sha256(path),
+            **posterior_summary(post)}
+
+
+def posterior_summary(post) -> dict:
+    """What the report shows of a posterior: per-layer prior precision lambda_l and the
+    prior-dominated share (posterior variance within 10 % of the prior's), per layer and pooled."""
+    return {"prior_precision": dict(post.prior_precision),
+            "prior_dominated": {k: post.prior_dominated_share(k) for k in post.mean},
+            "prior_dominated_share": post.prior_dominated_share()}
 
 
 def load_posterior(model, path: Path):
@@ -92,13 +103,16 @@ def load_posterior(model, path: Path):
     layers = quantizable_layers(model)
     with safe_open(str(path), "pt") as f:
         var = {n: f.get_tensor(f"variance/{n}").double() for n in layers}
+        curv = {n: f.get_tensor(f"curvature/{n}").double() for n in layers}
+        prior = {n: float(f.get_tensor(f"prior_precision/{n}")[0]) for n in layers}
         keys = set(f.keys())
         meta = f.metadata()
         n = int(meta["n_examples"])
         kfac = {k: KFACFactors(f.get_tensor(f"kfac_A/{k}"), f.get_tensor(f"kfac_G/{k}"), n)
                 for k in layers if f"kfac_A/{k}" in keys}
+        moment = {k: f.get_tensor(f"input_moment/{k}") for k in kfac}
     mean = {k: m.weight.detach().double() for k, m in layers.items()}
-    return Posterior(mean, var, n, kfac or None, int(meta.get("n_data", 0)))
+    return Posterior(mean, var, n, kfac or None, int(meta.get("n_data", 0)), curv, prior, moment or None)
 
 
 @task(cache_policy=CACHE, persist_result=True)

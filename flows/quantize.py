@@ -37,38 +37,68 @@ _RTN = {Method.RTN_TENSOR: Granularity.TENSOR, Method.RTN_CHANNEL: Granularity.C
 
 
 def _baseline(method: Method, model, entry, splits, data, calibration, quant, baselines, budget: float,
-              seed: int, traces: dict | None):
-    """Quantise with a baseline; returns its QuantizationResult."""
+              seed: int, traces: dict | None, allocation: dict | None = None):
+    """Quantise with a baseline: (QuantizationResult, record fields).
+
+    GPTQ / AWQ with ``baselines.select``: the variant with the least KL on the calibration
+    batches their statistics come from (``allocation``, layer -> unit bit-widths, adds GPTQ on
+    it as a candidate); the fields are ``variant`` (its name), ``variant_kl`` and
+    ``variant_bits`` (candidate -> calibration KL / true average bits). Without ``select`` they
+    name the ``mixed`` rule; other baselines add no fields.
+    """
     from bayesq.baselines.activations import input_stats
     from bayesq.baselines.aciq import aciq_quantize
-    from bayesq.baselines.awq import awq_quantize
-    from bayesq.baselines.gptq import gptq_quantize
+    from bayesq.baselines.awq import awq_quantize, awq_select
+    from bayesq.baselines.gptq import gptq_quantize, gptq_select
     from bayesq.baselines.hawq import hawq_quantize
     from bayesq.baselines.rtn import rtn_quantize
     from bayesq.blocks import quantizable_layers
 
     if method in _RTN:
-        return rtn_quantize(model, _RTN[method], budget, quant)
+        return rtn_quantize(model, _RTN[method], budget, quant), {}
     if method == Method.ACIQ:
-        return aciq_quantize(model, budget, quant)
+        return aciq_quantize(model, budget, quant), {}
     if method == Method.HAWQ:
-        return hawq_quantize(model, traces, budget, quant)
+        return hawq_quantize(model, traces, budget, quant), {}
     _, batches = calibration_batches(entry, splits, data, calibration, seed)
+    batches = list(batches)  # read by the statistics and by the selection
     stats = input_stats(model, batches, quantizable_layers(model))
+    gptq = dict(act_order=baselines.gptq_act_order, damp=baselines.gptq_damp)
+    if not baselines.select:
+        res = (gptq_quantize(model, stats, Granularity.GROUP, budget, quant, **gptq) if method == Method.GPTQ
+               else awq_quantize(model, stats, budget, quant, grid=baselines.awq_grid))
+        return res, {"variant": "mixed", "variant_kl": {}, "variant_bits": {}}
     if method == Method.GPTQ:
-        return gptq_quantize(model, stats, Granularity.GROUP, budget, quant,
-                             act_order=baselines.gptq_act_order, damp=baselines.gptq_damp)
-    return awq_quantize(model, stats, budget, quant, grid=baselines.awq_grid)
+        choice = gptq_select(model, stats, batches, budget, quant, group_sizes=baselines.group_sizes,
+                             allocation=allocation, **gptq)
+    else:
+        choice = awq_select(model, stats, batches, budget, quant, group_sizes=baselines.group_sizes,
+                            grid=baselines.awq_grid)
+    return choice.result, {"variant": choice.variant, "variant_kl": dict(choice.kl),
+                           "variant_bits": dict(choice.avg_bits)}
 
 
 def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: str | None, seed: int):
     """BayesQ's allocation and encoding from a cached table: (weights, allocation, posterior)."""
-    from bayesq.quantize import allocate, encode
+    from bayesq.quantize import allocate, ef_column_metric, encode
 
     allocation = allocate(table, budget, allocation_cfg, seed)
     weights = {t.blocks.name: model.get_submodule(t.blocks.name).weight for t in table.layers}
     post = load_posterior(model, Path(posterior_file)) if posterior_file else None
-    return encode(table, allocation, weights, posterior=post, rounding=quant.rounding), allocation, post
+    metric = ef_column_metric(post, quant) if post is not None else None
+    return (encode(table, allocation, weights, posterior=post, rounding=quant.rounding, column_metric=metric),
+            allocation, post)
+
+
+def bayesq_unit_bits(prep: dict, params, budget: float, seed: int) -> dict | None:
+    """BayesQ's allocation (layer -> unit bit-widths) at ``budget`` from the ``bayesq`` row's
+    cached table, or None when that row is not run; GPTQ's selection tries it as a variant."""
+    from bayesq.quantize import allocate
+
+    if Method.BAYESQ not in prep:
+        return None
+    table = prep[Method.BAYESQ][1]["table"]
+    return {k: list(v) for k, v in allocate(table, budget, params.allocation, seed).unit_bits.items()}
 
 
 def _logit_diff(entry, qmodel, loaded, splits, data) -> float:
@@ -92,13 +122,15 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
                        table, table_key: str, posterior_file: str | None, code: str,
                        calibration=None, baselines=None, traces: dict | None = None,
                        distill=None, robustness=None, ood: bool = False, *, export_dir: str,
-                       lineage: dict | None = None) -> dict:
+                       lineage: dict | None = None, allocation: dict | None = None) -> dict:
     """Quantise with one method at one budget, write the export, load it back and evaluate the
     loaded model on the test split (and under shift).
 
     ``table`` / ``posterior_file`` (BayesQ rows), ``calibration`` (GPTQ, AWQ: their input
     statistics; distillation: its inputs), ``baselines`` (their settings), ``traces`` (HAWQ) and
-    ``distill`` (``bayesq-distill``) are read only by the methods that need them;
+    ``distill`` (``bayesq-distill``) are read only by the methods that need them; ``allocation``
+    (GPTQ with ``baselines.select``: BayesQ's unit bit-widths at this budget) adds GPTQ on it as
+    a candidate variant;
     ``quantize_seconds`` times everything done here but evaluation. ``robustness`` sets the
     calibration metrics; ``ood`` adds the corrupted / other-domain evaluation. The export is
     ``<export_dir>/<model>_<method>_b<budget>_s<seed>.safetensors``; the record carries its sizes,
@@ -107,6 +139,7 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     :func:`flows.lineage.export_lineage`; not part of the cache key, so a cache hit keeps the
     file and the lineage of the run that wrote it) and the inputs (:func:`flows.lineage.input_lineage`).
     """
+    from bayesq.baselines.select import encoding_config
     from bayesq.config import RobustnessConfig
     from bayesq.export import load as load_export, save_export
     from bayesq.models.zoo import get_entry
@@ -132,11 +165,15 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
             qweights, qmodel = res.weights, apply_distilled(model, res)
             extra = {"distill_seconds": res.seconds, "distill_sample_scale": res.sample_scale,
                      "distill_teacher_agreement": res.teacher_agreement,
-                     "distill_loss_first": res.loss_first, "distill_loss_last": res.loss_last}
+                     "distill_loss_first": res.loss_first, "distill_loss_last": res.loss_last,
+                     "distill_accepted": res.accepted, "distill_kl_before": res.kl_before,
+                     "distill_kl_after": res.kl_after}
     else:
-        res = _baseline(Method(method), model, entry, splits, data, calibration, quant, baselines, budget,
-                        seed, traces)
+        res, variant = _baseline(Method(method), model, entry, splits, data, calibration, quant, baselines,
+                                 budget, seed, traces, allocation)
         qmodel, allocation, qweights = res.model, res.allocation, res.weights
+        quant = encoding_config(res, quant)  # the variant's bit set: what its unit headers name
+        extra.update(variant)
     seconds = time.perf_counter() - start
     used = None if Method(method) in DATA_FREE or calibration is None else calibration_indices(entry, splits, calibration, seed)
     meta = {"model": name, "method": method, "budget": str(budget), "seed": str(seed), "code_version": code,
@@ -145,7 +182,8 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     export = save_export(path, qmodel, qweights, quant, allocation.total_bits, architecture=name, metadata=meta)
     loaded = load_export(path)
     extra["export"] = {**export.as_dict(), "max_logit_diff": _logit_diff(entry, qmodel, loaded, splits, data)}
-    ev = evaluate_model(entry, loaded, splits, data, Path(raw), robustness or RobustnessConfig(), ood, seed)
+    ev = evaluate_model(entry, loaded, splits, data, Path(raw), robustness or RobustnessConfig(), ood, seed,
+                        examples=Path(export_dir).parent / "examples" / path.name)  # vs the FP logits there
     layer_bits = {}
     for layer, bits in allocation.unit_bits.items():
         layer_bits[layer] = sum(bits) / len(bits)
@@ -173,8 +211,10 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
             mdig, src = digest(model_file), raw_path(entry, raw)
             sdig = digest(src)
             rob = params.robustness
-            fp = fp_eval_task(name, str(model_file), mdig, str(src), sdig, params.data, rob, params.seeds[0],
-                              prep_code())
+            fp_args = (name, str(model_file), mdig, str(src), sdig, params.data, rob, params.seeds[0], prep_code())
+            fp = fp_eval_task(*fp_args, out=str(out))  # also writes the FP test logits the rows compare with
+            if not Path(fp["logits_file"]).exists():  # cache hit but file gone
+                fp = fp_eval_task.with_options(refresh_cache=True)(*fp_args, out=str(out))
             records.append(fp)
             print(f"[quantize] {name} FP: acc {fp['accuracy']:.4f}, ECE {fp['calibration']['ece']:.4f}", flush=True)
             for seed in params.seeds:
@@ -185,6 +225,8 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                     for method in params.methods:
                         # baselines read no BayesQ posterior or table (and are not keyed on them)
                         p_post, p_tab, p_key, p_quant = prep.get(method, (None, None, "", params.quant))
+                        given = (bayesq_unit_bits(prep, params, budget, seed)
+                                 if method == Method.GPTQ and params.baselines.select else None)
                         r = quantize_eval_task(name, method.value, budget, seed, str(model_file), mdig,
                                                str(src), sdig, params.data, p_quant, params.allocation,
                                                p_tab and p_tab["table"], p_key, p_post and p_post["path"], code,
@@ -192,7 +234,8 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                                                traces=hawq["traces"] if method == Method.HAWQ else None,
                                                distill=params.distill, robustness=rob,
                                                ood=method in rob.methods and budget in rob.budgets,
-                                               export_dir=str(Path(out) / "exports"), lineage=lineage)
+                                               export_dir=str(Path(out) / "exports"), lineage=lineage,
+                                               allocation=given)
                         r = {**r, "preprocess_seconds": r["quantize_seconds"]}
                         corruption = mean_corruption_error(r["ood"], fp["ood"])
                         if corruption:
@@ -208,7 +251,10 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                         metrics = {k: r[k] for k in ("accuracy", "avg_bits", "total_bits", "quantize_seconds",
                                                      "posterior_seconds", "table_seconds", "traces_seconds",
                                                      "preprocess_seconds", "distill_seconds",
-                                                     "distill_sample_scale") if k in r}
+                                                     "distill_sample_scale", "distill_kl_before", "distill_kl_after",
+                                                     "kl_mean", "kl_se", "agreement") if k in r}
+                        if "distill_accepted" in r:
+                            metrics["distill_accepted"] = float(r["distill_accepted"])
                         metrics.update(tracked_metrics(r))
                         metrics.update({f"export_{k}": r["export"][k] for k in
                                         ("file_bytes", "payload_avg_bits", "fp_bytes", "max_logit_diff")})

@@ -2,7 +2,9 @@
 
     python -m flows.report --results results/results.json --models models --out reports
 
-Writes ``main_table.md``, ``exports.md`` (file sizes next to the accounted bits),
+Writes ``main_table.md`` (with every row's KL to the FP model and agreement, and the paired
+comparisons of the BayesQ rows with GPTQ and RTN per-group on the same test examples),
+``paired.json`` (those comparisons), ``exports.md`` (file sizes next to the accounted bits),
 ``frontier_<model>.png`` and ``metrics.json``.
 """
 
@@ -21,8 +23,13 @@ METHOD_LABEL = {"bayesq": "BayesQ", "bayesq-distill": "BayesQ + distillation", "
                 "rtn-tensor": "RTN per-tensor", "rtn-channel": "RTN per-channel", "rtn-group": "RTN per-group (g64)"}
 
 
+FIDELITY_KEYS = ("kl_mean", "kl_se", "agreement")  # absent from records written before per-example evaluation
+
+
 def summarise(records: list[dict]) -> dict:
-    """{model: {method: {budget: {accuracy, accuracy_sd, avg_bits, n_seeds}}}} averaged over seeds."""
+    """{model: {method: {budget: {accuracy, accuracy_sd, avg_bits, n_seeds, ...}}}} averaged over
+    seeds; ``ece`` / ``worst10`` / ``cvar95`` and ``kl_mean`` / ``kl_se`` / ``agreement`` when every
+    seed's record has them."""
     groups: dict = defaultdict(list)
     for r in records:
         groups[(r["model"], r["method"], r["budget"])].append(r)
@@ -37,6 +44,7 @@ def summarise(records: list[dict]) -> dict:
             "n_seeds": len(rs),
             **{k: statistics.fmean(r["calibration"][k] for r in rs) for k in ("ece", "worst10", "cvar95")
                if all(r.get("calibration") for r in rs)},
+            **{k: statistics.fmean(r[k] for r in rs) for k in FIDELITY_KEYS if all(k in r for r in rs)},
         }
     return out
 
@@ -149,6 +157,155 @@ def export_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PAIRED_METHODS = ("bayesq", "bayesq-ef", "bayesq-distill")
+PAIRED_BASELINES = ("gptq", "rtn-group")
+PAIRED_METRICS = (("accuracy", "correct", 100.0), ("kl", "kl", 1.0))  # (metric, example array, scale)
+
+
+def example_file(record: dict, results_dir: Path) -> Path | None:
+    """A record's per-example file: as written, else under ``<results_dir>/examples/`` (a moved
+    results folder); None when the record names none or the file is gone."""
+    if not record.get("examples_file"):
+        return None
+    path = Path(record["examples_file"])
+    for p in (path, Path(results_dir) / "examples" / path.name):
+        if p.exists():
+            return p
+    return None
+
+
+def _load(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _pooled(rows: dict, seeds: list[int], key: str):
+    """(N,) float64 per-example ``key`` averaged over ``seeds`` (one seed: that seed's values)."""
+    import torch
+
+    return torch.stack([rows[s][key].double() for s in seeds]).mean(0)
+
+
+def paired_comparisons(records: list[dict], results_dir: Path, resamples: int | None = None,
+                       seed: int | None = None) -> tuple[list[dict], list[str]]:
+    """Every BayesQ row against GPTQ and RTN per-group at the same model and budget, on the same
+    test examples (:func:`bayesq.comparison.paired_differences`).
+
+    ``diff`` = method − baseline: accuracy in points (from ``correct``), KL to FP in nats (from
+    ``kl``), with the paired-bootstrap 95 % interval; one bootstrap (the same resampled example
+    indices) per model and budget. Over several seeds the per-example values are averaged over
+    the seeds both rows have before resampling examples. Returns the rows (``model``, ``budget``,
+    ``method``, ``baseline``, ``metric``, ``diff``, ``ci_low``, ``ci_high``, ``n``, ``seeds``) and
+    notes on what was left out.
+    """
+    import torch
+
+    from bayesq.comparison import RESAMPLES, SEED, paired_differences
+
+    examples: dict = defaultdict(dict)  # (model, budget, method) -> {seed: arrays}
+    missing = []
+    for r in records:
+        if r["method"] not in PAIRED_METHODS + PAIRED_BASELINES:
+            continue
+        path = example_file(r, results_dir)
+        if path is None:
+            missing.append(f"{r['model']}/{r['method']}/b{r['budget']}/s{r['seed']}")
+        else:
+            examples[(r["model"], r["budget"], r["method"])][r["seed"]] = _load(path)
+    out = []
+    for model, budget in sorted({k[:2] for k in examples}):
+        pairs = []
+        for method in PAIRED_METHODS:
+            for base in PAIRED_BASELINES:
+                a, b = examples.get((model, budget, method)), examples.get((model, budget, base))
+                seeds = sorted(set(a or ()) & set(b or ()))
+                if seeds and a[seeds[0]]["correct"].shape == b[seeds[0]]["correct"].shape:
+                    pairs.append((method, base, seeds))
+        if not pairs:
+            continue
+        cols = [(m, bl, s, metric, key, scale) for m, bl, s in pairs for metric, key, scale in PAIRED_METRICS]
+        x = torch.stack([scale * _pooled(examples[(model, budget, m)], s, key) for m, _, s, _, key, scale in cols], 1)
+        y = torch.stack([scale * _pooled(examples[(model, budget, bl)], s, key) for _, bl, s, _, key, scale in cols], 1)
+        res = paired_differences(x, y, RESAMPLES if resamples is None else resamples, SEED if seed is None else seed)
+        for (m, bl, s, metric, _, _), d in zip(cols, res):
+            out.append({"model": model, "budget": budget, "method": m, "baseline": bl, "metric": metric,
+                        **d.as_dict(), "n": d.n, "seeds": s})
+    shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+    notes = [f"{len(missing)} row(s) have no per-example file (records written before per-example evaluation, "
+             f"or the file is gone) and are left out: {shown}."] if missing else []
+    return out, notes
+
+
+def _ci(row: dict, fmt: str) -> str:
+    """``diff [low, high]`` in ``fmt``, with * when the interval excludes 0."""
+    resolved = "*" if row["ci_low"] > 0 or row["ci_high"] < 0 else ""
+    return f"{row['diff']:{fmt}} [{row['ci_low']:{fmt}}, {row['ci_high']:{fmt}}]{resolved}"
+
+
+def paired_table(rows: list[dict], notes: list[str]) -> str:
+    """Markdown: the paired comparisons, one line per (model, budget, method, baseline)."""
+    from bayesq.comparison import RESAMPLES, SEED
+
+    lines = ["## Paired comparisons on the same test examples", "",
+             "Δ = method − baseline, both scored on the same test examples. Accuracy in points "
+             "(positive: the method is more accurate); KL(p_FP ‖ p_Q) in nats, mean over test examples "
+             "(negative: the method is closer to the FP model). Brackets: 95 % percentile interval of a "
+             f"paired bootstrap over test examples ({RESAMPLES:,} resamples of the example indices, "
+             f"generator seed {SEED}, the same indices for both methods); * marks an interval that "
+             "excludes 0. It covers test-set sampling only, not the calibration set, fine-tuning or any "
+             "other seed."]
+    seeds = sorted({tuple(r["seeds"]) for r in rows})
+    if any(len(s) > 1 for s in seeds):
+        lines[-1] += (" Several seeds: each example's values are averaged over the seeds both rows have, "
+                      "then examples are resampled (seeds: " + "; ".join(", ".join(map(str, s)) for s in seeds) + ").")
+    elif seeds:
+        lines[-1] += " One seed: " + ", ".join(str(s[0]) for s in seeds) + "."
+    lines.append("")
+    if not rows:
+        lines += ["No paired comparison: no BayesQ row and GPTQ / RTN per-group row with per-example files "
+                  "at the same model and budget.", ""]
+    else:
+        cell = {(r["model"], r["budget"], r["method"], r["baseline"], r["metric"]): r for r in rows}
+        lines += ["| model | bits | method | baseline | Δ accuracy (points) [95 % CI] | Δ KL to FP (nats) [95 % CI] "
+                  "| examples |", "|---|---|---|---|---|---|---|"]
+        for key in dict.fromkeys(k[:4] for k in cell):
+            acc, kl = cell.get((*key, "accuracy")), cell.get((*key, "kl"))
+            model, budget, method, base = key
+            lines.append(f"| {model} | {budget:.1f} | {METHOD_LABEL.get(method, method)} | "
+                         f"{METHOD_LABEL.get(base, base)} | {_ci(acc, '+.2f') if acc else '–'} | "
+                         f"{_ci(kl, '+.3g') if kl else '–'} | {(acc or kl)['n']:,} |")
+        lines.append("")
+    return "\n".join(lines + notes + ([""] if notes else []))
+
+
+def fidelity_table(summary: dict, budgets: list[float]) -> str:
+    """Markdown: mean KL to the FP model ± its SE and top-1 agreement with FP, every row."""
+    lines = ["## Fidelity to the FP model: KL and top-1 agreement", "",
+             "Each cell: mean over test examples of KL(p_FP ‖ p_Q) in nats ± its standard error "
+             "(sd / √N over examples), then the share (%) of test examples whose top-1 class agrees with "
+             "the FP model's. Several seeds: means over seeds of both (the SE is that of one seed's mean)."]
+    missing = 0
+    for model, methods in summary.items():
+        lines += ["", f"### {model}", "", "| method | " + " | ".join(f"{b:.1f} bits" for b in budgets) + " |",
+                  "|---|" + "---|" * len(budgets)]
+        for method, label in METHOD_LABEL.items():
+            if method not in methods:
+                continue
+            cells = []
+            for b in budgets:
+                v = methods[method].get(b)
+                if v is not None and "kl_mean" not in v:
+                    missing += 1
+                cells.append("–" if v is None or "kl_mean" not in v else
+                             f"{v['kl_mean']:.3g} ± {v['kl_se']:.2g} ({100 * v['agreement']:.2f}%)")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if missing:
+        lines += ["", f"{missing} cell(s) show – : their records were written before per-example evaluation "
+                  "(no `kl_mean` / `agreement`); re-run the quantize stage to fill them."]
+    return "\n".join(lines + [""])
+
+
 def report(results: Path, models: Path, out: Path) -> None:
     from flows.robustness_report import robustness_report
 
@@ -158,15 +315,18 @@ def report(results: Path, models: Path, out: Path) -> None:
     budgets = sorted({r["budget"] for r in records})
     fp = {m: read_json(Path(models) / m / "fp.json") for m in summary}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "main_table.md").write_text(main_table(summary, fp, budgets))
+    paired, notes = paired_comparisons(records, Path(results).parent)
+    write_json(out / "paired.json", paired)
+    (out / "main_table.md").write_text("\n".join((main_table(summary, fp, budgets), fidelity_table(summary, budgets),
+                                                  paired_table(paired, notes))))
     (out / "exports.md").write_text(export_table(records))
     for model, methods in summary.items():
         frontier_plot(model, methods, fp[model]["fp_accuracy"], out / f"frontier_{model}.png")
     robustness_report(everything, out)
     metrics = {
         model: {"fp_accuracy": fp[model]["fp_accuracy"],
-                **{f"{method}@{b}": {k: v[k] for k in ("accuracy", "avg_bits", "seconds", "ece", "worst10", "cvar95")
-                                     if k in v}
+                **{f"{method}@{b}": {k: v[k] for k in ("accuracy", "avg_bits", "seconds", "ece", "worst10", "cvar95",
+                                                          "kl_mean", "agreement") if k in v}
                    for method, per in methods.items() for b, v in per.items()}}
         for model, methods in summary.items()
     }

@@ -3,7 +3,11 @@
 ``evaluate_model`` gives a model's test-split summary (:func:`bayesq.evaluation.prediction_summary`)
 and, when asked, its accuracy / ECE on corrupted test images (vision) or on the other domains of
 the sentiment archive (text).  ``fp_eval_task`` caches the same for the full-precision model, the
-reference of the mean corruption error.
+reference of the mean corruption error, and writes its test logits to
+``<results>/examples/<model>_fp_logits.safetensors``; every quantised row is then compared with them
+example by example (``bayesq.comparison``: KL to FP, top-1 agreement, correctness), written to
+``<results>/examples/<model>_<method>_b<budget>_s<seed>.safetensors`` for the paired comparisons of
+the report.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from prefect import task
 from flows.common import CACHE
 
 CORRUPTION_SEED = 0  # every model sees the same corrupted images
+EXAMPLES = "examples"  # per-example files under the results folder
 DOMAIN_SEED = 0
 
 
@@ -62,26 +67,98 @@ def ood_eval(entry, model, splits, data, raw: Path, rob) -> dict:
     return out
 
 
-def evaluate_model(entry, model, splits, data, raw: Path, rob, ood: bool, seed: int) -> dict:
-    """``{"calibration": test summary, "ood": shifted-data results or None}``."""
+def fp_logits_file(examples: Path, model: str) -> Path:
+    """The FP model's saved test logits: ``<examples>/<model>_fp_logits.safetensors``."""
+    return Path(examples) / f"{model}_fp_logits.safetensors"
+
+
+def save_fp_logits(path: Path, logit, labels, model: str) -> str:
+    """Write ``logits`` ((N, C) float32) and ``labels`` ((N,) int64) to ``path``; their sha256."""
+    from bayesq.tensorfile import file_sha256, save_tensors
+
+    save_tensors(path, {"logits": logit.float().contiguous(), "labels": labels.long().contiguous()},
+                 {"model": model})
+    return file_sha256(path)
+
+
+def read_tensors(path: Path) -> dict:
+    """Every tensor of a safetensors file (CPU)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def example_scores(logit, labels, fp_file: Path, examples: Path, model: str) -> dict | None:
+    """Per-example comparison of a row's test logits with the FP model's (``fp_file``).
+
+    Writes ``examples`` with ``correct`` ((N,) uint8), ``kl`` ((N,) float32, nats; KL(p_FP || p_Q))
+    and ``agree`` ((N,) uint8, top-1 agreement with FP); returns the record fields ``kl_mean``,
+    ``kl_se``, ``agreement`` and ``examples_file``, or None (with a warning) when the FP logits
+    are missing or belong to another test split.
+    """
+    import torch
+
+    from bayesq.comparison import agreement_per_example, correct_per_example, fidelity_summary, kl_per_example
+    from bayesq.tensorfile import file_sha256, save_tensors
+
+    if not Path(fp_file).exists():
+        print(f"[evaluate] no FP logits at {fp_file}: no KL / agreement for {Path(examples).stem}", flush=True)
+        return None
+    fp = read_tensors(fp_file)
+    if fp["labels"].shape != labels.shape or not bool((fp["labels"] == labels).all()):
+        print(f"[evaluate] {fp_file} holds another test split: no KL / agreement for {Path(examples).stem}",
+              flush=True)
+        return None
+    kl, agree = kl_per_example(fp["logits"], logit), agreement_per_example(fp["logits"], logit)
+    correct = correct_per_example(logit, labels)
+    save_tensors(examples, {"correct": correct.to(torch.uint8), "kl": kl.float(), "agree": agree.to(torch.uint8)},
+                 {"model": model, "fp_logits_sha256": file_sha256(fp_file)})
+    return {**fidelity_summary(kl, agree).as_dict(), "examples_file": str(examples)}
+
+
+def evaluate_model(entry, model, splits, data, raw: Path, rob, ood: bool, seed: int,
+                   examples: Path | None = None) -> dict:
+    """``{"calibration": test summary, "ood": shifted-data results or None}``.
+
+    With ``examples`` (``<results>/examples/<row>.safetensors``) and the FP model's test logits
+    next to it (:func:`fp_logits_file`, written by :func:`fp_eval_task`), also the per-example
+    comparison with FP (:func:`example_scores`): ``kl_mean``, ``kl_se``, ``agreement`` and
+    ``examples_file``.
+    """
+    res, logit = _evaluate(entry, model, splits, data, raw, rob, ood, seed)
+    if examples is not None:
+        res.update(example_scores(logit, splits.test_labels, fp_logits_file(Path(examples).parent, entry.name),
+                                  Path(examples), entry.name) or {})
+    return res
+
+
+def _evaluate(entry, model, splits, data, raw: Path, rob, ood: bool, seed: int):
+    """(:func:`evaluate_model`'s summary, (N, C) float32 test logits)."""
     from bayesq.evaluation import predict, prediction_summary
 
     logit = predict(model, entry.batches(splits.test_inputs, 64, data))
     summary = prediction_summary(logit, splits.test_labels, rob.ece_bins, rob.random_bin_repeats, seed)
-    return {"calibration": summary, "ood": ood_eval(entry, model, splits, data, raw, rob) if ood else None}
+    return {"calibration": summary, "ood": ood_eval(entry, model, splits, data, raw, rob) if ood else None}, logit
 
 
 @task(cache_policy=CACHE, persist_result=True)
 def fp_eval_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str, data, robustness,
-                 seed: int, code: str) -> dict:
-    """The full-precision model's test summary and out-of-domain results (the mCE reference)."""
+                 seed: int, code: str, out: str | None = None) -> dict:
+    """The full-precision model's test summary and out-of-domain results (the mCE reference).
+
+    With ``out`` (the results folder) its test logits are written to
+    ``fp_logits_file(<out>/examples, name)``; the record names it (``logits_file``, ``logits_sha256``).
+    """
     from bayesq.models.zoo import get_entry
     from flows.finetune import load_model
 
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))
     splits = entry.load_splits(data, Path(raw))
-    res = evaluate_model(entry, model, splits, data, Path(raw), robustness, True, seed)
+    res, logit = _evaluate(entry, model, splits, data, Path(raw), robustness, True, seed)
+    if out is not None:
+        path = fp_logits_file(Path(out) / EXAMPLES, name)
+        res.update(logits_file=str(path), logits_sha256=save_fp_logits(path, logit, splits.test_labels, name))
     return {"model": name, "method": "fp", "budget": 32.0, "seed": seed,
             "accuracy": res["calibration"]["accuracy"], "avg_bits": 32.0, **res}
 

@@ -2,8 +2,13 @@ import pytest
 import torch
 from torch import nn
 
+from test_gptq import check_candidates
+from test_select import explicit_kl
+
 from bayesq.baselines.activations import input_stats
-from bayesq.baselines.awq import awq_quantize, output_error, search_scale
+from bayesq.baselines.awq import (
+    awq_candidates, awq_quantize, awq_select, output_error, scale_bits_total, search_scale,
+)
 from bayesq.baselines.rtn import rtn_blocks, rtn_quantize
 from bayesq.blocks import layer_blocks, quantizable_layers
 from bayesq.config import Granularity, QuantConfig
@@ -86,3 +91,45 @@ def test_awq_missing_stats_raise():
     lin, _ = _salient()
     with pytest.raises(ValueError, match="no input statistics"):
         awq_quantize(lin, {}, 4.0, CFG)
+
+
+# ---- the selection among budget-feasible variants ------------------------------------------------
+
+GROUP_SIZES = (8, 16, 32, 64)
+
+
+def _calibrated(seed=0):
+    lin, batches = _salient(seed)
+    model = nn.Sequential(lin, nn.ReLU(), nn.Linear(64, 32).double())
+    return model, batches, input_stats(model, batches, quantizable_layers(model))
+
+
+# stored scales: 64 fp16 values for the 64x64 layer (16 * 64 <= 0.25 * 4096); the 32-row head has none
+SCALE_BITS = 16 * 64
+
+
+@pytest.mark.parametrize("budget", [3.0, 3.5, 4.0])
+def test_awq_candidates_meet_budget_and_uniform_smallest_group(budget):
+    model, _, stats = _calibrated()
+    assert scale_bits_total(quantizable_layers(model), stats) == SCALE_BITS
+    cands = awq_candidates(model, stats, budget, CFG, group_sizes=GROUP_SIZES, grid=5)
+    check_candidates(model, cands, budget, CFG, GROUP_SIZES, extra=SCALE_BITS)
+    for build in cands.values():  # the salient layer keeps its scales in every variant
+        assert build().weights["0"].col_scale is not None
+
+
+def test_awq_select_returns_least_calibration_kl():
+    model, batches, stats = _calibrated(1)
+    cands = awq_candidates(model, stats, 4.0, CFG, group_sizes=GROUP_SIZES, grid=5)
+    assert len(cands) >= 3
+    choice = awq_select(model, stats, batches, 4.0, CFG, group_sizes=GROUP_SIZES, grid=5)
+    want = {k: explicit_kl(model, build().model, batches) for k, build in cands.items()}
+    assert choice.kl == pytest.approx(want, rel=1e-9)
+    assert choice.variant == min(want, key=want.get)
+    assert choice.avg_bits[choice.variant] == choice.result.average_bits <= 4.0
+
+
+def test_awq_select_infeasible_budget_raises():
+    model, batches, stats = _calibrated()
+    with pytest.raises(ValueError, match="infeasible for AWQ"):
+        awq_select(model, stats, batches, 2.0, CFG, group_sizes=GROUP_SIZES)

@@ -83,3 +83,17 @@ def test_params_yaml_loads_with_every_method():
 
     p = load_params(yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text()))
     assert set(p.methods) == set(Method) and p.baselines.hawq_probes >= 1
+
+
+def test_from_mapping_removed_key_names_the_replacement():
+    from bayesq.config import CalibrationConfig
+
+    with pytest.raises(ValueError, match=r"calibration.fisher_scale was removed: .*posterior.n_data"):
+        from_mapping(CalibrationConfig, {"images": 10, "fisher_scale": "train"}, "calibration")
+
+
+def test_quant_config_rejects_unknown_objective_and_cost_terms():
+    with pytest.raises(ValueError, match="objective"):
+        QuantConfig(objective="posterior")
+    with pytest.raises(ValueError, match="cost_terms"):
+        QuantConfig(cost_terms="prior")

@@ -1,6 +1,7 @@
 """Posterior-predictive distillation (bayesq/distill.py) on a tiny MLP and a tiny conv net."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -12,13 +13,16 @@ from bayesq import BayesQConfig, QuantConfig, quantize_model
 from bayesq.codebook import LevelTables, UniformGrids
 from bayesq.config import DistillConfig, load_params
 from bayesq.distill import (
-    SCALE_GRID, _Trainable, apply_distilled, distill, sample_agreement, teacher_probs, tempering_scale,
+    SCALE_GRID, _Trainable, apply_distilled, distill, predictive_kl, sample_agreement, split_calibration,
+    teacher_probs, tempering_scale,
 )
 from bayesq.posterior import Posterior
 from bayesq.quantize import quantized_copy
+from nets import TokenModel
 
 OFF = DistillConfig(max_budget=0)
 FAST = DistillConfig(lr=1e-3, steps=200)
+HUGE = DistillConfig(lr=1.0, steps=20)  # a learning rate that wrecks the scales: distillation hurts
 
 
 def _mlp():
@@ -131,7 +135,7 @@ def test_distill_keeps_codes_bits_and_stores_representable_books(base, distilled
 
 def test_distill_lut_levels_stored_fp16(lut):
     model, cal, res = lut
-    out = distill(model, res.weights, res.posterior, cal, DistillConfig(lr=1e-3, steps=20), seed=0)
+    out = distill(model, res.weights, res.posterior, cal, DistillConfig(lr=1e-3, steps=20, accept=False), seed=0)
     changed = False
     for name, qw in res.weights.items():
         assert torch.equal(out.weights[name].group_bits, qw.group_bits)
@@ -153,7 +157,7 @@ def test_distill_lut_stored_decodes_to_trained_levels(lut, monkeypatch):
         return real(self, scale_bits, lut_bits)
 
     monkeypatch.setattr(D._Trainable, "stored", spy)
-    out = distill(model, res.weights, res.posterior, cal, FAST, seed=0)
+    out = distill(model, res.weights, res.posterior, cal, dataclasses.replace(FAST, accept=False), seed=0)
     for name, qw in res.weights.items():
         books = {b: LevelTables(b, trained[id(qw)][str(b)], book.row) for b, book in qw.books.items()}
         expect = dataclasses.replace(qw, books=books).dequantize()
@@ -200,24 +204,28 @@ def test_quantize_model_above_max_budget_not_distilled(one_thread):
 def test_distill_lowers_teacher_kl(base, distilled):
     model, cal, res = base
     out = distilled[0]
-    teacher = teacher_probs(model, res.posterior, cal, out.sample_scale, FAST.samples, FAST.temperature, seed=0)
-    before = _kl(quantized_copy(model, res.weights), teacher, cal, FAST.temperature)
-    after = _kl(apply_distilled(model, out), teacher, cal, FAST.temperature)
+    assert out.accepted
+    fit, _ = split_calibration(cal, FAST.holdout, seed=0)
+    teacher = teacher_probs(model, res.posterior, fit, out.sample_scale, FAST.samples, FAST.temperature, seed=0)
+    before = _kl(quantized_copy(model, res.weights), teacher, fit, FAST.temperature)
+    after = _kl(apply_distilled(model, out), teacher, fit, FAST.temperature)
     assert after < 0.8 * before, (before, after)
 
 
-def test_distill_first_loss_is_teacher_kl_on_first_batch(base):
+def test_distill_first_loss_is_teacher_kl_on_first_fit_batch(base):
     model, cal, res = base
     cfg = DistillConfig(lr=1e-3, steps=10)
     out = distill(model, res.weights, res.posterior, cal, cfg, seed=0)
-    teacher = teacher_probs(model, res.posterior, cal, out.sample_scale, cfg.samples, cfg.temperature, seed=0)
-    first = _kl(quantized_copy(model, res.weights), teacher[:1], cal[:1], cfg.temperature)
+    fit, _ = split_calibration(cal, cfg.holdout, seed=0)
+    teacher = teacher_probs(model, res.posterior, fit, out.sample_scale, cfg.samples, cfg.temperature, seed=0)
+    first = _kl(quantized_copy(model, res.weights), teacher[:1], fit[:1], cfg.temperature)
     assert out.loss_first == pytest.approx(first, rel=2e-3)  # tail = 1 step: untrained loss, batch 0 (fp32)
 
 
 def test_distill_train_bias_changes_bias_and_apply_uses_it(base):
     model, cal, res = base
-    out = distill(model, res.weights, res.posterior, cal, DistillConfig(lr=1e-3, steps=40, train_bias=True))
+    out = distill(model, res.weights, res.posterior, cal,
+                  DistillConfig(lr=1e-3, steps=40, train_bias=True, accept=False))
     assert set(out.biases) == set(res.weights)
     moved = [n for n, b in out.biases.items() if not torch.equal(b, model.get_submodule(n).bias.detach())]
     assert moved
@@ -287,6 +295,171 @@ def test_teacher_probs_sampled_rows_sum_to_one_and_differ(base):
     assert all(torch.equal(a, b) for a, b in zip(t, again))
 
 
+# ---- the calibration split ----------------------------------------------------------------------------
+
+def _numbered(sizes):
+    """Tensor batches whose rows are their global index (float64, (B, 2))."""
+    out, start = [], 0
+    for k in sizes:
+        ids = torch.arange(start, start + k, dtype=torch.float64)
+        out.append(torch.stack([ids, -ids], 1))
+        start += k
+    return out
+
+
+def _ids(batches):
+    return [int(i) for b in batches for i in (b["input_ids"][:, 0, 0] if isinstance(b, dict) else b[:, 0])]
+
+
+@pytest.mark.parametrize("holdout", [0.1, 0.25, 0.5, 0.9])
+def test_split_calibration_disjoint_covers_every_input(holdout):
+    sizes = [7, 10, 0, 3, 1, 12]
+    n = sum(sizes)
+    fit, held = split_calibration(_numbered(sizes), holdout, seed=5)
+    f, h = _ids(fit), _ids(held)
+    assert not set(f) & set(h)
+    assert sorted(f + h) == list(range(n))
+    assert len(h) == min(n - 1, max(1, round(holdout * n)))
+    for part in (fit, held):
+        for b in part:
+            assert b.dtype == torch.float64 and b.shape[1] == 2 and len(b) > 0
+            torch.testing.assert_close(b[:, 1], -b[:, 0], rtol=0, atol=0)  # whole rows move together
+            assert torch.equal(b[:, 0], b[:, 0].sort().values)  # order within a batch kept
+
+
+def test_split_calibration_deterministic_for_seed():
+    cal = _numbered([8, 8, 8, 8])
+    a, b = split_calibration(cal, 0.25, seed=3), split_calibration(cal, 0.25, seed=3)
+    assert _ids(a[0]) == _ids(b[0]) and _ids(a[1]) == _ids(b[1])
+    assert _ids(split_calibration(cal, 0.25, seed=4)[1]) != _ids(a[1])
+
+
+def test_split_calibration_clamps_to_one_input_each_side():
+    fit, held = split_calibration(_numbered([2]), 0.01, seed=0)
+    assert len(_ids(fit)) == 1 and len(_ids(held)) == 1
+    fit, held = split_calibration(_numbered([2]), 0.99, seed=0)
+    assert len(_ids(fit)) == 1 and len(_ids(held)) == 1
+
+
+def test_split_calibration_dict_batches():
+    g = torch.Generator().manual_seed(0)
+    cal = []
+    for start, (k, t) in zip((0, 5, 11), ((5, 4), (6, 3), (4, 7))):  # padded widths differ per batch
+        ids = torch.randn(k, t, 3, generator=g, dtype=torch.float64)
+        ids[:, 0, 0] = torch.arange(start, start + k, dtype=torch.float64)
+        cal.append({"input_ids": ids, "mask": ids[..., 1].clone()})
+    fit, held = split_calibration(cal, 0.25, seed=1)
+    assert sorted(_ids(fit) + _ids(held)) == list(range(15)) and len(_ids(held)) == 4
+    by_id = {int(r[0, 0]): (r, m) for b in cal for r, m in zip(b["input_ids"], b["mask"])}
+    for b in fit + held:
+        assert set(b) == {"input_ids", "mask"}
+        for r, m in zip(b["input_ids"], b["mask"]):
+            r0, m0 = by_id[int(r[0, 0])]
+            assert torch.equal(r, r0) and torch.equal(m, m0)
+
+
+# ---- the held-out acceptance rule ---------------------------------------------------------------------
+
+def _direct_kl(fp_model, q_model, batches):
+    """Mean over inputs of sum_y p log(p / q), p / q the softmaxes of the two models (float64, plain loop)."""
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for x in batches:
+            zp = fp_model(**x) if isinstance(x, dict) else fp_model(x)
+            zq = q_model(**x) if isinstance(x, dict) else q_model(x)
+            p, q = F.softmax(zp.double(), -1), F.softmax(zq.double(), -1)
+            for i in range(len(p)):
+                total += sum(float(p[i, c] * math.log(p[i, c] / q[i, c])) for c in range(p.shape[1]))
+                n += 1
+    return total / n
+
+
+def _assert_same_encoding(a, b):
+    assert a.keys() == b.keys()
+    for name, qa in a.items():
+        qb = b[name]
+        assert torch.equal(qa.codes, qb.codes) and torch.equal(qa.group_bits, qb.group_bits), name
+        for bits, book in qa.books.items():
+            assert torch.equal(book.scale, qb.books[bits].scale) and torch.equal(book.zero, qb.books[bits].zero)
+
+
+@pytest.fixture(scope="module")
+def hurt(base):
+    model, cal, res = base
+    return distill(model, res.weights, res.posterior, cal, dataclasses.replace(HUGE, train_bias=True), seed=0)
+
+
+def test_distill_worsening_rejected_returns_undistilled(base, hurt):
+    model, cal, res = base
+    assert not hurt.accepted and hurt.kl_after >= hurt.kl_before, (hurt.kl_before, hurt.kl_after)
+    assert all(hurt.weights[n] is qw for n, qw in res.weights.items())
+    _assert_same_encoding(hurt.weights, res.weights)
+    assert hurt.biases == {}
+    q, ref = apply_distilled(model, hurt), quantized_copy(model, res.weights)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(q.state_dict()[k], v), k  # weights and biases bit for bit
+    assert hurt.steps == HUGE.steps
+
+
+def test_distill_improving_accepted(base, distilled):
+    model, cal, res = base
+    out = distilled[0]
+    assert out.accepted and out.kl_after < out.kl_before, (out.kl_before, out.kl_after)
+    assert any(not torch.equal(out.weights[n].books[b].scale, qw.books[b].scale)
+               for n, qw in res.weights.items() for b in qw.books)
+    _, held = split_calibration(cal, FAST.holdout, seed=0)
+    assert _direct_kl(model, apply_distilled(model, out), held) == pytest.approx(out.kl_after, rel=1e-9, abs=1e-15)
+
+
+def test_distill_accept_false_keeps_worsening(base, hurt):
+    model, cal, res = base
+    cfg = dataclasses.replace(HUGE, train_bias=True, accept=False)
+    out = distill(model, res.weights, res.posterior, cal, cfg, seed=0)
+    assert out.accepted
+    assert (out.kl_before, out.kl_after) == (hurt.kl_before, hurt.kl_after)  # same split and fit
+    assert out.kl_after >= out.kl_before
+    assert any(not torch.equal(out.weights[n].books[b].scale, qw.books[b].scale)
+               for n, qw in res.weights.items() for b in qw.books)
+    assert set(out.biases) == set(res.weights)
+    _, held = split_calibration(cal, cfg.holdout, seed=0)
+    assert _direct_kl(model, apply_distilled(model, out), held) == pytest.approx(out.kl_after, rel=1e-9, abs=1e-15)
+
+
+def test_distill_heldout_kl_matches_direct_sum(base, hurt):
+    model, cal, res = base
+    _, held = split_calibration(cal, HUGE.holdout, seed=0)
+    direct = _direct_kl(model, quantized_copy(model, res.weights), held)
+    assert direct > 0
+    assert hurt.kl_before == pytest.approx(direct, rel=1e-9, abs=1e-15)
+    assert predictive_kl(model, res.weights, held) == pytest.approx(direct, rel=1e-9, abs=1e-15)
+    assert predictive_kl(model, res.weights, cal) != pytest.approx(direct, rel=1e-6)  # held-out inputs only
+
+
+def test_distill_dict_batches_heldout_kl(one_thread):
+    torch.manual_seed(0)
+    model = TokenModel(32, 32, 3)
+    g = torch.Generator().manual_seed(1)
+    cal = [{"input_ids": torch.randn(6, 4, 32, generator=g), "mask": (torch.rand(6, 4, generator=g) > 0.3).float()}
+           for _ in range(3)]
+    cfg = BayesQConfig(budget=4.0, quant=QuantConfig(group_size=32), distill=OFF)
+    res = quantize_model(model, cal, cfg, progress=False)
+    out = distill(model, res.weights, res.posterior, cal, DistillConfig(lr=1e-3, steps=5), seed=2)
+    fit, held = split_calibration(cal, 0.25, seed=2)
+    assert all(isinstance(b, dict) for b in fit + held) and sum(len(b["mask"]) for b in held) == 4
+    direct = _direct_kl(model, quantized_copy(model, res.weights), held)
+    assert out.kl_before == pytest.approx(direct, rel=1e-9, abs=1e-15)
+    assert out.accepted == (out.kl_after < out.kl_before)
+
+
+def test_quantize_model_rejected_distillation_keeps_undistilled(base):
+    model, cal, res0 = base
+    res1 = quantize_model(model, cal, BayesQConfig(budget=3.0, distill=HUGE), posterior=res0.posterior,
+                          progress=False)
+    _assert_same_encoding(res1.weights, res0.weights)
+    for k, v in res0.model.state_dict().items():
+        assert torch.equal(res1.model.state_dict()[k], v), k
+
+
 # ---- errors -----------------------------------------------------------------------------------------
 
 def test_distill_empty_calibration_raises(base):
@@ -295,6 +468,25 @@ def test_distill_empty_calibration_raises(base):
         distill(model, res.weights, res.posterior, [])
     with pytest.raises(ValueError, match="calibration"):
         distill(model, res.weights, res.posterior, [torch.zeros(0, 16)])
+
+
+def test_distill_one_input_raises(base):
+    model, _, res = base
+    with pytest.raises(ValueError, match=r"1 input.*at least 2.*pass more calibration inputs"):
+        distill(model, res.weights, res.posterior, [torch.zeros(1, 16), torch.zeros(0, 16)],
+                DistillConfig(steps=1))
+
+
+@pytest.mark.parametrize("holdout", [0, 1, -0.5, 2.0])
+def test_split_calibration_bad_holdout_raises(holdout):
+    with pytest.raises(ValueError, match=r"distill\.holdout.*\(0, 1\)"):
+        split_calibration(_numbered([4]), holdout)
+
+
+def test_load_params_distill_holdout_accept():
+    cfg = load_params({"distill": {"holdout": 0.5, "accept": False}}).distill
+    assert (cfg.holdout, cfg.accept) == (0.5, False)
+    assert (DistillConfig().holdout, DistillConfig().accept) == (0.25, True)
 
 
 def test_distill_unknown_layer_raises(base):
@@ -307,7 +499,9 @@ def test_distill_unknown_layer_raises(base):
 
 @pytest.mark.parametrize("field,value", [("steps", 0), ("agreement", 0), ("temperature", -1), ("samples", 0),
                                          ("lr", 0.0), ("max_budget", -1.0), ("agreement", 1.5),
-                                         ("train_bias", 1)])
+                                         ("train_bias", 1), ("holdout", 0), ("holdout", 0.0), ("holdout", 1),
+                                         ("holdout", 1.5), ("holdout", -0.25), ("holdout", math.nan),
+                                         ("holdout", True), ("holdout", "0.25"), ("accept", 1), ("accept", "yes")])
 def test_distill_config_invalid_raises(field, value):
     with pytest.raises(ValueError, match=rf"distill\.{field}"):
         DistillConfig(**{field: value})

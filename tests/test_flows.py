@@ -103,6 +103,7 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
         assert Path(ex["path"]).stat().st_size == ex["file_bytes"]
         assert r["total_bits"] <= ex["payload_bits"] < r["total_bits"] + 8 * 3 * 4  # byte rounding only
         assert ex["max_logit_diff"] == 0.0
+    _check_examples(records, results, next(r for r in everything if r["method"] == "fp"))
     assert read_json(results / "results.json") == everything
     # calibration summary on every row; shifted data on the robustness rows at 3.0 bits
     fp = next(r for r in everything if r["method"] == "fp")
@@ -150,6 +151,25 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     assert "## tiny-cnn" in exports_md and exports_md.count("| BayesQ |") == 2  # both budgets
     metrics = read_json(reports / "metrics.json")
     assert set(metrics["tiny-cnn"]) >= {"fp_accuracy", "bayesq@3.0", "rtn-tensor@4.0"}
+    assert "kl_mean" in metrics["tiny-cnn"]["bayesq@3.0"]
+    paired = read_json(reports / "paired.json")  # BayesQ rows vs GPTQ and RTN per-group, both metrics, both budgets
+    assert len(paired) == 3 * 2 * 2 * 2 and "## Paired comparisons on the same test examples" in table_md
+    assert all(p["n"] == 100 and p["ci_low"] <= p["diff"] <= p["ci_high"] for p in paired)
+
+
+def _check_examples(records, results, fp):
+    """The FP test logits and every row's per-example file: KL / agreement / correctness against them."""
+    from safetensors.torch import load_file
+
+    logits = load_file(fp["logits_file"])
+    assert Path(fp["logits_file"]).parent == results / "examples" and logits["logits"].shape == (100, 4)
+    for r in records:
+        ex = load_file(r["examples_file"])
+        assert Path(r["examples_file"]).name == f"tiny-cnn_{r['method']}_b{r['budget']}_s17.safetensors"
+        assert ex["correct"].dtype == torch.uint8 and ex["kl"].dtype == torch.float32
+        assert float(ex["correct"].double().mean()) == pytest.approx(r["accuracy"], abs=1e-12)
+        assert r["kl_mean"] == pytest.approx(float(ex["kl"].double().mean()), rel=1e-6) and r["kl_se"] > 0
+        assert 0 < r["agreement"] <= 1
 
 
 def _check_lineage(records, runs, results, params_path, models):

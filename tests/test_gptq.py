@@ -1,14 +1,23 @@
+import math
+import re
 from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
+from test_select import brute_uniform, explicit_kl, variant_name
+
 from bayesq.baselines.activations import InputStats, input_stats
-from bayesq.baselines.gptq import damped_hessian, gptq_quantize
+from bayesq.baselines.gptq import (
+    damped_hessian, gptq_allocation_quantize, gptq_candidates, gptq_quantize, gptq_select,
+)
 from bayesq.baselines.rtn import rtn_quantize
-from bayesq.config import Granularity, QuantConfig
+from bayesq.blocks import quantizable_layers
+from bayesq.config import BayesQConfig, Granularity, QuantConfig
 from bayesq.error_feedback import error_feedback_groups
+from bayesq.quantize import quantize_model
+from bayesq.storage import grid_bits, header_bits
 
 CFG = QuantConfig(group_size=16, unit_groups=2)
 
@@ -140,3 +149,128 @@ def test_gptq_bad_input_raises():
         gptq_quantize(model, {}, "group", 4.0, CFG)
     with pytest.raises(ValueError, match="infeasible"):
         gptq_quantize(model, _identity_stats(model), "group", 1.0, CFG)
+
+
+# ---- the selection among budget-feasible variants ------------------------------------------------
+
+GROUP_SIZES = (8, 16, 32, 64)
+
+
+def _calibrated(seed=0):
+    model = _model(seed)
+    g = torch.Generator().manual_seed(50 + seed)
+    batches = [torch.randn(16, 16, generator=g, dtype=torch.float64) for _ in range(2)]
+    return model, batches, input_stats(model, batches, quantizable_layers(model))
+
+
+def stored_bits(res, n_choices):
+    """Bits recomputed from the stored encoding alone: codes, an fp16 scale and a b-bit zero-point
+    per group, a unit header naming one of ``n_choices`` widths, AWQ's fp16 column scales."""
+    total = 0
+    for qw in res.weights.values():
+        sizes = qw.blocks.group_sizes()
+        total += int((sizes * qw.group_bits).sum() + (16 + qw.group_bits).sum())
+        total += qw.blocks.n_units * header_bits(n_choices)
+        total += 0 if qw.col_scale is None else 16 * qw.col_scale.numel()
+    return total
+
+
+def _mixed_min_bits(model, cfg, extra=0):
+    """Every unit at the lowest width with cfg's groups and units, headers included (brute force)."""
+    total = extra
+    for m in quantizable_layers(model).values():
+        n = m.weight.numel()
+        groups = math.ceil(n / cfg.group_size)
+        total += grid_bits(n, groups, min(cfg.bits)) + math.ceil(groups / cfg.unit_groups) * header_bits(len(cfg.bits))
+    return total
+
+
+def check_candidates(model, cands, budget, cfg, group_sizes, extra=0):
+    """Every candidate meets the budget by the stored bits; uniform ones are the brute-force
+    smallest feasible group size per width, with exactly its cost; mixed iff it fits."""
+    n = sum(m.weight.numel() for m in quantizable_layers(model).values())
+    want = brute_uniform(model, budget, cfg.bits, group_sizes, extra=extra)
+    uniform = {k for k in cands if k.startswith("uniform-")}
+    assert uniform == {variant_name(b, g) for b, (g, _) in want.items()}
+    assert ("mixed" in cands) == (_mixed_min_bits(model, cfg, extra) <= budget * n)
+    for name, build in cands.items():
+        res = build()
+        single = name.startswith("uniform-")
+        assert stored_bits(res, 1 if single else len(cfg.bits)) == res.allocation.total_bits
+        assert res.average_bits <= budget
+        if single:
+            b = int(name.split("-")[1])
+            g, total = want[b]
+            assert res.allocation.total_bits == total
+            for qw in res.weights.values():
+                assert bool((qw.group_bits == b).all())
+                assert qw.blocks.group_size == (qw.blocks.row if g is None else g)
+
+
+@pytest.mark.parametrize("budget", [3.0, 3.5, 4.0, 4.5])
+def test_gptq_candidates_meet_budget_and_uniform_smallest_group(budget):
+    model, _, stats = _calibrated()
+    cands = gptq_candidates(model, stats, budget, CFG, group_sizes=GROUP_SIZES)
+    check_candidates(model, cands, budget, CFG, GROUP_SIZES)
+    if "mixed" in cands:  # today's rule, unchanged
+        direct = gptq_quantize(model, stats, "group", budget, CFG)
+        assert cands["mixed"]().allocation == direct.allocation
+
+
+def test_gptq_select_returns_least_calibration_kl():
+    model, batches, stats = _calibrated(1)
+    cands = gptq_candidates(model, stats, 4.0, CFG, group_sizes=GROUP_SIZES)
+    assert len(cands) >= 3
+    choice = gptq_select(model, stats, batches, 4.0, CFG, group_sizes=GROUP_SIZES)
+    want = {k: explicit_kl(model, build().model, batches) for k, build in cands.items()}
+    assert choice.kl == pytest.approx(want, rel=1e-9)
+    assert choice.variant == min(want, key=want.get)
+    winner = cands[choice.variant]()
+    for n, q in choice.result.weights.items():
+        assert torch.equal(q.codes, winner.weights[n].codes)
+
+
+def test_gptq_select_infeasible_budget_names_minimum():
+    model, batches, stats = _calibrated()
+    with pytest.raises(ValueError, match="infeasible for GPTQ") as err:
+        gptq_select(model, stats, batches, 1.5, CFG, group_sizes=GROUP_SIZES)
+    need = float(re.search(r"needs (\d+\.\d+) bits", str(err.value)).group(1))
+    ws = [m.weight for m in quantizable_layers(model).values()]
+    cheapest = min(sum(grid_bits(w.numel(), w.shape[0] if g is None else math.ceil(w.numel() / g), 2) for w in ws)
+                   for g in [*GROUP_SIZES, None])
+    assert need == pytest.approx(min(cheapest, _mixed_min_bits(model, CFG)) / 240, abs=1e-4)
+    assert gptq_candidates(model, stats, math.ceil(need * 1e4) / 1e4, CFG, group_sizes=GROUP_SIZES)
+
+
+@pytest.mark.parametrize("unit", ["block", "channel"])
+def test_gptq_allocation_candidate_reproduces_unit_bits(unit):
+    model, batches, stats = _calibrated(2)
+    cfg = replace(CFG, unit=unit)
+    bq = quantize_model(model, batches, BayesQConfig(budget=4.0, quant=cfg), progress=False)
+    unit_bits = bq.allocation.unit_bits
+    assert len({b for bits in unit_bits.values() for b in bits}) > 1  # a genuinely mixed allocation
+    res = gptq_allocation_quantize(model, stats, unit_bits, 4.0, cfg)
+    assert res.allocation.unit_bits == unit_bits
+    assert res.allocation.total_bits == bq.allocation.total_bits == stored_bits(res, len(cfg.bits))
+    for n, q in res.weights.items():
+        assert torch.equal(q.group_bits, torch.tensor(unit_bits[n])[q.blocks.group_unit()])
+        assert torch.equal(res.model.get_submodule(n).weight, q.dequantize())
+        # error feedback: output error at most nearest rounding's on the same grids
+        W, H = model.get_submodule(n).weight.detach(), stats[n].H[0]
+        groups, _ = q.blocks.to_groups(W.reshape(-1))
+        codes = torch.zeros_like(q.codes)
+        for b, book in q.books.items():
+            codes[q.group_bits == b] = book.quantize(groups[q.group_bits == b])
+        D, Dn = q.dequantize() - W, replace(q, codes=codes).dequantize() - W
+        assert float(torch.trace(D @ H @ D.T)) <= float(torch.trace(Dn @ H @ Dn.T)) + 1e-12
+    choice = gptq_select(model, stats, batches, 4.0, cfg, group_sizes=GROUP_SIZES, allocation=unit_bits)
+    assert "allocation" in choice.kl and choice.avg_bits["allocation"] == res.average_bits
+
+
+def test_gptq_allocation_candidate_bad_allocation_raises():
+    model, _, stats = _calibrated()
+    bits = rtn_quantize(model, Granularity.GROUP, 4.0, CFG).allocation.unit_bits
+    with pytest.raises(ValueError, match="above the budget"):
+        gptq_allocation_quantize(model, stats, bits, 3.5, CFG)
+    with pytest.raises(ValueError, match="units"):
+        gptq_allocation_quantize(model, stats, {**bits, "0": bits["0"] + (2,)}, 4.0, CFG)

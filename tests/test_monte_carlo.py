@@ -269,6 +269,32 @@ def test_mc_logit_kl_vs_fisher_quadratic_form(temperature):
         assert abs(float(est.mean[k]) - ref) < 3 * float(est.se[k]) + 0.05 * ref, (k, est.mean[k], ref)
 
 
+def test_mc_logit_kl_deployed_vs_fisher_quadratic_form():
+    # deployed: the student is Q(mu) for every draw, so the error w - Q(mu) has mean mu - Q(mu)
+    # and variance sigma^2 (not the truncated-normal cell moments of quantised draws)
+    d_in, classes = 6, 4
+    model = _linear_model(d_in, classes, seed=40)
+    x = torch.randn(24, d_in, generator=torch.Generator().manual_seed(41), dtype=F64)
+    mu = model[0].weight.detach().clone()
+    grids = [minmax_grids(mu, b) for b in (5, 7)]
+    sigma = 0.3 * float(grids[0].scale.max()) * torch.ones_like(mu)
+    est = mc_logit_kl(model, [x], "0", mu, sigma, [_q(g) for g in grids], samples=512, seed=42, deployed=True)
+    for k, g in enumerate(grids):
+        m1 = _q(g)(mu) - mu
+        ref = _fisher_reference(model, x, m1, m1 * m1 + sigma * sigma, 1.0)
+        assert abs(float(est.mean[k]) - ref) < 3 * float(est.se[k]) + 0.05 * ref, (k, est.mean[k], ref)
+    # as sigma -> 0 it is the KL of deploying Q(mu): computed directly
+    tiny = mc_logit_kl(model, [x], "0", mu, 1e-12 * torch.ones_like(mu), [_q(grids[0])], samples=4, seed=0,
+                       deployed=True)
+    with torch.no_grad():
+        p = torch.log_softmax(model(x), -1)
+        w = model[0].weight.clone()
+        model[0].weight.copy_(_q(grids[0])(mu))
+        q = torch.log_softmax(model(x), -1)
+        model[0].weight.copy_(w)
+    assert float(tiny.mean[0]) == pytest.approx(float((p.exp() * (p - q)).sum()), rel=1e-6)
+
+
 def test_mc_logit_kl_se_shrinks_as_inverse_sqrt_samples():
     model = _linear_model(5, 3, seed=33)
     x = torch.randn(16, 5, generator=torch.Generator().manual_seed(34), dtype=F64)

@@ -8,14 +8,14 @@ from bayesq.posterior import fit_diagonal_posterior
 def test_fit_diagonal_posterior_damping_and_clipping():
     f = {"l": torch.tensor([0.0, 1.0, 1e20], dtype=torch.float64)}
     w = {"l": torch.tensor([0.1, 0.2, 0.3])}
-    post = fit_diagonal_posterior(f, 10, w, PosteriorConfig(damping=0.5, var_min=1e-6, var_max=1.0, small_calibration=0))
+    post = fit_diagonal_posterior(f, 10, w, PosteriorConfig(prior="fixed", damping=0.5, var_min=1e-6, var_max=1.0, small_calibration=0))
     torch.testing.assert_close(post.variance["l"], torch.tensor([1.0, 1 / 1.5, 1e-6], dtype=torch.float64))
     torch.testing.assert_close(post.mean["l"], w["l"].double())
 
 
 def test_fit_diagonal_posterior_scales_to_data_size():
     f = {"l": torch.tensor([2.0], dtype=torch.float64)}
-    post = fit_diagonal_posterior(f, 4, {"l": torch.zeros(1)}, PosteriorConfig(damping=1.0, n_data=40, small_calibration=0))
+    post = fit_diagonal_posterior(f, 4, {"l": torch.zeros(1)}, PosteriorConfig(prior="fixed", damping=1.0, n_data=40, small_calibration=0))
     # precision = (40 / 4) * 2 + 1
     torch.testing.assert_close(post.precision("l"), torch.tensor([21.0], dtype=torch.float64))
 
@@ -40,7 +40,7 @@ def test_posterior_sample_moments():
 def test_fit_diagonal_posterior_small_calibration_rule():
     f = {"l": torch.linspace(0.0, 100.0, 101, dtype=torch.float64)}
     w = {"l": torch.zeros(101)}
-    cfg = PosteriorConfig(damping=1.0, small_calibration=50)
+    cfg = PosteriorConfig(prior="fixed", damping=1.0, small_calibration=50)
     big = fit_diagonal_posterior(f, 50, w, cfg)  # at the threshold: no rule
     small = fit_diagonal_posterior(f, 49, w, cfg)
     torch.testing.assert_close(big.precision("l"), f["l"] + 1.0)
@@ -54,7 +54,7 @@ def test_fit_diagonal_posterior_small_calibration_rule():
 def test_fit_diagonal_posterior_auto_damping_uses_layer_median():
     f = {"a": torch.full((5,), 1000.0, dtype=torch.float64), "b": torch.full((5,), 1.0, dtype=torch.float64)}
     w = {"a": torch.zeros(5), "b": torch.zeros(5)}
-    post = fit_diagonal_posterior(f, 100, w, PosteriorConfig(damping=0.5, auto_damping=True))
+    post = fit_diagonal_posterior(f, 100, w, PosteriorConfig(prior="fixed", damping=0.5, auto_damping=True))
     torch.testing.assert_close(post.precision("a"), torch.full((5,), 1010.0, dtype=torch.float64))
     torch.testing.assert_close(post.precision("b"), torch.full((5,), 1.5, dtype=torch.float64))
 
@@ -63,8 +63,8 @@ def test_fit_diagonal_posterior_indefinite_curvature_gets_prior_variance():
     f = {"l": torch.tensor([-3.0, 2.0], dtype=torch.float64)}
     w = {"l": torch.zeros(2)}
     with pytest.raises(ValueError, match="negative"):
-        fit_diagonal_posterior(f, 100, w, PosteriorConfig(damping=0.5))
-    post = fit_diagonal_posterior(f, 100, w, PosteriorConfig(damping=0.5), indefinite=True)
+        fit_diagonal_posterior(f, 100, w, PosteriorConfig(prior="fixed", damping=0.5))
+    post = fit_diagonal_posterior(f, 100, w, PosteriorConfig(prior="fixed", damping=0.5), indefinite=True)
     torch.testing.assert_close(post.precision("l"), torch.tensor([0.5, 2.5], dtype=torch.float64))
 
 
@@ -86,7 +86,7 @@ def _spd(d, seed):
 def test_fit_kfac_posterior_variance_and_factors_vs_explicit_kronecker():
     A, G = _spd(5, 0), _spd(3, 1)
     w = {"l": torch.randn(3, 5, dtype=torch.float64)}
-    cfg = PosteriorConfig(damping=0.3, n_data=200, small_calibration=0)
+    cfg = PosteriorConfig(prior="fixed", damping=0.3, n_data=200, small_calibration=0)
     post = fit_kfac_posterior({"l": KFACFactors(A, G, 20)}, w, cfg)
     prec = 200 * torch.kron(G, A)  # row-major vec(W): G (x) A, scaled to n_data
     assert torch.allclose(post.variance["l"].reshape(-1), 1 / (prec.diagonal() + 0.3), rtol=1e-12)
@@ -103,7 +103,7 @@ def test_fit_kfac_posterior_variance_and_factors_vs_explicit_kronecker():
 def test_fit_kfac_posterior_lowrank_truncates_factors():
     A = _spd(12, 2)
     G = _spd(4, 3)
-    cfg = PosteriorConfig(damping=0.1, rank=3, explained=1.0, small_calibration=0)
+    cfg = PosteriorConfig(prior="fixed", damping=0.1, rank=3, explained=1.0, small_calibration=0)
     post = fit_kfac_posterior({"l": KFACFactors(A, G, 50)}, {"l": torch.zeros(4, 12)}, cfg, lowrank=True)
     eig_a = torch.linalg.eigvalsh(A).flip(0)
     a_r = post.kfac["l"].A
@@ -136,7 +136,7 @@ def test_fit_posterior_dispatch_vs_estimator_called_directly(curvature):
     batches = [torch.randn(5, 6, dtype=torch.float64) for _ in range(3)]
     layers = {"0": model[0], "2": model[2]}
     weights = {k: m.weight for k, m in layers.items()}
-    cfg = PosteriorConfig(curvature=curvature, damping=0.1, small_calibration=0, probes=4)
+    cfg = PosteriorConfig(prior="fixed", curvature=curvature, damping=0.1, small_calibration=0, probes=4)
     post = fit_posterior(model, batches, layers, cfg, seed=3, progress=False)
     if curvature in (Curvature.KFAC, Curvature.LOWRANK):
         f = kfac_factors(model, batches, layers, decay=0.95, seed=3, progress=False)
@@ -154,3 +154,63 @@ def test_fit_posterior_dispatch_vs_estimator_called_directly(curvature):
         assert post.kfac is None
     for k in layers:
         assert torch.allclose(post.variance[k], ref.variance[k], rtol=1e-12)
+
+
+# --- prior precision fitted by the Laplace marginal likelihood (MacKay) ---------------------------
+
+from bayesq.posterior import LAMBDA_RANGE, Posterior, fit_prior_precision, log_evidence  # noqa: E402
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fit_prior_precision_vs_brute_force_evidence(seed):
+    g = torch.Generator().manual_seed(seed)
+    eig = torch.rand(200, generator=g, dtype=torch.float64).pow(4) * 10 ** (seed + 1)  # spread spectrum
+    sq_norm = float(torch.rand(1, generator=g, dtype=torch.float64) * 50 + 1)
+    lam = fit_prior_precision(eig, sq_norm)
+    grid = torch.logspace(-6, 6, 20001, dtype=torch.float64).tolist()  # step 0.0006 decades
+    best = max(grid, key=lambda x: log_evidence(eig, sq_norm, x))
+    assert lam == pytest.approx(best, rel=2e-3)
+    assert log_evidence(eig, sq_norm, lam) >= log_evidence(eig, sq_norm, best) - 1e-9
+    # MacKay's fixed point: lambda |mu|^2 = gamma(lambda)
+    assert lam * sq_norm == pytest.approx(float((eig / (eig + lam)).sum()), rel=1e-8)
+
+
+def test_fit_prior_precision_degenerate_layers_hit_the_bracket():
+    assert fit_prior_precision(torch.zeros(10, dtype=torch.float64), 3.0) == LAMBDA_RANGE[0]
+    assert fit_prior_precision(torch.ones(10, dtype=torch.float64), 0.0) == LAMBDA_RANGE[1]
+
+
+def test_fit_diagonal_posterior_fitted_prior_per_layer():
+    # data curvature N/n * F per layer, lambda_l from that layer's spectrum and weights alone
+    f = {"a": torch.tensor([1.0, 4.0, 9.0], dtype=torch.float64), "b": torch.tensor([0.5, 0.5], dtype=torch.float64)}
+    w = {"a": torch.tensor([0.3, -0.2, 0.1]), "b": torch.tensor([1.0, 2.0])}
+    post = fit_diagonal_posterior(f, 10, w, PosteriorConfig(prior="fitted", n_data=20, small_calibration=0))
+    for name in f:
+        h = 2 * f[name]
+        lam = fit_prior_precision(h, float(w[name].double().pow(2).sum()))
+        assert post.prior_precision[name] == pytest.approx(lam, rel=1e-12)
+        torch.testing.assert_close(post.data_precision(name), h)
+        torch.testing.assert_close(post.precision(name), h + lam)
+
+
+def test_prior_dominated_share_counts_variances_near_the_prior():
+    # h <= lambda * 0.1 / 0.9  <=>  1 / (h + lambda) >= 0.9 / lambda
+    h = torch.tensor([0.0, 0.1, 0.111, 0.2, 5.0], dtype=torch.float64)
+    post = Posterior({"l": torch.zeros(5, dtype=torch.float64)}, {"l": 1 / (h + 1.0)}, 10,
+                     curvature={"l": h}, prior_precision={"l": 1.0})
+    var_ratio = post.variance["l"] * 1.0  # posterior variance / prior variance
+    assert post.prior_dominated_share("l") == pytest.approx(float((var_ratio >= 0.9).double().mean()))
+    assert post.prior_dominated_share("l") == pytest.approx(0.6)
+    assert post.prior_dominated_share() == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="no prior precisions"):
+        Posterior({"l": torch.zeros(1)}, {"l": torch.ones(1)}, 1).prior_dominated_share()
+
+
+def test_fit_kfac_posterior_fitted_prior_uses_kronecker_spectrum():
+    A, G = _spd(5, 4), _spd(3, 5)
+    w = {"l": torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(6))}
+    post = fit_kfac_posterior({"l": KFACFactors(A, G, 20)}, w,
+                              PosteriorConfig(prior="fitted", n_data=200, small_calibration=0))
+    eig = torch.linalg.eigvalsh(200 * torch.kron(G, A))  # the explicit Kronecker data curvature
+    want = fit_prior_precision(eig, float(w["l"].pow(2).sum()))
+    assert post.prior_precision["l"] == pytest.approx(want, rel=1e-8)

@@ -18,24 +18,33 @@ graph: a LayerNorm or BatchNorm right before the layer): ``in_channels`` fp16 va
 scaled layer, counted in the first allocation unit of the layer. Layers where that would cost
 more than ``MAX_SCALE_BITS`` bits per weight (classifier heads) are not scaled. Fractional budgets: the greedy
 knapsack over units with loss ``sum_{o,j} (H_jj / s_j^2) (Q_b(w_oj s_j) - w_oj s_j)^2`` (the
-diagonal of the output error, in the original weight space).
+diagonal of the output error, in the original weight space). :func:`awq_select` instead picks,
+on the calibration inputs, the best of that rule and uniform bit-widths with the smallest group
+size that fits, the stored scales counted in every variant (:mod:`bayesq.baselines.select`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import partial
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from bayesq.baselines.activations import InputStats
-from bayesq.baselines.rtn import rtn_blocks
-from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
+from bayesq.baselines.select import (
+    GROUP_SIZES, BaselineChoice, baseline_blocks, check_feasible, cheapest_bits, mixed_min_bits, select_best,
+    uniform_variants,
+)
+from bayesq.blocks import LayerBlocks, checked_layers
 from bayesq.codebook import minmax_grids
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import LossTable, rtn_table
+from bayesq.forward import Batch
 from bayesq.quantize import QuantizationResult, allocate, encode, quantized_copy
+from bayesq.storage import budget_bits
 
 GRID = 20
 #: A layer is scaled only if its stored scales cost at most this many bits per weight of the
@@ -95,6 +104,23 @@ def search_scale(
     return best[1], best[2]
 
 
+def scale_count(mod: nn.Module, stats: InputStats) -> int:
+    """Stored fp16 scales of one layer: ``groups * c_in_per_group`` if AWQ scales it, else 0.
+
+    A layer is scaled when it has more than one input channel per group and its scales cost
+    at most ``MAX_SCALE_BITS`` bits per weight.
+    """
+    w = mod.weight
+    c_in = w[0].numel() // math.prod(w.shape[2:])  # input channels per group
+    n_scales = stats.groups * c_in
+    return n_scales if c_in > 1 and 16 * n_scales <= MAX_SCALE_BITS * w.numel() else 0
+
+
+def scale_bits_total(layers: dict[str, nn.Module], stats: dict[str, InputStats]) -> int:
+    """Bits of every stored AWQ scale over ``layers`` (16 per scale)."""
+    return sum(16 * scale_count(m, stats[n]) for n, m in layers.items())
+
+
 def _add_scale_cost(table: LossTable, extra: dict[str, int]) -> LossTable:
     """Charge ``extra[name]`` bits to every candidate of the first unit of each layer."""
     layers = []
@@ -117,7 +143,7 @@ def awq_quantize(
         ValueError: missing stats, an infeasible budget, non-finite weights.
     """
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model")
-    blocks = rtn_blocks(layer_blocks(layers, cfg.group_size, cfg.unit_groups), Granularity(granularity), cfg)
+    blocks = baseline_blocks(layers, Granularity(granularity), cfg)
     ref_bits = max((b for b in cfg.bits if b <= budget), default=min(cfg.bits))
     scaled, omega, col_scale, extra = {}, {}, {}, {}
     for lb in blocks:
@@ -126,8 +152,8 @@ def awq_quantize(
         kernel = math.prod(mod.weight.shape[2:])
         st = stats[lb.name]
         cols = torch.ones_like(W)
-        n_scales = st.groups * (W.shape[1] // kernel)
-        if W.shape[1] // kernel > 1 and 16 * n_scales <= MAX_SCALE_BITS * W.numel():
+        n_scales = scale_count(mod, st)
+        if n_scales:
             s, _ = search_scale(W, st, lb, ref_bits, kernel, cfg.scale_bits, grid)
             col_scale[lb.name] = s.to(torch.float16).double()  # stored in fp16
             cols = col_scale[lb.name].repeat_interleave(W.shape[0] // s.shape[0], dim=0)  # (out, d_in)
@@ -139,3 +165,43 @@ def awq_quantize(
     qweights = encode(table, allocation, scaled)
     qweights = {n: replace(q, col_scale=col_scale.get(n)) for n, q in qweights.items()}
     return QuantizationResult(quantized_copy(model, qweights), qweights, allocation, table)
+
+
+def awq_candidates(
+    model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(), *,
+    granularity: Granularity = Granularity.GROUP, group_sizes: Sequence[int] = GROUP_SIZES, grid: int = GRID,
+) -> dict[str, Callable[[], QuantizationResult]]:
+    """Budget-feasible AWQ variants, unbuilt: ``mixed`` (:func:`awq_quantize` at ``granularity``)
+    when its cheapest allocation fits, and ``uniform-<b>-g<G>`` / ``uniform-<b>-channel`` for
+    each width of ``cfg.bits`` with a fitting layout from ``group_sizes`` (scale search at
+    that width). The stored scales (:func:`scale_bits_total`) are counted in every variant.
+
+    Raises:
+        ValueError: missing stats, or no variant fits the budget (naming the minimum feasible one).
+    """
+    granularity = Granularity(granularity)
+    layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model")
+    n = sum(m.weight.numel() for m in layers.values())
+    extra = scale_bits_total(layers, stats)
+    out: dict[str, Callable[[], QuantizationResult]] = {}
+    if mixed_min_bits(layers, granularity, cfg, extra) <= budget_bits(budget, n):
+        out["mixed"] = partial(awq_quantize, model, stats, budget, cfg, granularity=granularity, grid=grid)
+    for v in uniform_variants(layers, budget, cfg, group_sizes, extra):
+        out[v.name] = partial(awq_quantize, model, stats, budget, v.config(cfg), granularity=v.granularity, grid=grid)
+    check_feasible(out, "AWQ", budget, cheapest_bits(layers, granularity, cfg, group_sizes, extra))
+    return out
+
+
+def awq_select(
+    model: nn.Module, stats: dict[str, InputStats], batches: Iterable[Batch], budget: float,
+    cfg: QuantConfig = QuantConfig(), *, granularity: Granularity = Granularity.GROUP,
+    group_sizes: Sequence[int] = GROUP_SIZES, grid: int = GRID,
+) -> BaselineChoice:
+    """The AWQ variant of :func:`awq_candidates` with the least mean calibration
+    ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from).
+
+    Raises:
+        ValueError: as :func:`awq_candidates`; an empty ``batches``.
+    """
+    cands = awq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes, grid=grid)
+    return select_best(cands, model, batches)

@@ -17,20 +17,30 @@ quantised columns. The solver is BayesQ's own :func:`bayesq.error_feedback.error
 Fractional budgets (``3.5`` bits is no single bit-width once scales are counted) are met by
 GPTQ's mixed rule here: the greedy knapsack over units of about ``group_size * unit_groups``
 weights with loss ``sum_{o,j} H_jj (Q_b(w_oj) - w_oj)^2`` (the diagonal of GPTQ's objective)
-under BayesQ's exact storage accounting.
+under BayesQ's exact storage accounting. :func:`gptq_select` instead picks, on the calibration
+inputs, the best of that rule, uniform bit-widths with the smallest group size that fits, and
+an externally supplied allocation (:mod:`bayesq.baselines.select`).
 """
 
 from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from bayesq.baselines.activations import InputStats
-from bayesq.baselines.rtn import rtn_blocks
-from bayesq.blocks import checked_layers, layer_blocks
+from bayesq.baselines.select import (
+    GROUP_SIZES, BaselineChoice, baseline_blocks, check_feasible, cheapest_bits, given_allocation,
+    mixed_min_bits, select_best, uniform_variants,
+)
+from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.config import Granularity, QuantConfig, Rounding
-from bayesq.expected_loss import rtn_table
-from bayesq.quantize import QuantizationResult, allocate, encode, quantized_copy
+from bayesq.expected_loss import LossTable, rtn_table
+from bayesq.forward import Batch
+from bayesq.quantize import Allocation, QuantizationResult, allocate, encode, quantized_copy
+from bayesq.storage import budget_bits
 
 DAMP = 0.01
 
@@ -50,6 +60,31 @@ def damped_hessian(H: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
     return H
 
 
+def _granularity(granularity: Granularity | str) -> Granularity:
+    """``granularity`` as the enum; ``ValueError`` for per-tensor grids."""
+    granularity = Granularity(granularity)
+    if granularity == Granularity.TENSOR:
+        raise ValueError("GPTQ quantises with per-channel or per-group grids; choose 'channel' or 'group'")
+    return granularity
+
+
+def _table(layers: dict[str, nn.Module], stats: dict[str, InputStats], blocks: list[LayerBlocks],
+           cfg: QuantConfig) -> LossTable:
+    """Min/max grids of every candidate with GPTQ's mixed-rule loss ``sum H_jj (Q_b(w) - w)^2``."""
+    weights = {n: m.weight for n, m in layers.items()}
+    omega = {n: stats[n].row_diag(m.weight.shape[0]) for n, m in layers.items()}  # (out, d_in)
+    return rtn_table(weights, blocks, cfg, element_weight=omega)
+
+
+def _solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, InputStats], table: LossTable,
+           allocation: Allocation, act_order: bool, damp: float) -> QuantizationResult:
+    """GPTQ's error-feedback codes on the grids of ``allocation``'s bit-widths."""
+    metric = {n: damped_hessian(stats[n].H, damp) for n in layers}
+    qweights = encode(table, allocation, {n: m.weight for n, m in layers.items()},
+                      rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, act_order=act_order)
+    return QuantizationResult(quantized_copy(model, qweights), qweights, allocation, table)
+
+
 def gptq_quantize(
     model: nn.Module, stats: dict[str, InputStats], granularity: Granularity, budget: float,
     cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP,
@@ -66,16 +101,76 @@ def gptq_quantize(
         ValueError: per-tensor granularity (GPTQ uses channel or group grids), missing stats,
             an infeasible budget, non-finite weights.
     """
-    granularity = Granularity(granularity)
-    if granularity == Granularity.TENSOR:
-        raise ValueError("GPTQ quantises with per-channel or per-group grids; choose 'channel' or 'group'")
+    granularity = _granularity(granularity)
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model")
-    blocks = rtn_blocks(layer_blocks(layers, cfg.group_size, cfg.unit_groups), granularity, cfg)
-    weights = {n: m.weight for n, m in layers.items()}
-    omega = {n: stats[n].row_diag(m.weight.shape[0]) for n, m in layers.items()}  # (out, d_in)
-    table = rtn_table(weights, blocks, cfg, element_weight=omega)
-    allocation = allocate(table, budget)
-    metric = {n: damped_hessian(stats[n].H, damp) for n in layers}
-    qweights = encode(table, allocation, weights, rounding=Rounding.ERROR_FEEDBACK,
-                      column_metric=metric, act_order=act_order)
-    return QuantizationResult(quantized_copy(model, qweights), qweights, allocation, table)
+    table = _table(layers, stats, baseline_blocks(layers, granularity, cfg), cfg)
+    return _solve(model, layers, stats, table, allocate(table, budget), act_order, damp)
+
+
+def gptq_allocation_quantize(
+    model: nn.Module, stats: dict[str, InputStats], unit_bits: Mapping[str, Sequence[int]], budget: float,
+    cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP,
+) -> QuantizationResult:
+    """GPTQ's error-feedback solver on a supplied allocation (e.g. BayesQ's ``Allocation.unit_bits``).
+
+    Units are BayesQ's blocks for ``cfg`` (``layer_blocks(layers, cfg.group_size,
+    cfg.unit_groups, cfg.unit)``) with min/max grids per group; the exact cost (codes, scales,
+    zero-points, headers over ``cfg.bits``) must fit ``budget``.
+
+    Args:
+        unit_bits: layer name -> bit-width of each unit, every width in ``cfg.bits``.
+
+    Raises:
+        ValueError: missing stats, a layer's unit count or a width not matching ``cfg``, a cost
+            above the budget, non-finite weights.
+    """
+    layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model")
+    table = _table(layers, stats, layer_blocks(layers, cfg.group_size, cfg.unit_groups, cfg.unit.value), cfg)
+    return _solve(model, layers, stats, table, given_allocation(table, unit_bits, budget), act_order, damp)
+
+
+def gptq_candidates(
+    model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(), *,
+    granularity: Granularity = Granularity.GROUP, group_sizes: Sequence[int] = GROUP_SIZES,
+    allocation: Mapping[str, Sequence[int]] | None = None, act_order: bool = True, damp: float = DAMP,
+) -> dict[str, Callable[[], QuantizationResult]]:
+    """Budget-feasible GPTQ variants (module docstring of :mod:`bayesq.baselines.select`), unbuilt.
+
+    ``mixed`` (:func:`gptq_quantize` at ``granularity``) when its cheapest allocation fits,
+    ``uniform-<b>-g<G>`` / ``uniform-<b>-channel`` for each width of ``cfg.bits`` with a fitting
+    layout from ``group_sizes``, and ``allocation`` (:func:`gptq_allocation_quantize`) unless
+    ``allocation`` is None.
+
+    Raises:
+        ValueError: missing stats, or no variant fits the budget (naming the minimum feasible one).
+    """
+    granularity = _granularity(granularity)
+    layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model")
+    n = sum(m.weight.numel() for m in layers.values())
+    opts = dict(act_order=act_order, damp=damp)
+    out: dict[str, Callable[[], QuantizationResult]] = {}
+    if mixed_min_bits(layers, granularity, cfg) <= budget_bits(budget, n):
+        out["mixed"] = partial(gptq_quantize, model, stats, granularity, budget, cfg, **opts)
+    for v in uniform_variants(layers, budget, cfg, group_sizes):
+        out[v.name] = partial(gptq_quantize, model, stats, v.granularity, budget, v.config(cfg), **opts)
+    if allocation is not None:
+        out["allocation"] = partial(gptq_allocation_quantize, model, stats, allocation, budget, cfg, **opts)
+    check_feasible(out, "GPTQ", budget, cheapest_bits(layers, granularity, cfg, group_sizes))
+    return out
+
+
+def gptq_select(
+    model: nn.Module, stats: dict[str, InputStats], batches: Iterable[Batch], budget: float,
+    cfg: QuantConfig = QuantConfig(), *, granularity: Granularity = Granularity.GROUP,
+    group_sizes: Sequence[int] = GROUP_SIZES, allocation: Mapping[str, Sequence[int]] | None = None,
+    act_order: bool = True, damp: float = DAMP,
+) -> BaselineChoice:
+    """The GPTQ variant of :func:`gptq_candidates` with the least mean calibration
+    ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from).
+
+    Raises:
+        ValueError: as :func:`gptq_candidates`; an empty ``batches``.
+    """
+    cands = gptq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes,
+                            allocation=allocation, act_order=act_order, damp=damp)
+    return select_best(cands, model, batches)

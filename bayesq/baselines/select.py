@@ -1,0 +1,281 @@
+"""Baselines at their strongest: the best budget-feasible variant, chosen on calibration data.
+
+A baseline (GPTQ, AWQ) can meet a budget of ``B`` average bits per weight (codes, scales,
+zero-points, stored AWQ scales and bit-width headers all counted by :mod:`bayesq.storage`) in
+several ways; each candidate below meets it exactly under that accounting:
+
+* ``mixed``: the method's own mixed-precision rule (the greedy knapsack over units of about
+  ``group_size * unit_groups`` weights with its diagonal error proxy); offered when its cheapest
+  allocation (every unit at the lowest bit-width) fits.
+* ``uniform-<b>-g<G>`` / ``uniform-<b>-channel``: one bit-width ``b`` for every weight (no
+  bit-width header: a single choice needs none) with the smallest group size ``G`` of the
+  candidate list, tried in ascending order with one grid per output channel last, whose exact
+  cost fits the budget; one variant per ``b`` of ``cfg.bits`` for which some layout fits.
+* ``allocation``: an externally supplied allocation (layer -> bit-width of each unit, e.g.
+  BayesQ's ``Allocation.unit_bits`` over the same blocks) with the method's own rounding.
+
+Selection: the variant with the least mean ``KL(p_FP(y|x) || p_Q(y|x))`` over the calibration
+inputs (the inputs the method's statistics come from; never the test set). Ties keep the first
+candidate in the order given; a NaN KL never wins.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bayesq.baselines.rtn import rtn_blocks
+from bayesq.blocks import LayerBlocks, layer_blocks
+from bayesq.config import Granularity, QuantConfig
+from bayesq.expected_loss import LossTable
+from bayesq.forward import Batch, logits
+from bayesq.quantize import Allocation, QuantizationResult
+from bayesq.storage import budget_bits, unit_cost_bits
+
+#: Candidate group sizes of the uniform variants (per-output-channel grids are always tried last).
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class BaselineChoice:
+    """What :func:`select_best` returns.
+
+    Attributes:
+        result: the chosen candidate's quantisation.
+        variant: its name (``mixed``, ``uniform-3-g64``, ``uniform-2-channel``, ``allocation``).
+        kl: candidate name -> mean calibration ``KL(p_FP || p_Q)`` (nats per example).
+        avg_bits: candidate name -> true average bits per quantised weight.
+    """
+
+    result: QuantizationResult
+    variant: str
+    kl: dict[str, float]
+    avg_bits: dict[str, float]
+
+
+@dataclass(frozen=True)
+class UniformVariant:
+    """One bit-width everywhere with one grid layout.
+
+    Attributes:
+        bits: the bit-width of every weight.
+        group_size: weights per scale group; ``None`` for one grid per output channel.
+    """
+
+    bits: int
+    group_size: int | None
+
+    @property
+    def name(self) -> str:
+        layout = "channel" if self.group_size is None else f"g{self.group_size}"
+        return f"uniform-{self.bits}-{layout}"
+
+    @property
+    def granularity(self) -> Granularity:
+        return Granularity.CHANNEL if self.group_size is None else Granularity.GROUP
+
+    def config(self, cfg: QuantConfig) -> QuantConfig:
+        """``cfg`` with this single bit-width and group size (the unit layout is irrelevant)."""
+        return replace(cfg, bits=(self.bits,), group_size=self.group_size or cfg.group_size)
+
+
+# ---- exact costs ----------------------------------------------------------------------------------
+
+def layout_bits(blocks: Sequence[LayerBlocks], bits: int, n_choices: int, scale_bits: int = 16) -> int:
+    """Exact storage bits of every unit of ``blocks`` at one bit-width (int).
+
+    Each unit costs :func:`bayesq.storage.unit_cost_bits`: codes, one scale and one zero-point
+    per group, and a header naming one of ``n_choices`` bit-widths (none when ``n_choices = 1``).
+    """
+    return sum(unit_cost_bits(n, g, bits, n_choices, scale_bits) for lb in blocks for n, g in lb.unit_sizes())
+
+
+def baseline_blocks(layers: Mapping[str, nn.Module], granularity: Granularity, cfg: QuantConfig) -> list[LayerBlocks]:
+    """The GPTQ / AWQ / RTN layouts of ``layers`` (group = ``cfg.group_size``, channel = one row)."""
+    return rtn_blocks(layer_blocks(dict(layers), cfg.group_size, cfg.unit_groups), Granularity(granularity), cfg)
+
+
+def mixed_min_bits(
+    layers: Mapping[str, nn.Module], granularity: Granularity, cfg: QuantConfig, extra_bits: int = 0,
+) -> int:
+    """Bits of the mixed rule's cheapest allocation: every unit at ``min(cfg.bits)`` plus headers
+    and ``extra_bits`` (AWQ's stored scales)."""
+    blocks = baseline_blocks(layers, granularity, cfg)
+    return layout_bits(blocks, min(cfg.bits), len(cfg.bits), cfg.scale_bits) + extra_bits
+
+
+def uniform_bits(
+    layers: Mapping[str, nn.Module], variant: UniformVariant, cfg: QuantConfig, extra_bits: int = 0,
+) -> int:
+    """Exact bits of ``variant`` on ``layers`` (no headers) plus ``extra_bits``."""
+    blocks = baseline_blocks(layers, variant.granularity, variant.config(cfg))
+    return layout_bits(blocks, variant.bits, 1, cfg.scale_bits) + extra_bits
+
+
+def layouts(group_sizes: Iterable[int]) -> list[int | None]:
+    """Group sizes in the order tried: ascending, then ``None`` (one grid per output channel)."""
+    return [*sorted(set(int(g) for g in group_sizes)), None]
+
+
+def uniform_variants(
+    layers: Mapping[str, nn.Module], budget: float, cfg: QuantConfig,
+    group_sizes: Iterable[int] = GROUP_SIZES, extra_bits: int = 0,
+) -> list[UniformVariant]:
+    """Feasible uniform variants: for each ``b`` in ``cfg.bits`` the first layout of
+    :func:`layouts` whose exact bits (plus ``extra_bits``) fit ``budget`` average bits; widths
+    with no fitting layout are left out."""
+    n = sum(m.weight.numel() for m in layers.values())
+    limit = budget_bits(budget, n)
+    out = []
+    for b in cfg.bits:
+        for g in layouts(group_sizes):
+            v = UniformVariant(b, g)
+            if uniform_bits(layers, v, cfg, extra_bits) <= limit:
+                out.append(v)
+                break
+    return out
+
+
+def cheapest_bits(
+    layers: Mapping[str, nn.Module], granularity: Granularity, cfg: QuantConfig,
+    group_sizes: Iterable[int] = GROUP_SIZES, extra_bits: int = 0,
+) -> float:
+    """Least average bits any mixed or uniform variant needs (the minimum feasible budget)."""
+    n = sum(m.weight.numel() for m in layers.values())
+    costs = [mixed_min_bits(layers, granularity, cfg, extra_bits)]
+    costs += [uniform_bits(layers, UniformVariant(min(cfg.bits), g), cfg, extra_bits) for g in layouts(group_sizes)]
+    return min(costs) / n
+
+
+def check_feasible(candidates: Mapping[str, object], method: str, budget: float, cheapest: float) -> None:
+    """Raise ``ValueError`` naming the minimum feasible budget when ``candidates`` is empty."""
+    if not candidates:
+        raise ValueError(
+            f"budget of {budget} bits/weight is infeasible for {method}: its cheapest variant needs "
+            f"{cheapest:.4f} bits/weight (lowest bit-width plus scales, zero-points and headers); "
+            "raise the budget or add a larger group size to baselines.group_sizes"
+        )
+
+
+def given_allocation(table: LossTable, unit_bits: Mapping[str, Sequence[int]], budget: float) -> Allocation:
+    """:class:`Allocation` of supplied per-unit bit-widths, costed by ``table``'s exact unit costs.
+
+    Args:
+        table: candidates of every layer (its blocks define the units).
+        unit_bits: layer name -> one bit-width per unit of that layer (a sequence of ints).
+        budget: average bits per quantised weight the allocation must meet.
+
+    Raises:
+        ValueError: a layer missing or with the wrong number of units, a bit-width that is not a
+            candidate, or a total above the budget.
+    """
+    limit = budget_bits(budget, table.n_weights)
+    chosen, total, loss = {}, 0, 0.0
+    for t in table.layers:
+        name, n_units = t.blocks.name, t.blocks.n_units
+        bits = tuple(int(b) for b in unit_bits.get(name, ()))
+        if len(bits) != n_units:
+            raise ValueError(f"allocation gives layer '{name}' {len(bits)} unit bit-widths but its layout has "
+                             f"{n_units} units (group_size={t.blocks.group_size}, unit_groups={t.blocks.unit_groups}); "
+                             "build it over the same blocks")
+        bad = sorted(set(bits) - set(t.bits))
+        if bad:
+            raise ValueError(f"allocation gives layer '{name}' bit-widths {bad}, not among the candidates "
+                             f"{list(t.bits)}")
+        col = torch.tensor([t.bits.index(b) for b in bits])
+        rows = torch.arange(n_units)
+        total += int(t.unit_cost[rows, col].sum())
+        loss += float(t.unit_loss[rows, col].sum())
+        chosen[name] = bits
+    if total > limit:
+        raise ValueError(f"the supplied allocation costs {total / table.n_weights:.4f} bits/weight under this "
+                         f"encoding, above the budget of {budget}; allocate with the same quant settings")
+    return Allocation(chosen, total, table.n_weights, limit, loss)
+
+
+def encoding_config(result: QuantizationResult, cfg: QuantConfig) -> QuantConfig:
+    """``cfg`` with the bit set ``result``'s units choose from (a uniform variant: its one width,
+    no unit header), as :func:`bayesq.export.save_export` needs to write exactly the accounted bits.
+
+    Raises:
+        ValueError: layers with different bit sets.
+    """
+    sets = {t.bits for t in result.table.layers}
+    if len(sets) != 1:
+        raise ValueError(f"layers choose from different bit sets {sorted(sets)}; one export config cannot name them")
+    return replace(cfg, bits=sets.pop())
+
+
+# ---- calibration KL and the choice ----------------------------------------------------------------
+
+def _log_probs(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """(rows, C) float64 log-probabilities of ``model`` on ``batch`` (leading dims flattened)."""
+    z = logits(model, batch)
+    return F.log_softmax(z.reshape(-1, z.shape[-1]).double(), dim=-1)
+
+
+def _eval_log_probs(model: nn.Module, batches: Sequence[Batch]) -> list[torch.Tensor]:
+    """:func:`_log_probs` of every batch in eval mode without gradients (training flag restored)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return [_log_probs(model, b) for b in batches]
+    finally:
+        model.train(was_training)
+
+
+def reference_log_probs(model: nn.Module, batches: Iterable[Batch]) -> list[torch.Tensor]:
+    """Full-precision log-probabilities, one (rows, C) float64 tensor per batch."""
+    return _eval_log_probs(model, list(batches))
+
+
+def mean_kl(reference: Sequence[torch.Tensor], model: nn.Module, batches: Sequence[Batch]) -> float:
+    """Mean over examples of ``KL(p_ref || p_model) = sum_c p_ref (log p_ref - log p_model)``.
+
+    Args:
+        reference: :func:`reference_log_probs` on the same ``batches``.
+        model: the quantised model.
+        batches: the calibration batches (tensors or dicts of tensors), same order.
+    """
+    total, rows = 0.0, 0
+    for ref, logq in zip(reference, _eval_log_probs(model, batches), strict=True):
+        total += float((ref.exp() * (ref - logq)).sum())
+        rows += ref.shape[0]
+    return total / rows
+
+
+def select_best(
+    candidates: Mapping[str, Callable[[], QuantizationResult]], model: nn.Module, batches: Iterable[Batch],
+) -> BaselineChoice:
+    """Build every candidate in turn and keep the one with the least mean calibration KL.
+
+    Args:
+        candidates: variant name -> builder of its :class:`QuantizationResult` (called once,
+            in order; only the best result so far is kept in memory).
+        model: the full-precision model (the KL's reference).
+        batches: calibration batches (the inputs the baseline's statistics come from).
+
+    Raises:
+        ValueError: no candidates, or no calibration batch.
+    """
+    if not candidates:
+        raise ValueError("no candidate to select from: the budget is infeasible for every variant")
+    batches = list(batches)
+    if not batches:
+        raise ValueError("empty calibration set: the selection scores candidates on calibration inputs")
+    reference = reference_log_probs(model, batches)
+    kl, bits, best, best_kl = {}, {}, None, math.inf
+    for name, build in candidates.items():
+        res = build()
+        kl[name] = mean_kl(reference, res.model, batches)
+        bits[name] = res.average_bits
+        score = math.inf if math.isnan(kl[name]) else kl[name]
+        if best is None or score < best_kl:
+            best, best_kl = (name, res), score
+    return BaselineChoice(best[1], best[0], kl, bits)

@@ -1,0 +1,200 @@
+"""Per-example comparison with the full-precision model, and paired comparison of two methods.
+
+Every quantised model is scored on the same test examples as the FP model and as every other
+method, so differences can be measured example by example:
+
+* :func:`kl_per_example` -- ``KL_i = sum_c p_c log(p_c / q_c)`` with ``p = softmax(z_FP_i)`` and
+  ``q = softmax(z_Q_i)`` (nats; float64, from stable log-softmax);
+* :func:`agreement_per_example` -- ``argmax_c z_Q_ic == argmax_c z_FP_ic``;
+* :func:`correct_per_example` -- ``argmax_c z_ic == y_i``;
+* :func:`fidelity_summary` -- mean KL, its standard error ``sd(KL) / sqrt(N)`` and the agreement rate;
+* :func:`paired_differences` -- the mean of ``a_i - b_i`` for two methods on the same examples and
+  a percentile 95 % interval from a paired bootstrap over examples: resample ``N`` example indices
+  with replacement (the same indices for both methods), take the mean difference, repeat
+  ``resamples`` times, and read off the 2.5 % / 97.5 % quantiles. The indices come from
+  ``torch.Generator().manual_seed(seed)``: resample ``b`` is the ``b``-th draw of
+  ``torch.randint(0, N, (N,))`` from it, so the interval is reproducible and every comparison with
+  the same ``N`` and seed uses the same resamples.
+
+The interval covers test-set sampling only (which examples were drawn), not the calibration set,
+fine-tuning or any other seed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+RESAMPLES = 10_000
+SEED = 0
+_CHUNK = 256  # resamples per block of the bootstrap (memory: CHUNK x N float64 counts)
+
+
+def _check_logits(fp_logit: Tensor, q_logit: Tensor) -> None:
+    if fp_logit.ndim != 2 or fp_logit.shape != q_logit.shape:
+        raise ValueError(f"need two (N, C) logit tensors of one shape, got {tuple(fp_logit.shape)} "
+                         f"and {tuple(q_logit.shape)}")
+
+
+def kl_per_example(fp_logit: Tensor, q_logit: Tensor) -> Tensor:
+    """Per-example ``KL(p_FP(.|x_i) || p_Q(.|x_i))`` in nats.
+
+    ``KL_i = sum_c p_ic (log p_ic - log q_ic)``, ``log p = log_softmax(z_FP)``, ``log q = log_softmax(z_Q)``
+    in float64; classes with ``p_ic = 0`` contribute 0.
+
+    Args:
+        fp_logit: (N, C) logits of the reference (full-precision) model, any float dtype.
+        q_logit: (N, C) logits of the compared (quantised) model.
+
+    Returns:
+        (N,) float64, >= 0 (rounding below zero is clamped).
+    """
+    _check_logits(fp_logit, q_logit)
+    log_p = torch.log_softmax(fp_logit.double(), dim=-1)
+    log_q = torch.log_softmax(q_logit.double(), dim=-1)
+    p = log_p.exp()
+    terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
+    return terms.sum(-1).clamp_min(0.0)
+
+
+def agreement_per_example(fp_logit: Tensor, q_logit: Tensor) -> Tensor:
+    """(N,) bool: the two models' top-1 classes agree (``argmax`` of each (N, C) logit tensor)."""
+    _check_logits(fp_logit, q_logit)
+    return fp_logit.argmax(-1) == q_logit.argmax(-1)
+
+
+def correct_per_example(logit: Tensor, labels: Tensor) -> Tensor:
+    """(N,) bool: ``argmax_c logit_ic == labels_i`` for (N, C) logits and (N,) int64 labels."""
+    if logit.ndim != 2 or labels.shape != logit.shape[:1]:
+        raise ValueError(f"logits {tuple(logit.shape)} do not match labels {tuple(labels.shape)}")
+    return logit.argmax(-1) == labels
+
+
+def mean_se(values: Tensor) -> tuple[float, float]:
+    """``(mean, sd / sqrt(N))`` of (N,) values in float64; ``sd`` with ``N - 1``, SE 0 for N = 1."""
+    x = values.double().flatten()
+    if x.numel() == 0:
+        raise ValueError("mean_se: no values")
+    se = float(x.std(correction=1)) / math.sqrt(x.numel()) if x.numel() > 1 else 0.0
+    return float(x.mean()), se
+
+
+@dataclass(frozen=True)
+class FidelitySummary:
+    """A model against the FP model on N examples: mean KL (nats), its SE, top-1 agreement rate."""
+
+    kl_mean: float
+    kl_se: float
+    agreement: float
+    n: int
+
+    def as_dict(self) -> dict[str, float]:
+        """The record / MLflow fields ``kl_mean``, ``kl_se``, ``agreement``."""
+        return {"kl_mean": self.kl_mean, "kl_se": self.kl_se, "agreement": self.agreement}
+
+
+def fidelity_summary(kl: Tensor, agree: Tensor) -> FidelitySummary:
+    """Summary of (N,) per-example KL and (N,) bool agreement (:func:`kl_per_example`,
+    :func:`agreement_per_example`)."""
+    if kl.shape != agree.shape or kl.ndim != 1:
+        raise ValueError(f"kl {tuple(kl.shape)} and agreement {tuple(agree.shape)} must be one (N,) shape")
+    kl_mean, kl_se = mean_se(kl)
+    return FidelitySummary(kl_mean, kl_se, float(agree.double().mean()), kl.numel())
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """``mean_i(a_i - b_i)`` (times ``scale``) of a method ``a`` and a baseline ``b`` on the same N
+    examples, with the ``level`` percentile interval of the paired bootstrap."""
+
+    diff: float
+    ci_low: float
+    ci_high: float
+    n: int
+    resamples: int
+    seed: int
+    level: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {"diff": self.diff, "ci_low": self.ci_low, "ci_high": self.ci_high}
+
+
+def bootstrap_means(values: Tensor, resamples: int = RESAMPLES, seed: int = SEED) -> Tensor:
+    """Column means of ``values`` over bootstrap resamples of its rows.
+
+    Resample ``b`` draws ``idx_b = torch.randint(0, N, (N,))`` from
+    ``torch.Generator().manual_seed(seed)`` (the ``b``-th draw; drawn in blocks, which gives the
+    same numbers) and returns ``mean_i values[idx_b[i]]`` for every column, computed as
+    ``counts_b @ values / N`` with ``counts_b[j] = #{i : idx_b[i] = j}``.
+
+    Args:
+        values: (N, K) (or (N,)) per-example values; used in float64.
+
+    Returns:
+        (resamples, K) float64 (or (resamples,) for 1-D ``values``).
+    """
+    x = values.double()
+    flat = x.ndim == 1
+    x = x[:, None] if flat else x
+    n = x.shape[0]
+    if n == 0 or resamples < 1:
+        raise ValueError(f"bootstrap_means: need N >= 1 and resamples >= 1, got {n} and {resamples}")
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for start in range(0, resamples, _CHUNK):
+        rows = min(_CHUNK, resamples - start)
+        idx = torch.randint(0, n, (rows, n), generator=g)
+        ones = torch.ones(rows, n, dtype=torch.float64)
+        counts = torch.zeros(rows, n, dtype=torch.float64).scatter_add_(1, idx, ones)  # (rows, N)
+        out.append(counts @ x / n)
+    means = torch.cat(out)
+    return means[:, 0] if flat else means
+
+
+def percentile(sorted_values: Tensor, q: float) -> Tensor:
+    """Linear-interpolation quantile of values sorted along dim 0 (numpy's default rule):
+    ``v[i] + f (v[i+1] - v[i])`` with ``i + f = q (B - 1)``."""
+    pos = q * (sorted_values.shape[0] - 1)
+    i = min(int(math.floor(pos)), sorted_values.shape[0] - 1)
+    f = pos - i
+    hi = sorted_values[min(i + 1, sorted_values.shape[0] - 1)]
+    return sorted_values[i] + f * (hi - sorted_values[i])
+
+
+def paired_differences(method: Tensor, baseline: Tensor, resamples: int = RESAMPLES, seed: int = SEED,
+                       level: float = 0.95, scale: float = 1.0) -> tuple[PairedDifference, ...]:
+    """Paired bootstrap of ``mean(a - b)`` for K comparisons at once (one set of resamples).
+
+    ``d_ik = scale (a_ik - b_ik)``; ``diff_k = mean_i d_ik``; the interval is the
+    ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of ``mean_i d_{idx_b[i], k}`` over the
+    resamples of :func:`bootstrap_means` (same example indices for method and baseline).
+
+    Args:
+        method, baseline: (N,) or (N, K) per-example values on the same examples (e.g. correct as
+            0/1, or KL); any dtype, used in float64.
+        scale: multiplies the differences (100: accuracy in points).
+
+    Returns:
+        K :class:`PairedDifference` (one for 1-D inputs).
+    """
+    if method.shape != baseline.shape or method.ndim not in (1, 2):
+        raise ValueError(f"method {tuple(method.shape)} and baseline {tuple(baseline.shape)} must be one "
+                         "(N,) or (N, K) shape")
+    d = scale * (method.double() - baseline.double())
+    d = d[:, None] if d.ndim == 1 else d
+    means = bootstrap_means(d, resamples, seed).sort(dim=0).values
+    lo, hi = percentile(means, (1 - level) / 2), percentile(means, (1 + level) / 2)
+    mean = d.mean(0)
+    return tuple(PairedDifference(float(mean[k]), float(lo[k]), float(hi[k]), d.shape[0], resamples, seed, level)
+                 for k in range(d.shape[1]))
+
+
+def paired_difference(method: Tensor, baseline: Tensor, resamples: int = RESAMPLES, seed: int = SEED,
+                      level: float = 0.95, scale: float = 1.0) -> PairedDifference:
+    """:func:`paired_differences` of two (N,) per-example value vectors."""
+    if method.ndim != 1:
+        raise ValueError(f"paired_difference takes (N,) values, got {tuple(method.shape)}")
+    return paired_differences(method, baseline, resamples, seed, level, scale)[0]

@@ -1,0 +1,152 @@
+"""bayesq.comparison against independent references: explicit sums, Python loops, the normal approximation."""
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from bayesq.comparison import (
+    agreement_per_example, bootstrap_means, correct_per_example, fidelity_summary, kl_per_example, mean_se,
+    paired_difference, paired_differences,
+)
+
+
+def _logits(n: int, c: int, seed: int, scale: float = 2.0) -> torch.Tensor:
+    return scale * torch.randn(n, c, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _softmax_row(z: list[float]) -> list[float]:
+    m = max(z)
+    e = [math.exp(v - m) for v in z]
+    return [v / sum(e) for v in e]
+
+
+def test_kl_per_example_vs_explicit_sum():
+    fp, q = _logits(7, 5, 0), _logits(7, 5, 1)
+    ref = []
+    for zp, zq in zip(fp.tolist(), q.tolist()):
+        p, r = _softmax_row(zp), _softmax_row(zq)
+        ref.append(sum(pc * math.log(pc / rc) for pc, rc in zip(p, r)))
+    kl = kl_per_example(fp, q)
+    assert kl.dtype == torch.float64 and kl.shape == (7,)
+    assert kl.tolist() == pytest.approx(ref, rel=1e-12, abs=1e-15)
+
+
+def test_kl_per_example_identical_is_zero_and_shift_invariant():
+    fp = _logits(6, 4, 2)
+    assert kl_per_example(fp, fp).tolist() == [0.0] * 6
+    q = _logits(6, 4, 3)
+    assert torch.allclose(kl_per_example(fp + 7.0, q - 3.0), kl_per_example(fp, q), rtol=1e-12, atol=0)
+
+
+def test_kl_per_example_extreme_logits_are_finite():
+    fp = torch.tensor([[1000.0, 0.0, -1000.0], [0.0, 0.0, 0.0]], dtype=torch.float32)
+    q = torch.tensor([[0.0, 1000.0, -1000.0], [0.0, 0.0, 0.0]], dtype=torch.float32)
+    kl = kl_per_example(fp, q)
+    assert torch.isfinite(kl).all() and kl[0].item() == pytest.approx(1000.0, rel=1e-12) and kl[1] == 0.0
+
+
+def test_kl_per_example_shape_mismatch_raises():
+    with pytest.raises(ValueError, match="one shape"):
+        kl_per_example(torch.zeros(3, 2), torch.zeros(3, 4))
+
+
+def test_agreement_and_correct_vs_python_loop():
+    fp, q = _logits(50, 3, 4), _logits(50, 3, 5)
+    labels = torch.randint(0, 3, (50,), generator=torch.Generator().manual_seed(6))
+    argmax = [max(range(3), key=row.__getitem__) for row in q.tolist()]
+    fp_argmax = [max(range(3), key=row.__getitem__) for row in fp.tolist()]
+    assert agreement_per_example(fp, q).tolist() == [a == b for a, b in zip(argmax, fp_argmax)]
+    assert correct_per_example(q, labels).tolist() == [a == y for a, y in zip(argmax, labels.tolist())]
+
+
+def test_mean_se_vs_statistics():
+    x = _logits(30, 1, 7)[:, 0]
+    mean, se = mean_se(x)
+    assert mean == pytest.approx(statistics.fmean(x.tolist()), rel=1e-13)
+    assert se == pytest.approx(statistics.stdev(x.tolist()) / math.sqrt(30), rel=1e-12)
+    assert mean_se(torch.tensor([2.0])) == (2.0, 0.0)
+
+
+def test_fidelity_summary_vs_hand_values():
+    s = fidelity_summary(torch.tensor([0.0, 0.2, 0.4], dtype=torch.float64), torch.tensor([True, True, False]))
+    assert s.kl_mean == pytest.approx(0.2, rel=1e-14) and s.kl_se == pytest.approx(0.2 / math.sqrt(3), rel=1e-12)
+    assert s.agreement == pytest.approx(2 / 3) and s.n == 3
+    assert set(s.as_dict()) == {"kl_mean", "kl_se", "agreement"}
+
+
+def _loop_bootstrap(a: list[float], b: list[float], resamples: int, seed: int, scale: float):
+    """Brute force: one randint draw per resample from the same generator, Python sums, sorted list,
+    linear interpolation between order statistics."""
+    n = len(a)
+    d = [scale * (x - y) for x, y in zip(a, b)]
+    g = torch.Generator().manual_seed(seed)
+    means = []
+    for _ in range(resamples):
+        idx = torch.randint(0, n, (n,), generator=g).tolist()
+        means.append(sum(d[i] for i in idx) / n)
+    means.sort()
+
+    def q(p: float) -> float:
+        pos = p * (resamples - 1)
+        i = math.floor(pos)
+        return means[i] + (pos - i) * (means[min(i + 1, resamples - 1)] - means[i])
+
+    return sum(d) / n, q(0.025), q(0.975)
+
+
+def test_paired_difference_vs_python_loop_bootstrap_accuracy():
+    # 0/1 correctness: every partial sum is an integer, so the bounds agree to the last bit
+    g = torch.Generator().manual_seed(8)
+    a = (torch.rand(11, generator=g) < 0.7).double()
+    b = (torch.rand(11, generator=g) < 0.5).double()
+    res = paired_difference(a, b, resamples=700, seed=3, scale=100.0)  # 700 > one block of resamples
+    diff, lo, hi = _loop_bootstrap(a.tolist(), b.tolist(), 700, 3, 100.0)
+    assert (res.diff, res.ci_low, res.ci_high) == (diff, lo, hi)
+    assert res.n == 11 and res.resamples == 700 and res.seed == 3 and res.ci_low <= res.diff <= res.ci_high
+
+
+def test_paired_difference_vs_python_loop_bootstrap_kl():
+    a, b = kl_per_example(_logits(9, 4, 9), _logits(9, 4, 10)), kl_per_example(_logits(9, 4, 9), _logits(9, 4, 11))
+    res = paired_difference(a, b, resamples=300, seed=5)
+    ref = _loop_bootstrap(a.tolist(), b.tolist(), 300, 5, 1.0)
+    assert (res.diff, res.ci_low, res.ci_high) == pytest.approx(ref, rel=1e-12, abs=1e-15)
+
+
+def test_paired_difference_vs_normal_approximation():
+    # correlated per-example values: the paired bootstrap interval ~ mean ± 1.96 sd(d) / sqrt(N)
+    g = torch.Generator().manual_seed(12)
+    base = torch.rand(5000, generator=g, dtype=torch.float64)
+    a = base + 0.3 * torch.randn(5000, generator=g, dtype=torch.float64) + 0.01
+    d = a - base
+    mean, se = mean_se(d)
+    res = paired_difference(a, base, resamples=4000, seed=0)
+    half = 1.959964 * se
+    assert res.diff == pytest.approx(mean, rel=1e-12)
+    assert abs(res.ci_low - (mean - half)) < 0.1 * half and abs(res.ci_high - (mean + half)) < 0.1 * half
+
+
+def test_paired_difference_identical_inputs_give_zero_interval():
+    a = (torch.rand(40, generator=torch.Generator().manual_seed(13)) < 0.6).double()
+    res = paired_difference(a, a.clone(), resamples=200, scale=100.0)
+    assert (res.diff, res.ci_low, res.ci_high) == (0.0, 0.0, 0.0)
+
+
+def test_paired_differences_columns_vs_one_at_a_time():
+    g = torch.Generator().manual_seed(14)
+    a, b = torch.rand(60, 3, generator=g, dtype=torch.float64), torch.rand(60, 3, generator=g, dtype=torch.float64)
+    together = paired_differences(a, b, resamples=300, seed=2)
+    for k in range(3):
+        alone = paired_difference(a[:, k], b[:, k], resamples=300, seed=2)
+        assert together[k].as_dict() == pytest.approx(alone.as_dict(), rel=1e-12)
+
+
+def test_bootstrap_means_shape_and_constant_column():
+    means = bootstrap_means(torch.full((20, 2), 3.0, dtype=torch.float64), resamples=10, seed=0)
+    assert means.shape == (10, 2) and (means == 3.0).all()
+
+
+def test_paired_difference_shape_mismatch_raises():
+    with pytest.raises(ValueError, match="shape"):
+        paired_difference(torch.zeros(5), torch.zeros(6))

@@ -1,0 +1,182 @@
+"""The baselines' variant selection: exact costs, feasible variants, the calibration-KL choice."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nets import TokenModel
+
+from bayesq.baselines.rtn import rtn_quantize
+from bayesq.baselines.select import (
+    UniformVariant, check_feasible, encoding_config, given_allocation, layouts, mean_kl, reference_log_probs,
+    select_best, uniform_bits, uniform_variants,
+)
+from bayesq.blocks import quantizable_layers
+from bayesq.config import BaselinesConfig, Granularity, QuantConfig, load_params
+from bayesq.expected_loss import LossTable
+from bayesq.export import read_export, save_export
+from bayesq.quantize import Allocation, QuantizationResult
+from bayesq.storage import grid_bits
+
+CFG = QuantConfig(group_size=16, unit_groups=2)
+GROUP_SIZES = (8, 16, 32, 64)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(20, 24), nn.ReLU(), nn.Linear(24, 5)).double()
+
+
+def _batches(seed=1, n=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(8, 20, generator=g, dtype=torch.float64) for _ in range(n)]
+
+
+def brute_uniform(model, budget, bits, group_sizes, scale_bits=16, extra=0):
+    """b -> (layout, total bits) of the first group size (ascending, then per-channel) whose
+    codes + one fp16 scale and b-bit zero-point per group (+ ``extra``) fit ``budget``."""
+    ws = [m.weight for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    n = sum(w.numel() for w in ws)
+    out = {}
+    for b in bits:
+        for g in [*sorted(group_sizes), None]:
+            total = extra + sum(grid_bits(w.numel(), w.shape[0] if g is None else math.ceil(w.numel() / g), b,
+                                          scale_bits) for w in ws)
+            if total <= budget * n:
+                out[b] = (g, total)
+                break
+    return out
+
+
+def variant_name(b, g):
+    return f"uniform-{b}-{'channel' if g is None else f'g{g}'}"
+
+
+def explicit_kl(fp, q, batches):
+    """Mean over examples of KL(softmax(fp) || softmax(q)), via torch's kl_div on all inputs at once."""
+    x = torch.cat(batches)
+    with torch.no_grad():
+        return float(F.kl_div(F.log_softmax(q(x), -1), F.log_softmax(fp(x), -1), log_target=True,
+                              reduction="batchmean"))
+
+
+@pytest.mark.parametrize("budget", [2.3, 2.6, 3.0, 3.3, 3.5, 4.0, 4.7])
+def test_uniform_variants_smallest_feasible_group_size_vs_brute_force(budget):
+    model = _model()
+    layers = quantizable_layers(model)
+    got = uniform_variants(layers, budget, CFG, GROUP_SIZES)
+    want = brute_uniform(model, budget, CFG.bits, GROUP_SIZES)
+    assert [v.name for v in got] == [variant_name(b, g) for b, (g, _) in want.items()]
+    for v in got:
+        assert uniform_bits(layers, v, CFG) == want[v.bits][1] <= budget * 600  # 600 weights
+
+
+def test_uniform_variant_quantised_at_its_exact_cost():
+    model = _model()
+    layers = quantizable_layers(model)
+    for v in (UniformVariant(3, 8), UniformVariant(2, None)):
+        res = rtn_quantize(model, v.granularity, 9.0, v.config(CFG))
+        assert res.allocation.total_bits == uniform_bits(layers, v, CFG)
+        assert all(set(b) == {v.bits} for b in res.allocation.unit_bits.values())
+        assert encoding_config(res, CFG).bits == (v.bits,)
+    assert layouts([64, 16, 16]) == [16, 64, None]
+
+
+def test_select_best_returns_least_calibration_kl():
+    model, batches = _model(), _batches()
+    budgets = {"b3.3": 3.3, "b3.6": 3.6, "b4.5": 4.5, "b8": 8.0}
+    cands = {k: (lambda b=b: rtn_quantize(model, Granularity.GROUP, b, CFG)) for k, b in budgets.items()}
+    choice = select_best(cands, model, batches)
+    want = {k: explicit_kl(model, build().model, batches) for k, build in cands.items()}
+    assert set(choice.kl) == set(want)
+    for k in want:
+        assert choice.kl[k] == pytest.approx(want[k], rel=1e-9, abs=1e-15)
+    assert len(set(want.values())) == len(want)  # distinct, so the argmin is unambiguous
+    assert choice.variant == min(want, key=want.get)
+    assert choice.result.average_bits == choice.avg_bits[choice.variant] <= budgets[choice.variant]
+    assert explicit_kl(model, choice.result.model, batches) == pytest.approx(want[choice.variant], rel=1e-9)
+
+
+def _stub(model):
+    return QuantizationResult(model, {}, Allocation({}, 10, 5, 10), LossTable(()))
+
+
+def test_select_best_nan_never_wins_and_ties_keep_first():
+    model, batches = _model(), _batches()
+
+    class Nan(nn.Module):
+        def forward(self, x):
+            return torch.full((x.shape[0], 5), float("nan"), dtype=torch.float64)
+
+    choice = select_best({"nan": lambda: _stub(Nan()), "same": lambda: _stub(model),
+                          "same2": lambda: _stub(model)}, model, batches)
+    assert choice.variant == "same" and choice.kl["same"] == 0.0 and math.isnan(choice.kl["nan"])
+
+
+def test_mean_kl_dict_batches_vs_explicit():
+    torch.manual_seed(0)
+    fp = TokenModel().double()
+    q = TokenModel().double()
+    g = torch.Generator().manual_seed(3)
+    batches = [{"input_ids": torch.randn(4, 3, 5, generator=g, dtype=torch.float64),
+                "mask": torch.ones(4, 3, dtype=torch.float64)} for _ in range(2)]
+    got = mean_kl(reference_log_probs(fp, batches), q, batches)
+    with torch.no_grad():
+        p = torch.cat([F.softmax(fp(**b), -1) for b in batches])
+        lq = torch.cat([F.log_softmax(q(**b), -1) for b in batches])
+    assert got == pytest.approx(float((p * (p.log() - lq)).sum(1).mean()), rel=1e-10)
+    assert mean_kl(reference_log_probs(fp, batches), fp, batches) == 0.0
+
+
+def test_select_best_bad_input_raises():
+    model = _model()
+    with pytest.raises(ValueError, match="no candidate"):
+        select_best({}, model, _batches())
+    with pytest.raises(ValueError, match="empty calibration"):
+        select_best({"a": lambda: _stub(model)}, model, [])
+    with pytest.raises(ValueError, match=r"infeasible for GPTQ: its cheapest variant needs 2\.1000"):
+        check_feasible({}, "GPTQ", 2.0, 2.1)
+
+
+def test_given_allocation_costs_and_errors():
+    model = _model()
+    ref = rtn_quantize(model, Granularity.GROUP, 3.5, CFG)
+    alloc = given_allocation(ref.table, ref.allocation.unit_bits, 3.5)
+    assert (alloc.unit_bits, alloc.total_bits, alloc.budget_bits) == (
+        ref.allocation.unit_bits, ref.allocation.total_bits, ref.allocation.budget_bits)
+    assert alloc.expected_loss == pytest.approx(ref.allocation.expected_loss, rel=1e-12)
+    bits = dict(ref.allocation.unit_bits)
+    with pytest.raises(ValueError, match="above the budget"):
+        given_allocation(ref.table, bits, 3.0)
+    with pytest.raises(ValueError, match="units"):
+        given_allocation(ref.table, {**bits, "0": bits["0"][:-1]}, 3.5)
+    with pytest.raises(ValueError, match=r"bit-widths \[5\]"):
+        given_allocation(ref.table, {**bits, "2": (5,) * len(bits["2"])}, 9.0)
+
+
+def test_baselines_config_select_and_group_sizes():
+    cfg = BaselinesConfig()
+    assert cfg.select is True and cfg.group_sizes == (32, 64, 128, 256)
+    p = load_params({"baselines": {"group_sizes": [16, 64], "select": False}})
+    assert p.baselines.group_sizes == (16, 64) and p.baselines.select is False
+    for value in ([], [0, 32], [64, 32], [32, 32], [32.0], "64"):
+        with pytest.raises(ValueError, match="baselines.group_sizes"):
+            load_params({"baselines": {"group_sizes": value}})
+    with pytest.raises(ValueError, match="baselines.select"):
+        load_params({"baselines": {"select": "yes"}})
+
+
+@pytest.mark.parametrize("variant", [UniformVariant(3, 8), UniformVariant(2, None)])
+def test_encoding_config_exports_exactly_the_accounted_bits(tmp_path, variant):
+    model = _model()
+    res = rtn_quantize(model, variant.granularity, 9.0, variant.config(CFG))
+    path = tmp_path / "q.safetensors"
+    info = save_export(path, res.model, res.weights, encoding_config(res, CFG), res.allocation.total_bits)
+    assert res.allocation.total_bits <= info.payload_bits < res.allocation.total_bits + 8 * 3 * 2
+    for n, q in read_export(path).weights.items():
+        assert torch.equal(q.dequantize(), res.weights[n].dequantize())
+    with pytest.raises(ValueError, match="accounts"):  # CFG's 4-width bit set would add unit headers
+        save_export(tmp_path / "bad.safetensors", res.model, res.weights, CFG, res.allocation.total_bits)
