@@ -35,7 +35,7 @@ def damped_metric(H: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     Dead inputs (``H_jj = 0``) get ``H_jj = 1``; then ``H + damp * mean(diag H) * I`` per group.
     """
     if damp <= 0:
-        raise ValueError(f"damp={damp}: the relative dampening must be > 0 (GPTQ uses 0.01)")
+        raise ValueError(f"damp={damp}: the relative dampening must be > 0 (GPTQ's default 0.01)")
     H = H.double().clone()
     diag = H.diagonal(dim1=-2, dim2=-1)  # view: (..., d)
     diag[diag <= 0] = 1.0

@@ -81,7 +81,7 @@ def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_
     save_tensors(path, tensors, {"n_examples": str(post.n_examples), "seed": str(seed), "n_data": str(post.n_data),
                                  "curvature": posterior.curvature.value, "prior": posterior.prior.value})
     return {"path": str(path), "seconds": seconds, "n_examples": post.n_examples, "sha256": file_sha256(path),
-            **posterior_summary(post)}
+            "curvature": posterior.curvature.value, "prior": posterior.prior.value, **posterior_summary(post)}
 
 
 def posterior_summary(post) -> dict:

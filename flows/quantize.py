@@ -90,6 +90,13 @@ def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: 
             allocation, post)
 
 
+def posterior_record(name: str, seed: int, method: str, post: dict) -> dict:
+    """What ``posteriors.json`` keeps of one posterior task: the fitted prior per layer and the
+    prior-dominated share (see :func:`flows.prepare.posterior_summary`)."""
+    keys = ("n_examples", "prior_precision", "prior_dominated", "prior_dominated_share", "curvature", "prior")
+    return {"model": name, "seed": seed, "method": method, **{k: post[k] for k in keys if k in post}}
+
+
 def bayesq_unit_bits(prep: dict, params, budget: float, seed: int) -> dict | None:
     """BayesQ's allocation (layer -> unit bit-widths) at ``budget`` from the ``bayesq`` row's
     cached table, or None when that row is not run; GPTQ's selection tries it as a variant."""
@@ -203,7 +210,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
     params = read_params(params_path)
     code = code_version()
     lineage = export_lineage(params)
-    records = []
+    records, posteriors = [], []
     with mlflow_parent("bayesq", f"quantize-{params.profile}", {"profile": params.profile}, params_path) as parent:
         for name in params.models:
             entry = get_entry(name)
@@ -219,6 +226,8 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
             print(f"[quantize] {name} FP: acc {fp['accuracy']:.4f}, ECE {fp['calibration']['ece']:.4f}", flush=True)
             for seed in params.seeds:
                 post, tab, prep, hawq = prepare(params, name, model_file, mdig, src, sdig, seed, out)
+                posteriors += [posterior_record(name, seed, m.value, p[0])
+                               for m, p in prep.items() if m != Method.BAYESQ_DISTILL]
                 print(f"[quantize] {name} seed {seed}: posterior {post['seconds']:.1f}s, "
                       f"table {tab['seconds']:.1f}s", flush=True)
                 for budget in params.budgets:
@@ -267,6 +276,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                                                                posterior_sha256=(p_post or {}).get("sha256", ""))})
                         records.append(r)
     write_json(Path(out) / "results.json", records)
+    write_json(Path(out) / "posteriors.json", posteriors)
     return records
 
 

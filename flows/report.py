@@ -5,7 +5,8 @@
 Writes ``main_table.md`` (with every row's KL to the FP model and agreement, and the paired
 comparisons of the BayesQ rows with GPTQ and RTN per-group on the same test examples),
 ``paired.json`` (those comparisons), ``exports.md`` (file sizes next to the accounted bits),
-``frontier_<model>.png`` and ``metrics.json``.
+``posterior.md`` (the fitted prior precisions and prior-dominated share per model, from
+``posteriors.json`` next to the results), ``frontier_<model>.png`` and ``metrics.json``.
 """
 
 from __future__ import annotations
@@ -306,6 +307,31 @@ def fidelity_table(summary: dict, budgets: list[float]) -> str:
     return "\n".join(lines + [""])
 
 
+def posterior_table(posteriors: list[dict]) -> str:
+    """Markdown: per model and posterior, the fitted prior precisions lambda_l (min / median /
+    max over layers) and the prior-dominated share (weights whose posterior variance is within
+    10 % of the prior's), pooled and per layer kind; the per-layer values follow."""
+    lines = ["## Posterior: fitted prior and prior-dominated share", "",
+             "lambda_l: each layer's prior precision (posterior.prior: fitted = maximised Laplace marginal "
+             "likelihood, MacKay's fixed point). Prior-dominated: share of weights whose posterior variance "
+             "is within 10 % of the prior variance 1/lambda_l (the data curvature adds less than lambda_l/9).", "",
+             "| model | row | curvature | prior | seed | calibration inputs | lambda_l min / median / max | "
+             "prior-dominated (all weights) |", "|---|---|---|---|---|---|---|---|"]
+    detail = ["", "### Per layer", "", "| model | row | layer | lambda_l | prior-dominated |", "|---|---|---|---|---|"]
+    if not posteriors:
+        return "\n".join(lines + ["", "No posterior summary (`posteriors.json`) next to the results.", ""])
+    for p in posteriors:
+        lam = sorted(p["prior_precision"].values())
+        mid = lam[len(lam) // 2] if lam else float("nan")
+        lines.append(f"| {p['model']} | {p['method']} | {p.get('curvature', '?')} | {p.get('prior', '?')} | {p['seed']} | "
+                     f"{p.get('n_examples', '?')} | {lam[0]:.3g} / {mid:.3g} / {lam[-1]:.3g} | "
+                     f"{100 * p['prior_dominated_share']:.1f} % |")
+        for layer, v in p["prior_precision"].items():
+            detail.append(f"| {p['model']} | {p['method']} | {layer} | {v:.3g} | "
+                          f"{100 * p['prior_dominated'][layer]:.1f} % |")
+    return "\n".join(lines + detail + [""])
+
+
 def report(results: Path, models: Path, out: Path) -> None:
     from flows.robustness_report import robustness_report
 
@@ -320,6 +346,8 @@ def report(results: Path, models: Path, out: Path) -> None:
     (out / "main_table.md").write_text("\n".join((main_table(summary, fp, budgets), fidelity_table(summary, budgets),
                                                   paired_table(paired, notes))))
     (out / "exports.md").write_text(export_table(records))
+    posteriors = Path(results).parent / "posteriors.json"
+    (out / "posterior.md").write_text(posterior_table(read_json(posteriors) if posteriors.exists() else []))
     for model, methods in summary.items():
         frontier_plot(model, methods, fp[model]["fp_accuracy"], out / f"frontier_{model}.png")
     robustness_report(everything, out)

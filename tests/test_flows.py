@@ -155,6 +155,20 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     paired = read_json(reports / "paired.json")  # BayesQ rows vs GPTQ and RTN per-group, both metrics, both budgets
     assert len(paired) == 3 * 2 * 2 * 2 and "## Paired comparisons on the same test examples" in table_md
     assert all(p["n"] == 100 and p["ci_low"] <= p["diff"] <= p["ci_high"] for p in paired)
+    # the fitted prior per layer and the prior-dominated share, as the posterior files hold them
+    from flows.finetune import load_model
+    from bayesq.models.zoo import get_entry
+    from flows.prepare import load_posterior
+
+    posteriors = read_json(results / "posteriors.json")
+    assert {(p["method"], p["curvature"]) for p in posteriors} == {("bayesq", "fisher"), ("bayesq-ef", "kfac")}
+    post = load_posterior(load_model(get_entry("tiny-cnn"), models / "tiny-cnn" / "model.safetensors"),
+                          results / "posterior" / "tiny-cnn_s17.safetensors")
+    diag = next(p for p in posteriors if p["method"] == "bayesq")
+    assert diag["prior_precision"] == pytest.approx(post.prior_precision, rel=1e-12)
+    assert diag["prior_dominated_share"] == pytest.approx(post.prior_dominated_share())
+    post_md = (reports / "posterior.md").read_text()
+    assert "prior-dominated" in post_md and all(f"| {layer} |" in post_md for layer in post.prior_precision)
 
 
 def _check_examples(records, results, fp):

@@ -37,6 +37,7 @@ from bayesq.baselines.select import (
 )
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.config import Granularity, QuantConfig, Rounding
+from bayesq.error_feedback import damped_metric
 from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch
 from bayesq.quantize import Allocation, QuantizationResult, allocate, encode, quantized_copy
@@ -51,13 +52,7 @@ def damped_hessian(H: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
     Dead inputs (``H_jj = 0``) get ``H_jj = 1``; then ``H + damp * mean(diag H) * I`` per group
     (``I`` alone when the whole diagonal is 0).
     """
-    if damp <= 0:
-        raise ValueError(f"damp={damp}: GPTQ's dampening must be > 0 (default 0.01)")
-    H = H.double().clone()
-    diag = H.diagonal(dim1=-2, dim2=-1)  # view: (..., d)
-    diag[diag <= 0] = 1.0
-    diag += damp * diag.mean(-1, keepdim=True)
-    return H
+    return damped_metric(H, damp)
 
 
 def _granularity(granularity: Granularity | str) -> Granularity:
