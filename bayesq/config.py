@@ -205,6 +205,7 @@ class QuantConfig:
     codebook: Codebook = Codebook.UNIFORM
     whitening: Whitening = Whitening.POSTERIOR
     rounding: Rounding = Rounding.NEAREST
+    act_order: bool = True
     proxy: Proxy = Proxy.CLOSED
     mc_samples: int = 8
     mc_top_fraction: float = 0.1

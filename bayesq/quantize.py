@@ -407,7 +407,7 @@ def quantize_model(
                         progress=progress)
     allocation = allocate(table, config.budget, config.allocation, config.seed)
     weights = encode(table, allocation, {n: m.weight for n, m in layers.items()}, posterior=posterior,
-                     rounding=q.rounding, column_metric=ef_column_metric(posterior, q))
+                     rounding=q.rounding, column_metric=ef_column_metric(posterior, q), act_order=q.act_order)
     qmodel = quantized_copy(model, weights)
     if config.distill.applies(config.budget):
         from bayesq.distill import apply_distilled, distill

@@ -86,7 +86,8 @@ def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: 
     weights = {t.blocks.name: model.get_submodule(t.blocks.name).weight for t in table.layers}
     post = load_posterior(model, Path(posterior_file)) if posterior_file else None
     metric = ef_column_metric(post, quant) if post is not None else None
-    return (encode(table, allocation, weights, posterior=post, rounding=quant.rounding, column_metric=metric),
+    return (encode(table, allocation, weights, posterior=post, rounding=quant.rounding, column_metric=metric,
+                   act_order=quant.act_order),
             allocation, post)
 
 

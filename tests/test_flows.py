@@ -231,6 +231,18 @@ def test_read_params_misspelled_key_is_clear(tmp_path):
         read_params(path)
 
 
+def test_ablation_row_method_must_be_one_a_row_can_run(tmp_path):
+    from flows.ablate import ablation_rows
+    from flows.common import read_params
+
+    params = yaml.safe_load(_params(tmp_path).read_text())
+    params["ablations"] = {"rows": {"g": {"r": {"method": "gptq"}}}}
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    with pytest.raises(ValueError, match=r"ablations.rows.g.r: method 'gptq' is not one an ablation row can run"):
+        ablation_rows(read_params(path))
+
+
 def test_get_entry_unknown_model_is_clear():
     from bayesq.models.zoo import get_entry
 
@@ -249,6 +261,7 @@ def test_ablation_flow_rows_failures_and_report(tmp_path, prefect_harness, tiny_
         "core": {"BayesQ": {}},
         "codebook": {"Lloyd LUT": {"quant.codebook": "lloyd", "quant.unit_groups": 8},
                      "K-FAC + error feedback": {"posterior.curvature": "kfac", "quant.rounding": "error-feedback"}},
+        "distillation": {"always kept": {"method": "bayesq-distill", "distill.accept": False}},
         "broken": {"floor above every candidate": {"allocation.floors": {"*": 16}}},
     }}
     path = tmp_path / "params.yaml"
@@ -260,9 +273,12 @@ def test_ablation_flow_rows_failures_and_report(tmp_path, prefect_harness, tiny_
     finetune_flow(path, raw, models)
     records = ablate_flow(path, raw, models, out)
     ok = [r for r in records if "error" not in r]
-    assert len(ok) == 6 and all(r["avg_bits"] <= r["budget"] for r in ok)
+    assert len(ok) == 8 and all(r["avg_bits"] <= r["budget"] for r in ok)
+    kept = {r["budget"]: r for r in ok if r["row"] == "always kept"}  # distilled at 3.0 (max_budget 3.5) only
+    assert kept[3.0]["method"] == "bayesq-distill" and kept[3.0]["distill_accepted"] is True
+    assert "distill_seconds" not in kept[4.0]
     paths = {r["export"]["path"] for r in ok}  # one file per row and budget, under the output folder
-    assert len(paths) == 6 and all(Path(x).is_relative_to(out / "exports") and Path(x).is_file() for x in paths)
+    assert len(paths) == 8 and all(Path(x).is_relative_to(out / "exports") and Path(x).is_file() for x in paths)
     failed = [r for r in records if "error" in r]
     assert len(failed) == 1 and "at least 16 bits" in failed[0]["error"]
     data = read_json(out / "ablations.json")
