@@ -77,7 +77,7 @@ class Rounding(str, Enum):
     """How weights are mapped to a fixed grid."""
 
     NEAREST = "nearest"
-    ERROR_FEEDBACK = "error-feedback"  # sequential rounding in the K-FAC input metric
+    ERROR_FEEDBACK = "error-feedback"  # sequential rounding in the data's input metric (GPTQ-style)
 
 
 class AllocationUnit(str, Enum):
@@ -111,8 +111,9 @@ class Method(str, Enum):
     """Quantization methods the pipeline knows."""
 
     BAYESQ = "bayesq"
-    BAYESQ_EF = "bayesq-ef"  # K-FAC posterior + error-feedback rounding under its metric
+    BAYESQ_EF = "bayesq-ef"  # K-FAC posterior (error feedback in its input factor)
     BAYESQ_DISTILL = "bayesq-distill"  # BayesQ + posterior-predictive distillation (budget <= distill.max_budget)
+    BAYESQ_PAPER = "bayesq-paper"  # the paper-literal configuration: fixed prior, draws objective, nearest rounding
     RTN_TENSOR = "rtn-tensor"
     RTN_CHANNEL = "rtn-channel"
     RTN_GROUP = "rtn-group"
@@ -204,7 +205,7 @@ class QuantConfig:
     unit: AllocationUnit = AllocationUnit.BLOCK
     codebook: Codebook = Codebook.UNIFORM
     whitening: Whitening = Whitening.POSTERIOR
-    rounding: Rounding = Rounding.NEAREST
+    rounding: Rounding = Rounding.ERROR_FEEDBACK
     act_order: bool = True
     proxy: Proxy = Proxy.CLOSED
     mc_samples: int = 8
@@ -225,7 +226,7 @@ class QuantConfig:
         uniform = (Codebook.UNIFORM, Codebook.UNIFORM_FIXED, Codebook.LLOYD_UNIFORM)
         if self.rounding == Rounding.ERROR_FEEDBACK and self.codebook not in uniform:
             _fail(s, "rounding", self.rounding.value,
-                  f"error feedback needs uniform grids; codebook is '{self.codebook.value}'")
+                  f"error feedback needs uniform grids; codebook is '{self.codebook.value}': set quant.rounding: nearest")
         if self.codebook == Codebook.VQ and self.unit != AllocationUnit.TENSOR:
             _fail(s, "codebook", "vq", "VQ keeps one codebook per layer: set quant.unit: tensor")
         if self.vq_dim not in (2, 4, 8):
@@ -375,10 +376,6 @@ class BayesQConfig:
         if not self.budget > 0:
             _fail("config", "budget", self.budget, "average bits per weight must be > 0")
         structured = (Curvature.KFAC, Curvature.LOWRANK)
-        if self.quant.rounding == Rounding.ERROR_FEEDBACK and self.posterior.curvature not in structured:
-            _fail("quant", "rounding", "error-feedback",
-                  "needs a structured posterior (posterior.curvature: kfac or lowrank); under a "
-                  "diagonal precision error feedback is nearest rounding")
         if self.quant.proxy == Proxy.MC_OUTPUT and self.posterior.curvature not in structured:
             _fail("quant", "proxy", "mc-output",
                   "the layer-output proxy needs K-FAC factors: set posterior.curvature: kfac or lowrank")

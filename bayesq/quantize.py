@@ -18,6 +18,7 @@ from torch import nn
 from bayesq.allocation import (
     dp_allocate, greedy_allocate, hw_greedy_allocate, lagrangian_allocate, random_allocate,
 )
+from bayesq.baselines.activations import input_stats
 from bayesq.blocks import LayerBlocks, check_finite, layer_blocks, quantizable_layers
 from bayesq.codebook import UniformGrids
 from bayesq.config import (
@@ -27,6 +28,7 @@ from bayesq.error_feedback import damped_metric, error_feedback_groups
 from bayesq.expected_loss import Book, LossTable, apply_mc_proxy, posterior_table
 from bayesq.forward import Batch, batch_size
 from bayesq.posterior import Posterior, fit_posterior as _fit_posterior, input_moments
+from bayesq.refit import refit_scales
 from bayesq.storage import average_bits, budget_bits
 
 
@@ -252,24 +254,52 @@ def element_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, 
     return per[0], per[1], per[2].to(torch.int64)
 
 
-def ef_column_metric(posterior: Posterior, q: QuantConfig, damp: float = 0.01) -> dict[str, torch.Tensor] | None:
-    """Column metric of error-feedback rounding for the table's cost, or None (then ``encode``
-    uses the posterior's damped K-FAC input factor).
+def _refit_books(lb: LayerBlocks, W: torch.Tensor, codes: torch.Tensor, zero: torch.Tensor,
+                 group_bits: torch.Tensor, books: dict, metric: torch.Tensor, scale_bits: int) -> dict:
+    """``books`` with each group's scale refitted to its codes (``refit.refit_scales``)."""
+    scale = torch.zeros(lb.n_groups, dtype=torch.float64)
+    for b, book in books.items():
+        scale[group_bits == b] = book.scale
+    index = torch.arange(lb.n_groups)[:, None].expand(-1, lb.group_size)
+    group = lb.from_groups(index.double()).reshape(W.shape).to(torch.int64)  # (out, d_in)
+    new, _, _ = refit_scales(W, codes.double() - zero, group, scale, metric.double(), scale_bits=scale_bits)
+    return {b: UniformGrids(b, new[group_bits == b], book.zero) for b, book in books.items()}
 
-    Under the ``deployed`` objective with ``cost_terms = data`` the cost is the data term
-    ``0.5 tr(N G D A D^T)``, so the metric is the undamped input factor A with GPTQ's relative
-    dampening (``error_feedback.damped_metric``); the prior's damping would drown A.
+
+def ef_column_metric(
+    posterior: Posterior, q: QuantConfig, model: nn.Module | None = None,
+    calibration: Iterable[Batch] | None = None, damp: float = 0.01,
+) -> dict[str, torch.Tensor] | None:
+    """Column metric of error-feedback rounding, or None (nearest rounding; or ``encode`` uses
+    the K-FAC posterior's damped input factor A').
+
+    * Diagonal posterior: the layers' input second moments ``H = mean_n sum_t a a^T`` on the
+      calibration inputs (:func:`bayesq.baselines.activations.input_stats`) with GPTQ's relative
+      dampening (``error_feedback.damped_metric``): the column factor of the data curvature
+      ``C ~= G (x) H`` that the diagonal table approximates. Needs ``model`` and ``calibration``.
+    * K-FAC / low-rank posterior under the ``deployed`` objective with ``cost_terms = data``:
+      the undamped input factor A with the same dampening (the prior's damping would drown A);
+      otherwise None (the posterior's A').
     """
-    if (Rounding(q.rounding) != Rounding.ERROR_FEEDBACK or Objective(q.objective) != Objective.DEPLOYED
-            or CostTerms(q.cost_terms) != CostTerms.DATA or not posterior.input_moment):
+    if Rounding(q.rounding) != Rounding.ERROR_FEEDBACK:
         return None
-    return {name: damped_metric(a, damp) for name, a in posterior.input_moment.items()}
+    if posterior.kfac:
+        if (Objective(q.objective) == Objective.DEPLOYED and CostTerms(q.cost_terms) == CostTerms.DATA
+                and posterior.input_moment):
+            return {name: damped_metric(a, damp) for name, a in posterior.input_moment.items()}
+        return None
+    if model is None or calibration is None:
+        raise ValueError("error-feedback rounding with a diagonal posterior needs the model and calibration "
+                         "batches (its column metric is the layers' input second moment)")
+    layers = {name: model.get_submodule(name) for name in posterior.mean}
+    return {name: damped_metric(s.H, damp) for name, s in input_stats(model, calibration, layers).items()}
 
 
 def encode(
     table: LossTable, allocation: Allocation, weights: dict[str, torch.Tensor], *,
     posterior: Posterior | None = None, rounding: Rounding = Rounding.NEAREST,
     column_metric: Mapping[str, torch.Tensor] | None = None, act_order: bool = False,
+    refit: bool = False, scale_bits: int = 16,
 ) -> dict[str, QuantizedWeight]:
     """Quantise each layer with the codebooks of its units' chosen bit-widths.
 
@@ -277,8 +307,9 @@ def encode(
     ``column_metric[name]`` ((groups, d_in, d_in) or (d_in, d_in), SPD, already damped; GPTQ's
     input Hessian) as the column metric, or else the damped K-FAC input factor A of
     ``posterior`` (DESIGN.md section 2: the sequential minimiser of ``tr(G D A D^T)`` for a
-    fixed grid); ``act_order`` orders columns by decreasing metric diagonal. Otherwise codes
-    are the nearest levels.
+    fixed grid); ``act_order`` orders columns by decreasing metric diagonal; ``refit`` then
+    refits the groups' scales to the codes in the same metric (:func:`bayesq.refit.refit_scales`,
+    stored at ``scale_bits``). Otherwise codes are the nearest levels.
     """
     out = {}
     for t in table.layers:
@@ -300,6 +331,8 @@ def encode(
             scale, zero, maxq = element_grid(lb, group_bits, books, mat.shape[0])
             codes_w = error_feedback_groups(mat, metric, scale, zero, maxq, act_order=act_order)  # (out, d_in)
             codes, _ = lb.to_groups(codes_w.reshape(-1))
+            if refit:
+                books = _refit_books(lb, mat, codes_w, zero, group_bits, books, metric, scale_bits)
         else:
             parts = {b: book.quantize(groups[group_bits == b]) for b, book in books.items()}
             widths = {p.shape[1] for p in parts.values()}
@@ -398,7 +431,7 @@ def quantize_model(
     check_finite(layers)
     q = config.quant
     blocks = layer_blocks(layers, q.group_size, q.unit_groups, q.unit.value)
-    if q.needs_data or config.distill.applies(config.budget):
+    if q.needs_data or config.distill.applies(config.budget) or Rounding(q.rounding) == Rounding.ERROR_FEEDBACK:
         calibration = list(calibration)  # read twice
     if posterior is None:
         posterior = _fit_posterior(model, calibration, layers, config.posterior, seed=config.seed,
@@ -407,7 +440,8 @@ def quantize_model(
                         progress=progress)
     allocation = allocate(table, config.budget, config.allocation, config.seed)
     weights = encode(table, allocation, {n: m.weight for n, m in layers.items()}, posterior=posterior,
-                     rounding=q.rounding, column_metric=ef_column_metric(posterior, q), act_order=q.act_order)
+                     rounding=q.rounding, column_metric=ef_column_metric(posterior, q, model, calibration),
+                     act_order=q.act_order)
     qmodel = quantized_copy(model, weights)
     if config.distill.applies(config.budget):
         from bayesq.distill import apply_distilled, distill

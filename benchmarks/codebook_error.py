@@ -61,7 +61,7 @@ def deployed_error(model_name: str, budget: float, posterior: Path, codebooks: l
     weights = {n: m.weight for n, m in layers.items()}
     runs = {}
     for cb in codebooks:
-        table = posterior_table(post, blocks, QuantConfig(codebook=cb), progress=True)
+        table = posterior_table(post, blocks, QuantConfig(codebook=cb, rounding="nearest"), progress=True)
         alloc = allocate(table, budget)
         runs[cb] = (alloc, encode(table, alloc, weights))
         print(f"{cb}: table expected loss {alloc.expected_loss:.6g} at {budget} bits", flush=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prefect import task
 
-from bayesq.config import Curvature, Rounding, replace
+from bayesq.config import Curvature, Objective, Prior, Rounding, replace
 from flows.common import CACHE, code_version, digest
 from flows.finetune import load_model
 
@@ -195,6 +195,18 @@ def _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code):
     return post, tab, f"{digest(Path(post['path']))}:{quant}:{params.calibration}", quant
 
 
+def _paper_prep(params, name, model_file, mdig, src, sdig, seed, out, code):
+    """Posterior and table of the ``bayesq-paper`` row, the paper-literal configuration: the
+    prior precision fixed at ``posterior.damping``, the ``draws`` objective, nearest rounding."""
+    posterior = replace(params.posterior, prior=Prior.FIXED)
+    quant = replace(params.quant, objective=Objective.DRAWS, rounding=Rounding.NEAREST)
+    post = posterior_task(name, str(model_file), mdig, str(src), sdig, params.data, params.calibration,
+                          posterior, seed, str(Path(out) / "posterior"), code, tag="paper")
+    tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])), str(src), sdig,
+                     params.data, params.calibration, quant, seed, str(Path(out) / "tables"), code, tag="paper")
+    return post, tab, f"{digest(Path(post['path']))}:{quant}:{params.calibration}", quant
+
+
 def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str, seed: int, out: Path) -> tuple:
     """Cached posterior, table, K-FAC prep and HAWQ traces of one (model, seed).
 
@@ -212,6 +224,8 @@ def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str
     prep = {Method.BAYESQ: (post, tab, key, params.quant), Method.BAYESQ_DISTILL: (post, tab, key, params.quant)}
     if Method.BAYESQ_EF in params.methods:
         prep[Method.BAYESQ_EF] = _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code)
+    if Method.BAYESQ_PAPER in params.methods:
+        prep[Method.BAYESQ_PAPER] = _paper_prep(params, name, model_file, mdig, src, sdig, seed, out, code)
     hawq = None
     if Method.HAWQ in params.methods:
         hawq = hawq_traces_task(name, str(model_file), mdig, str(src), sdig, params.data, params.calibration,

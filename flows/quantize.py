@@ -78,14 +78,18 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
                            "variant_bits": dict(choice.avg_bits)}
 
 
-def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: str | None, seed: int):
-    """BayesQ's allocation and encoding from a cached table: (weights, allocation, posterior)."""
+def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: str | None, seed: int,
+            batches=None):
+    """BayesQ's allocation and encoding from a cached table: (weights, allocation, posterior).
+
+    ``batches``: calibration batches (error-feedback rounding under a diagonal posterior reads
+    the layers' input second moments from them)."""
     from bayesq.quantize import allocate, ef_column_metric, encode
 
     allocation = allocate(table, budget, allocation_cfg, seed)
     weights = {t.blocks.name: model.get_submodule(t.blocks.name).weight for t in table.layers}
     post = load_posterior(model, Path(posterior_file)) if posterior_file else None
-    metric = ef_column_metric(post, quant) if post is not None else None
+    metric = ef_column_metric(post, quant, model, batches) if post is not None else None
     return (encode(table, allocation, weights, posterior=post, rounding=quant.rounding, column_metric=metric,
                    act_order=quant.act_order),
             allocation, post)
@@ -161,13 +165,14 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     splits = entry.load_splits(data, Path(raw))
     start = time.perf_counter()
     extra = {}
-    if Method(method) in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL):
-        qweights, allocation, post = _bayesq(model, table, budget, allocation_cfg, quant, posterior_file, seed)
+    if Method(method) in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER):
+        batches = list(calibration_batches(entry, splits, data, calibration, seed)[1]) if calibration else None
+        qweights, allocation, post = _bayesq(model, table, budget, allocation_cfg, quant, posterior_file, seed,
+                                             batches)
         qmodel = quantized_copy(model, qweights)
         if Method(method) == Method.BAYESQ_DISTILL and distill.applies(budget):
             from bayesq.distill import apply_distilled, distill as run_distill
 
-            _, batches = calibration_batches(entry, splits, data, calibration, seed)
             res = run_distill(model, qweights, post, batches, distill, scale_bits=quant.scale_bits,
                               lut_bits=quant.lut_bits, seed=seed)
             qweights, qmodel = res.weights, apply_distilled(model, res)

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from flows.common import read_json, write_json
 
-METHOD_LABEL = {"bayesq": "BayesQ", "bayesq-distill": "BayesQ + distillation", "bayesq-ef": "BayesQ + EF (K-FAC)",
-                "gptq": "GPTQ (g64, act-order)",
+METHOD_LABEL = {"bayesq": "BayesQ", "bayesq-distill": "BayesQ + distillation", "bayesq-ef": "BayesQ (K-FAC)",
+                "bayesq-paper": "BayesQ (paper-literal)",
+                "gptq": "GPTQ (best variant, act-order)",
                 "awq": "AWQ (g64)", "hawq": "HAWQ-style (per layer)", "aciq": "ACIQ (per channel)",
                 "rtn-tensor": "RTN per-tensor", "rtn-channel": "RTN per-channel", "rtn-group": "RTN per-group (g64)"}
 
@@ -158,7 +159,7 @@ def export_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-PAIRED_METHODS = ("bayesq", "bayesq-ef", "bayesq-distill")
+PAIRED_METHODS = ("bayesq", "bayesq-ef", "bayesq-distill", "bayesq-paper")
 PAIRED_BASELINES = ("gptq", "rtn-group")
 PAIRED_METRICS = (("accuracy", "correct", 100.0), ("kl", "kl", 1.0))  # (metric, example array, scale)
 

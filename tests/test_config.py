@@ -51,7 +51,7 @@ def test_load_params_unknown_profile():
         (QuantConfig, {"bits": (4, 2)}, "quant.bits"),
         (QuantConfig, {"bits": (2, 16)}, "quant.bits"),
         (QuantConfig, {"group_size": 0}, "quant.group_size"),
-        (QuantConfig, {"codebook": "vq", "unit": "tensor", "vq_dim": 4, "group_size": 30}, "quant.group_size"),
+        (QuantConfig, {"codebook": "vq", "unit": "tensor", "vq_dim": 4, "group_size": 30, "rounding": "nearest"}, "quant.group_size"),
         (BayesQConfig, {"budget": -1.0}, "config.budget"),
     ],
 )

@@ -71,7 +71,7 @@ def distilled(base):
 @pytest.fixture(scope="module")
 def lut(one_thread):
     model, cal = _mlp(), _cal()
-    res = quantize_model(model, cal, BayesQConfig(budget=3.0, quant=QuantConfig(codebook="lloyd"), distill=OFF),
+    res = quantize_model(model, cal, BayesQConfig(budget=3.0, quant=QuantConfig(codebook="lloyd", rounding="nearest"), distill=OFF),
                          progress=False)
     assert any(isinstance(b, LevelTables) for qw in res.weights.values() for b in qw.books.values())
     return model, cal, res
@@ -367,9 +367,11 @@ def _direct_kl(fp_model, q_model, batches):
         for x in batches:
             zp = fp_model(**x) if isinstance(x, dict) else fp_model(x)
             zq = q_model(**x) if isinstance(x, dict) else q_model(x)
-            p, q = F.softmax(zp.double(), -1), F.softmax(zq.double(), -1)
-            for i in range(len(p)):
-                total += sum(float(p[i, c] * math.log(p[i, c] / q[i, c])) for c in range(p.shape[1]))
+            for rp, rq in zip(zp.double().tolist(), zq.double().tolist()):
+                # log p_c = z_c - log sum exp z, by hand (finite where q underflows)
+                lse_p = max(rp) + math.log(sum(math.exp(z - max(rp)) for z in rp))
+                lse_q = max(rq) + math.log(sum(math.exp(z - max(rq)) for z in rq))
+                total += sum(math.exp(a - lse_p) * ((a - lse_p) - (b - lse_q)) for a, b in zip(rp, rq))
                 n += 1
     return total / n
 

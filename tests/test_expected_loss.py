@@ -36,7 +36,7 @@ def test_layer_table_vs_monte_carlo_of_its_own_codebooks(codebook):
     # error per unit; the closed-form entry must be within 4 standard errors.
     mu, sigma = _layer(1, heavy=True)
     lb = LayerBlocks("l", tuple(mu.shape), 32, 4)  # 480 weights: 15 groups, 4 units (last short)
-    cfg = QuantConfig(objective="draws", group_size=32, unit_groups=4, codebook=codebook, bits=(2, 3, 4))
+    cfg = QuantConfig(objective="draws", rounding="nearest", group_size=32, unit_groups=4, codebook=codebook, bits=(2, 3, 4))
     t = layer_table(lb, mu, sigma, cfg)
     gen = torch.Generator().manual_seed(7)
     m_, mask = lb.to_groups(mu.reshape(-1))
@@ -60,7 +60,7 @@ def test_layer_table_costs_match_storage_formulas():
     lb = LayerBlocks("l", tuple(mu.shape), 32, 4)  # units: 4, 4, 4, 3 groups; 128, 128, 128, 96 weights
     sizes = [(128, 4), (128, 4), (128, 4), (96, 3)]
     for codebook in CODEBOOKS:
-        cfg = QuantConfig(objective="draws", group_size=32, unit_groups=4, codebook=codebook, bits=(2, 3, 4, 8))
+        cfg = QuantConfig(objective="draws", rounding="nearest", group_size=32, unit_groups=4, codebook=codebook, bits=(2, 3, 4, 8))
         t = layer_table(lb, mu, sigma, cfg)
         for u, (n, g) in enumerate(sizes):
             for j, b in enumerate(cfg.bits):
@@ -81,15 +81,15 @@ def test_lloyd_table_beats_or_matches_uniform_with_one_lut_per_group():
     # posterior-weighted Lloyd-Max may only do better on the whitened objective.
     mu, sigma = _layer(3, heavy=True)
     lb = LayerBlocks("l", tuple(mu.shape), 32, 1)
-    lloyd = layer_table(lb, mu, sigma, QuantConfig(objective="draws", group_size=32, unit_groups=1, codebook=Codebook.LLOYD, bits=(2, 3)))
-    unif = layer_table(lb, mu, sigma, QuantConfig(objective="draws", group_size=32, unit_groups=1, bits=(2, 3)))
+    lloyd = layer_table(lb, mu, sigma, QuantConfig(objective="draws", rounding="nearest", group_size=32, unit_groups=1, codebook=Codebook.LLOYD, bits=(2, 3)))
+    unif = layer_table(lb, mu, sigma, QuantConfig(objective="draws", rounding="nearest", group_size=32, unit_groups=1, bits=(2, 3)))
     assert (lloyd.unit_loss.sum(0) <= unif.unit_loss.sum(0) * 1.001).all()
 
 
 def test_mulaw_table_books_are_the_fixed_table_times_group_absmax():
     mu, sigma = _layer(4)
     lb = LayerBlocks("l", tuple(mu.shape), 32, 4)
-    t = layer_table(lb, mu, sigma, QuantConfig(objective="draws", group_size=32, unit_groups=4, codebook=Codebook.MULAW, bits=(3,)))
+    t = layer_table(lb, mu, sigma, QuantConfig(objective="draws", rounding="nearest", group_size=32, unit_groups=4, codebook=Codebook.MULAW, bits=(3,)))
     m_, _ = lb.to_groups(mu.reshape(-1))
     book = t.books[0]
     assert isinstance(book, LevelTables)
@@ -100,7 +100,7 @@ def test_metric_weights_identity_is_plain_squared_error():
     mu, sigma = _layer(5)
     lb = LayerBlocks("l", tuple(mu.shape), 32, 4)
     post = Posterior({"l": mu}, {"l": sigma**2}, 10)
-    cfg = QuantConfig(objective="draws", group_size=32, unit_groups=4, bits=(2, 3), whitening=Whitening.IDENTITY)
+    cfg = QuantConfig(objective="draws", rounding="nearest", group_size=32, unit_groups=4, bits=(2, 3), whitening=Whitening.IDENTITY)
     t = posterior_table(post, [lb], cfg, progress=False).layers[0]
     assert torch.equal(metric_weights(post, "l", Whitening.IDENTITY), torch.ones_like(mu))
     m_, mask = lb.to_groups(mu.reshape(-1))
@@ -147,7 +147,7 @@ def _kfac_posterior():
 
 def test_apply_mc_proxy_output_vs_closed_form_within_3_se():
     post = _kfac_posterior()
-    cfg = QuantConfig(objective="draws", group_size=16, unit_groups=2, bits=(2, 3, 4), mc_samples=400, mc_top_fraction=0.5)
+    cfg = QuantConfig(objective="draws", rounding="nearest", group_size=16, unit_groups=2, bits=(2, 3, 4), mc_samples=400, mc_top_fraction=0.5)
     blocks = [LayerBlocks(n, tuple(m.shape), 16, 2) for n, m in post.mean.items()]
     closed = posterior_table(post, blocks, cfg, progress=False)
     mc = apply_mc_proxy(closed, post, cfg, kind="output", seed=3, progress=False)
@@ -180,7 +180,7 @@ def test_apply_mc_proxy_kl_on_closed_form_scale():
     wrapper = nn.Module()
     wrapper.w = model  # layer name "w"
     wrapper.forward = lambda inp: model(inp)
-    cfg = QuantConfig(objective="draws", group_size=16, unit_groups=1, bits=(5, 6), mc_samples=64, mc_top_fraction=1.0)
+    cfg = QuantConfig(objective="draws", rounding="nearest", group_size=16, unit_groups=1, bits=(5, 6), mc_samples=64, mc_top_fraction=1.0)
     blocks = [LayerBlocks("w", tuple(mu.shape), 16, 1)]
     closed = posterior_table(post, blocks, cfg, progress=False)
     mc = apply_mc_proxy(closed, post, cfg, kind="kl", model=wrapper, batches=[x[:100], x[100:]], n_kl=200,
@@ -202,7 +202,7 @@ def test_vq_table_vs_monte_carlo_of_stored_assignment(dim):
 
     mu, sigma = _layer(9, shape=(8, 40))
     lb = LayerBlocks("l", tuple(mu.shape), 32, 10)  # tensor unit: 10 groups, one unit
-    cfg = QuantConfig(objective="draws", group_size=32, unit_groups=10, unit="tensor", codebook="vq", vq_dim=dim, bits=(2, 3, 4))
+    cfg = QuantConfig(objective="draws", rounding="nearest", group_size=32, unit_groups=10, unit="tensor", codebook="vq", vq_dim=dim, bits=(2, 3, 4))
     t = layer_table(lb, mu, sigma, cfg)
     m_, mask = lb.to_groups(mu.reshape(-1))
     s_, _ = lb.to_groups(sigma.reshape(-1))
@@ -239,7 +239,7 @@ def test_deployed_table_vs_weighted_error_of_its_books(codebook):
     mu, _ = _layer(11, heavy=True)
     omega = torch.rand(mu.shape, generator=torch.Generator().manual_seed(12), dtype=F64) * 100
     lb = LayerBlocks("l", tuple(mu.shape), 32, 4)
-    cfg = QuantConfig(group_size=32, unit_groups=4, codebook=codebook, bits=(2, 3, 4, 8))
+    cfg = QuantConfig(rounding="nearest", group_size=32, unit_groups=4, codebook=codebook, bits=(2, 3, 4, 8))
     t = layer_table(lb, mu, None, cfg, omega)
     m_, mask = lb.to_groups(mu.reshape(-1))
     o_, _ = lb.to_groups(omega.reshape(-1))

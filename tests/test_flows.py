@@ -44,7 +44,7 @@ class TinyEntry(ZooEntry):
 
 
 ROBUST = ("bayesq", "bayesq-distill", "bayesq-ef", "gptq", "awq", "rtn-group")  # robustness.methods default
-ALL_METHODS = ("bayesq", "bayesq-distill", "bayesq-ef", "rtn-tensor", "rtn-channel", "rtn-group", "gptq", "awq", "hawq", "aciq")
+ALL_METHODS = ("bayesq", "bayesq-distill", "bayesq-ef", "bayesq-paper", "rtn-tensor", "rtn-channel", "rtn-group", "gptq", "awq", "hawq", "aciq")
 
 
 @pytest.fixture
@@ -153,7 +153,7 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     assert set(metrics["tiny-cnn"]) >= {"fp_accuracy", "bayesq@3.0", "rtn-tensor@4.0"}
     assert "kl_mean" in metrics["tiny-cnn"]["bayesq@3.0"]
     paired = read_json(reports / "paired.json")  # BayesQ rows vs GPTQ and RTN per-group, both metrics, both budgets
-    assert len(paired) == 3 * 2 * 2 * 2 and "## Paired comparisons on the same test examples" in table_md
+    assert len(paired) == 4 * 2 * 2 * 2 and "## Paired comparisons on the same test examples" in table_md
     assert all(p["n"] == 100 and p["ci_low"] <= p["diff"] <= p["ci_high"] for p in paired)
     # the fitted prior per layer and the prior-dominated share, as the posterior files hold them
     from flows.finetune import load_model
@@ -161,7 +161,8 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     from flows.prepare import load_posterior
 
     posteriors = read_json(results / "posteriors.json")
-    assert {(p["method"], p["curvature"]) for p in posteriors} == {("bayesq", "fisher"), ("bayesq-ef", "kfac")}
+    assert {(p["method"], p["curvature"]) for p in posteriors} == {("bayesq", "fisher"), ("bayesq-ef", "kfac"),
+                                                                          ("bayesq-paper", "fisher")}
     post = load_posterior(load_model(get_entry("tiny-cnn"), models / "tiny-cnn" / "model.safetensors"),
                           results / "posterior" / "tiny-cnn_s17.safetensors")
     diag = next(p for p in posteriors if p["method"] == "bayesq")
@@ -259,7 +260,7 @@ def test_ablation_flow_rows_failures_and_report(tmp_path, prefect_harness, tiny_
     params = yaml.safe_load(_params(tmp_path).read_text())
     params["ablations"] = {"budgets": [3.0, 4.0], "rows": {
         "core": {"BayesQ": {}},
-        "codebook": {"Lloyd LUT": {"quant.codebook": "lloyd", "quant.unit_groups": 8},
+        "codebook": {"Lloyd LUT": {"quant.codebook": "lloyd", "quant.rounding": "nearest", "quant.unit_groups": 8},
                      "K-FAC + error feedback": {"posterior.curvature": "kfac", "quant.rounding": "error-feedback"}},
         "distillation": {"always kept": {"method": "bayesq-distill", "distill.accept": False}},
         "broken": {"floor above every candidate": {"allocation.floors": {"*": 16}}},

@@ -62,8 +62,10 @@ def test_bayesq_beats_rtn_on_its_own_objective():
     # The deployed objective 0.5 sum h (Q(mu) - mu)^2 (h: the data curvature) is what BayesQ
     # minimises; RTN's allocation and grids, costed by the same formula from the dequantised
     # weights at the same budget and layout, must not do better (distillation is off).
+    # Nearest rounding: the codes the table's entries are of (error feedback changes them).
     model = _model()
-    res = quantize_model(model, _calibration(), BayesQConfig(budget=3.0, quant=CFG, distill=DistillConfig(max_budget=0)),
+    q = replace(CFG, rounding="nearest")
+    res = quantize_model(model, _calibration(), BayesQConfig(budget=3.0, quant=q, distill=DistillConfig(max_budget=0)),
                          progress=False)
     rtn = rtn_quantize(model, Granularity.GROUP, 3.0, CFG)
     assert rtn.allocation.total_bits <= res.allocation.budget_bits
@@ -122,20 +124,21 @@ from bayesq.config import (  # noqa: E402
 BIG = QuantConfig(group_size=32, unit_groups=8)
 VARIANTS = {
     **{f"curvature={c.value}": dict(posterior=PosteriorConfig(curvature=c)) for c in Curvature},
-    **{f"codebook={c.value}": dict(quant=QuantConfig(group_size=32, unit_groups=8, codebook=c))
+    **{f"codebook={c.value}": dict(quant=QuantConfig(group_size=32, unit_groups=8, codebook=c, rounding="nearest"))
        for c in Codebook if c != Codebook.VQ},
     **{f"unit={u.value}": dict(quant=QuantConfig(group_size=32, unit_groups=8, unit=u)) for u in AllocationUnit},
     **{f"whitening={w.value}": dict(quant=QuantConfig(group_size=32, unit_groups=8, whitening=w)) for w in Whitening},
     **{f"allocator={a.value}": dict(allocation=AllocationConfig(allocator=a)) for a in Allocator if a != Allocator.DP},
     "allocator=dp,unit=tensor": dict(quant=QuantConfig(group_size=32, unit_groups=8, unit="tensor"),
                                      allocation=AllocationConfig(allocator="dp")),
-    "rounding=error-feedback": dict(posterior=PosteriorConfig(curvature="kfac"),
-                                    quant=QuantConfig(group_size=32, unit_groups=8, rounding="error-feedback")),
+    "rounding=error-feedback,kfac": dict(posterior=PosteriorConfig(curvature="kfac"),
+                                         quant=QuantConfig(group_size=32, unit_groups=8, rounding="error-feedback")),
+    "rounding=nearest": dict(quant=QuantConfig(group_size=32, unit_groups=8, rounding="nearest")),
     "proxy=mc-kl": dict(quant=QuantConfig(group_size=32, unit_groups=8, proxy="mc-kl", mc_examples=8,
                                           mc_top_fraction=0.5)),
     "proxy=mc-output": dict(posterior=PosteriorConfig(curvature="kfac"),
                             quant=QuantConfig(group_size=32, unit_groups=8, proxy="mc-output", mc_top_fraction=0.5)),
-    "codebook=vq": dict(quant=QuantConfig(group_size=32, unit_groups=8, unit="tensor", codebook="vq", vq_dim=2)),
+    "codebook=vq": dict(quant=QuantConfig(group_size=32, unit_groups=8, unit="tensor", codebook="vq", vq_dim=2, rounding="nearest")),
     "floors": dict(allocation=AllocationConfig(floors={"7": 8, "0": 4})),
     "latency": dict(allocation=AllocationConfig(latency=True)),
     "penalty": dict(allocation=AllocationConfig(penalty=0.5)),
@@ -217,14 +220,12 @@ def test_error_feedback_lowers_kfac_cost_vs_nearest_rounding():
 
 
 def test_quantize_model_vq_and_error_feedback_need_their_settings():
-    with pytest.raises(ValueError, match="error-feedback.*needs a structured posterior"):
-        BayesQConfig(quant=QuantConfig(rounding="error-feedback"))
-    with pytest.raises(ValueError, match="error feedback needs uniform grids; codebook is 'lloyd'"):
-        QuantConfig(rounding="error-feedback", codebook="lloyd")
+    with pytest.raises(ValueError, match="error feedback needs uniform grids; codebook is 'lloyd': set quant.rounding: nearest"):
+        QuantConfig(codebook="lloyd")  # error feedback is the default
     with pytest.raises(ValueError, match="mc-output.*K-FAC factors"):
         BayesQConfig(quant=QuantConfig(proxy="mc-output"))
     with pytest.raises(ValueError, match="set quant.unit: tensor"):
-        QuantConfig(codebook="vq")
+        QuantConfig(codebook="vq", rounding="nearest")
     with pytest.raises(ValueError, match="mc_samples = 7.*even number"):
         QuantConfig(mc_samples=7)
     with pytest.raises(ValueError, match="latency-aware density works with allocator greedy"):

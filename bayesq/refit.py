@@ -1,0 +1,86 @@
+"""Scale refit: the per-group scales that minimise the deployed cost for fixed integer codes.
+
+After the codes are chosen (nearest or error-feedback rounding), a layer's deployed weights are
+``W_hat[r, j] = a_g(r, j) * u[r, j]`` with ``u = code - zero`` fixed and one scale ``a_g`` per
+group of ``group_size`` consecutive weights (row-major). The deployed cost of section 2 of
+docs/method.md, with the data curvature in K-FAC form ``C ~= G (x) H`` and ``G`` taken diagonal
+(as the error-feedback solver does), is per layer
+
+    J(a) = sum_r (W_hat_r - W_r)^T H (W_hat_r - W_r)        (H: (groups, d, d) per conv group),
+
+a convex quadratic in the scales ``a`` (groups may straddle rows, which couples them). It is
+minimised by preconditioned gradient steps with an exact line search: the direction is the
+gradient divided by the diagonal of the Hessian in ``a``; the step ``alpha`` minimises ``J``
+along it in closed form, so ``J`` never increases. The scales are then rounded to their stored
+precision (fp16), and a layer keeps its old scales when the rounded refit is not better.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def metric_apply(R: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """(out, d) ``R_r H_{k(r)}`` for rows split evenly into ``H.shape[0]`` convolution groups.
+
+    Args:
+        R: (out, d) float64; H: (groups, d, d) or (d, d) float64 symmetric.
+    """
+    H = H if H.dim() == 3 else H.unsqueeze(0)
+    per = R.shape[0] // H.shape[0]
+    return torch.einsum("grd,gde->gre", R.reshape(H.shape[0], per, -1), H).reshape(R.shape)
+
+
+def layer_cost(W_hat: torch.Tensor, W: torch.Tensor, H: torch.Tensor) -> float:
+    """``sum_r (W_hat_r - W_r)^T H (W_hat_r - W_r)`` of (out, d) matrices."""
+    R = W_hat - W
+    return float((metric_apply(R, H) * R).sum())
+
+
+def refit_scales(
+    W: torch.Tensor, u: torch.Tensor, group: torch.Tensor, scale: torch.Tensor, H: torch.Tensor, *,
+    iters: int = 20, scale_bits: int = 16,
+) -> tuple[torch.Tensor, float, float]:
+    """Group scales minimising ``J(a)`` (module docstring) for fixed codes.
+
+    Args:
+        W: (out, d) float64 trained weights.
+        u: (out, d) float64 ``code - zero`` of every weight.
+        group: (out, d) int64 group index of every weight, in ``[0, len(scale))``.
+        scale: (G,) float64 current (stored) scales.
+        H: (groups, d, d) or (d, d) float64 SPD column metric.
+        iters: preconditioned steps.
+        scale_bits: 16 (fp16) or 32 (fp32) storage of the scales.
+
+    Returns:
+        (scales (G,) float64 as stored, J before, J after); the old scales when the rounded
+        refit does not lower ``J``.
+    """
+    if W.shape != u.shape or W.shape != group.shape:
+        raise ValueError(f"W, u and group must share one (out, d) shape; got {tuple(W.shape)}, "
+                         f"{tuple(u.shape)}, {tuple(group.shape)}")
+    n = scale.shape[0]
+    flat = group.reshape(-1)
+    diag = (H if H.dim() == 3 else H.unsqueeze(0)).diagonal(dim1=-2, dim2=-1)  # (groups, d)
+    hdiag = torch.zeros(n, dtype=torch.float64).index_add_(  # sum of u^2 H_jj per group
+        0, flat, (u * u * diag.repeat_interleave(W.shape[0] // diag.shape[0], 0)).reshape(-1))
+    a = scale.clone()
+    before = layer_cost(a[group] * u, W, H)
+    for _ in range(iters):
+        R = a[group] * u - W
+        grad = torch.zeros(n, dtype=torch.float64).index_add_(0, flat, (u * metric_apply(R, H)).reshape(-1))
+        step = torch.where(hdiag > 0, grad / hdiag.clamp_min(1e-300), torch.zeros_like(grad))
+        D = step[group] * u  # (out, d) change of W_hat per unit alpha
+        HD = metric_apply(D, H)
+        curv = float((HD * D).sum())
+        if curv <= 0:
+            break
+        alpha = float((HD * R).sum()) / curv  # argmin_alpha J(a - alpha * step)
+        a = a - alpha * step
+    dtype = torch.float16 if scale_bits == 16 else torch.float32
+    stored = a.to(dtype).to(torch.float64)
+    stored = torch.where(torch.isfinite(stored) & (stored > 0), stored, scale)  # a scale stays positive
+    after = layer_cost(stored[group] * u, W, H)
+    if not after < before:
+        return scale, before, before
+    return stored, before, after

@@ -1,0 +1,65 @@
+"""Scale refit for fixed codes vs the exact least-squares solution (bayesq/refit.py)."""
+
+import pytest
+import torch
+
+from bayesq.refit import layer_cost, metric_apply, refit_scales
+
+F64 = torch.float64
+
+
+def _problem(seed, out=6, d=40, group_size=32, conv_groups=1):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(out, d, generator=g, dtype=F64)
+    Hs = []
+    for _ in range(conv_groups):
+        A = torch.randn(d, d, generator=g, dtype=F64)
+        Hs.append(A @ A.T / d + 0.1 * torch.eye(d, dtype=F64))
+    H = torch.stack(Hs) if conv_groups > 1 else Hs[0]
+    group = torch.arange(out * d).reshape(out, d) // group_size  # groups straddle rows
+    n = int(group.max()) + 1
+    scale = torch.full((n,), 0.5, dtype=F64)
+    u = torch.round(W / 0.5).clamp(-2, 1)  # 2-bit codes minus zero-point
+    return W, u, group, scale, H
+
+
+def _exact(W, u, group, n, H):
+    """argmin_a sum_r (a[g] u - w)_r^T H_r (a[g] u - w)_r by one dense solve."""
+    X = torch.zeros(W.numel(), n, dtype=F64)
+    X[torch.arange(W.numel()), group.reshape(-1)] = u.reshape(-1)
+    Hs = H if H.dim() == 3 else H.unsqueeze(0)
+    per = W.shape[0] // Hs.shape[0]
+    K = torch.block_diag(*[Hs[r // per] for r in range(W.shape[0])])
+    return torch.linalg.solve(X.T @ K @ X, X.T @ K @ W.reshape(-1))
+
+
+@pytest.mark.parametrize("conv_groups", [1, 2])
+def test_refit_scales_vs_exact_least_squares(conv_groups):
+    W, u, group, scale, H = _problem(0, conv_groups=conv_groups)
+    new, before, after = refit_scales(W, u, group, scale, H, iters=50, scale_bits=32)
+    want = _exact(W, u, group, scale.shape[0], H)
+    assert after == pytest.approx(layer_cost(want[group] * u, W, H), rel=1e-6)
+    assert before == pytest.approx(layer_cost(scale[group] * u, W, H), rel=1e-12)
+    torch.testing.assert_close(new, want.to(torch.float32).double(), rtol=1e-4, atol=1e-6)
+
+
+def test_refit_scales_stored_fp16_never_worse():
+    W, u, group, scale, H = _problem(1)
+    new, before, after = refit_scales(W, u, group, scale, H)
+    assert torch.equal(new, new.to(torch.float16).double())  # representable as stored
+    assert after <= before and after == pytest.approx(layer_cost(new[group] * u, W, H), rel=1e-12)
+    # already optimal scales (the fp16 rounding of the optimum cannot be beaten by rounding again)
+    again, b2, a2 = refit_scales(W, u, group, new, H)
+    assert a2 <= b2 == pytest.approx(after, rel=1e-12)
+
+
+def test_metric_apply_vs_per_row_matmul():
+    W, _, _, _, H = _problem(2, out=4, conv_groups=2)
+    want = torch.cat([W[:2] @ H[0], W[2:] @ H[1]])
+    torch.testing.assert_close(metric_apply(W, H), want)
+
+
+def test_refit_scales_shape_mismatch_raises():
+    W, u, group, scale, H = _problem(3)
+    with pytest.raises(ValueError, match="one \\(out, d\\) shape"):
+        refit_scales(W, u[:, :5], group, scale, H)
