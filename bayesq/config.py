@@ -207,6 +207,7 @@ class QuantConfig:
     whitening: Whitening = Whitening.POSTERIOR
     rounding: Rounding = Rounding.ERROR_FEEDBACK
     act_order: bool = True
+    refit: bool = True
     proxy: Proxy = Proxy.CLOSED
     mc_samples: int = 8
     mc_top_fraction: float = 0.1

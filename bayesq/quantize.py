@@ -441,7 +441,7 @@ def quantize_model(
     allocation = allocate(table, config.budget, config.allocation, config.seed)
     weights = encode(table, allocation, {n: m.weight for n, m in layers.items()}, posterior=posterior,
                      rounding=q.rounding, column_metric=ef_column_metric(posterior, q, model, calibration),
-                     act_order=q.act_order)
+                     act_order=q.act_order, refit=q.refit, scale_bits=q.scale_bits)
     qmodel = quantized_copy(model, weights)
     if config.distill.applies(config.budget):
         from bayesq.distill import apply_distilled, distill

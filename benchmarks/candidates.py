@@ -10,7 +10,9 @@ RTN per group by the paired bootstrap of ``bayesq.comparison`` (95 % intervals).
 Needs the fine-tuned model and data of ``make run`` (``models/``, ``data/raw``). Candidates:
 
 * ``default``: the library default (diagonal Fisher posterior with a fitted prior, deployed
-  objective, error-feedback rounding in the layers' input second moments, act-order);
+  objective, error-feedback rounding in the layers' input second moments, act-order, scale
+  refit);
+* ``no-refit``: the default without the scale refit;
 * ``nearest``: the default with nearest rounding;
 * ``kfac``: a K-FAC posterior (error feedback in its input factor);
 * ``paper``: the paper-literal configuration (fixed prior, draws objective, nearest rounding).
@@ -39,6 +41,7 @@ def main() -> None:
                         distill=DistillConfig(max_budget=0), seed=c.seed)
     candidates = {
         "default": base,
+        "no-refit": replace(base, quant=replace(p.quant, refit=False)),
         "nearest": replace(base, quant=replace(p.quant, rounding="nearest")),
         "kfac": replace(base, posterior=replace(p.posterior, curvature="kfac")),
         "paper": replace(base, posterior=replace(p.posterior, prior="fixed"),

@@ -91,7 +91,7 @@ def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: 
     post = load_posterior(model, Path(posterior_file)) if posterior_file else None
     metric = ef_column_metric(post, quant, model, batches) if post is not None else None
     return (encode(table, allocation, weights, posterior=post, rounding=quant.rounding, column_metric=metric,
-                   act_order=quant.act_order),
+                   act_order=quant.act_order, refit=quant.refit, scale_bits=quant.scale_bits),
             allocation, post)
 
 
