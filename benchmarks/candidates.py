@@ -5,7 +5,7 @@ budget; each is scored on every test example by KL(p_FP || p_Q) and correctness,
 with GPTQ (its best calibration-selected variant, BayesQ's allocation among the candidates) and
 RTN per group by the paired bootstrap of ``bayesq.comparison`` (95 % intervals).
 
-    python benchmarks/candidates.py [--model lite0-fmnist] [--budget 3.0] [--seed 17]
+    python benchmarks/candidates.py [--model lite0-fmnist] [--budget 3.0] [--seed 17] [--only default,paper]
 
 Needs the fine-tuned model and data of ``make run`` (``models/``, ``data/raw``). Candidates:
 
@@ -20,12 +20,17 @@ Needs the fine-tuned model and data of ``make run`` (``models/``, ``data/raw``).
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 
 from embedded import case
 
 
 def main() -> None:
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--only", default="", help="comma-separated candidates (default: all)")
+    args, sys.argv[1:] = extra.parse_known_args(sys.argv[1:])
     c = case(__doc__.splitlines()[0])
     from bayesq import BayesQConfig, quantize_model
     from bayesq.baselines.activations import input_stats
@@ -47,6 +52,11 @@ def main() -> None:
         "paper": replace(base, posterior=replace(p.posterior, prior="fixed"),
                          quant=replace(p.quant, objective="draws", rounding="nearest")),
     }
+    if args.only:
+        unknown = set(args.only.split(",")) - set(candidates)
+        if unknown:
+            raise SystemExit(f"--only: unknown candidates {sorted(unknown)}; choose from {sorted(candidates)}")
+        candidates = {k: v for k, v in candidates.items() if k in args.only.split(",")}
     fp = predict(c.model, c.test)
     scores, allocation = {}, None
 
