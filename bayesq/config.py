@@ -208,6 +208,9 @@ class QuantConfig:
     rounding: Rounding = Rounding.ERROR_FEEDBACK
     act_order: bool = True
     refit: bool = True
+    feedback_table: bool = True
+    cd_passes: int = 2
+    select_grids: bool = True
     proxy: Proxy = Proxy.CLOSED
     mc_samples: int = 8
     mc_top_fraction: float = 0.1
@@ -259,12 +262,33 @@ class QuantConfig:
             _fail(s, "range_grid", self.range_grid, "must be an integer >= 0 (0: golden section only)")
         if not 0 < self.min_range_ratio <= 1:
             _fail(s, "min_range_ratio", self.min_range_ratio, "must be in (0, 1]")
+        if isinstance(self.cd_passes, bool) or not isinstance(self.cd_passes, int) or self.cd_passes < 0:
+            _fail(s, "cd_passes", self.cd_passes, "must be an integer >= 0 (0: error-feedback codes as they are)")
+        for name in ("act_order", "refit", "feedback_table", "select_grids"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(s, name, getattr(self, name), "must be true or false")
 
 
     @property
+    def feeds_back_table(self) -> bool:
+        """Whether the table weighs the metric's columns by the error-feedback gains (the
+        deployed objective of error-feedback rounding with ``feedback_table``)."""
+        return (self.feedback_table and self.rounding == Rounding.ERROR_FEEDBACK
+                and self.objective == Objective.DEPLOYED)
+
+    @property
+    def selects_grids(self) -> bool:
+        """Whether :func:`bayesq.quantize.quantize_model` also builds the min/max-grid encoding
+        (no clipping search, no refit; its own table and allocation) and keeps whichever has the
+        lower KL to the full-precision model on the calibration inputs."""
+        return (self.select_grids and self.rounding == Rounding.ERROR_FEEDBACK
+                and self.codebook == Codebook.UNIFORM and self.min_range_ratio < 1)
+
+    @property
     def needs_data(self) -> bool:
-        """Whether the loss table reads calibration inputs (pca metric, Monte Carlo proxy)."""
-        return self.whitening == Whitening.PCA or self.proxy != Proxy.CLOSED
+        """Whether the loss table reads calibration inputs (pca metric, error-feedback gains
+        under a diagonal posterior, Monte Carlo proxy)."""
+        return self.whitening == Whitening.PCA or self.proxy != Proxy.CLOSED or self.feeds_back_table
 
 
 @dataclass(frozen=True)

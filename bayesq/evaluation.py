@@ -1,14 +1,17 @@
 """Test-set evaluation of a (quantised) model: logits, then accuracy, calibration and tail metrics.
 
 :func:`predict` runs the model; :func:`prediction_summary` turns (N, C) logits and labels into
-the numbers the reports use (all from :mod:`bayesq.metrics`).
+the numbers the reports use (all from :mod:`bayesq.metrics`); :func:`mean_kl` scores a quantised
+model against :func:`reference_log_probs` of the full-precision one (the calibration KL that
+selections use).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -25,6 +28,43 @@ def predict(model: nn.Module, batches: Sequence[Batch]) -> Tensor:
     if not out:
         raise ValueError("predict: no batches to evaluate")
     return torch.cat(out)
+
+
+def _log_probs(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """(rows, C) float64 log-probabilities of ``model`` on ``batch`` (leading dims flattened)."""
+    z = logits(model, batch)
+    return F.log_softmax(z.reshape(-1, z.shape[-1]).double(), dim=-1)
+
+
+def _eval_log_probs(model: nn.Module, batches: Sequence[Batch]) -> list[torch.Tensor]:
+    """:func:`_log_probs` of every batch in eval mode without gradients (training flag restored)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return [_log_probs(model, b) for b in batches]
+    finally:
+        model.train(was_training)
+
+
+def reference_log_probs(model: nn.Module, batches: Iterable[Batch]) -> list[torch.Tensor]:
+    """Full-precision log-probabilities, one (rows, C) float64 tensor per batch."""
+    return _eval_log_probs(model, list(batches))
+
+
+def mean_kl(reference: Sequence[torch.Tensor], model: nn.Module, batches: Sequence[Batch]) -> float:
+    """Mean over examples of ``KL(p_ref || p_model) = sum_c p_ref (log p_ref - log p_model)``.
+
+    Args:
+        reference: :func:`reference_log_probs` on the same ``batches``.
+        model: the quantised model.
+        batches: the calibration batches (tensors or dicts of tensors), same order.
+    """
+    total, rows = 0.0, 0
+    for ref, logq in zip(reference, _eval_log_probs(model, batches), strict=True):
+        total += float((ref.exp() * (ref - logq)).sum())
+        rows += ref.shape[0]
+    return total / rows
 
 
 def prediction_summary(logit: Tensor, labels: Tensor, n_bins: int = 15, repeats: int = 20,

@@ -334,15 +334,38 @@ def metric_weights(posterior: Posterior, name: str, whitening: Whitening,
     return a.expand(mu.shape[0], -1).reshape(mu.shape).clone()  # omega_oi = A_ii
 
 
+def feedback_weights(omega: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    """``omega_oj * r_j``: the metric weights of a layer rounded with error feedback.
+
+    Args:
+        omega: float64 weight-shaped metric weights (out, ...), flattened per row to (out, d_in).
+        gain: (groups, d_in) or (d_in,) error-feedback gains ``r_j``
+            (:func:`bayesq.error_feedback.feedback_gain`); convolution group g owns rows
+            ``g * out / groups ... (g + 1) * out / groups - 1``.
+    """
+    mat = omega.reshape(omega.shape[0], -1)  # (out, d_in)
+    gain = gain.to(omega.dtype)
+    gain = gain if gain.dim() == 2 else gain.unsqueeze(0)
+    if mat.shape[0] % gain.shape[0] or gain.shape[1] != mat.shape[1]:
+        raise ValueError(f"gain of shape {tuple(gain.shape)} does not fit a weight of {tuple(mat.shape)} (out, d_in)")
+    return (mat * gain.repeat_interleave(mat.shape[0] // gain.shape[0], dim=0)).reshape(omega.shape)
+
+
 def posterior_table(
     posterior: Posterior, blocks: list[LayerBlocks], cfg: QuantConfig, progress: bool = True,
-    input_diag: dict[str, torch.Tensor] | None = None,
+    input_diag: dict[str, torch.Tensor] | None = None, gains: dict[str, torch.Tensor] | None = None,
 ) -> LossTable:
-    """BayesQ closed-form table: codebooks fitted to, and entries of, ``cfg.objective``."""
+    """BayesQ closed-form table: codebooks fitted to, and entries of, ``cfg.objective``.
+
+    ``gains``: layer -> error-feedback gains ``r_j`` multiplying the metric's columns
+    (:func:`feedback_weights`; the deployed objective of a layer rounded with error feedback).
+    """
     tables = []
     for lb in tqdm(blocks, desc="loss table", disable=not progress, leave=False):
         omega = metric_weights(posterior, lb.name, Whitening(cfg.whitening), input_diag, cfg.objective,
                                cfg.cost_terms)
+        if gains is not None and omega is not None:
+            omega = feedback_weights(omega, gains[lb.name])
         tables.append(layer_table(lb, posterior.mean[lb.name], posterior.std(lb.name), cfg, omega))
     return LossTable(tuple(tables))
 

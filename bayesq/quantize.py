@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -24,7 +24,8 @@ from bayesq.codebook import UniformGrids
 from bayesq.config import (
     AllocationConfig, Allocator, BayesQConfig, CostTerms, Objective, Proxy, QuantConfig, Rounding, Whitening,
 )
-from bayesq.error_feedback import damped_metric, error_feedback_groups
+from bayesq.error_feedback import coordinate_descent, damped_metric, error_feedback_groups, feedback_gain
+from bayesq.evaluation import mean_kl, reference_log_probs
 from bayesq.expected_loss import Book, LossTable, apply_mc_proxy, posterior_table
 from bayesq.forward import Batch, batch_size
 from bayesq.posterior import Posterior, fit_posterior as _fit_posterior, input_moments
@@ -92,13 +93,20 @@ class QuantizedWeight:
 
 @dataclass(frozen=True)
 class QuantizationResult:
-    """What :func:`quantize_model` returns."""
+    """What :func:`quantize_model` returns.
+
+    ``encoding`` names the grids kept (``searched`` or ``minmax``, :func:`grid_candidates`);
+    ``calibration_kl`` maps every candidate built to its KL to the full-precision model on the
+    calibration inputs (empty when there was one candidate).
+    """
 
     model: nn.Module
     weights: dict[str, QuantizedWeight]
     allocation: Allocation
     table: LossTable
     posterior: Posterior | None = None
+    encoding: str = ""
+    calibration_kl: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def average_bits(self) -> float:
@@ -295,11 +303,28 @@ def ef_column_metric(
     return {name: damped_metric(s.H, damp) for name, s in input_stats(model, calibration, layers).items()}
 
 
+def feedback_gains(
+    posterior: Posterior, q: QuantConfig, column_metric: Mapping[str, torch.Tensor] | None,
+) -> dict[str, torch.Tensor] | None:
+    """Error-feedback gains ``r_j`` per layer for the table (``quant.feedback_table``), or None.
+
+    The metric is the one :func:`encode` rounds in: ``column_metric`` (from
+    :func:`ef_column_metric`), else the posterior's damped K-FAC input factor A'. None unless
+    the rounding is error feedback under the deployed objective with ``feedback_table`` set
+    (``q.feeds_back_table``).
+    """
+    if not q.feeds_back_table:
+        return None
+    if column_metric is None:
+        column_metric = {name: f.A for name, f in (posterior.kfac or {}).items()}
+    return {name: feedback_gain(h, act_order=q.act_order) for name, h in column_metric.items()}
+
+
 def encode(
     table: LossTable, allocation: Allocation, weights: dict[str, torch.Tensor], *,
     posterior: Posterior | None = None, rounding: Rounding = Rounding.NEAREST,
     column_metric: Mapping[str, torch.Tensor] | None = None, act_order: bool = False,
-    refit: bool = False, scale_bits: int = 16,
+    refit: bool = False, scale_bits: int = 16, cd_passes: int = 0,
 ) -> dict[str, QuantizedWeight]:
     """Quantise each layer with the codebooks of its units' chosen bit-widths.
 
@@ -307,7 +332,9 @@ def encode(
     ``column_metric[name]`` ((groups, d_in, d_in) or (d_in, d_in), SPD, already damped; GPTQ's
     input Hessian) as the column metric, or else the damped K-FAC input factor A of
     ``posterior`` (DESIGN.md section 2: the sequential minimiser of ``tr(G D A D^T)`` for a
-    fixed grid); ``act_order`` orders columns by decreasing metric diagonal; ``refit`` then
+    fixed grid); ``act_order`` orders columns by decreasing metric diagonal; ``cd_passes``
+    sweeps of exact coordinate descent in the same metric then polish the codes
+    (:func:`error_feedback.coordinate_descent`); ``refit`` then
     refits the groups' scales to the codes in the same metric (:func:`bayesq.refit.refit_scales`,
     stored at ``scale_bits``). Otherwise codes are the nearest levels.
     """
@@ -330,6 +357,8 @@ def encode(
             mat = w.reshape(w.shape[0], -1)  # (out, d_in)
             scale, zero, maxq = element_grid(lb, group_bits, books, mat.shape[0])
             codes_w = error_feedback_groups(mat, metric, scale, zero, maxq, act_order=act_order)  # (out, d_in)
+            if cd_passes:
+                codes_w = coordinate_descent(mat, metric, scale, zero, maxq, codes_w, passes=cd_passes)
             codes, _ = lb.to_groups(codes_w.reshape(-1))
             if refit:
                 books = _refit_books(lb, mat, codes_w, zero, group_bits, books, metric, scale_bits)
@@ -343,6 +372,75 @@ def encode(
                 codes[group_bits == b] = part
         out[lb.name] = QuantizedWeight(lb, group_bits, codes, books)
     return out
+
+
+def grid_candidates(q: QuantConfig) -> dict[str, QuantConfig]:
+    """The encodings :func:`encode_best` builds: ``q`` itself (``searched`` clipping, or
+    ``minmax`` when ``q.min_range_ratio = 1``) and, when ``q.selects_grids``, ``minmax``: min/max
+    grids (``min_range_ratio = 1``, GPTQ's) without the scale refit."""
+    out = {"searched" if q.min_range_ratio < 1 else "minmax": q}
+    if q.selects_grids:
+        out["minmax"] = replace(q, min_range_ratio=1.0, refit=False, select_grids=False)
+    return out
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """The allocated and encoded candidate :func:`encode_best` kept.
+
+    Attributes:
+        name: its :func:`grid_candidates` name.
+        quant: its configuration.
+        table, allocation, weights: its loss table, allocation and encoded layers.
+        calibration_kl: candidate name -> mean calibration ``KL(p_FP || p_Q)`` (empty: one candidate).
+    """
+
+    name: str
+    quant: QuantConfig
+    table: LossTable
+    allocation: Allocation
+    weights: dict[str, QuantizedWeight]
+    calibration_kl: Mapping[str, float]
+
+
+def encode_best(
+    model: nn.Module, posterior: Posterior, table: LossTable, q: QuantConfig, budget: float,
+    allocation_cfg: AllocationConfig = AllocationConfig(), *, seed: int = 0,
+    calibration: Iterable[Batch] | None = None, column_metric: Mapping[str, torch.Tensor] | None = None,
+    progress: bool = False,
+) -> Encoding:
+    """Allocate and encode ``table`` (built for ``q``); with ``q.selects_grids`` also the
+    ``minmax`` candidate of :func:`grid_candidates` (its table built here), keeping the one with
+    the least mean ``KL(p_FP || p_Q)`` on ``calibration`` (ties keep ``table``'s).
+
+    ``column_metric``: :func:`ef_column_metric` of ``q`` (computed here when None and needed).
+    """
+    layers = {t.blocks.name: model.get_submodule(t.blocks.name) for t in table.layers}
+    weights = {n: m.weight for n, m in layers.items()}
+    cands = grid_candidates(q)
+    if len(cands) > 1 or Rounding(q.rounding) == Rounding.ERROR_FEEDBACK:
+        calibration = list(calibration) if calibration is not None else None
+    if len(cands) > 1 and not calibration:
+        raise ValueError("quant.select_grids scores each candidate's KL on the calibration inputs, but none were "
+                         "given: pass calibration= batches, or set quant.select_grids: false")
+    if column_metric is None:
+        column_metric = ef_column_metric(posterior, q, model, calibration)
+    blocks = [t.blocks for t in table.layers]
+    best, best_kl, kls = None, float("inf"), {}
+    reference = reference_log_probs(model, calibration) if len(cands) > 1 else None
+    for name, cq in cands.items():
+        t = table if cq is q else build_table(posterior, blocks, cq, seed=seed, model=model, calibration=calibration,
+                                              progress=progress, column_metric=column_metric)
+        allocation = allocate(t, budget, allocation_cfg, seed)
+        qw = encode(t, allocation, weights, posterior=posterior, rounding=cq.rounding, column_metric=column_metric,
+                    act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits, cd_passes=cq.cd_passes)
+        if reference is not None:
+            kls[name] = mean_kl(reference, quantized_copy(model, qw), calibration)
+        score = kls.get(name, 0.0)
+        score = float("inf") if score != score else score  # a NaN KL never wins
+        if best is None or score < best_kl:
+            best, best_kl = Encoding(name, cq, t, allocation, qw, kls), score
+    return replace(best, calibration_kl=dict(kls))
 
 
 def quantized_copy(model: nn.Module, weights: dict[str, QuantizedWeight]) -> nn.Module:
@@ -382,23 +480,32 @@ def first_inputs(batches: Iterable[Batch], n: int) -> list[Batch]:
 def build_table(
     posterior: Posterior, blocks: list[LayerBlocks], q: QuantConfig, *, seed: int = 0,
     model: nn.Module | None = None, calibration: Iterable[Batch] | None = None, progress: bool = True,
+    column_metric: Mapping[str, torch.Tensor] | None = None,
 ) -> LossTable:
     """Loss table for ``q``: closed form, then the Monte Carlo proxy if chosen.
 
     ``model`` and ``calibration`` are read only when ``q.needs_data`` (the PCA metric's input
-    moments, the logit-KL proxy's inputs); ``seed`` seeds the Monte Carlo draws.
+    moments, the error-feedback metric of ``quant.feedback_table``, the logit-KL proxy's
+    inputs); ``seed`` seeds the Monte Carlo draws; ``column_metric`` (from
+    :func:`ef_column_metric`) saves recomputing the error-feedback metric.
     """
     batches = None
     if q.needs_data:
         if model is None or calibration is None:
-            raise ValueError(f"quant.whitening = '{q.whitening.value}' / quant.proxy = '{q.proxy.value}' "
-                             "read calibration data: pass model= and calibration=")
+            raise ValueError(f"quant.whitening = '{q.whitening.value}' / quant.proxy = '{q.proxy.value}' / "
+                             f"quant.feedback_table = {q.feedback_table} read calibration data: pass model= "
+                             "and calibration=")
         batches = list(calibration)
     input_diag = None
     if q.whitening == Whitening.PCA:
         layers = {lb.name: model.get_submodule(lb.name) for lb in blocks}
         input_diag, _ = input_moments(model, batches, layers)
-    table = posterior_table(posterior, blocks, q, progress, input_diag)
+    gains = None
+    if q.feeds_back_table:
+        if column_metric is None:
+            column_metric = ef_column_metric(posterior, q, model, batches)
+        gains = feedback_gains(posterior, q, column_metric)
+    table = posterior_table(posterior, blocks, q, progress, input_diag, gains)
     if q.proxy == Proxy.MC_KL:
         few = first_inputs(batches, q.mc_examples)
         table = apply_mc_proxy(table, posterior, q, kind="kl", model=model, batches=few,
@@ -431,17 +538,18 @@ def quantize_model(
     check_finite(layers)
     q = config.quant
     blocks = layer_blocks(layers, q.group_size, q.unit_groups, q.unit.value)
-    if q.needs_data or config.distill.applies(config.budget) or Rounding(q.rounding) == Rounding.ERROR_FEEDBACK:
+    if (q.needs_data or config.distill.applies(config.budget) or Rounding(q.rounding) == Rounding.ERROR_FEEDBACK
+            or q.selects_grids):
         calibration = list(calibration)  # read twice
     if posterior is None:
         posterior = _fit_posterior(model, calibration, layers, config.posterior, seed=config.seed,
                                    progress=progress)
+    metric = ef_column_metric(posterior, q, model, calibration)
     table = build_table(posterior, blocks, q, seed=config.seed, model=model, calibration=calibration,
-                        progress=progress)
-    allocation = allocate(table, config.budget, config.allocation, config.seed)
-    weights = encode(table, allocation, {n: m.weight for n, m in layers.items()}, posterior=posterior,
-                     rounding=q.rounding, column_metric=ef_column_metric(posterior, q, model, calibration),
-                     act_order=q.act_order, refit=q.refit, scale_bits=q.scale_bits)
+                        progress=progress, column_metric=metric)
+    enc = encode_best(model, posterior, table, q, config.budget, config.allocation, seed=config.seed,
+                      calibration=calibration, column_metric=metric, progress=progress)
+    weights, allocation, table = enc.weights, enc.allocation, enc.table
     qmodel = quantized_copy(model, weights)
     if config.distill.applies(config.budget):
         from bayesq.distill import apply_distilled, distill
@@ -449,4 +557,4 @@ def quantize_model(
         res = distill(model, weights, posterior, calibration, config.distill, scale_bits=q.scale_bits,
                       lut_bits=q.lut_bits, seed=config.seed)
         weights, qmodel = res.weights, apply_distilled(model, res)
-    return QuantizationResult(qmodel, weights, allocation, table, posterior)
+    return QuantizationResult(qmodel, weights, allocation, table, posterior, enc.name, enc.calibration_kl)

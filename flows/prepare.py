@@ -148,14 +148,16 @@ def layer_table_task(name: str, model_file: str, model_digest: str, posterior_fi
                      layer: str, quant, code: str):
     """One layer's closed-form loss table (:class:`bayesq.expected_loss.LayerTable`), so the
     layers of a model can be built in parallel; only for tables that read no calibration data
-    (``not quant.needs_data``: the Monte Carlo proxies pick layers across the whole table)."""
+    (``not quant.needs_data``: the Monte Carlo proxies pick layers across the whole table, and
+    the error-feedback gains and PCA metric read the calibration inputs)."""
     from bayesq.blocks import layer_blocks
     from bayesq.models.zoo import get_entry
     from bayesq.quantize import build_table
 
     if quant.needs_data:
-        raise ValueError(f"quant.whitening = '{quant.whitening.value}' / quant.proxy = '{quant.proxy.value}' "
-                         "need the whole model's table: use table_task")
+        raise ValueError(f"quant.whitening = '{quant.whitening.value}' / quant.proxy = '{quant.proxy.value}' / "
+                         f"quant.feedback_table = {quant.feedback_table} read calibration data and need the "
+                         "whole model's table: use table_task")
     model = load_model(get_entry(name), Path(model_file))
     post = load_posterior(model, Path(posterior_file))
     blocks = layer_blocks({layer: model.get_submodule(layer)}, quant.group_size, quant.unit_groups, quant.unit.value)

@@ -80,19 +80,15 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
 
 def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: str | None, seed: int,
             batches=None):
-    """BayesQ's allocation and encoding from a cached table: (weights, allocation, posterior).
+    """BayesQ's allocation and encoding from a cached table (:func:`bayesq.quantize.encode_best`,
+    the library's own step): (Encoding, posterior).
 
     ``batches``: calibration batches (error-feedback rounding under a diagonal posterior reads
-    the layers' input second moments from them)."""
-    from bayesq.quantize import allocate, ef_column_metric, encode
+    the layers' input second moments from them; the grid selection scores on them)."""
+    from bayesq.quantize import encode_best
 
-    allocation = allocate(table, budget, allocation_cfg, seed)
-    weights = {t.blocks.name: model.get_submodule(t.blocks.name).weight for t in table.layers}
     post = load_posterior(model, Path(posterior_file)) if posterior_file else None
-    metric = ef_column_metric(post, quant, model, batches) if post is not None else None
-    return (encode(table, allocation, weights, posterior=post, rounding=quant.rounding, column_metric=metric,
-                   act_order=quant.act_order, refit=quant.refit, scale_bits=quant.scale_bits),
-            allocation, post)
+    return encode_best(model, post, table, quant, budget, allocation_cfg, seed=seed, calibration=batches), post
 
 
 def posterior_record(name: str, seed: int, method: str, post: dict) -> dict:
@@ -104,7 +100,9 @@ def posterior_record(name: str, seed: int, method: str, post: dict) -> dict:
 
 def bayesq_unit_bits(prep: dict, params, budget: float, seed: int) -> dict | None:
     """BayesQ's allocation (layer -> unit bit-widths) at ``budget`` from the ``bayesq`` row's
-    cached table, or None when that row is not run; GPTQ's selection tries it as a variant."""
+    cached table, or None when that row is not run; GPTQ's selection tries it as a variant.
+    Used when GPTQ runs before the ``bayesq`` row (``methods`` order); otherwise GPTQ gets the
+    allocation the row kept (its grid selection may keep the min/max grids' allocation)."""
     from bayesq.quantize import allocate
 
     if Method.BAYESQ not in prep:
@@ -167,8 +165,10 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     extra = {}
     if Method(method) in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER):
         batches = list(calibration_batches(entry, splits, data, calibration, seed)[1]) if calibration else None
-        qweights, allocation, post = _bayesq(model, table, budget, allocation_cfg, quant, posterior_file, seed,
-                                             batches)
+        enc, post = _bayesq(model, table, budget, allocation_cfg, quant, posterior_file, seed, batches)
+        qweights, allocation, quant = enc.weights, enc.allocation, enc.quant
+        extra = {"encoding": enc.name, "encoding_kl": dict(enc.calibration_kl),
+                 "unit_bits": {k: list(v) for k, v in allocation.unit_bits.items()}}
         qmodel = quantized_copy(model, qweights)
         if Method(method) == Method.BAYESQ_DISTILL and distill.applies(budget):
             from bayesq.distill import apply_distilled, distill as run_distill
@@ -176,7 +176,7 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
             res = run_distill(model, qweights, post, batches, distill, scale_bits=quant.scale_bits,
                               lut_bits=quant.lut_bits, seed=seed)
             qweights, qmodel = res.weights, apply_distilled(model, res)
-            extra = {"distill_seconds": res.seconds, "distill_sample_scale": res.sample_scale,
+            extra |= {"distill_seconds": res.seconds, "distill_sample_scale": res.sample_scale,
                      "distill_teacher_agreement": res.teacher_agreement,
                      "distill_loss_first": res.loss_first, "distill_loss_last": res.loss_last,
                      "distill_accepted": res.accepted, "distill_kl_before": res.kl_before,
@@ -236,11 +236,12 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                                for m, p in prep.items() if m != Method.BAYESQ_DISTILL]
                 print(f"[quantize] {name} seed {seed}: posterior {post['seconds']:.1f}s, "
                       f"table {tab['seconds']:.1f}s", flush=True)
+                kept = {}  # budget -> the unit bit-widths the bayesq row kept
                 for budget in params.budgets:
                     for method in params.methods:
                         # baselines read no BayesQ posterior or table (and are not keyed on them)
                         p_post, p_tab, p_key, p_quant = prep.get(method, (None, None, "", params.quant))
-                        given = (bayesq_unit_bits(prep, params, budget, seed)
+                        given = ((kept.get(budget) or bayesq_unit_bits(prep, params, budget, seed))
                                  if method == Method.GPTQ and params.baselines.select else None)
                         r = quantize_eval_task(name, method.value, budget, seed, str(model_file), mdig,
                                                str(src), sdig, params.data, p_quant, params.allocation,
@@ -251,6 +252,10 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                                                ood=method in rob.methods and budget in rob.budgets,
                                                export_dir=str(Path(out) / "exports"), lineage=lineage,
                                                allocation=given)
+                        unit_bits = r.get("unit_bits")
+                        r = {k: v for k, v in r.items() if k != "unit_bits"}
+                        if method == Method.BAYESQ:  # the allocation BayesQ kept: GPTQ's allocation variant
+                            kept[budget] = unit_bits
                         r = {**r, "preprocess_seconds": r["quantize_seconds"]}
                         corruption = mean_corruption_error(r["ood"], fp["ood"])
                         if corruption:

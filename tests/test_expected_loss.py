@@ -10,7 +10,9 @@ from bayesq.blocks import LayerBlocks
 from bayesq.codebook import LevelTables, UniformGrids, grid_cost, mulaw_levels
 from bayesq.config import Codebook, QuantConfig, Whitening
 from bayesq.curvature.kfac import KFACFactors
-from bayesq.expected_loss import apply_mc_proxy, layer_table, metric_weights, posterior_table, top_layers
+from bayesq.expected_loss import (
+    apply_mc_proxy, feedback_weights, layer_table, metric_weights, posterior_table, top_layers,
+)
 from bayesq.posterior import Posterior, input_moments
 
 F64 = torch.float64
@@ -275,3 +277,27 @@ def test_metric_weights_deployed_cost_terms():
     torch.testing.assert_close(data, h)
     torch.testing.assert_close(both, h + 2.5)
     assert metric_weights(post, "l", Whitening.POSTERIOR, objective=Objective.DRAWS) is None
+
+
+def test_feedback_weights_vs_loop_over_conv_groups():
+    gen = torch.Generator().manual_seed(16)
+    omega = torch.rand(6, 2, 3, 3, generator=gen, dtype=F64)  # conv (out, in/groups, kh, kw), 3 groups
+    gain = torch.rand(3, 18, generator=gen, dtype=F64)  # (groups, d_in)
+    got = feedback_weights(omega, gain).reshape(6, 18)
+    for o in range(6):
+        torch.testing.assert_close(got[o], omega.reshape(6, 18)[o] * gain[o // 2], rtol=0, atol=0)
+    torch.testing.assert_close(feedback_weights(omega, gain[0]).reshape(6, 18), omega.reshape(6, 18) * gain[0])
+    with pytest.raises(ValueError, match="does not fit a weight"):
+        feedback_weights(omega, torch.ones(4, 18, dtype=F64))
+
+
+def test_posterior_table_with_gains_is_the_table_of_the_scaled_metric():
+    mu, _ = _layer(17)
+    h = torch.rand(mu.shape, generator=torch.Generator().manual_seed(18), dtype=F64)
+    gain = torch.rand(mu.shape[1], generator=torch.Generator().manual_seed(19), dtype=F64)
+    post = Posterior({"l": mu}, {"l": 1 / (h + 1)}, 10, curvature={"l": h}, prior_precision={"l": 1.0})
+    lb = LayerBlocks("l", tuple(mu.shape), 32, 4)
+    cfg = QuantConfig(group_size=32, unit_groups=4, bits=(2, 3, 8))
+    got = posterior_table(post, [lb], cfg, progress=False, gains={"l": gain}).layers[0]
+    want = layer_table(lb, mu, None, cfg, h * gain)
+    torch.testing.assert_close(got.unit_loss, want.unit_loss, rtol=0, atol=0)

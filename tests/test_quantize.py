@@ -133,6 +133,11 @@ VARIANTS = {
                                      allocation=AllocationConfig(allocator="dp")),
     "rounding=error-feedback,kfac": dict(posterior=PosteriorConfig(curvature="kfac"),
                                          quant=QuantConfig(group_size=32, unit_groups=8, rounding="error-feedback")),
+    "feedback_table": dict(quant=QuantConfig(group_size=32, unit_groups=8, feedback_table=True)),
+    "feedback_table,kfac": dict(posterior=PosteriorConfig(curvature="kfac"),
+                                quant=QuantConfig(group_size=32, unit_groups=8, feedback_table=True)),
+    "cd_passes,minmax,no-refit": dict(quant=QuantConfig(group_size=32, unit_groups=8, cd_passes=2, min_range_ratio=1.0,
+                                                         refit=False, feedback_table=True)),
     "rounding=nearest": dict(quant=QuantConfig(group_size=32, unit_groups=8, rounding="nearest")),
     "proxy=mc-kl": dict(quant=QuantConfig(group_size=32, unit_groups=8, proxy="mc-kl", mc_examples=8,
                                           mc_top_fraction=0.5)),
@@ -243,7 +248,7 @@ def test_quantize_model_pca_needs_calibration_data_and_floor_beyond_candidates_i
     blocks = layer_blocks(quantizable_layers(model), 32, 8)
     with pytest.raises(ValueError, match="pass model= and calibration="):
         build_table(post, blocks, QuantConfig(group_size=32, unit_groups=8, whitening="pca"), progress=False)
-    table = build_table(post, blocks, BIG, progress=False)
+    table = build_table(post, blocks, BIG, progress=False, model=model, calibration=_calibration())
     with pytest.raises(ValueError, match="asks layer '7' for at least 16 bits but the candidates are \\[2, 3, 4, 8\\]"):
         allocate(table, 3.0, AllocationConfig(floors={"7": 16}))
 
@@ -266,3 +271,60 @@ def test_loss_reduction_curve_vs_hand_computed_greedy_sequence():
     # also u1 2->3 (9 of 12), 80% (32) also u0 3->4 (11 of 12)
     curve = loss_reduction_curve(table, 4.0, fractions=(0.2, 0.4, 0.6, 0.8, 1.0))
     assert curve == pytest.approx({0.2: 0.0, 0.4: 0.5, 0.6: 0.75, 0.8: 11 / 12, 1.0: 1.0})
+
+
+def test_grid_candidates_add_minmax_only_to_searched_error_feedback_grids():
+    from bayesq.quantize import grid_candidates
+
+    both = grid_candidates(QuantConfig())
+    assert list(both) == ["searched", "minmax"]
+    assert both["minmax"].min_range_ratio == 1.0 and not both["minmax"].refit and not both["minmax"].select_grids
+    assert list(grid_candidates(QuantConfig(rounding="nearest"))) == ["searched"]
+    assert list(grid_candidates(QuantConfig(min_range_ratio=1.0))) == ["minmax"]
+    assert list(grid_candidates(QuantConfig(select_grids=False))) == ["searched"]
+
+
+def test_encode_best_keeps_least_calibration_kl_vs_building_each_candidate():
+    from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.evaluation import mean_kl, reference_log_probs
+    from bayesq.quantize import (
+        allocate, build_table, ef_column_metric, encode, encode_best, fit_posterior, grid_candidates,
+        quantized_copy,
+    )
+
+    torch.manual_seed(0)
+    model, batches = _model(), _calibration()
+    q = QuantConfig(group_size=32, unit_groups=8)
+    post = fit_posterior(model, batches, BayesQConfig(quant=q), progress=False)
+    blocks = layer_blocks(quantizable_layers(model), 32, 8)
+    metric = ef_column_metric(post, q, model, batches)
+    weights = {n: m.weight for n, m in quantizable_layers(model).items()}
+    reference, kl, codes = reference_log_probs(model, batches), {}, {}
+    for name, cq in grid_candidates(q).items():
+        t = build_table(post, blocks, cq, model=model, calibration=batches, progress=False, column_metric=metric)
+        qw = encode(t, allocate(t, 3.0), weights, posterior=post, rounding=cq.rounding, column_metric=metric,
+                    act_order=cq.act_order, refit=cq.refit, cd_passes=cq.cd_passes)
+        kl[name], codes[name] = mean_kl(reference, quantized_copy(model, qw), batches), qw
+    table = build_table(post, blocks, q, model=model, calibration=batches, progress=False, column_metric=metric)
+    enc = encode_best(model, post, table, q, 3.0, calibration=batches, column_metric=metric)
+    assert dict(enc.calibration_kl) == pytest.approx(kl, rel=1e-12)
+    assert enc.name == min(kl, key=kl.get)
+    for name, qw in enc.weights.items():
+        assert torch.equal(qw.codes, codes[enc.name][name].codes)
+    res = quantize_model(model, batches, BayesQConfig(budget=3.0, quant=q, distill=DistillConfig(max_budget=0)),
+                         posterior=post, progress=False)
+    assert res.encoding == enc.name and dict(res.calibration_kl) == pytest.approx(kl, rel=1e-12)
+
+
+def test_encode_best_selection_without_calibration_names_the_fix():
+    from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.quantize import build_table, encode_best, fit_posterior
+
+    model, batches = _model(), _calibration()
+    q = QuantConfig(group_size=32, unit_groups=8)
+    post = fit_posterior(model, batches, BayesQConfig(quant=q), progress=False)
+    table = build_table(post, layer_blocks(quantizable_layers(model), 32, 8), q, model=model, calibration=batches,
+                        progress=False)
+    for empty in (None, []):
+        with pytest.raises(ValueError, match="pass calibration= batches, or set quant.select_grids: false"):
+            encode_best(model, post, table, q, 3.0, calibration=empty)

@@ -227,6 +227,7 @@ def test_layer_table_tasks_vs_whole_table(zoo_setup, one_thread):
     from bayesq.models.zoo import get_entry
     from flows.common import digest, read_params
     from flows.finetune import load_model
+    from bayesq.config import replace
     from flows.prepare import layer_table_task, posterior_task, table_task
 
     tmp = zoo_setup
@@ -235,17 +236,16 @@ def test_layer_table_tasks_vs_whole_table(zoo_setup, one_thread):
     mdig, sdig = digest(ckpt), digest(src)
     post = posterior_task.fn("tiny-cnn", str(ckpt), mdig, str(src), sdig, p.data, p.calibration, p.posterior, 17,
                              str(tmp / "post"), "c")
+    quant = replace(p.quant, feedback_table=False)  # a table that reads no calibration data
     whole = table_task.fn("tiny-cnn", str(ckpt), mdig, post["path"], post["sha256"], str(src), sdig, p.data,
-                          p.calibration, p.quant, 17, str(tmp / "tables"), "c")["table"]
+                          p.calibration, quant, 17, str(tmp / "tables"), "c")["table"]
     layers = list(quantizable_layers(load_model(get_entry("tiny-cnn"), ckpt)))
-    parts = [layer_table_task.fn("tiny-cnn", str(ckpt), mdig, post["path"], post["sha256"], name, p.quant, "c")
+    parts = [layer_table_task.fn("tiny-cnn", str(ckpt), mdig, post["path"], post["sha256"], name, quant, "c")
              for name in layers]
     assert [t.blocks.name for t in parts] == [t.blocks.name for t in whole.layers] == layers
     for a, b in zip(parts, whole.layers):
         assert a.bits == b.bits
         assert torch.equal(a.unit_loss, b.unit_loss) and torch.equal(a.unit_cost, b.unit_cost)
     with pytest.raises(ValueError, match="whole model's table"):
-        from bayesq.config import replace
-
         layer_table_task.fn("tiny-cnn", str(ckpt), mdig, post["path"], post["sha256"], layers[0],
                             replace(p.quant, whitening="pca"), "c")

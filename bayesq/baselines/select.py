@@ -26,14 +26,14 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bayesq.baselines.rtn import rtn_blocks
 from bayesq.blocks import LayerBlocks, layer_blocks
 from bayesq.config import Granularity, QuantConfig
+from bayesq.evaluation import mean_kl, reference_log_probs
 from bayesq.expected_loss import LossTable
-from bayesq.forward import Batch, logits
+from bayesq.forward import Batch
 from bayesq.quantize import Allocation, QuantizationResult
 from bayesq.storage import budget_bits, unit_cost_bits
 
@@ -212,43 +212,6 @@ def encoding_config(result: QuantizationResult, cfg: QuantConfig) -> QuantConfig
 
 
 # ---- calibration KL and the choice ----------------------------------------------------------------
-
-def _log_probs(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """(rows, C) float64 log-probabilities of ``model`` on ``batch`` (leading dims flattened)."""
-    z = logits(model, batch)
-    return F.log_softmax(z.reshape(-1, z.shape[-1]).double(), dim=-1)
-
-
-def _eval_log_probs(model: nn.Module, batches: Sequence[Batch]) -> list[torch.Tensor]:
-    """:func:`_log_probs` of every batch in eval mode without gradients (training flag restored)."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            return [_log_probs(model, b) for b in batches]
-    finally:
-        model.train(was_training)
-
-
-def reference_log_probs(model: nn.Module, batches: Iterable[Batch]) -> list[torch.Tensor]:
-    """Full-precision log-probabilities, one (rows, C) float64 tensor per batch."""
-    return _eval_log_probs(model, list(batches))
-
-
-def mean_kl(reference: Sequence[torch.Tensor], model: nn.Module, batches: Sequence[Batch]) -> float:
-    """Mean over examples of ``KL(p_ref || p_model) = sum_c p_ref (log p_ref - log p_model)``.
-
-    Args:
-        reference: :func:`reference_log_probs` on the same ``batches``.
-        model: the quantised model.
-        batches: the calibration batches (tensors or dicts of tensors), same order.
-    """
-    total, rows = 0.0, 0
-    for ref, logq in zip(reference, _eval_log_probs(model, batches), strict=True):
-        total += float((ref.exp() * (ref - logq)).sum())
-        rows += ref.shape[0]
-    return total / rows
-
 
 def select_best(
     candidates: Mapping[str, Callable[[], QuantizationResult]], model: nn.Module, batches: Iterable[Batch],
