@@ -24,7 +24,7 @@ Losses (``D = Q(w) - w``):
    (out, out) or its (out,) diagonal).  With row-major ``vec``, ``tr(G D A D^T) =
    vec(D)^T (G kron A) vec(D)``; it is computed through the two factors, never the Kronecker
    product.  When ``G kron A`` is the posterior precision (factors already scaled by
-   ``n_data / n_cal`` and damped), this is the whitened cost of DESIGN.md section 2.
+   ``n_data / n_cal`` and damped), this is the whitened cost of docs/method.md section 2.
 3. :func:`mc_logit_kl` -- ``sum_x KL(softmax(f(x; w)/T) || softmax(f(x; Q(w))/T))`` with only
    one layer's weight drawn (the rest of the model at its current weights).  This is the
    paper's logit-KL proxy with a per-draw teacher: the paper's plug-in teacher (softmax

@@ -25,7 +25,7 @@ Damping rules (paper, appendix "Damping schedules" and "Small calib stability"):
   fails) gets its damping multiplied by 3 until it is (:func:`spd_backoff`).
 
 The cost of a weight error d is the expected increase of the task loss, ``0.5 d^T Sigma^-1 d``
-(DESIGN.md section 2); with the diagonal that is ``0.5 sum_i d_i^2 / sigma_i^2``, with K-FAC
+(docs/method.md section 2); with the diagonal that is ``0.5 sum_i d_i^2 / sigma_i^2``, with K-FAC
 ``0.5 tr(G' D A' D^T)`` for the damped factors A', G'.
 """
 

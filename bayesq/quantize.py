@@ -331,7 +331,7 @@ def encode(
     ``rounding = error-feedback``: codes from :func:`error_feedback.error_feedback_groups` with
     ``column_metric[name]`` ((groups, d_in, d_in) or (d_in, d_in), SPD, already damped; GPTQ's
     input Hessian) as the column metric, or else the damped K-FAC input factor A of
-    ``posterior`` (DESIGN.md section 2: the sequential minimiser of ``tr(G D A D^T)`` for a
+    ``posterior`` (docs/method.md section 2: the sequential minimiser of ``tr(G D A D^T)`` for a
     fixed grid); ``act_order`` orders columns by decreasing metric diagonal; ``cd_passes``
     sweeps of exact coordinate descent in the same metric then polish the codes
     (:func:`error_feedback.coordinate_descent`); ``refit`` then

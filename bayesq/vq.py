@@ -4,7 +4,7 @@ The caller cuts weights into N vectors ``x_n`` of g (2, 4 or 8) consecutive weig
 codebook ``C`` (K, g), stored in fp16, serves them all; each vector stores a log2(K)-bit index,
 so the payload is ``log2(K) / g`` bits per weight plus ``K g 16`` codebook bits
 (``storage.vq_cost_bits``). With per-coordinate metric weights ``omega`` (precisions
-``1/sigma^2`` give the whitened cost of DESIGN.md section 2) the fitted distortion is
+``1/sigma^2`` give the whitened cost of docs/method.md section 2) the fitted distortion is
 
     D(C, a) = sum_n sum_d omega_nd (C_{a_n d} - x_nd)^2,
 

@@ -4,7 +4,7 @@ For each Linear/Conv2d layer (Conv2d on unfolded patches; grouped Conv2d per gro
 minimises the calibration layer-output error ``tr(D H D^T)``, ``H = (1/N) sum a a^T``
 (:mod:`bayesq.baselines.activations`), column by column with the OBS update of the not yet
 quantised columns. The solver is BayesQ's own :func:`bayesq.error_feedback.error_feedback_groups`
-(shared, as DESIGN.md section 2 allows), with GPTQ's choices:
+(shared, as docs/method.md section 2 allows), with GPTQ's choices:
 
 * dampening ``H + damp * mean(diag H) * I`` (``damp = 0.01``); dead inputs (``H_jj = 0``)
   get ``H_jj = 1`` first, as in the reference implementation;
