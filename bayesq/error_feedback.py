@@ -82,11 +82,14 @@ def _validate_order(order: torch.Tensor | None, d: int, device) -> torch.Tensor:
 
 
 def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
-    """Upper U with ``H^-1 = U^T U``; (in, in) float64. Raises ValueError if H is not SPD."""
+    """Upper U with ``H^-1 = U^T U``; H (..., in, in) float64, batched over leading dims.
+
+    Raises ValueError if some H is not SPD (naming the first failing batch index)."""
     L, info = torch.linalg.cholesky_ex(H)
-    if int(info) != 0:
+    if bool((info != 0).any()):
+        where = f" in group {int(torch.nonzero(info.reshape(-1))[0])}" if info.dim() else ""
         raise ValueError(
-            "H is not positive definite (Cholesky failed); add damping, e.g. "
+            f"H is not positive definite{where} (Cholesky failed); add damping, e.g. "
             "H + 0.01 * H.diagonal().mean() * I"
         )
     return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
@@ -96,6 +99,73 @@ def _quantize(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, m: torch.Tensor
     """Nearest level codes (int64) and dequantised values ``s * (code - z)``."""
     code = torch.clamp(torch.round(w / s + z), torch.zeros_like(m), m).to(torch.int64)
     return code, s * (code - z)
+
+
+def _check_metric(W: torch.Tensor, H: torch.Tensor, block_size: int) -> torch.Tensor:
+    """H as (groups, in, in) float64 on W's device, after the checks both solvers share."""
+    if W.dim() != 2 or not W.dtype.is_floating_point:
+        raise ValueError(f"W must be a 2-D float (out, in) tensor, got {W.dtype} {tuple(W.shape)}")
+    n_out, d = W.shape
+    Hg = H if H.dim() == 3 else H.unsqueeze(0)
+    if tuple(Hg.shape[1:]) != (d, d):
+        raise ValueError(f"H has shape {tuple(H.shape)}; expected ({d}, {d}) = (in, in) for W {tuple(W.shape)}")
+    if n_out % Hg.shape[0]:
+        raise ValueError(f"{n_out} output rows do not split into {Hg.shape[0]} groups")
+    if not (torch.isfinite(W).all() and torch.isfinite(Hg).all()):
+        raise ValueError("W or H has NaN/Inf entries")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size} must be a positive int")
+    Hg = Hg.to(W.device, torch.float64)
+    if ((Hg - Hg.transpose(1, 2)).abs().amax((1, 2)) > 1e-10 * Hg.abs().amax((1, 2)).clamp_min(1e-300)).any():
+        raise ValueError("H is not symmetric; pass 0.5 * (H + H.T)")
+    return Hg
+
+
+def _solver_order(H: torch.Tensor, act_order: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's column order and its permuted metric.
+
+    Args:
+        H: (groups, d, d) float64 metrics.
+        act_order: decreasing ``diag H[g]`` (stable), else natural order.
+
+    Returns:
+        perm (groups, d) int64 (``perm[g, k]``: the column quantised k-th) and
+        ``H[g][perm[g]][:, perm[g]]`` (groups, d, d).
+    """
+    G, d = H.shape[:2]
+    if act_order:
+        perm = torch.argsort(H.diagonal(dim1=1, dim2=2), dim=1, descending=True, stable=True)
+    else:
+        perm = torch.arange(d, device=H.device).expand(G, d)
+    Hp = torch.gather(torch.gather(H, 1, perm[:, :, None].expand(-1, -1, d)), 2, perm[:, None, :].expand(-1, d, -1))
+    return perm, Hp
+
+
+def _round_ordered(Wp: torch.Tensor, U: torch.Tensor, s: torch.Tensor, z: torch.Tensor, m: torch.Tensor,
+                   block_size: int) -> torch.Tensor:
+    """Error-feedback codes, batched over groups, columns already in quantisation order.
+
+    Args:
+        Wp: (groups, rows, in) float64 weights, overwritten with the updated weights.
+        U: (groups, in, in) upper factors of each group's permuted ``H^-1 = U^T U``.
+        s, z, m: (groups, rows, in) per-element scale, zero (float64) and maxq (int64).
+
+    Returns:
+        (groups, rows, in) int64 codes in the same (permuted) column order.
+    """
+    d = Wp.shape[-1]
+    codes = torch.empty(Wp.shape, dtype=torch.int64, device=Wp.device)
+    for i1 in range(0, d, block_size):
+        i2 = min(i1 + block_size, d)
+        W1, U1 = Wp[..., i1:i2], U[:, i1:i2, i1:i2]  # views: (G, rows, b), (G, b, b)
+        err = torch.zeros_like(W1)  # (G, rows, b) scaled errors
+        for j in range(i2 - i1):
+            c, q = _quantize(W1[..., j], s[..., i1 + j], z[..., i1 + j], m[..., i1 + j])
+            codes[..., i1 + j] = c
+            err[..., j] = (W1[..., j] - q) / U1[:, j, j, None]
+            W1[..., j:] -= err[..., j : j + 1] * U1[:, None, j, j:]
+        Wp[..., i2:] -= torch.bmm(err, U[:, i1:i2, i2:])
+    return codes
 
 
 def error_feedback_round(
@@ -129,35 +199,14 @@ def error_feedback_round(
         ValueError: bad shapes, non-finite values, H not symmetric positive definite (add
             damping), bad grid, block_size or order.
     """
-    if W.dim() != 2 or not W.dtype.is_floating_point:
-        raise ValueError(f"W must be a 2-D float (out, in) tensor, got {W.dtype} {tuple(W.shape)}")
-    n_out, d = W.shape
-    if tuple(H.shape) != (d, d):
-        raise ValueError(f"H has shape {tuple(H.shape)}; expected ({d}, {d}) = (in, in) for W {tuple(W.shape)}")
-    if not (torch.isfinite(W).all() and torch.isfinite(H).all()):
-        raise ValueError("W or H has NaN/Inf entries")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size={block_size} must be a positive int")
-    H = H.to(W.device, torch.float64)
-    if (H - H.T).abs().max() > 1e-10 * H.abs().max().clamp_min(1e-300):
-        raise ValueError("H is not symmetric; pass 0.5 * (H + H.T)")
+    if H.dim() != 2:
+        raise ValueError(f"H has shape {tuple(H.shape)}; expected (in, in) (several groups: error_feedback_groups)")
+    Hg = _check_metric(W, H, block_size)
     scale, zero, maxq = _validate_grid(W, scale, zero, maxq)
-    perm = _validate_order(order, d, W.device)
-
-    Wp = W.to(torch.float64)[:, perm].clone()  # (out, in) columns in quantisation order
-    s, z, m = scale[:, perm], zero[:, perm], maxq[:, perm]  # (out, in) each
-    U = _inverse_cholesky(H[perm][:, perm])  # (in, in) upper
-    codes = torch.empty(n_out, d, dtype=torch.int64, device=W.device)
-    for i1 in range(0, d, block_size):
-        i2 = min(i1 + block_size, d)
-        W1, U1 = Wp[:, i1:i2], U[i1:i2, i1:i2]  # views: (out, b), (b, b)
-        err = torch.zeros_like(W1)  # (out, b) scaled errors
-        for j in range(i2 - i1):
-            c, q = _quantize(W1[:, j], s[:, i1 + j], z[:, i1 + j], m[:, i1 + j])
-            codes[:, i1 + j] = c
-            err[:, j] = (W1[:, j] - q) / U1[j, j]
-            W1[:, j:] -= err[:, j : j + 1] * U1[j : j + 1, j:]
-        Wp[:, i2:] -= err @ U[i1:i2, i2:]
+    perm = _validate_order(order, W.shape[1], W.device)
+    U = _inverse_cholesky(Hg[0][perm][:, perm])  # (in, in) upper
+    s, z, m = (x[:, perm][None] for x in (scale, zero, maxq))  # (1, out, in) each
+    codes = _round_ordered(W.to(torch.float64)[:, perm][None].clone(), U[None], s, z, m, block_size)[0]
     out = torch.empty_like(codes)
     out[:, perm] = codes
     return out
@@ -173,7 +222,8 @@ def error_feedback_groups(
     act_order: bool = False,
     block_size: int = 128,
 ) -> torch.Tensor:
-    """:func:`error_feedback_round` with one column metric per block of rows (grouped Conv2d).
+    """:func:`error_feedback_round` with one column metric per block of rows (grouped Conv2d),
+    all groups solved together (one batched factorisation, one column loop).
 
     Args:
         W: (out, d_in) float weights; rows ``g*out/groups ... (g+1)*out/groups - 1`` belong to
@@ -184,21 +234,20 @@ def error_feedback_groups(
             (GPTQ's act-order heuristic: the most active inputs first).
 
     Returns:
-        (out, d_in) int64 codes.
+        (out, d_in) int64 codes, the same as :func:`error_feedback_round` per group.
     """
-    H = H if H.dim() == 3 else H.unsqueeze(0)  # (groups, d_in, d_in)
-    groups, n_out = H.shape[0], W.shape[0]
-    if n_out % groups:
-        raise ValueError(f"{n_out} output rows do not split into {groups} groups")
-    per = n_out // groups
-    shape = tuple(W.shape)
-    scale, zero, maxq = (torch.broadcast_to(torch.as_tensor(x), shape) for x in (scale, zero, maxq))
-    codes = torch.empty(shape, dtype=torch.int64, device=W.device)
-    for g in range(groups):
-        r = slice(g * per, (g + 1) * per)
-        order = torch.argsort(H[g].diagonal(), descending=True, stable=True) if act_order else None
-        codes[r] = error_feedback_round(W[r], H[g], scale[r], zero[r], maxq[r], block_size=block_size, order=order)
-    return codes
+    Hg = _check_metric(W, H, block_size)
+    groups, (n_out, d) = Hg.shape[0], W.shape
+    scale, zero, maxq = _validate_grid(W, scale, zero, maxq)
+    perm, Hp = _solver_order(Hg, act_order)
+    rows = perm[:, None, :].expand(groups, n_out // groups, d)  # (G, rows, d) column index per element
+
+    def permuted(x: torch.Tensor) -> torch.Tensor:
+        return torch.gather(x.reshape(groups, -1, d), 2, rows)
+
+    codes = _round_ordered(permuted(W.to(torch.float64)).clone(), _inverse_cholesky(Hp),
+                           permuted(scale), permuted(zero), permuted(maxq), block_size)
+    return torch.empty_like(codes).scatter_(2, rows, codes).reshape(n_out, d)
 
 
 def feedback_gain(H: torch.Tensor, act_order: bool = False) -> torch.Tensor:
@@ -220,13 +269,10 @@ def feedback_gain(H: torch.Tensor, act_order: bool = False) -> torch.Tensor:
         float64 gains shaped like ``diag H``: (groups, d) or (d,), in the original column order.
     """
     batched = H.dim() == 3
-    H = (H if batched else H.unsqueeze(0)).double()
-    out = torch.empty(H.shape[:2], dtype=torch.float64, device=H.device)
-    for g in range(H.shape[0]):
-        diag = H[g].diagonal()
-        perm = torch.argsort(diag, descending=True, stable=True) if act_order else torch.arange(H.shape[1])
-        U = _inverse_cholesky(H[g][perm][:, perm])
-        out[g, perm] = 1.0 / (U.diagonal() ** 2 * diag[perm])
+    perm, Hp = _solver_order((H if batched else H.unsqueeze(0)).double(), act_order)
+    U = _inverse_cholesky(Hp)  # (G, d, d)
+    r_perm = 1.0 / (U.diagonal(dim1=1, dim2=2) ** 2 * Hp.diagonal(dim1=1, dim2=2))  # r_j in solver order
+    out = torch.empty_like(r_perm).scatter_(1, perm, r_perm)
     return out if batched else out[0]
 
 

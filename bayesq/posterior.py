@@ -329,12 +329,21 @@ def forward_inputs(
     """One forward pass (eval mode, no grad) calling ``on_rows(name, rows)`` for every layer call.
 
     ``rows``: the layer's inputs as (N, groups, T, d_in) float64 (Conv2d: unfolded patches,
-    d_in = in/groups*kh*kw, as in K-FAC). The model's training flag is restored. Returns the
+    d_in = in/groups*kh*kw, as in K-FAC). Linear layers called on the same input tensor (an
+    attention block's q / k / v projections) get the same ``rows`` object, so ``on_rows`` can
+    reuse what it computed from it. The model's training flag is restored. Returns the
     number of inputs seen.
     """
+    last: list = [None, None]  # the last Linear input tensor seen and its rows
+
     def hook(name: str):
         def fn(mod, inputs, output):
-            on_rows(name, _input_rows(mod, inputs[0].detach(), output.shape))
+            if isinstance(mod, nn.Linear) and last[0] is inputs[0]:
+                rows = last[1]
+            else:
+                rows = _input_rows(mod, inputs[0].detach(), output.shape)
+                last[:] = (inputs[0], rows) if isinstance(mod, nn.Linear) else (None, None)
+            on_rows(name, rows)
         return fn
 
     handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
@@ -345,6 +354,7 @@ def forward_inputs(
             for batch in calibration:
                 logits(model, batch)
                 n += batch_size(batch)
+                last[:] = (None, None)
     finally:
         for h in handles:
             h.remove()

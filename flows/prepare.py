@@ -16,6 +16,7 @@ from prefect import task
 from bayesq.config import Curvature, Objective, Prior, Rounding, replace
 from flows.common import CACHE, code_version, digest
 from flows.finetune import load_model
+from flows.timings import plain_call
 
 # sources the preparation tasks do not run (a new file elsewhere is included by default)
 PREP_EXCLUDE = ("bayesq/export.py", "bayesq/qlayers.py", "bayesq/kernels", "flows/quantize.py", "flows/ablate.py",
@@ -186,31 +187,36 @@ def hawq_traces_task(name: str, model_file: str, model_digest: str, raw: str, ra
     return {"traces": traces, "seconds": time.perf_counter() - start}
 
 
-def _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code):
+def _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call=plain_call):
     """Posterior and table of the ``bayesq-ef`` row: K-FAC posterior, error-feedback rounding."""
     posterior = replace(params.posterior, curvature=Curvature.KFAC)
     quant = replace(params.quant, rounding=Rounding.ERROR_FEEDBACK)
-    post = posterior_task(name, str(model_file), mdig, str(src), sdig, params.data, params.calibration,
-                          posterior, seed, str(Path(out) / "posterior"), code, tag="kfac")
-    tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])), str(src), sdig,
-                     params.data, params.calibration, quant, seed, str(Path(out) / "tables"), code, tag="ef")
+    post = call(f"posterior (K-FAC) {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src), sdig,
+                params.data, params.calibration, posterior, seed, str(Path(out) / "posterior"), code, tag="kfac")
+    tab = call(f"table (bayesq-ef) {name} s{seed}", table_task, name, str(model_file), mdig, post["path"],
+               digest(Path(post["path"])), str(src), sdig, params.data, params.calibration, quant, seed,
+               str(Path(out) / "tables"), code, tag="ef")
     return post, tab, f"{digest(Path(post['path']))}:{quant}:{params.calibration}", quant
 
 
-def _paper_prep(params, name, model_file, mdig, src, sdig, seed, out, code):
+def _paper_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call=plain_call):
     """Posterior and table of the ``bayesq-paper`` row, the paper-literal configuration: the
     prior precision fixed at ``posterior.damping``, the ``draws`` objective, nearest rounding."""
     posterior = replace(params.posterior, prior=Prior.FIXED)
     quant = replace(params.quant, objective=Objective.DRAWS, rounding=Rounding.NEAREST)
-    post = posterior_task(name, str(model_file), mdig, str(src), sdig, params.data, params.calibration,
-                          posterior, seed, str(Path(out) / "posterior"), code, tag="paper")
-    tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])), str(src), sdig,
-                     params.data, params.calibration, quant, seed, str(Path(out) / "tables"), code, tag="paper")
+    post = call(f"posterior (fixed prior) {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src),
+                sdig, params.data, params.calibration, posterior, seed, str(Path(out) / "posterior"), code, tag="paper")
+    tab = call(f"table (bayesq-paper) {name} s{seed}", table_task, name, str(model_file), mdig, post["path"],
+               digest(Path(post["path"])), str(src), sdig, params.data, params.calibration, quant, seed,
+               str(Path(out) / "tables"), code, tag="paper")
     return post, tab, f"{digest(Path(post['path']))}:{quant}:{params.calibration}", quant
 
 
-def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str, seed: int, out: Path) -> tuple:
+def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str, seed: int, out: Path,
+            call=plain_call) -> tuple:
     """Cached posterior, table, K-FAC prep and HAWQ traces of one (model, seed).
+
+    ``call``: how each task is called (a :class:`flows.timings.TaskClock` records its time).
 
     Returns ``(post, tab, prep, hawq)``: ``prep`` maps each BayesQ method to its
     ``(posterior, table, table key, quant)``; ``hawq`` is None unless HAWQ is a method.
@@ -218,18 +224,19 @@ def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str
     from bayesq.config import Method
 
     code = prep_code()
-    post = posterior_task(name, str(model_file), mdig, str(src), sdig, params.data, params.calibration,
-                          params.posterior, seed, str(Path(out) / "posterior"), code)
-    tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])), str(src), sdig,
-                     params.data, params.calibration, params.quant, seed, str(Path(out) / "tables"), code)
+    post = call(f"posterior {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src), sdig,
+                params.data, params.calibration, params.posterior, seed, str(Path(out) / "posterior"), code)
+    tab = call(f"table {name} s{seed}", table_task, name, str(model_file), mdig, post["path"],
+               digest(Path(post["path"])), str(src), sdig, params.data, params.calibration, params.quant, seed,
+               str(Path(out) / "tables"), code)
     key = f"{digest(Path(post['path']))}:{params.quant}:{params.calibration}"
     prep = {Method.BAYESQ: (post, tab, key, params.quant), Method.BAYESQ_DISTILL: (post, tab, key, params.quant)}
     if Method.BAYESQ_EF in params.methods:
-        prep[Method.BAYESQ_EF] = _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code)
+        prep[Method.BAYESQ_EF] = _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call)
     if Method.BAYESQ_PAPER in params.methods:
-        prep[Method.BAYESQ_PAPER] = _paper_prep(params, name, model_file, mdig, src, sdig, seed, out, code)
+        prep[Method.BAYESQ_PAPER] = _paper_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call)
     hawq = None
     if Method.HAWQ in params.methods:
-        hawq = hawq_traces_task(name, str(model_file), mdig, str(src), sdig, params.data, params.calibration,
-                                params.baselines.hawq_probes, seed, code)
+        hawq = call(f"hawq traces {name} s{seed}", hawq_traces_task, name, str(model_file), mdig, str(src), sdig,
+                    params.data, params.calibration, params.baselines.hawq_probes, seed, code)
     return post, tab, prep, hawq

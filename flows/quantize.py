@@ -31,6 +31,7 @@ from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage
 from flows.prepare import calibration_batches, load_posterior, prep_code, prepare
 from flows.robustness import fp_eval_task, mean_corruption_error, tracked_metrics
+from flows.timings import TaskClock
 
 _RTN = {Method.RTN_TENSOR: Granularity.TENSOR, Method.RTN_CHANNEL: Granularity.CHANNEL,
         Method.RTN_GROUP: Granularity.GROUP}
@@ -216,7 +217,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
     params = read_params(params_path)
     code = code_version()
     lineage = export_lineage(params)
-    records, posteriors = [], []
+    records, posteriors, clock = [], [], TaskClock()
     with mlflow_parent("bayesq", f"quantize-{params.profile}", {"profile": params.profile}, params_path) as parent:
         for name in params.models:
             entry = get_entry(name)
@@ -225,13 +226,15 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
             sdig = digest(src)
             rob = params.robustness
             fp_args = (name, str(model_file), mdig, str(src), sdig, params.data, rob, params.seeds[0], prep_code())
-            fp = fp_eval_task(*fp_args, out=str(out))  # also writes the FP test logits the rows compare with
+            # also writes the FP test logits the rows compare with
+            fp = clock(f"FP evaluation {name}", fp_eval_task, *fp_args, out=str(out))
             if not Path(fp["logits_file"]).exists():  # cache hit but file gone
-                fp = fp_eval_task.with_options(refresh_cache=True)(*fp_args, out=str(out))
+                fp = clock(f"FP evaluation {name} (file gone)", fp_eval_task.with_options(refresh_cache=True),
+                           *fp_args, out=str(out))
             records.append(fp)
             print(f"[quantize] {name} FP: acc {fp['accuracy']:.4f}, ECE {fp['calibration']['ece']:.4f}", flush=True)
             for seed in params.seeds:
-                post, tab, prep, hawq = prepare(params, name, model_file, mdig, src, sdig, seed, out)
+                post, tab, prep, hawq = prepare(params, name, model_file, mdig, src, sdig, seed, out, clock)
                 posteriors += [posterior_record(name, seed, m.value, p[0])
                                for m, p in prep.items() if m != Method.BAYESQ_DISTILL]
                 print(f"[quantize] {name} seed {seed}: posterior {post['seconds']:.1f}s, "
@@ -243,15 +246,16 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                         p_post, p_tab, p_key, p_quant = prep.get(method, (None, None, "", params.quant))
                         given = ((kept.get(budget) or bayesq_unit_bits(prep, params, budget, seed))
                                  if method == Method.GPTQ and params.baselines.select else None)
-                        r = quantize_eval_task(name, method.value, budget, seed, str(model_file), mdig,
-                                               str(src), sdig, params.data, p_quant, params.allocation,
-                                               p_tab and p_tab["table"], p_key, p_post and p_post["path"], code,
-                                               calibration=params.calibration, baselines=params.baselines,
-                                               traces=hawq["traces"] if method == Method.HAWQ else None,
-                                               distill=params.distill, robustness=rob,
-                                               ood=method in rob.methods and budget in rob.budgets,
-                                               export_dir=str(Path(out) / "exports"), lineage=lineage,
-                                               allocation=given)
+                        r = clock(f"{method.value} {name} b{budget} s{seed}", quantize_eval_task,
+                                  name, method.value, budget, seed, str(model_file), mdig,
+                                  str(src), sdig, params.data, p_quant, params.allocation,
+                                  p_tab and p_tab["table"], p_key, p_post and p_post["path"], code,
+                                  calibration=params.calibration, baselines=params.baselines,
+                                  traces=hawq["traces"] if method == Method.HAWQ else None,
+                                  distill=params.distill, robustness=rob,
+                                  ood=method in rob.methods and budget in rob.budgets,
+                                  export_dir=str(Path(out) / "exports"), lineage=lineage,
+                                  allocation=given)
                         unit_bits = r.get("unit_bits")
                         r = {k: v for k, v in r.items() if k != "unit_bits"}
                         if method == Method.BAYESQ:  # the allocation BayesQ kept: GPTQ's allocation variant
@@ -288,6 +292,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                         records.append(r)
     write_json(Path(out) / "results.json", records)
     write_json(Path(out) / "posteriors.json", posteriors)
+    write_json(Path(out) / "timings.json", clock.records)
     return records
 
 

@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from flows.common import read_json, write_json
+from flows.timings import timings_markdown
 
 METHOD_LABEL = {"bayesq": "BayesQ", "bayesq-distill": "BayesQ + distillation", "bayesq-ef": "BayesQ (K-FAC)",
                 "bayesq-paper": "BayesQ (paper-literal)",
@@ -349,6 +350,9 @@ def report(results: Path, models: Path, out: Path) -> None:
     (out / "exports.md").write_text(export_table(records))
     posteriors = Path(results).parent / "posteriors.json"
     (out / "posterior.md").write_text(posterior_table(read_json(posteriors) if posteriors.exists() else []))
+    timings = Path(results).parent / "timings.json"
+    (out / "timings.md").write_text(timings_markdown(read_json(timings)) if timings.exists() else
+                                    "# Quantize stage: wall time per task\n\nNo `timings.json` next to the results.\n")
     for model, methods in summary.items():
         frontier_plot(model, methods, fp[model]["fp_accuracy"], out / f"frontier_{model}.png")
     robustness_report(everything, out)

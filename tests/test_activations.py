@@ -55,6 +55,35 @@ def test_input_stats_linear_tokens_vs_explicit_sums():
     assert torch.equal(st.row_diag(3), st.H[0].diagonal().expand(3, -1))
 
 
+class _QKV(nn.Module):
+    """Three projections of one input (an attention block's q / k / v), then one of their sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(5, 5) for _ in range(4))
+
+    def forward(self, x):
+        return self.o(self.q(x) + self.k(x) + self.v(x))
+
+
+def test_input_stats_shared_input_computed_once_vs_explicit_sums(monkeypatch):
+    torch.manual_seed(3)
+    model = _QKV().double()
+    batches = _batches((4, 7, 5), 2)
+    calls = []
+    einsum = torch.einsum
+    monkeypatch.setattr(torch, "einsum", lambda *a: calls.append(a[0]) or einsum(*a))
+    st = input_stats(model, batches, {n: getattr(model, n) for n in "qkvo"})
+    assert len(calls) == 2 * len(batches)  # one for q / k / v, one for o, per batch
+    X = torch.cat([b.reshape(-1, 5) for b in batches])
+    with torch.no_grad():
+        Y = torch.cat([(model.q(b) + model.k(b) + model.v(b)).reshape(-1, 5) for b in batches])
+    for name in "qkv":
+        torch.testing.assert_close(st[name].H[0], X.T @ X / 8, rtol=1e-12, atol=0)
+        torch.testing.assert_close(st[name].abs_mean[0], X.abs().mean(0), rtol=1e-12, atol=0)
+    torch.testing.assert_close(st["o"].H[0], Y.T @ Y / 8, rtol=1e-12, atol=0)
+
+
 def test_input_stats_empty_or_unused_layer_raises():
     lin = nn.Linear(3, 2)
     with pytest.raises(ValueError, match="empty calibration"):

@@ -166,6 +166,41 @@ def test_error_feedback_bad_input_raises():
 
 
 @pytest.mark.parametrize("act_order", [False, True])
+def test_error_feedback_groups_vs_loop_over_groups(act_order):
+    """All groups solved at once give each group's codes of the one-group solver, and those match
+    the exact least-squares reference (the groups' act-orders differ)."""
+    gen = torch.Generator().manual_seed(8)
+    groups, per, d = 5, 3, 6
+    W = torch.randn(groups * per, d, generator=gen, dtype=torch.float64)
+    H = torch.stack([_correlated_H(d, gen) for _ in range(groups)])
+    scale, zero, maxq = _grid(W, 2)
+    got = error_feedback_groups(W, H, scale, zero, maxq, act_order=act_order, block_size=4)
+    orders = [torch.argsort(H[g].diagonal(), descending=True, stable=True) if act_order else None
+              for g in range(groups)]
+    assert len({tuple(o.tolist()) for o in orders}) > 1 if act_order else True
+    for g in range(groups):
+        r = slice(g * per, (g + 1) * per)
+        one = error_feedback_round(W[r], H[g], scale[r], zero[r], maxq[r], order=orders[g])
+        assert torch.equal(got[r], one)
+        assert torch.equal(got[r], _reference(W[r], H[g], scale[r], zero[r], maxq[r], orders[g]))
+    assert torch.equal(error_feedback_groups(W[:per], H[0], scale[:per], zero[:per], maxq[:per], act_order=act_order),
+                       got[:per])
+
+
+def test_error_feedback_groups_bad_input_raises():
+    W = torch.randn(6, 4, dtype=torch.float64)
+    scale, zero, maxq = _grid(W, 2)
+    H = torch.eye(4, dtype=torch.float64).repeat(3, 1, 1)
+    H[2, 1, 1] = -1.0
+    with pytest.raises(ValueError, match="not positive definite in group 2.*damping"):
+        error_feedback_groups(W, H, scale, zero, maxq)
+    with pytest.raises(ValueError, match="6 output rows do not split into 4 groups"):
+        error_feedback_groups(W, torch.eye(4, dtype=torch.float64).repeat(4, 1, 1), scale, zero, maxq)
+    with pytest.raises(ValueError, match="expected \\(4, 4\\)"):
+        error_feedback_groups(W, torch.eye(5, dtype=torch.float64).repeat(3, 1, 1), scale, zero, maxq)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
 def test_feedback_gain_vs_schur_complement(act_order):
     gen = torch.Generator().manual_seed(3)
     H = torch.stack([_correlated_H(7, gen) for _ in range(2)])  # (groups, d, d)

@@ -60,6 +60,22 @@ def test_fisher_diagonal_vs_per_example_autograd_tokens():
         torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-12)
 
 
+def test_fisher_diagonal_float32_model_vs_float64():
+    """A float32 model squares and sums each batch in float32 (accumulating in float64): the
+    diagonal matches the float64 model's to float32 accuracy, and comes back in float64."""
+    torch.manual_seed(2)
+    model = _cnn().eval()
+    layers = quantizable_layers(model)
+    batches = [torch.randn(32, 2, 6, 6, dtype=torch.float64) for _ in range(2)]
+    ref, _ = fisher_diagonal(model, batches, layers, seed=4, progress=False)
+    model32 = model.float()
+    got, _ = fisher_diagonal(model32, [b.float() for b in batches], quantizable_layers(model32), seed=4,
+                             progress=False)
+    for name in layers:
+        assert got[name].dtype == torch.float64
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-9 * float(ref[name].max()))
+
+
 def test_fisher_diagonal_empty_calibration_raises():
     model = _cnn()
     with pytest.raises(ValueError, match="empty calibration set"):

@@ -28,13 +28,19 @@ def test_dvc_lock_tags_stage_hashes_and_out_md5(tmp_path):
     assert dvc_lock_tags(tmp_path / "missing.lock") == {}
 
 
-def test_run_tags_params_digest(tmp_path):
+def test_run_tags_params_digest_and_git_state(tmp_path, monkeypatch):
+    import flows.lineage as lineage
     from flows.common import digest
 
     p = tmp_path / "params.yaml"
     p.write_text("seeds: [1]\n")
-    tags = run_tags(p)
-    assert tags["params_sha256"] == digest(p) and tags["git_dirty"] in ("true", "false")
+    for dirty in (True, False):
+        monkeypatch.setattr(lineage, "git_commit", lambda root=None: "c0ffee")
+        monkeypatch.setattr(lineage, "git_dirty", lambda root=None, d=dirty: d)
+        tags = run_tags(p)
+        assert tags["params_sha256"] == digest(p) and tags["git_commit"] == "c0ffee"
+        assert tags["git_dirty"] == str(dirty).lower()
+    assert "params_sha256" not in run_tags(tmp_path / "missing.yaml")
 
 
 def test_git_commit_and_dirty_in_a_repository(tmp_path):

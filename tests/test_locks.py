@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from flows.locks import ProcessLockManager, process_alive
@@ -48,14 +47,21 @@ def test_lock_of_a_dead_process_is_stale(tmp_path):
 def test_lock_waiter_gets_it_after_release(tmp_path):
     m = ProcessLockManager(tmp_path)
     assert m.acquire_lock("k", "a")
+    waiting, wait_for_lock = threading.Event(), m.wait_for_lock
+
+    def wait(key, timeout=None):  # the waiter found the lock taken and waits on it
+        waiting.set()
+        return wait_for_lock(key, timeout)
+
+    m.wait_for_lock = wait
     got = []
-    waiter = threading.Thread(target=lambda: got.append((m.acquire_lock("k", "b", acquire_timeout=10), time.time())))
+    waiter = threading.Thread(target=lambda: got.append(m.acquire_lock("k", "b", acquire_timeout=60)))
     waiter.start()
-    time.sleep(0.5)
-    released = time.time()
+    assert waiting.wait(60)
+    assert not got and m.is_lock_holder("k", "a")  # still held by a: the waiter has nothing yet
     m.release_lock("k", "a")
-    waiter.join()
-    assert got[0][0] and got[0][1] >= released and m.is_lock_holder("k", "b")
+    waiter.join(60)
+    assert got == [True] and m.is_lock_holder("k", "b")
 
 
 def test_lock_exclusive_between_processes(tmp_path):

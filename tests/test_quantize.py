@@ -169,7 +169,8 @@ def _recount_bits(weights, quant: QuantConfig) -> int:
             elif quant.codebook == Codebook.MULAW:
                 total += n * b + g * 16
             else:
-                assert isinstance(book, LevelTables) and len(set(book.row[:0].tolist())) == 0
+                k = int((qw.group_bits[:s] == b).sum())  # the unit's first row among the width-b groups
+                assert isinstance(book, LevelTables) and len(set(book.row[k:k + g].tolist())) == 1  # one LUT per unit
                 total += n * b + 2**b * 16
             total += header
     return total

@@ -58,10 +58,15 @@ def input_stats(
         ValueError: empty calibration set.
     """
     sums: dict[str, list] = {}
+    last: list = [None, None, None]  # rows, h, abs sum: q / k / v read the same rows object
 
     def add(name: str, rows: torch.Tensor) -> None:  # rows (N, groups, T, d_in)
-        h = torch.einsum("ngti,ngtj->gij", rows, rows)  # (groups, d_in, d_in)
-        a = rows.abs().sum((0, 2))  # (groups, d_in)
+        if last[0] is rows:
+            h, a = last[1], last[2]
+        else:
+            h = torch.einsum("ngti,ngtj->gij", rows, rows)  # (groups, d_in, d_in)
+            a = rows.abs().sum((0, 2))  # (groups, d_in)
+            last[:] = rows, h, a
         t = rows.shape[0] * rows.shape[2]
         old = sums.get(name)
         sums[name] = [h, a, t] if old is None else [old[0] + h, old[1] + a, old[2] + t]

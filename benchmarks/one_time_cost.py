@@ -1,0 +1,124 @@
+"""BayesQ's one-time cost against GPTQ's, side by side in one process, per embedded model.
+
+BayesQ (the library default, distillation off): posterior fit + error-feedback metric + loss
+table + :func:`bayesq.quantize.encode_best` (its second table, both allocations, both
+encodings, the calibration KL that picks one). GPTQ as the pipeline's ``gptq`` row runs it:
+layer-input statistics + :func:`bayesq.baselines.gptq.gptq_select` (every variant, BayesQ's
+allocation among them, the calibration KL that picks one). Same fine-tuned model, same
+calibration inputs, same budget, one thread each after the other.
+
+    python benchmarks/one_time_cost.py [--models lite0-fmnist,minilm-sentiment] [--budget 3.0] [--seed 17]
+                                       [--threads 1] [--profile N]
+
+Prints each stage's wall seconds, each model's two totals and their ratio, and last
+``max ratio: X`` (the larger ratio). ``--profile N`` also prints the N functions with the most
+cumulative time inside BayesQ (cProfile). Needs ``models/`` and ``data/raw`` from ``make run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def _timed(stages: dict, name: str):
+    start = time.perf_counter()
+    yield
+    stages[name] = time.perf_counter() - start
+
+
+def _load(model_name: str, seed: int, params_path: Path):
+    from bayesq.models.zoo import get_entry
+    from flows.common import read_params
+    from flows.finetune import load_model, raw_path
+    from flows.prepare import calibration_batches
+
+    params = read_params(params_path)
+    entry = get_entry(model_name)
+    model = load_model(entry, Path("models") / model_name / "model.safetensors")
+    splits = entry.load_splits(params.data, raw_path(entry, Path("data/raw")))
+    _, batches = calibration_batches(entry, splits, params.data, params.calibration, seed)
+    return params, model, batches
+
+
+def bayesq_stages(model, calibration, params, budget: float, seed: int) -> tuple[dict, object]:
+    """Wall seconds of each BayesQ stage; the kept :class:`~bayesq.quantize.Encoding`."""
+    from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.quantize import build_table, ef_column_metric, encode_best, fit_posterior
+    from bayesq.config import BayesQConfig, DistillConfig
+
+    cfg = BayesQConfig(budget=budget, posterior=params.posterior, quant=params.quant,
+                       allocation=params.allocation, distill=DistillConfig(max_budget=0), seed=seed)
+    q, stages = cfg.quant, {}
+    blocks = layer_blocks(quantizable_layers(model), q.group_size, q.unit_groups, q.unit.value)
+    with _timed(stages, "posterior"):
+        post = fit_posterior(model, calibration, cfg, progress=False)
+    with _timed(stages, "ef metric"):
+        metric = ef_column_metric(post, q, model, calibration)
+    with _timed(stages, "table"):
+        table = build_table(post, blocks, q, seed=seed, model=model, calibration=calibration, progress=False,
+                            column_metric=metric)
+    with _timed(stages, "allocate+encode+select"):
+        enc = encode_best(model, post, table, q, budget, cfg.allocation, seed=seed, calibration=calibration,
+                          column_metric=metric)
+    return stages, enc
+
+
+def gptq_stages(model, calibration, params, budget: float, allocation) -> tuple[dict, object]:
+    """Wall seconds of GPTQ's statistics and its calibration-selected solve; the choice."""
+    from bayesq.baselines.activations import input_stats
+    from bayesq.baselines.gptq import gptq_select
+    from bayesq.blocks import quantizable_layers
+
+    stages = {}
+    with _timed(stages, "input stats"):
+        stats = input_stats(model, calibration, quantizable_layers(model))
+    with _timed(stages, "solve+select"):
+        choice = gptq_select(model, stats, calibration, budget, params.quant,
+                             group_sizes=params.baselines.group_sizes, allocation=allocation,
+                             act_order=params.baselines.gptq_act_order, damp=params.baselines.gptq_damp)
+    return stages, choice
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="lite0-fmnist,minilm-sentiment")
+    ap.add_argument("--budget", type=float, default=3.0)
+    ap.add_argument("--seed", type=int, default=17)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--params", type=Path, default=Path("params.yaml"))
+    ap.add_argument("--profile", type=int, default=0, help="print the N top cumulative functions of BayesQ")
+    a = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(a.threads)
+    ratios = {}
+    for name in a.models.split(","):
+        params, model, calibration = _load(name, a.seed, a.params)
+        prof = cProfile.Profile() if a.profile else None
+        if prof:
+            prof.enable()
+        b_stages, enc = bayesq_stages(model, calibration, params, a.budget, a.seed)
+        if prof:
+            prof.disable()
+        allocation = {k: list(v) for k, v in enc.allocation.unit_bits.items()}
+        g_stages, choice = gptq_stages(model, calibration, params, a.budget, allocation)
+        b, g = sum(b_stages.values()), sum(g_stages.values())
+        ratios[name] = b / g
+        fmt = lambda s: ", ".join(f"{k} {v:.1f}" for k, v in s.items())  # noqa: E731
+        print(f"{name} at {a.budget} bits, seed {a.seed}, {a.threads} thread(s):")
+        print(f"  BayesQ {b:.1f} s ({fmt(b_stages)}; kept {enc.name})")
+        print(f"  GPTQ   {g:.1f} s ({fmt(g_stages)}; kept {choice.variant})")
+        print(f"  ratio  {b / g:.2f}", flush=True)
+        if prof:
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(a.profile)
+    print(f"max ratio: {max(ratios.values()):.2f}")
+
+
+if __name__ == "__main__":
+    main()
