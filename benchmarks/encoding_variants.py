@@ -5,7 +5,9 @@ the min/max grids (``--allocate-on``: each encoding on its own grids' table, or 
 one), and GPTQ's encoding on each allocation used, so each difference to GPTQ comes from the
 encoding alone. Each row also prints its KL on the calibration inputs (what a selection may use).
 Encodings: the grids (``searched`` clipping or ``minmax``), then error-feedback rounding, optionally
-coordinate-descent sweeps (``+cd``: two, ``+cdN``: N) and the scale refit (``+refit``). ``minmax`` grids
+coordinate-descent sweeps (``+cd``: two, ``+cdN``: N), the scale refit (``+refit``) and the
+relative dampening of the rounding metric (``+dampX``, e.g. ``+damp0.001``; default 0.01, GPTQ's;
+the tables and allocations keep the default). ``minmax`` grids
 without refit are GPTQ's encoding (the script checks this against
 :func:`bayesq.baselines.gptq.gptq_allocation_quantize`).
 
@@ -34,7 +36,8 @@ def main() -> None:
     args, sys.argv[1:] = extra.parse_known_args(sys.argv[1:])
     only = args.only.split(",")
     known = {"refit", "cd"} | {f"cd{n}" for n in range(1, 100)}
-    bad = [v for v in only if v.split("+")[0] not in ("searched", "minmax") or set(v.split("+")[1:]) - known]
+    bad = [v for v in only if v.split("+")[0] not in ("searched", "minmax")
+           or {x for x in v.split("+")[1:] if not x.startswith("damp")} - known]
     if bad:
         raise SystemExit(f"--only: unknown encodings {bad}; e.g. {','.join(VARIANTS)} (cdN: N sweeps)")
     c = case(__doc__.splitlines()[0])
@@ -79,8 +82,10 @@ def main() -> None:
 
     for name in only:
         grids, *steps = name.split("+")
+        damp = next((float(x[4:]) for x in steps if x.startswith("damp")), None)
+        used = metric if damp is None else ef_column_metric(post, q, c.model, c.calibration, damp=damp)
         qw = encode(tables[grids], allocations[allocation_of(grids)], weights, posterior=post, rounding=q.rounding,
-                    column_metric=metric, act_order=q.act_order, refit="refit" in steps, scale_bits=q.scale_bits,
+                    column_metric=used, act_order=q.act_order, refit="refit" in steps, scale_bits=q.scale_bits,
                     cd_passes=next((int(x[2:] or 2) for x in steps if x.startswith("cd")), 0))
         score(name, quantized_copy(c.model, qw))
     stats = input_stats(c.model, c.calibration, layers)
