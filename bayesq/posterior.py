@@ -38,6 +38,7 @@ from typing import Callable, Iterable
 import torch
 from scipy.optimize import brentq
 from torch import nn
+from tqdm.auto import tqdm
 
 from bayesq.config import Curvature, PosteriorConfig, Prior
 from bayesq.curvature.kfac import KFACFactors, _input_rows, damped, kfac_diagonal, kfac_factors
@@ -324,9 +325,10 @@ def fit_posterior(
 
 def forward_inputs(
     model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module],
-    on_rows: Callable[[str, torch.Tensor], None],
+    on_rows: Callable[[str, torch.Tensor], None], *, progress: bool = False, desc: str = "layer inputs",
 ) -> int:
-    """One forward pass (eval mode, no grad) calling ``on_rows(name, rows)`` for every layer call.
+    """One forward pass (eval mode, no grad) calling ``on_rows(name, rows)`` for every layer call
+    (``progress``: a bar over the batches, labelled ``desc``).
 
     ``rows``: the layer's inputs as (N, groups, T, d_in) float64 (Conv2d: unfolded patches,
     d_in = in/groups*kh*kw, as in K-FAC). Linear layers called on the same input tensor (an
@@ -351,7 +353,7 @@ def forward_inputs(
     model.eval()
     try:
         with torch.no_grad():
-            for batch in calibration:
+            for batch in tqdm(calibration, desc=desc, disable=not progress, leave=False):
                 logits(model, batch)
                 n += batch_size(batch)
                 last[:] = (None, None)

@@ -14,6 +14,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from bayesq.allocation import (
     dp_allocate, greedy_allocate, hw_greedy_allocate, lagrangian_allocate, random_allocate,
@@ -276,7 +277,7 @@ def _refit_books(lb: LayerBlocks, W: torch.Tensor, codes: torch.Tensor, zero: to
 
 def ef_column_metric(
     posterior: Posterior, q: QuantConfig, model: nn.Module | None = None,
-    calibration: Iterable[Batch] | None = None, damp: float = 0.01,
+    calibration: Iterable[Batch] | None = None, damp: float = 0.01, progress: bool = False,
 ) -> dict[str, torch.Tensor] | None:
     """Column metric of error-feedback rounding, or None (nearest rounding; or ``encode`` uses
     the K-FAC posterior's damped input factor A').
@@ -300,7 +301,8 @@ def ef_column_metric(
         raise ValueError("error-feedback rounding with a diagonal posterior needs the model and calibration "
                          "batches (its column metric is the layers' input second moment)")
     layers = {name: model.get_submodule(name) for name in posterior.mean}
-    return {name: damped_metric(s.H, damp) for name, s in input_stats(model, calibration, layers).items()}
+    stats = input_stats(model, calibration, layers, progress=progress)
+    return {name: damped_metric(s.H, damp) for name, s in stats.items()}
 
 
 def feedback_gains(
@@ -324,7 +326,7 @@ def encode(
     table: LossTable, allocation: Allocation, weights: dict[str, torch.Tensor], *,
     posterior: Posterior | None = None, rounding: Rounding = Rounding.NEAREST,
     column_metric: Mapping[str, torch.Tensor] | None = None, act_order: bool = False,
-    refit: bool = False, scale_bits: int = 16, cd_passes: int = 0,
+    refit: bool = False, scale_bits: int = 16, cd_passes: int = 0, progress: bool = False,
 ) -> dict[str, QuantizedWeight]:
     """Quantise each layer with the codebooks of its units' chosen bit-widths.
 
@@ -336,10 +338,10 @@ def encode(
     sweeps of exact coordinate descent in the same metric then polish the codes
     (:func:`error_feedback.coordinate_descent`); ``refit`` then
     refits the groups' scales to the codes in the same metric (:func:`bayesq.refit.refit_scales`,
-    stored at ``scale_bits``). Otherwise codes are the nearest levels.
+    stored at ``scale_bits``). Otherwise codes are the nearest levels. ``progress``: a bar over layers.
     """
     out = {}
-    for t in table.layers:
+    for t in tqdm(table.layers, desc=f"encode ({Rounding(rounding).value})", disable=not progress, leave=False):
         lb = t.blocks
         w = weights[lb.name].detach().double()
         groups, _ = lb.to_groups(w.reshape(-1))
@@ -424,7 +426,7 @@ def encode_best(
         raise ValueError("quant.select_grids scores each candidate's KL on the calibration inputs, but none were "
                          "given: pass calibration= batches, or set quant.select_grids: false")
     if column_metric is None:
-        column_metric = ef_column_metric(posterior, q, model, calibration)
+        column_metric = ef_column_metric(posterior, q, model, calibration, progress=progress)
     blocks = [t.blocks for t in table.layers]
     best, best_kl, kls = None, float("inf"), {}
     reference = reference_log_probs(model, calibration) if len(cands) > 1 else None
@@ -433,7 +435,8 @@ def encode_best(
                                               progress=progress, column_metric=column_metric)
         allocation = allocate(t, budget, allocation_cfg, seed)
         qw = encode(t, allocation, weights, posterior=posterior, rounding=cq.rounding, column_metric=column_metric,
-                    act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits, cd_passes=cq.cd_passes)
+                    act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits, cd_passes=cq.cd_passes,
+                    progress=progress)
         if reference is not None:
             kls[name] = mean_kl(reference, quantized_copy(model, qw), calibration)
         score = kls.get(name, 0.0)
@@ -544,7 +547,7 @@ def quantize_model(
     if posterior is None:
         posterior = _fit_posterior(model, calibration, layers, config.posterior, seed=config.seed,
                                    progress=progress)
-    metric = ef_column_metric(posterior, q, model, calibration)
+    metric = ef_column_metric(posterior, q, model, calibration, progress=progress)
     table = build_table(posterior, blocks, q, seed=config.seed, model=model, calibration=calibration,
                         progress=progress, column_metric=metric)
     enc = encode_best(model, posterior, table, q, config.budget, config.allocation, seed=config.seed,

@@ -55,7 +55,9 @@ def quantize(
     models: Path = typer.Option(ROOT / "models", help="folder of fine-tuned models (<name>/model.safetensors)"),
     raw: Path = typer.Option(ROOT / "data" / "raw", help="raw data folder (calibration inputs)"),
     seed: Optional[int] = typer.Option(None, help="calibration seed (default: the first of params.yaml)"),
-    distill: bool = typer.Option(True, help="distil scales at budgets up to distill.max_budget"),
+    distill: bool = typer.Option(False, help="distil scales at budgets up to distill.max_budget, kept only if the "
+                                             "held-out KL drops (off by default: like the pipeline's bayesq row; "
+                                             "on the embedded models the check rejected it at every budget)"),
 ) -> None:
     """Quantise one model with BayesQ and write its export, without DVC or Prefect."""
     from bayesq.config import BayesQConfig, replace

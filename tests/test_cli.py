@@ -66,6 +66,20 @@ def test_cli_quantize_writes_export_and_lineage_reads_it(tiny_models, one_thread
     assert res.exit_code == 1 and "MISMATCH" in res.output
 
 
+def test_cli_quantize_distils_only_when_asked(tiny_models, one_thread):
+    from bayesq.export import read_export
+
+    params, out = _params(tiny_models), tiny_models / "tiny3.safetensors"
+    common = ["--budget", "3.0", "--out", str(out), "--params", str(params), "--models", str(tiny_models / "models"),
+              "--raw", str(tiny_models)]
+    res = runner.invoke(app, ["quantize", "tiny-cnn", *common])
+    assert res.exit_code == 0, res.output
+    assert read_export(out).user["method"] == "bayesq"  # the default: the pipeline's bayesq row
+    res = runner.invoke(app, ["quantize", "tiny-cnn", *common, "--distill"])
+    assert res.exit_code == 0, res.output
+    assert read_export(out).user["method"] == "bayesq-distill"
+
+
 def test_cli_quantize_errors_are_clear(tiny_models):
     params = _params(tiny_models)
     common = ["--params", str(params), "--raw", str(tiny_models), "--out", str(tiny_models / "x.safetensors")]

@@ -50,9 +50,10 @@ class InputStats:
 
 
 def input_stats(
-    model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module]
+    model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module], *, progress: bool = False,
 ) -> dict[str, InputStats]:
-    """:class:`InputStats` of every layer in ``layers`` from one forward pass (eval mode, no grad).
+    """:class:`InputStats` of every layer in ``layers`` from one forward pass (eval mode, no grad;
+    ``progress``: a bar over the batches).
 
     Raises:
         ValueError: empty calibration set.
@@ -71,7 +72,7 @@ def input_stats(
         old = sums.get(name)
         sums[name] = [h, a, t] if old is None else [old[0] + h, old[1] + a, old[2] + t]
 
-    n = forward_inputs(model, calibration, layers, add)
+    n = forward_inputs(model, calibration, layers, add, progress=progress, desc="layer-input statistics")
     if n == 0:
         raise ValueError("empty calibration set: GPTQ / AWQ need at least one calibration batch")
     missing = [k for k in layers if k not in sums]
