@@ -211,6 +211,7 @@ class QuantConfig:
     feedback_table: bool = True
     cd_passes: int = 2
     select_grids: bool = True
+    bias_correction: bool = True
     proxy: Proxy = Proxy.CLOSED
     mc_samples: int = 8
     mc_top_fraction: float = 0.1
@@ -264,7 +265,7 @@ class QuantConfig:
             _fail(s, "min_range_ratio", self.min_range_ratio, "must be in (0, 1]")
         if isinstance(self.cd_passes, bool) or not isinstance(self.cd_passes, int) or self.cd_passes < 0:
             _fail(s, "cd_passes", self.cd_passes, "must be an integer >= 0 (0: error-feedback codes as they are)")
-        for name in ("act_order", "refit", "feedback_table", "select_grids"):
+        for name in ("act_order", "refit", "feedback_table", "select_grids", "bias_correction"):
             if not isinstance(getattr(self, name), bool):
                 _fail(s, name, getattr(self, name), "must be true or false")
 

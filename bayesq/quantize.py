@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 from bayesq.allocation import (
     dp_allocate, greedy_allocate, hw_greedy_allocate, lagrangian_allocate, random_allocate,
 )
-from bayesq.baselines.activations import input_stats
+from bayesq.baselines.activations import InputStats, input_stats
+from bayesq.bias_correction import BiasCorrection
 from bayesq.blocks import LayerBlocks, check_finite, layer_blocks, quantizable_layers
 from bayesq.codebook import UniformGrids
 from bayesq.config import (
@@ -98,7 +99,9 @@ class QuantizationResult:
 
     ``encoding`` names the grids kept (``searched`` or ``minmax``, :func:`grid_candidates`);
     ``calibration_kl`` maps every candidate built to its KL to the full-precision model on the
-    calibration inputs (empty when there was one candidate).
+    calibration inputs (empty when there was one candidate); ``correction`` is the bias correction
+    applied to ``model`` (None: ``quant.bias_correction`` off; its ``skipped`` lists the layers
+    whose output shift had nowhere to go).
     """
 
     model: nn.Module
@@ -108,6 +111,7 @@ class QuantizationResult:
     posterior: Posterior | None = None
     encoding: str = ""
     calibration_kl: Mapping[str, float] = field(default_factory=dict)
+    correction: BiasCorrection | None = None
 
     @property
     def average_bits(self) -> float:
@@ -275,17 +279,26 @@ def _refit_books(lb: LayerBlocks, W: torch.Tensor, codes: torch.Tensor, zero: to
     return {b: UniformGrids(b, new[group_bits == b], book.zero) for b, book in books.items()}
 
 
+def needs_input_stats(posterior: Posterior, q: QuantConfig) -> bool:
+    """Whether :func:`encode_best` reads the layers' input statistics: error-feedback rounding
+    under a diagonal posterior (its column metric) or ``q.bias_correction`` (the mean inputs)."""
+    diagonal_ef = Rounding(q.rounding) == Rounding.ERROR_FEEDBACK and not posterior.kfac
+    return diagonal_ef or q.bias_correction
+
+
 def ef_column_metric(
     posterior: Posterior, q: QuantConfig, model: nn.Module | None = None,
     calibration: Iterable[Batch] | None = None, damp: float = 0.01, progress: bool = False,
+    stats: Mapping[str, InputStats] | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Column metric of error-feedback rounding, or None (nearest rounding; or ``encode`` uses
     the K-FAC posterior's damped input factor A').
 
     * Diagonal posterior: the layers' input second moments ``H = mean_n sum_t a a^T`` on the
-      calibration inputs (:func:`bayesq.baselines.activations.input_stats`) with GPTQ's relative
-      dampening (``error_feedback.damped_metric``): the column factor of the data curvature
-      ``C ~= G (x) H`` that the diagonal table approximates. Needs ``model`` and ``calibration``.
+      calibration inputs (``stats``, else :func:`bayesq.baselines.activations.input_stats`) with
+      GPTQ's relative dampening (``error_feedback.damped_metric``): the column factor of the data
+      curvature ``C ~= G (x) H`` that the diagonal table approximates. Needs ``model`` and
+      ``calibration`` unless ``stats`` are given.
     * K-FAC / low-rank posterior under the ``deployed`` objective with ``cost_terms = data``:
       the undamped input factor A with the same dampening (the prior's damping would drown A);
       otherwise None (the posterior's A').
@@ -297,12 +310,25 @@ def ef_column_metric(
                 and posterior.input_moment):
             return {name: damped_metric(a, damp) for name, a in posterior.input_moment.items()}
         return None
+    if stats is None:
+        stats = _input_stats(posterior, model, calibration, progress)
+    return {name: damped_metric(stats[name].H, damp) for name in posterior.mean}
+
+
+def _input_stats(posterior: Posterior, model: nn.Module | None, calibration: Iterable[Batch] | None,
+                 progress: bool) -> dict[str, InputStats]:
     if model is None or calibration is None:
-        raise ValueError("error-feedback rounding with a diagonal posterior needs the model and calibration "
-                         "batches (its column metric is the layers' input second moment)")
+        raise ValueError("error-feedback rounding with a diagonal posterior and bias correction need the model and "
+                         "calibration batches (the layers' input second moments and means)")
     layers = {name: model.get_submodule(name) for name in posterior.mean}
-    stats = input_stats(model, calibration, layers, progress=progress)
-    return {name: damped_metric(s.H, damp) for name, s in stats.items()}
+    return input_stats(model, calibration, layers, progress=progress)
+
+
+def bias_correction(
+    model: nn.Module, stats: Mapping[str, InputStats], calibration: Iterable[Batch],
+) -> BiasCorrection:
+    """:class:`bayesq.bias_correction.BiasCorrection` of the layers in ``stats`` (their mean inputs)."""
+    return BiasCorrection.fit(model, {name: s.mean for name, s in stats.items()}, calibration)
 
 
 def feedback_gains(
@@ -395,6 +421,7 @@ class Encoding:
         quant: its configuration.
         table, allocation, weights: its loss table, allocation and encoded layers.
         calibration_kl: candidate name -> mean calibration ``KL(p_FP || p_Q)`` (empty: one candidate).
+        correction: the bias correction :func:`quantized_copy` applies (None: ``quant.bias_correction`` off).
     """
 
     name: str
@@ -403,30 +430,41 @@ class Encoding:
     allocation: Allocation
     weights: dict[str, QuantizedWeight]
     calibration_kl: Mapping[str, float]
+    correction: BiasCorrection | None = None
 
 
 def encode_best(
     model: nn.Module, posterior: Posterior, table: LossTable, q: QuantConfig, budget: float,
     allocation_cfg: AllocationConfig = AllocationConfig(), *, seed: int = 0,
     calibration: Iterable[Batch] | None = None, column_metric: Mapping[str, torch.Tensor] | None = None,
-    progress: bool = False,
+    correction: BiasCorrection | None = None, progress: bool = False,
 ) -> Encoding:
     """Allocate and encode ``table`` (built for ``q``); with ``q.selects_grids`` also the
     ``minmax`` candidate of :func:`grid_candidates` (its table built here), keeping the one with
-    the least mean ``KL(p_FP || p_Q)`` on ``calibration`` (ties keep ``table``'s).
+    the least mean ``KL(p_FP || p_Q)`` on ``calibration`` (ties keep ``table``'s), each scored
+    after its bias correction (``q.bias_correction``).
 
-    ``column_metric``: :func:`ef_column_metric` of ``q`` (computed here when None and needed).
+    ``column_metric``: :func:`ef_column_metric` of ``q``; ``correction``: :func:`bias_correction`
+    (each computed here, from one statistics pass, when None and needed).
     """
     layers = {t.blocks.name: model.get_submodule(t.blocks.name) for t in table.layers}
     weights = {n: m.weight for n, m in layers.items()}
     cands = grid_candidates(q)
-    if len(cands) > 1 or Rounding(q.rounding) == Rounding.ERROR_FEEDBACK:
+    if len(cands) > 1 or needs_input_stats(posterior, q):
         calibration = list(calibration) if calibration is not None else None
     if len(cands) > 1 and not calibration:
         raise ValueError("quant.select_grids scores each candidate's KL on the calibration inputs, but none were "
                          "given: pass calibration= batches, or set quant.select_grids: false")
+    need_metric = column_metric is None and Rounding(q.rounding) == Rounding.ERROR_FEEDBACK and not posterior.kfac
+    need_correction = correction is None and q.bias_correction
+    if need_metric or need_correction:
+        stats = _input_stats(posterior, model, calibration, progress)
+        if need_metric:
+            column_metric = ef_column_metric(posterior, q, stats=stats)
+        if need_correction:
+            correction = bias_correction(model, stats, calibration)
     if column_metric is None:
-        column_metric = ef_column_metric(posterior, q, model, calibration, progress=progress)
+        column_metric = ef_column_metric(posterior, q)  # the K-FAC posterior's, or None
     blocks = [t.blocks for t in table.layers]
     best, best_kl, kls = None, float("inf"), {}
     reference = reference_log_probs(model, calibration) if len(cands) > 1 else None
@@ -438,22 +476,27 @@ def encode_best(
                     act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits, cd_passes=cq.cd_passes,
                     progress=progress)
         if reference is not None:
-            kls[name] = mean_kl(reference, quantized_copy(model, qw), calibration)
+            kls[name] = mean_kl(reference, quantized_copy(model, qw, correction), calibration)
         score = kls.get(name, 0.0)
         score = float("inf") if score != score else score  # a NaN KL never wins
         if best is None or score < best_kl:
-            best, best_kl = Encoding(name, cq, t, allocation, qw, kls), score
+            best, best_kl = Encoding(name, cq, t, allocation, qw, kls, correction), score
     return replace(best, calibration_kl=dict(kls))
 
 
-def quantized_copy(model: nn.Module, weights: dict[str, QuantizedWeight]) -> nn.Module:
-    """Deep copy of ``model`` whose quantised layers hold the dequantised weights."""
+def quantized_copy(
+    model: nn.Module, weights: dict[str, QuantizedWeight], correction: BiasCorrection | None = None,
+) -> nn.Module:
+    """Deep copy of ``model`` whose quantised layers hold the dequantised weights, then (given
+    ``correction``) each layer's mean output shift moved back into its bias or BatchNorm."""
     qmodel = copy.deepcopy(model)
     modules = dict(qmodel.named_modules())
     with torch.no_grad():
         for name, qw in weights.items():
             mod = modules[name]
             mod.weight.copy_(qw.dequantize().to(mod.weight.dtype))
+    if correction is not None:
+        correction.apply(qmodel, model)
     return qmodel.eval()
 
 
@@ -542,22 +585,27 @@ def quantize_model(
     q = config.quant
     blocks = layer_blocks(layers, q.group_size, q.unit_groups, q.unit.value)
     if (q.needs_data or config.distill.applies(config.budget) or Rounding(q.rounding) == Rounding.ERROR_FEEDBACK
-            or q.selects_grids):
+            or q.selects_grids or q.bias_correction):
         calibration = list(calibration)  # read twice
     if posterior is None:
         posterior = _fit_posterior(model, calibration, layers, config.posterior, seed=config.seed,
                                    progress=progress)
-    metric = ef_column_metric(posterior, q, model, calibration, progress=progress)
+    stats = _input_stats(posterior, model, calibration, progress) if needs_input_stats(posterior, q) else None
+    metric = ef_column_metric(posterior, q, model, calibration, progress=progress, stats=stats)
+    correction = bias_correction(model, stats, calibration) if q.bias_correction else None
     table = build_table(posterior, blocks, q, seed=config.seed, model=model, calibration=calibration,
                         progress=progress, column_metric=metric)
     enc = encode_best(model, posterior, table, q, config.budget, config.allocation, seed=config.seed,
-                      calibration=calibration, column_metric=metric, progress=progress)
+                      calibration=calibration, column_metric=metric, correction=correction, progress=progress)
     weights, allocation, table = enc.weights, enc.allocation, enc.table
-    qmodel = quantized_copy(model, weights)
+    qmodel = quantized_copy(model, weights, correction)
     if config.distill.applies(config.budget):
         from bayesq.distill import apply_distilled, distill
 
         res = distill(model, weights, posterior, calibration, config.distill, scale_bits=q.scale_bits,
                       lut_bits=q.lut_bits, seed=config.seed)
         weights, qmodel = res.weights, apply_distilled(model, res)
-    return QuantizationResult(qmodel, weights, allocation, table, posterior, enc.name, enc.calibration_kl)
+        if correction is not None and not res.biases:  # trained biases already fit the mean
+            correction.apply(qmodel, model)
+    return QuantizationResult(qmodel, weights, allocation, table, posterior, enc.name, enc.calibration_kl,
+                              correction)

@@ -3,7 +3,8 @@
 Every candidate quantises the same fine-tuned model on the same calibration inputs at one
 budget; each is scored on every test example by KL(p_FP || p_Q) and correctness, and compared
 with GPTQ (its best calibration-selected variant, BayesQ's allocation among the candidates) and
-RTN per group by the paired bootstrap of ``bayesq.comparison`` (95 % intervals).
+RTN per group by the paired bootstrap of ``bayesq.comparison`` (95 % intervals). ``gptq+bc`` is
+that GPTQ encoding with BayesQ's bias correction added (a control: not part of GPTQ).
 
     python benchmarks/candidates.py [--model lite0-fmnist] [--budget 3.0] [--seed 17] [--only default,paper]
 
@@ -14,14 +15,16 @@ Needs the fine-tuned model and data of ``make run`` (``models/``, ``data/raw``).
 * ``default``: the library default (diagonal Fisher posterior with a fitted prior, deployed
   objective with the error-feedback gains, error-feedback rounding in the layers' input second
   moments, act-order, two coordinate-descent sweeps; searched grids with the scale refit or
-  min/max grids, whichever has the lower calibration KL);
+  min/max grids, whichever has the lower calibration KL; the bias correction);
 * ``plain-table``: the default table without the error-feedback gains (``feedback_table: false``);
 * ``no-cd``: the default without coordinate descent (``cd_passes: 0``);
 * ``searched``: searched grids only (``select_grids: false``);
 * ``no-refit``: the default without the scale refit;
 * ``nearest``: the default with nearest rounding;
+* ``no-bc``: the default without the bias correction;
 * ``kfac``: a K-FAC posterior (error feedback in its input factor);
-* ``paper``: the paper-literal configuration (fixed prior, draws objective, nearest rounding).
+* ``paper``: the paper-literal configuration (fixed prior, draws objective, nearest rounding, no
+  bias correction).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def main() -> None:
     from bayesq.comparison import correct_per_example, kl_per_example, paired_difference
     from bayesq.config import DistillConfig, Granularity, replace
     from bayesq.evaluation import predict
+    from bayesq.quantize import bias_correction, quantized_copy
+    from dataclasses import replace as dc_replace
 
     p = c.params
     base = BayesQConfig(budget=c.budget, posterior=p.posterior, quant=p.quant, allocation=p.allocation,
@@ -57,9 +62,10 @@ def main() -> None:
         "searched": replace(base, quant=replace(p.quant, select_grids=False)),
         "no-refit": replace(base, quant=replace(p.quant, refit=False)),
         "nearest": replace(base, quant=replace(p.quant, rounding="nearest")),
+        "no-bc": replace(base, quant=replace(p.quant, bias_correction=False)),
         "kfac": replace(base, posterior=replace(p.posterior, curvature="kfac")),
         "paper": replace(base, posterior=replace(p.posterior, prior="fixed"),
-                         quant=replace(p.quant, objective="draws", rounding="nearest")),
+                         quant=replace(p.quant, objective="draws", rounding="nearest", bias_correction=False)),
     }
     if args.only:
         unknown = set(args.only.split(",")) - set(candidates)
@@ -92,12 +98,15 @@ def main() -> None:
                          allocation=allocation, act_order=p.baselines.gptq_act_order, damp=p.baselines.gptq_damp)
     score("gptq", choice.result, time.perf_counter() - start,
           f"  variant {choice.variant} (calibration KL {', '.join(f'{k} {v:.4g}' for k, v in choice.kl.items())})")
+    start = time.perf_counter()  # GPTQ's encoding plus BayesQ's bias correction (not part of GPTQ): a control
+    with_bc = quantized_copy(c.model, choice.result.weights, bias_correction(c.model, stats, c.calibration))
+    score("gptq+bc", dc_replace(choice.result, model=with_bc), time.perf_counter() - start)
     start = time.perf_counter()
     score("rtn-group", rtn_quantize(c.model, Granularity.GROUP, c.budget, p.quant), time.perf_counter() - start)
 
     print("paired differences (candidate - baseline), 95 % bootstrap intervals:")
     for name in candidates:
-        for baseline in ("gptq", "rtn-group"):
+        for baseline in ("gptq", "gptq+bc", "rtn-group"):
             kl = paired_difference(scores[name][0], scores[baseline][0])
             acc = paired_difference(scores[name][1], scores[baseline][1])
             print(f"  {name:8s} - {baseline:9s}  KL {kl.diff:+.5f} [{kl.ci_low:+.5f}, {kl.ci_high:+.5f}]  "

@@ -99,6 +99,9 @@ def quantize(
     typer.echo(f"{model} at {budget} bits: {res.average_bits:.4f} bits/weight accounted, "
                f"{info.payload_avg_bits:.4f} in the file; {info.file_bytes / 1e6:.2f} MB "
                f"({info.fp_bytes / 1e6:.2f} MB float tensors) -> {out} ({time.perf_counter() - start:.0f} s)")
+    if res.correction is not None:
+        skipped = "".join(f"\n  not corrected: {k} ({why})" for k, why in res.correction.skipped.items())
+        typer.echo(f"bias correction: {len(res.correction.targets)} layers' mean outputs restored{skipped}")
 
 
 @app.command()

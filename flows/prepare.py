@@ -201,9 +201,10 @@ def _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call=
 
 def _paper_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call=plain_call):
     """Posterior and table of the ``bayesq-paper`` row, the paper-literal configuration: the
-    prior precision fixed at ``posterior.damping``, the ``draws`` objective, nearest rounding."""
+    prior precision fixed at ``posterior.damping``, the ``draws`` objective, nearest rounding, no
+    bias correction."""
     posterior = replace(params.posterior, prior=Prior.FIXED)
-    quant = replace(params.quant, objective=Objective.DRAWS, rounding=Rounding.NEAREST)
+    quant = replace(params.quant, objective=Objective.DRAWS, rounding=Rounding.NEAREST, bias_correction=False)
     post = call(f"posterior (fixed prior) {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src),
                 sdig, params.data, params.calibration, posterior, seed, str(Path(out) / "posterior"), code, tag="paper")
     tab = call(f"table (bayesq-paper) {name} s{seed}", table_task, name, str(model_file), mdig, post["path"],

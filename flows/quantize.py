@@ -170,13 +170,17 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
         qweights, allocation, quant = enc.weights, enc.allocation, enc.quant
         extra = {"encoding": enc.name, "encoding_kl": dict(enc.calibration_kl),
                  "unit_bits": {k: list(v) for k, v in allocation.unit_bits.items()}}
-        qmodel = quantized_copy(model, qweights)
+        if enc.correction is not None:
+            extra |= {"bias_corrected": len(enc.correction.targets), "bias_skipped": dict(enc.correction.skipped)}
+        qmodel = quantized_copy(model, qweights, enc.correction)
         if Method(method) == Method.BAYESQ_DISTILL and distill.applies(budget):
             from bayesq.distill import apply_distilled, distill as run_distill
 
             res = run_distill(model, qweights, post, batches, distill, scale_bits=quant.scale_bits,
                               lut_bits=quant.lut_bits, seed=seed)
             qweights, qmodel = res.weights, apply_distilled(model, res)
+            if enc.correction is not None and not res.biases:  # as bayesq.quantize.quantize_model
+                enc.correction.apply(qmodel, model)
             extra |= {"distill_seconds": res.seconds, "distill_sample_scale": res.sample_scale,
                      "distill_teacher_agreement": res.teacher_agreement,
                      "distill_loss_first": res.loss_first, "distill_loss_last": res.loss_last,

@@ -51,6 +51,7 @@ def test_cli_quantize_writes_export_and_lineage_reads_it(tiny_models, one_thread
                               "--models", str(tiny_models / "models"), "--raw", str(tiny_models)])
     assert res.exit_code == 0, res.output
     assert "bits/weight accounted" in res.output and out.is_file()
+    assert "bias correction:" in res.output and "layers' mean outputs restored" in res.output
     model = load(out)
     assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 4)
     res = runner.invoke(app, ["lineage", str(out), "--check"])

@@ -288,8 +288,9 @@ def test_grid_candidates_add_minmax_only_to_searched_error_feedback_grids():
 def test_encode_best_keeps_least_calibration_kl_vs_building_each_candidate():
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.evaluation import mean_kl, reference_log_probs
+    from bayesq.baselines.activations import input_stats
     from bayesq.quantize import (
-        allocate, build_table, ef_column_metric, encode, encode_best, fit_posterior, grid_candidates,
+        allocate, bias_correction, build_table, ef_column_metric, encode, encode_best, fit_posterior, grid_candidates,
         quantized_copy,
     )
 
@@ -299,13 +300,14 @@ def test_encode_best_keeps_least_calibration_kl_vs_building_each_candidate():
     post = fit_posterior(model, batches, BayesQConfig(quant=q), progress=False)
     blocks = layer_blocks(quantizable_layers(model), 32, 8)
     metric = ef_column_metric(post, q, model, batches)
+    correction = bias_correction(model, input_stats(model, batches, quantizable_layers(model)), batches)
     weights = {n: m.weight for n, m in quantizable_layers(model).items()}
     reference, kl, codes = reference_log_probs(model, batches), {}, {}
     for name, cq in grid_candidates(q).items():
         t = build_table(post, blocks, cq, model=model, calibration=batches, progress=False, column_metric=metric)
         qw = encode(t, allocate(t, 3.0), weights, posterior=post, rounding=cq.rounding, column_metric=metric,
                     act_order=cq.act_order, refit=cq.refit, cd_passes=cq.cd_passes)
-        kl[name], codes[name] = mean_kl(reference, quantized_copy(model, qw), batches), qw
+        kl[name], codes[name] = mean_kl(reference, quantized_copy(model, qw, correction), batches), qw
     table = build_table(post, blocks, q, model=model, calibration=batches, progress=False, column_metric=metric)
     enc = encode_best(model, post, table, q, 3.0, calibration=batches, column_metric=metric)
     assert dict(enc.calibration_kl) == pytest.approx(kl, rel=1e-12)

@@ -5,6 +5,7 @@ unfolded patches, as in K-FAC) and inputs ``a_{n,t}`` (example n, token / spatia
 
     H[g]        = (1/N) sum_n sum_t a_{n,t} a_{n,t}^T        (groups, d_in, d_in) float64
     abs_mean[g] = mean_{n,t} |a_{n,t}|                        (groups, d_in) float64
+    mean[g]     = mean_{n,t} a_{n,t}                          (groups, d_in) float64
 
 per convolution group g (Linear: one group). ``tr(D H[g] D^T)`` is the mean over calibration
 inputs of the squared layer-output error ``sum_t ||D a_t||^2`` caused by a weight error D of the
@@ -33,11 +34,13 @@ class InputStats:
         H: (groups, d_in, d_in) float64 mean over inputs of ``sum_t a a^T``.
         abs_mean: (groups, d_in) float64 mean of ``|a|`` over inputs and positions.
         n: calibration inputs seen.
+        mean: (groups, d_in) float64 mean of ``a`` over inputs and positions (bias correction).
     """
 
     H: torch.Tensor
     abs_mean: torch.Tensor
     n: int
+    mean: torch.Tensor | None = None
 
     @property
     def groups(self) -> int:
@@ -59,18 +62,17 @@ def input_stats(
         ValueError: empty calibration set.
     """
     sums: dict[str, list] = {}
-    last: list = [None, None, None]  # rows, h, abs sum: q / k / v read the same rows object
+    last: list = [None, None]  # rows, their sums: q / k / v read the same rows object
 
     def add(name: str, rows: torch.Tensor) -> None:  # rows (N, groups, T, d_in)
         if last[0] is rows:
-            h, a = last[1], last[2]
+            new = last[1]
         else:
             h = torch.einsum("ngti,ngtj->gij", rows, rows)  # (groups, d_in, d_in)
-            a = rows.abs().sum((0, 2))  # (groups, d_in)
-            last[:] = rows, h, a
-        t = rows.shape[0] * rows.shape[2]
+            new = [h, rows.abs().sum((0, 2)), rows.sum((0, 2)), rows.shape[0] * rows.shape[2]]
+            last[:] = rows, new
         old = sums.get(name)
-        sums[name] = [h, a, t] if old is None else [old[0] + h, old[1] + a, old[2] + t]
+        sums[name] = new if old is None else [x + y for x, y in zip(old, new)]
 
     n = forward_inputs(model, calibration, layers, add, progress=progress, desc="layer-input statistics")
     if n == 0:
@@ -78,4 +80,4 @@ def input_stats(
     missing = [k for k in layers if k not in sums]
     if missing:
         raise ValueError(f"layers {missing[:3]} never ran in the forward pass; exclude them from quantisation")
-    return {k: InputStats(h / n, a / t, n) for k, (h, a, t) in sums.items()}
+    return {k: InputStats(h / n, a / t, n, m / t) for k, (h, a, m, t) in sums.items()}
