@@ -37,6 +37,32 @@ _RTN = {Method.RTN_TENSOR: Granularity.TENSOR, Method.RTN_CHANNEL: Granularity.C
         Method.RTN_GROUP: Granularity.GROUP}
 
 
+# Sources that only one method's rows run: each row's cache key leaves out the others', so a
+# change to one baseline re-runs only its rows (tests/test_flows.py checks, by profiling every
+# method's row, that no row calls into a source its key leaves out). Code no row runs (reports,
+# CLI, zoo, ablations) is left out of every row's key.
+METHOD_SOURCES = {
+    Method.GPTQ: ("bayesq/baselines/gptq.py",),
+    Method.AWQ: ("bayesq/baselines/awq.py",),
+    Method.HAWQ: ("bayesq/baselines/hawq.py",),
+    Method.ACIQ: ("bayesq/baselines/aciq.py",),
+    Method.BAYESQ_DISTILL: ("bayesq/distill.py",),
+}
+NOT_IN_ROWS = ("flows/ablate.py", "flows/report.py", "flows/robustness_report.py", "flows/cli.py", "flows/zoo.py")
+
+
+def row_excluded(method: Method) -> tuple[str, ...]:
+    """Sources (relative to the repository root) left out of ``method``'s row cache key."""
+    others = (f for m, files in METHOD_SOURCES.items() if m != Method(method) for f in files)
+    return NOT_IN_ROWS + tuple(others)
+
+
+def row_code(method: Method) -> str:
+    """Code version of ``method``'s rows: every source under ``bayesq/`` and ``flows/`` but
+    :func:`row_excluded`."""
+    return code_version(exclude=row_excluded(method))
+
+
 def _baseline(method: Method, model, entry, splits, data, calibration, quant, baselines, budget: float,
               seed: int, traces: dict | None, allocation: dict | None = None):
     """Quantise with a baseline: (QuantizationResult, record fields).
@@ -222,6 +248,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
     code = code_version()
     lineage = export_lineage(params)
     records, posteriors, clock = [], [], TaskClock()
+    codes = {m: row_code(m) for m in params.methods}
     with mlflow_parent("bayesq", f"quantize-{params.profile}", {"profile": params.profile}, params_path) as parent:
         for name in params.models:
             entry = get_entry(name)
@@ -253,7 +280,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                         r = clock(f"{method.value} {name} b{budget} s{seed}", quantize_eval_task,
                                   name, method.value, budget, seed, str(model_file), mdig,
                                   str(src), sdig, params.data, p_quant, params.allocation,
-                                  p_tab and p_tab["table"], p_key, p_post and p_post["path"], code,
+                                  p_tab and p_tab["table"], p_key, p_post and p_post["path"], codes[method],
                                   calibration=params.calibration, baselines=params.baselines,
                                   traces=hawq["traces"] if method == Method.HAWQ else None,
                                   distill=params.distill, robustness=rob,

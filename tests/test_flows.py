@@ -328,3 +328,73 @@ def register_tiny_stalling() -> None:
     """Like :func:`register_tiny`, with the stalling ``tiny-cnn-b``."""
     register(TinyEntry(), replace=True)
     register(StallingEntryB(), replace=True)
+
+
+def _called_sources(fn) -> set[Path]:
+    """Source files of every Python function called while ``fn()`` runs (sys.setprofile; the
+    bodies of modules imported on the way define functions, they are not counted)."""
+    import sys
+
+    files: set[str] = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name != "<module>":
+            files.add(frame.f_code.co_filename)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return {Path(f).resolve() for f in files}
+
+
+def _inside(files: set[Path], excluded: tuple[str, ...]) -> list[str]:
+    from flows.common import ROOT
+
+    roots = [(ROOT / e).resolve() for e in excluded]
+    return sorted(str(f) for f in files if any(f == r or r in f.parents for r in roots))
+
+
+def test_row_cache_keys_leave_out_only_sources_the_row_never_runs(tmp_path, tiny_entry):
+    """Each method's row (and the preparation tasks) run with a profiler: no function called may
+    live in a source that its cache key leaves out, or a change there would not re-run it."""
+    from safetensors.torch import save_model
+
+    from bayesq.config import Method
+    from bayesq.models.zoo import get_entry
+    from flows.common import digest, read_params
+    from flows.prepare import PREP_EXCLUDE, prepare
+    from flows.quantize import METHOD_SOURCES, quantize_eval_task, row_code, row_excluded
+
+    path = _params(tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    cfg.update(methods=list(ALL_METHODS), budgets=[3.0])
+    path.write_text(yaml.safe_dump(cfg))
+    params, raw = read_params(path), tmp_path / "raw"
+    raw.mkdir()
+    (raw / "tiny.bin").write_bytes(b"synthetic")
+    model_file = tmp_path / "model.safetensors"
+    save_model(get_entry("tiny-cnn").build(), str(model_file))
+    mdig, src = digest(model_file), raw / "tiny.bin"
+    direct = lambda label, task, *a, **k: task.fn(*a, **k)  # noqa: E731 (no Prefect: profile our code only)
+    out: dict = {}
+    called = _called_sources(lambda: out.update(prep=prepare(params, "tiny-cnn", model_file, mdig, src, digest(src),
+                                                             17, tmp_path, call=direct)))
+    assert not _inside(called, PREP_EXCLUDE)
+    _, _, prep, hawq = out["prep"]
+    codes = set()
+    for method in params.methods:
+        p_post, p_tab, p_key, p_quant = prep.get(method, (None, None, "", params.quant))
+        row = lambda: quantize_eval_task.fn(  # noqa: E731
+            "tiny-cnn", method.value, 3.0, 17, str(model_file), mdig, str(src), digest(src), params.data, p_quant,
+            params.allocation, p_tab and p_tab["table"], p_key, p_post and p_post["path"], row_code(method),
+            calibration=params.calibration, baselines=params.baselines,
+            traces=hawq["traces"] if method == Method.HAWQ else None, distill=params.distill,
+            robustness=params.robustness, export_dir=str(tmp_path / "exports"))
+        called = _called_sources(row)
+        assert not _inside(called, row_excluded(method)), method
+        if method in METHOD_SOURCES:  # the method's own source is in its key and really runs
+            assert _inside(called, METHOD_SOURCES[method]), method
+        codes.add(row_code(method))
+    assert len(codes) == len(METHOD_SOURCES) + 1  # one key per method with its own source, one shared
