@@ -8,7 +8,6 @@ exhaustive search over all allocations, and the exact DP (itself checked by brut
 import heapq
 import itertools
 import random
-import time
 from fractions import Fraction
 
 import numpy as np
@@ -289,18 +288,14 @@ def test_greedy_allocate_vs_heap_reference_large_band_path(kind, max_events, mon
     assert any(s is not None and s[0].size > 0 for s in splits)  # the band path was exercised
 
 
-def test_greedy_allocate_million_units_fast():
-    # Goal 1 s (benchmarks/allocation.py reports it); 3 s here to stay robust on a loaded CI box.
+def test_greedy_allocate_million_units_uses_the_budget():
+    # its speed (goal: 1 s) is measured by benchmarks/allocation.py, not asserted here
     rng = np.random.default_rng(0)
     loss, cost = _instance(rng, 10**6, 4, "convex")
     budget = 3.5 * 1024 * 10**6
-    greedy_allocate(loss[:1000], cost[:1000], budget / 1000)  # warm-up
-    start = time.perf_counter()
     choice = greedy_allocate(loss, cost, budget)
-    elapsed = time.perf_counter() - start
     assert total(cost, choice) <= budget
     assert budget - total(cost, choice) < cost[0, -1]  # the budget is used up to one upgrade
-    assert elapsed < 3.0
 
 
 # ---------------------------------------------------------------- greedy: floors, latency density
@@ -534,14 +529,11 @@ def test_dp_allocate_floors_vs_brute_force(seed):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_greedy_allocate_vs_dp_few_hundred_blocks(seed):
-    # Realistic concave curves, 300 blocks x 4 bit-widths: greedy never better, gap < 0.1 %,
-    # and the DP oracle is fast enough to run here.
+    # Realistic concave curves, 300 blocks x 4 bit-widths: greedy never better, gap < 0.1 %.
     rng = np.random.default_rng(seed)
     loss, cost = _instance(rng, 300, 4, "convex")
     budget = float(rng.uniform(2.5, 5.0) * 1024 * 300)
-    start = time.perf_counter()
     best = total(loss, dp_allocate(loss, cost, budget))
-    assert time.perf_counter() - start < 2.0
     got = total(loss, greedy_allocate(loss, cost, budget))
     assert best <= got <= best * (1 + 1e-3)
 
