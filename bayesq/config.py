@@ -434,7 +434,13 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class FinetuneConfig:
-    """Fine-tuning of the embedded models (a cached pipeline step)."""
+    """Fine-tuning of the embedded models (a cached pipeline step).
+
+    ``threads``: torch intra-op threads during fine-tuning. Float32 reductions split over threads
+    sum in a thread-dependent order, and AdamW turns those last-bit differences into different
+    weights, so the fine-tuned model depends on the thread count; a fixed count makes it the same
+    on machines with another number of cores (0: torch's default, the machine's core count).
+    """
 
     epochs: int = 1
     scratch_epochs: int = 3  # models trained from random initialisation (resnet18-fmnist)
@@ -443,9 +449,12 @@ class FinetuneConfig:
     lr_text: float = 5e-5
     weight_decay: float = 0.01
     seed: int = 0
+    threads: int = 2
 
     def __post_init__(self) -> None:
         s = "finetune"
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            _fail(s, "threads", self.threads, "must be an integer >= 0 (0: torch's default)")
         for name in ("epochs", "scratch_epochs"):
             if getattr(self, name) < 1:
                 _fail(s, name, getattr(self, name), "must be >= 1")
@@ -523,7 +532,9 @@ class BaselinesConfig:
     ``select``: GPTQ and AWQ are the variant with the least calibration KL among their own mixed
     rule, uniform bit-widths at the smallest group size of ``group_sizes`` (then per-channel)
     that fits the budget, and (GPTQ) a supplied allocation (:mod:`bayesq.baselines.select`);
-    false: their own mixed rule only (an ablation).
+    false: their own mixed rule only (an ablation). ``bias_correction`` (with ``select``): each
+    variant is also offered with BayesQ's bias correction (``<variant>+bc``), so the baselines
+    get every free improvement BayesQ's default uses.
     """
 
     gptq_damp: float = 0.01  # dampening, fraction of mean(diag H)
@@ -532,12 +543,13 @@ class BaselinesConfig:
     hawq_probes: int = 2  # Rademacher probes per calibration batch for the Hessian traces
     select: bool = True  # GPTQ / AWQ: best budget-feasible variant on the calibration KL
     group_sizes: tuple[int, ...] = (32, 64, 128, 256)  # uniform variants' group sizes (per-channel last)
+    bias_correction: bool = True  # GPTQ / AWQ selection: each variant also with bias correction
 
     def __post_init__(self) -> None:
         s = "baselines"
         if not 0 < self.gptq_damp < 1:
             _fail(s, "gptq_damp", self.gptq_damp, "must be in (0, 1) (GPTQ uses 0.01)")
-        for name in ("gptq_act_order", "select"):
+        for name in ("gptq_act_order", "select", "bias_correction"):
             if not isinstance(getattr(self, name), bool):
                 _fail(s, name, getattr(self, name), "must be true or false")
         for name in ("awq_grid", "hawq_probes"):

@@ -67,24 +67,11 @@ def mean_kl(reference: Sequence[torch.Tensor], model: nn.Module, batches: Sequen
     return total / rows
 
 
-def prediction_summary(logit: Tensor, labels: Tensor, n_bins: int = 15, repeats: int = 20,
-                       seed: int = 0) -> dict:
-    """Accuracy, top-5, ECE / MCE (fixed and random bins), NLL, worst-k accuracy, CVaR, F1.
+SE_RESAMPLES = 100  # bootstrap resamples of the test examples behind every standard error
 
-    Args:
-        logit: (N, C) logits; probabilities are ``softmax(logit)`` in float64.
-        labels: (N,) int64 class ids.
 
-    Returns:
-        Floats ``accuracy``, ``top5`` (C > 5 only), ``f1`` (C = 2 only), ``ece``, ``mce``,
-        ``ece_random`` (± ``ece_random_sd``), ``mce_random``, ``nll`` (mean), ``worst5`` /
-        ``worst10`` (accuracy on the 5 % / 10 % least confident), ``cvar90`` / ``cvar95`` (of the
-        per-example NLL) and ``bins``: the fixed-bin reliability diagram as lists ``count``,
-        ``accuracy``, ``confidence``.
-    """
-    if logit.shape[0] != labels.shape[0]:
-        raise ValueError(f"{logit.shape[0]} logits but {labels.shape[0]} labels")
-    p = torch.softmax(logit.double(), dim=-1)
+def _scalars(p: Tensor, labels: Tensor, n_bins: int, repeats: int, seed: int) -> dict[str, float]:
+    """Every scalar metric of :func:`prediction_summary` from (N, C) float64 probabilities."""
     loss = metrics.nll(p, labels)
     out = {"accuracy": metrics.topk_accuracy(p, labels, 1), "nll": float(loss.mean()),
            "worst5": metrics.worst_k_accuracy(p, labels, 0.05),
@@ -95,6 +82,57 @@ def prediction_summary(logit: Tensor, labels: Tensor, n_bins: int = 15, repeats:
     if p.shape[1] == 2:
         out["f1"] = metrics.f1_binary(p.argmax(1), labels)
     out.update(metrics.calibration_error(p, labels, n_bins, repeats=repeats, seed=seed))
+    return out
+
+
+def bootstrap_se(p: Tensor, labels: Tensor, fn, resamples: int = SE_RESAMPLES, seed: int = 0) -> dict[str, float]:
+    """Bootstrap standard error over examples of every float ``fn(p, labels)`` returns.
+
+    Resample ``N`` example indices with replacement (``torch.Generator().manual_seed(seed)``),
+    recompute ``fn`` on them, ``resamples`` times; the SE of metric k is the standard deviation
+    (n - 1 denominator) of its ``resamples`` values.
+
+    Args:
+        p: (N, C) probabilities; labels: (N,) int64.
+        fn: ``(p, labels) -> {name: float}``.
+    """
+    if resamples < 2:
+        raise ValueError(f"bootstrap_se needs at least 2 resamples, got {resamples}")
+    g = torch.Generator().manual_seed(seed)
+    draws: dict[str, list[float]] = {}
+    for _ in range(resamples):
+        idx = torch.randint(0, p.shape[0], (p.shape[0],), generator=g)
+        for k, v in fn(p[idx], labels[idx]).items():
+            draws.setdefault(k, []).append(float(v))
+    return {k: float(torch.tensor(v, dtype=torch.float64).std()) for k, v in draws.items()}
+
+
+def prediction_summary(logit: Tensor, labels: Tensor, n_bins: int = 15, repeats: int = 20,
+                       seed: int = 0, resamples: int = SE_RESAMPLES) -> dict:
+    """Accuracy, top-5, ECE / MCE (fixed and random bins), NLL, worst-k accuracy, CVaR, F1, each
+    with its bootstrap standard error over the test examples.
+
+    Args:
+        logit: (N, C) logits; probabilities are ``softmax(logit)`` in float64.
+        labels: (N,) int64 class ids.
+        resamples: bootstrap resamples behind ``se`` (:func:`bootstrap_se`, generator seed ``seed``).
+
+    Returns:
+        Floats ``accuracy``, ``top5`` (C > 5 only), ``f1`` (C = 2 only), ``ece``, ``mce``,
+        ``ece_random`` (± ``ece_random_sd`` over bin edges), ``mce_random``, ``nll`` (mean),
+        ``worst5`` / ``worst10`` (accuracy on the 5 % / 10 % least confident), ``cvar90`` /
+        ``cvar95`` (of the per-example NLL); ``se``: metric -> its standard error over test examples
+        (test-set sampling only; every metric but the random-bin ones); and ``bins``: the fixed-bin reliability diagram as lists ``count``,
+        ``accuracy``, ``confidence``.
+    """
+    if logit.shape[0] != labels.shape[0]:
+        raise ValueError(f"{logit.shape[0]} logits but {labels.shape[0]} labels")
+    p = torch.softmax(logit.double(), dim=-1)
+
+    out: dict = _scalars(p, labels, n_bins, repeats, seed)
+    # the random-bin metrics vary over bin edges too (``*_random_sd``); resampling those inside
+    # every bootstrap draw would cost ``repeats`` times more, so they get no test-sampling SE
+    out["se"] = bootstrap_se(p, labels, lambda p_, y: _scalars(p_, y, n_bins, 0, seed), resamples, seed)
     conf, pred = p.max(1)
     count, acc, cf = metrics.reliability_bins(conf, (pred == labels).double(),
                                               torch.linspace(0, 1, n_bins + 1, dtype=torch.float64))

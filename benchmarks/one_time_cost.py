@@ -81,7 +81,8 @@ def gptq_stages(model, calibration, params, budget: float, allocation) -> tuple[
     with _timed(stages, "solve+select"):
         choice = gptq_select(model, stats, calibration, budget, params.quant,
                              group_sizes=params.baselines.group_sizes, allocation=allocation,
-                             act_order=params.baselines.gptq_act_order, damp=params.baselines.gptq_damp)
+                             act_order=params.baselines.gptq_act_order, damp=params.baselines.gptq_damp,
+                             bias_correction=params.baselines.bias_correction)
     return stages, choice
 
 

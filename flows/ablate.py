@@ -6,8 +6,10 @@ Rows come from ``ablations.rows`` in ``params.yaml`` (``{group: {label: {section
 each the main parameters with its overrides applied (validated on load); a row may also name
 ``method: bayesq-distill`` (default ``bayesq``).  Per (model, row) a
 posterior task and a table task (both cached, so rows that share a posterior or table reuse
-it), then one quantise-and-evaluate task per ablation budget.  Every evaluation is an MLflow
-child run tagged with its group and row.  Writes ``<out>/ablations.json``: ``records`` (one per
+it), then one quantise-and-evaluate task per ablation budget, scored against the FP model's
+test logits (one cached FP evaluation per model) example by example: KL to FP and correctness
+in ``<out>/examples/<group>/<row>/``, for the report's paired differences against the first
+row.  Every evaluation is an MLflow child run tagged with its group and row.  Writes ``<out>/ablations.json``: ``records`` (one per
 model, row and budget) and ``diminishing`` (the core row's loss-reduction curve per budget).
 """
 
@@ -23,6 +25,7 @@ from flows.common import code_version, digest, mlflow_child, mlflow_parent, pars
 from flows.finetune import raw_path
 from flows.prepare import config_tag, posterior_task, prep_code, table_task
 from flows.quantize import quantize_eval_task
+from flows.robustness import fp_eval_task
 
 
 ROW_METHODS = (Method.BAYESQ, Method.BAYESQ_DISTILL)  # what a row's optional ``method`` key may name
@@ -69,10 +72,12 @@ def ablate_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list[d
             model_file = Path(models) / name / "model.safetensors"
             mdig, src = digest(model_file), raw_path(entry, raw)
             sdig = digest(src)
+            fp = fp_eval_task(name, str(model_file), mdig, str(src), sdig, params.data, params.robustness, seed,
+                              prep_code(), out=str(out))  # writes the FP test logits the rows compare with
             for i, (group, label, over, p) in enumerate(rows):
                 try:
                     recs, curve = _row(name, i, group, label, over, p, params, model_file, mdig, src, sdig,
-                                       seed, out, code, parent.info.run_id)
+                                       seed, out, code, parent.info.run_id, fp["logits_file"])
                 except Exception as err:  # one broken row is reported, the others still run
                     print(f"[ablate] {name} {group} / {label}: FAILED: {err!r}", flush=True)
                     records.append({"model": name, "group": group, "row": label, "error": repr(err),
@@ -85,7 +90,8 @@ def ablate_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list[d
     return records
 
 
-def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig, seed, out, code, parent_id):
+def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig, seed, out, code, parent_id,
+         fp_logits: str):
     """Posterior, table and every budget of one ablation row on one model (tasks are cached)."""
     records, curve = [], None
     post = posterior_task(name, str(model_file), mdig, str(src), sdig, p.data, p.calibration,
@@ -103,7 +109,8 @@ def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig
         r = quantize_eval_task(name, method.value, budget, seed, str(model_file), mdig,
                                str(src), sdig, p.data, p.quant, p.allocation, tab["table"], key,
                                post["path"], code, calibration=p.calibration, distill=p.distill,
-                               export_dir=str(Path(out) / "exports" / group / label))
+                               export_dir=str(Path(out) / "exports" / group / label),
+                               examples_dir=str(Path(out) / "examples" / group / label), fp_logits=fp_logits)
         r = {**r, "group": group, "row": label, "overrides": {k: str(v) for k, v in over.items()},
              "posterior_seconds": post["seconds"], "table_seconds": tab["seconds"]}
         print(f"[ablate] {name} {group} / {label} @ {budget}: acc {r['accuracy']:.4f} "
@@ -111,8 +118,8 @@ def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig
         mlflow_child(parent_id, f"{name}/{group}/{label}/b{budget}",
                      {"model": name, "group": group, "row": label, "seed": seed, "budget": budget,
                       **{k: str(v) for k, v in over.items()}},
-                     {k: r[k] for k in ("accuracy", "avg_bits", "quantize_seconds",
-                                        "posterior_seconds", "table_seconds")},
+                     {k: r[k] for k in ("accuracy", "avg_bits", "quantize_seconds", "posterior_seconds",
+                                        "table_seconds", "kl_mean", "kl_se", "agreement") if k in r},
                      {"profile": params.profile, "code_version": code})
         records.append(r)
     return records, curve

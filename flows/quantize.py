@@ -69,7 +69,7 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
 
     GPTQ / AWQ with ``baselines.select``: the variant with the least KL on the calibration
     batches their statistics come from (``allocation``, layer -> unit bit-widths, adds GPTQ on
-    it as a candidate); the fields are ``variant`` (its name), ``variant_kl`` and
+    it as a candidate; ``baselines.bias_correction`` adds each variant's bias-corrected form); the fields are ``variant`` (its name), ``variant_kl`` and
     ``variant_bits`` (candidate -> calibration KL / true average bits). Without ``select`` they
     name the ``mixed`` rule; other baselines add no fields.
     """
@@ -97,10 +97,10 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
         return res, {"variant": "mixed", "variant_kl": {}, "variant_bits": {}}
     if method == Method.GPTQ:
         choice = gptq_select(model, stats, batches, budget, quant, group_sizes=baselines.group_sizes,
-                             allocation=allocation, **gptq)
+                             allocation=allocation, bias_correction=baselines.bias_correction, **gptq)
     else:
         choice = awq_select(model, stats, batches, budget, quant, group_sizes=baselines.group_sizes,
-                            grid=baselines.awq_grid)
+                            grid=baselines.awq_grid, bias_correction=baselines.bias_correction)
     return choice.result, {"variant": choice.variant, "variant_kl": dict(choice.kl),
                            "variant_bits": dict(choice.avg_bits)}
 
@@ -159,7 +159,8 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
                        table, table_key: str, posterior_file: str | None, code: str,
                        calibration=None, baselines=None, traces: dict | None = None,
                        distill=None, robustness=None, ood: bool = False, *, export_dir: str,
-                       lineage: dict | None = None, allocation: dict | None = None) -> dict:
+                       lineage: dict | None = None, allocation: dict | None = None,
+                       examples_dir: str | None = None, fp_logits: str | None = None) -> dict:
     """Quantise with one method at one budget, write the export, load it back and evaluate the
     loaded model on the test split (and under shift).
 
@@ -170,7 +171,9 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     a candidate variant;
     ``quantize_seconds`` times everything done here but evaluation. ``robustness`` sets the
     calibration metrics; ``ood`` adds the corrupted / other-domain evaluation. The export is
-    ``<export_dir>/<model>_<method>_b<budget>_s<seed>.safetensors``; the record carries its sizes,
+    ``<export_dir>/<model>_<method>_b<budget>_s<seed>.safetensors`` and its per-example comparison
+    with FP goes to the same name under ``examples_dir`` (default ``<export_dir>/../examples``),
+    scored against ``fp_logits`` (default: the FP logits file there); the record carries its sizes,
     digests and the largest logit difference between the loaded and the in-memory model on one
     batch. Its header holds the row's lineage: ``lineage`` (the invocation's params and commit,
     :func:`flows.lineage.export_lineage`; not part of the cache key, so a cache hit keeps the
@@ -226,8 +229,9 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     export = save_export(path, qmodel, qweights, quant, allocation.total_bits, architecture=name, metadata=meta)
     loaded = load_export(path)
     extra["export"] = {**export.as_dict(), "max_logit_diff": _logit_diff(entry, qmodel, loaded, splits, data)}
+    examples = Path(examples_dir) if examples_dir else Path(export_dir).parent / "examples"
     ev = evaluate_model(entry, loaded, splits, data, Path(raw), robustness or RobustnessConfig(), ood, seed,
-                        examples=Path(export_dir).parent / "examples" / path.name)  # vs the FP logits there
+                        examples=examples / path.name, fp_file=fp_logits and Path(fp_logits))
     layer_bits = {}
     for layer, bits in allocation.unit_bits.items():
         layer_bits[layer] = sum(bits) / len(bits)

@@ -59,12 +59,30 @@ def _time_ratio(methods: dict, a: str, b: str) -> float | None:
     return statistics.fmean(ratios) if ratios else None
 
 
-def main_table(summary: dict, fp: dict[str, dict], budgets: list[float]) -> str:
+def variant_lines(records: list[dict], model: str) -> list[str]:
+    """Which variant each selecting baseline kept at each budget (seed), from the records' ``variant``."""
+    kept: dict = defaultdict(list)
+    for r in records:
+        if r["model"] == model and r.get("variant"):
+            kept[r["method"]].append(f"{r['budget']:.1f} bits: {r['variant']}"
+                                     + (f" (seed {r['seed']})" if len({x['seed'] for x in records}) > 1 else ""))
+    return [f"{METHOD_LABEL.get(m, m)} kept (least calibration KL): " + "; ".join(v) + "." for m, v in kept.items()]
+
+
+def accuracy_se(accuracy: float, n: int) -> float:
+    """Binomial standard error ``sqrt(a (1 - a) / n)`` of an accuracy on ``n`` test examples."""
+    return (accuracy * (1 - accuracy) / n) ** 0.5
+
+
+def main_table(summary: dict, fp: dict[str, dict], budgets: list[float], records: list[dict] = ()) -> str:
     lines = ["# Main table: top-1 accuracy (%) at matched true average bits", "",
-             "Each cell: accuracy, then the true average bits per quantised weight (payload, "
-             "scales, zero-points, stored AWQ scales and bit-width headers all counted). Mean over "
-             "seeds (± SD when more than one). Single-bit-width baselines meet fractional budgets "
-             "with their own mixed rule (greedy knapsack over their own error proxy, README). "
+             "Each cell: accuracy ± its standard error over test examples (binomial, sqrt(a (1 − a) / N); "
+             "several seeds: mean over seeds ± SD over seeds), then the true average bits per quantised "
+             "weight (payload, scales, zero-points, stored AWQ scales and bit-width headers all counted). "
+             "The SE covers test-set sampling only; differences between two rows are resolved far more "
+             "sharply by the paired comparisons below (same examples). GPTQ and AWQ are their best "
+             "variant on the calibration KL (own mixed rule, uniform widths at the smallest fitting "
+             "group size, GPTQ on BayesQ's allocation, each also with bias correction). "
              "Time: the method's one-time cost in wall seconds (BayesQ: posterior + loss table + "
              "allocation and encoding; GPTQ / AWQ: input statistics + solve; HAWQ: Hessian traces + "
              "knapsack), mean over budgets, measured in the same run on the same machine.", ""]
@@ -74,7 +92,9 @@ def main_table(summary: dict, fp: dict[str, dict], budgets: list[float]) -> str:
                   f"on {fp[model]['n_test']} test examples.", ""]
         lines.append("| method | " + " | ".join(f"{b:.1f} bits" for b in budgets) + " | time (s) |")
         lines.append("|---|" + "---|" * (len(budgets) + 1))
-        lines.append("| FP (32-bit) | " + " | ".join(f"{100 * fp[model]['fp_accuracy']:.2f}" for _ in budgets) + " | – |")
+        fp_se = accuracy_se(fp[model]["fp_accuracy"], fp[model]["n_test"])
+        lines.append("| FP (32-bit) | " + " | ".join(f"{100 * fp[model]['fp_accuracy']:.2f} ± {100 * fp_se:.2f}"
+                                                     for _ in budgets) + " | – |")
         for method, label in METHOD_LABEL.items():
             if method not in methods:
                 continue
@@ -84,8 +104,8 @@ def main_table(summary: dict, fp: dict[str, dict], budgets: list[float]) -> str:
                 if v is None:
                     cells.append("–")
                     continue
-                sd = f" ± {100 * v['accuracy_sd']:.2f}" if v["n_seeds"] > 1 else ""
-                cells.append(f"{100 * v['accuracy']:.2f}{sd} ({v['avg_bits']:.3f} b)")
+                spread = v["accuracy_sd"] if v["n_seeds"] > 1 else accuracy_se(v["accuracy"], fp[model]["n_test"])
+                cells.append(f"{100 * v['accuracy']:.2f} ± {100 * spread:.2f} ({v['avg_bits']:.3f} b)")
             secs = statistics.fmean(v["seconds"] for v in methods[method].values())
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {secs:.1f} |")
         notes = []
@@ -93,17 +113,18 @@ def main_table(summary: dict, fp: dict[str, dict], budgets: list[float]) -> str:
             ratio = _time_ratio(methods, a, "gptq")
             if ratio is not None:
                 notes.append(f"{METHOD_LABEL[a]} / GPTQ time: {ratio:.2f}×")
-            low = budgets[0]
-            if low in methods.get(a, {}) and low in methods.get("gptq", {}):
-                gap = 100 * (methods[a][low]["accuracy"] - methods["gptq"][low]["accuracy"])
-                notes.append(f"{METHOD_LABEL[a]} − GPTQ at {low:.1f} bits: {gap:+.2f} points")
         if notes:
             lines += ["", "; ".join(notes) + "."]
+        variants = variant_lines(list(records), model)
+        if variants:
+            lines += [""] + [f"* {v}" for v in variants]
         lines.append("")
     return "\n".join(lines)
 
 
-def frontier_plot(model: str, methods: dict, fp_acc: float, path: Path) -> None:
+def frontier_plot(model: str, methods: dict, fp_acc: float, path: Path, n_test: int) -> None:
+    """Accuracy against true average bits, one line per method; error bars: 95 % intervals of
+    test-set sampling (1.96 binomial SE; several seeds: 1.96 SD over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,12 +134,14 @@ def frontier_plot(model: str, methods: dict, fp_acc: float, path: Path) -> None:
     for method, label in METHOD_LABEL.items():
         if method not in methods:
             continue
-        pts = sorted((v["avg_bits"], 100 * v["accuracy"], 100 * v["accuracy_sd"]) for v in methods[method].values())
+        pts = sorted((v["avg_bits"], 100 * v["accuracy"], 196 * (v["accuracy_sd"] if v["n_seeds"] > 1 else
+                                                                 accuracy_se(v["accuracy"], n_test)))
+                     for v in methods[method].values())
         xs, ys, sds = zip(*pts)
         ax.errorbar(xs, ys, yerr=sds, marker="s" if method.startswith("bayesq") else "o", capsize=3, label=label)
     ax.axhline(100 * fp_acc, color="gray", ls="--", lw=1, label="FP")
     ax.set_xlabel("true average bits per weight")
-    ax.set_ylabel("top-1 accuracy (%)")
+    ax.set_ylabel("top-1 accuracy (%), 95 % bars")
     ax.set_title(model)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -345,7 +368,7 @@ def report(results: Path, models: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     paired, notes = paired_comparisons(records, Path(results).parent)
     write_json(out / "paired.json", paired)
-    (out / "main_table.md").write_text("\n".join((main_table(summary, fp, budgets), fidelity_table(summary, budgets),
+    (out / "main_table.md").write_text("\n".join((main_table(summary, fp, budgets, records), fidelity_table(summary, budgets),
                                                   paired_table(paired, notes))))
     (out / "exports.md").write_text(export_table(records))
     posteriors = Path(results).parent / "posteriors.json"
@@ -354,7 +377,7 @@ def report(results: Path, models: Path, out: Path) -> None:
     (out / "timings.md").write_text(timings_markdown(read_json(timings)) if timings.exists() else
                                     "# Quantize stage: wall time per task\n\nNo `timings.json` next to the results.\n")
     for model, methods in summary.items():
-        frontier_plot(model, methods, fp[model]["fp_accuracy"], out / f"frontier_{model}.png")
+        frontier_plot(model, methods, fp[model]["fp_accuracy"], out / f"frontier_{model}.png", fp[model]["n_test"])
     robustness_report(everything, out)
     metrics = {
         model: {"fp_accuracy": fp[model]["fp_accuracy"],
@@ -385,19 +408,46 @@ def layer_kind(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
 
-def _se(fp: dict) -> float:
-    """Binomial standard error (points) of an accuracy near the FP accuracy."""
-    a = fp["fp_accuracy"]
-    return 100 * (a * (1 - a) / fp["n_test"]) ** 0.5
-
-
 def _overhead(r: dict) -> float:
     return r.get("posterior_seconds", 0.0) + r.get("table_seconds", 0.0) + r["quantize_seconds"]
 
 
+def ablation_deltas(records: list[dict], base: tuple[str, str], budget: float, resamples: int | None = None,
+                    seed: int | None = None) -> dict[tuple[str, str, str], dict[str, dict]]:
+    """Paired differences of every row against the ``base`` row at ``budget``, per model, on the
+    same test examples (:func:`bayesq.comparison.paired_differences`, one bootstrap per model):
+    ``(model, group, row) -> {"accuracy": {diff, ci_low, ci_high} (points), "kl": {...} (nats)}``.
+    Rows or bases without a per-example file are left out."""
+    import torch
+
+    from bayesq.comparison import RESAMPLES, SEED, paired_differences
+
+    files = {(r["model"], r["group"], r["row"]): example_file(r, Path("."))
+             for r in records if r["budget"] == budget}
+    out = {}
+    for model in dict.fromkeys(k[0] for k in files):
+        ref_path = files.get((model, *base))
+        rows = [k for k, f in files.items() if k[0] == model and f is not None and k[1:] != base]
+        if ref_path is None or not rows:
+            continue
+        ref = _load(ref_path)
+        data = {k: _load(files[k]) for k in rows}
+        rows = [k for k in rows if data[k]["kl"].shape == ref["kl"].shape]
+        if not rows:
+            continue
+        x = torch.stack([data[k][key].double() * scale for k in rows for _, key, scale in PAIRED_METRICS], 1)
+        y = torch.stack([ref[key].double() * scale for _ in rows for _, key, scale in PAIRED_METRICS], 1)
+        res = iter(paired_differences(x, y, RESAMPLES if resamples is None else resamples,
+                                      SEED if seed is None else seed))
+        for k in rows:
+            out[k] = {metric: next(res).as_dict() for metric, _, _ in PAIRED_METRICS}
+    return out
+
+
 def ablation_table(records: list[dict], fp: dict[str, dict], extras: dict | None = None) -> str:
-    """The paper's ablation layout: categories of variants, accuracy per model and budget, the
-    change against the core row at the lowest budget, one-time cost relative to the core row."""
+    """The paper's ablation layout: categories of variants; per model and budget the accuracy,
+    true bits and KL to FP (± SE); the paired change against the core row at the lowest budget
+    with its 95 % interval; one-time cost relative to the core row."""
     models = list(dict.fromkeys(r["model"] for r in records))
     failed = {(r["model"], r["group"], r["row"]): r["error"] for r in records if "error" in r}
     records = [r for r in records if "error" not in r]
@@ -406,18 +456,22 @@ def ablation_table(records: list[dict], fp: dict[str, dict], extras: dict | None
     rows = list(dict.fromkeys((r["group"], r["row"]) for r in records))
     rows += [k[1:] for k in failed if k[1:] not in rows]
     base, low = rows[0], budgets[0]
-    heads = [f"{m} @{b:.1f}" for m in models for b in budgets] + [f"Δ {m} @{low:.1f}" for m in models]
+    deltas = ablation_deltas(records, base, low)
+    heads = ([f"{m} @{b:.1f}" for m in models for b in budgets] + [f"Δ KL {m} @{low:.1f}" for m in models]
+             + [f"Δ acc {m} @{low:.1f}" for m in models])
     lines = [
         "# Ablations: BayesQ with one component switched per row", "",
-        "Top-1 accuracy (%) on the test split, with the true average bits per quantised weight in "
-        "brackets (payload, scales, zero-points, look-up tables, codebooks and headers all counted). "
-        f"Δ: accuracy change against the core row (\"{base[1]}\") at {low:.1f} bits. Overhead: one-time "
-        "cost (posterior + loss table + allocation and encoding, wall seconds) relative to the core row; "
-        "no GPTQ baseline exists yet, so the core row is the reference (the paper uses a GPTQ pass). "
-        "One seed; one standard error of an accuracy is about "
-        + ", ".join(f"{_se(fp[m]):.2f} points on {m} ({fp[m]['n_test']} test examples)" for m in models)
-        + ", so differences below about twice that are not resolved. "
-        + "FP accuracy: " + ", ".join(f"{m} {100 * fp[m]['fp_accuracy']:.2f}%" for m in models) + ".", "",
+        "Each model / budget cell: top-1 accuracy (%) on the test split, the true average bits per "
+        "quantised weight in brackets (payload, scales, zero-points, look-up tables, codebooks and headers "
+        "all counted), then the mean KL(p_FP ‖ p_Q) over the test examples in nats ± its standard error. "
+        f"Δ: the row minus the core row (\"{base[1]}\") at {low:.1f} bits on the same test examples, KL in "
+        "nats and accuracy in points, with the 95 % interval of a paired bootstrap over test examples "
+        "(* : the interval excludes 0). Intervals cover test-set sampling only (one seed: "
+        + ", ".join(sorted({str(r["seed"]) for r in records})) + "; the calibration draw and fine-tune are "
+        "fixed). Overhead: one-time cost (posterior + loss table + allocation and encoding, wall seconds) "
+        "relative to the core row. FP accuracy: "
+        + ", ".join(f"{m} {100 * fp[m]['fp_accuracy']:.2f}% ({fp[m]['n_test']} test examples)" for m in models)
+        + ".", "",
         "| category | variant | " + " | ".join(heads) + " | overhead | settings |",
         "|---|---|" + "---|" * len(heads) + "---|---|",
     ]
@@ -434,13 +488,15 @@ def ablation_table(records: list[dict], fp: dict[str, dict], extras: dict | None
                     cells.append("failed¹" if (m, group, label) in failed else "–")
                     continue
                 over = ", ".join(f"`{k}={v}`" for k, v in r["overrides"].items())
-                cells.append(f"{100 * r['accuracy']:.2f} ({r['avg_bits']:.2f})")
+                kl = f" · {r['kl_mean']:.3g} ± {r['kl_se']:.2g}" if "kl_mean" in r else ""
+                cells.append(f"{100 * r['accuracy']:.2f} ({r['avg_bits']:.2f}){kl}")
                 ref = cell.get((m, *base, b))
                 if ref and _overhead(ref) > 0:
                     ratios.append(_overhead(r) / _overhead(ref))
-        for m in models:
-            r, ref = cell.get((m, group, label, low)), cell.get((m, *base, low))
-            cells.append("–" if r is None or ref is None else f"{100 * (r['accuracy'] - ref['accuracy']):+.2f}")
+        for metric, fmt in (("kl", "+.3g"), ("accuracy", "+.2f")):
+            for m in models:
+                d = deltas.get((m, group, label))
+                cells.append("0" if (group, label) == base else "–" if d is None else _ci(d[metric], fmt))
         ovh = f"{sum(ratios) / len(ratios):.2f}×" if ratios else "–"
         lines.append(f"| | {label} | " + " | ".join(cells) + f" | {ovh} | {over or 'defaults'} |")
     lines.append("")

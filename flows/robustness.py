@@ -117,18 +117,18 @@ def example_scores(logit, labels, fp_file: Path, examples: Path, model: str) -> 
 
 
 def evaluate_model(entry, model, splits, data, raw: Path, rob, ood: bool, seed: int,
-                   examples: Path | None = None) -> dict:
+                   examples: Path | None = None, fp_file: Path | None = None) -> dict:
     """``{"calibration": test summary, "ood": shifted-data results or None}``.
 
     With ``examples`` (``<results>/examples/<row>.safetensors``) and the FP model's test logits
-    next to it (:func:`fp_logits_file`, written by :func:`fp_eval_task`), also the per-example
-    comparison with FP (:func:`example_scores`): ``kl_mean``, ``kl_se``, ``agreement`` and
-    ``examples_file``.
+    (``fp_file``, default :func:`fp_logits_file` next to ``examples``; written by
+    :func:`fp_eval_task`), also the per-example comparison with FP (:func:`example_scores`):
+    ``kl_mean``, ``kl_se``, ``agreement`` and ``examples_file``.
     """
     res, logit = _evaluate(entry, model, splits, data, raw, rob, ood, seed)
     if examples is not None:
-        res.update(example_scores(logit, splits.test_labels, fp_logits_file(Path(examples).parent, entry.name),
-                                  Path(examples), entry.name) or {})
+        fp_file = Path(fp_file) if fp_file is not None else fp_logits_file(Path(examples).parent, entry.name)
+        res.update(example_scores(logit, splits.test_labels, fp_file, Path(examples), entry.name) or {})
     return res
 
 

@@ -34,10 +34,12 @@ def seed_stats(values: list[float]) -> tuple[float, float, float]:
     return mean, sd, float(stats.t.ppf(0.975, n - 1)) * sd / n**0.5
 
 
-def _cell(values: list[float], scale: float, digits: int = 2) -> str:
+def _cell(values: list[float], scale: float, digits: int = 2, se: float | None = None) -> str:
+    """One seed: the value (± ``se``, its standard error over test examples, when known); several:
+    mean ± SD [95 % t-interval] over seeds."""
     mean, sd, half = seed_stats([scale * v for v in values])
     if len(values) < 2:
-        return f"{mean:.{digits}f}"
+        return f"{mean:.{digits}f}" + ("" if se is None else f" ± {scale * se:.{digits}f}")
     return f"{mean:.{digits}f} ± {sd:.{digits}f} [{mean - half:.{digits}f}, {mean + half:.{digits}f}]"
 
 
@@ -53,8 +55,10 @@ def _rows(records: list[dict], model: str, budget: float | None) -> dict[str, li
 def _seeds_note(records: list[dict]) -> str:
     seeds = sorted({r["seed"] for r in records if r["method"] != "fp"})
     if len(seeds) < 2:
-        return (f"One seed ({', '.join(map(str, seeds))}; the quick profile): single values, no interval. "
-                "`make run PROFILE=full` runs seeds 17, 29, 43 and reports mean ± SD [95 % t-interval].")
+        return (f"One seed ({', '.join(map(str, seeds))}; the quick profile): value ± its bootstrap standard "
+                "error over the test examples (100 resamples; test-set sampling only, not the calibration draw "
+                "or the fine-tune); the random-bin ECE ± its SD over the 20 sets of bin edges. "
+                "`make run PROFILE=full` runs seeds 17, 29, 43 and reports mean ± SD [95 % t-interval] over seeds.")
     return (f"Seeds {', '.join(map(str, seeds))} (calibration set resampled per seed): mean ± SD "
             "[95 % t-interval] over seeds.")
 
@@ -72,7 +76,10 @@ def calibration_table(records: list[dict], budget: float) -> list[str]:
             continue
         lines += [f"### {model}", "", f"| method | {head} |", "|---|" + "---|" * len(CAL_COLUMNS)]
         for method, rs in rows.items():
-            cells = [_cell([r["calibration"][k] for r in rs], s, 2 if s == 100 else 3) for k, _, s in CAL_COLUMNS]
+            cal = rs[0]["calibration"]
+            spread = {**cal.get("se", {}), **({"ece_random": cal["ece_random_sd"]} if "ece_random_sd" in cal else {})}
+            cells = [_cell([r["calibration"][k] for r in rs], s, 2 if s == 100 else 3, spread.get(k))
+                     for k, _, s in CAL_COLUMNS]
             lines.append(f"| {LABEL[method]} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines

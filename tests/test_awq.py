@@ -10,6 +10,7 @@ from bayesq.baselines.awq import (
     awq_candidates, awq_quantize, awq_select, output_error, scale_bits_total, search_scale,
 )
 from bayesq.baselines.rtn import rtn_blocks, rtn_quantize
+from bayesq.baselines.select import corrected, stats_correction
 from bayesq.blocks import layer_blocks, quantizable_layers
 from bayesq.config import Granularity, QuantConfig
 
@@ -127,6 +128,21 @@ def test_awq_select_returns_least_calibration_kl():
     assert choice.kl == pytest.approx(want, rel=1e-9)
     assert choice.variant == min(want, key=want.get)
     assert choice.avg_bits[choice.variant] == choice.result.average_bits <= 4.0
+
+
+def test_awq_select_bias_correction_vs_output_shift_of_scaled_weights():
+    model, batches, stats = _calibrated(1)
+    cands = awq_candidates(model, stats, 4.0, CFG, group_sizes=GROUP_SIZES, grid=5)
+    choice = awq_select(model, stats, batches, 4.0, CFG, group_sizes=GROUP_SIZES, grid=5, bias_correction=True)
+    assert set(choice.kl) == {k for v in cands for k in (v, f"{v}+bc")}
+    assert choice.variant == min(choice.kl, key=choice.kl.get)
+    res = next(iter(cands.values()))()
+    fixed = corrected(res, model, stats_correction(model, stats, batches)).model
+    for n in ("0", "2"):  # bias moved by (W - Q/s) abar, Q/s the dequantised AWQ weight the module holds
+        d = model.get_submodule(n).weight - res.model.get_submodule(n).weight
+        shift = fixed.get_submodule(n).bias - res.model.get_submodule(n).bias
+        assert torch.allclose(shift, d @ stats[n].mean[0], atol=1e-12)
+        assert shift.abs().max() > 1e-6  # a real shift, not a no-op
 
 
 def test_awq_select_infeasible_budget_raises():

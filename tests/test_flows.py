@@ -140,10 +140,15 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     report(results / "results.json", models, reports)
     table_md = (reports / "main_table.md").read_text()
     assert "## tiny-cnn" in table_md and "RTN per-group" in table_md and "HAWQ" in table_md
-    assert "BayesQ / GPTQ time:" in table_md and "BayesQ − GPTQ at 3.0 bits:" in table_md
+    assert "BayesQ / GPTQ time:" in table_md
+    bq = next(r for r in records if r["method"] == "bayesq" and r["budget"] == 3.0)  # accuracy ± binomial SE
+    se = 100 * (bq["accuracy"] * (1 - bq["accuracy"]) / read_json(models / "tiny-cnn" / "fp.json")["n_test"]) ** 0.5
+    assert f"| BayesQ | {100 * bq['accuracy']:.2f} ± {se:.2f} (" in table_md
     assert (reports / "frontier_tiny-cnn.png").stat().st_size > 0
     cal_md = (reports / "calibration_robustness.md").read_text()
     assert "## Calibration and tails at 3.0 bits" in cal_md and "One seed" in cal_md
+    ece, ece_se = bq["calibration"]["ece"], bq["calibration"]["se"]["ece"]  # value ± bootstrap SE
+    assert f"| BayesQ | {100 * bq['accuracy']:.2f} ± " in cal_md and f"{100 * ece:.2f} ± {100 * ece_se:.2f}" in cal_md
     assert "mCE" in cal_md and "## Distillation" in cal_md and "BayesQ + distillation" in cal_md
     assert (reports / "reliability_tiny-cnn.png").stat().st_size > 0
     assert (reports / "layer_bits_tiny-cnn.png").stat().st_size > 0
@@ -288,8 +293,25 @@ def test_ablation_flow_rows_failures_and_report(tmp_path, prefect_harness, tiny_
     ablation_report(out / "ablations.json", models, tmp_path / "reports" / "ablations.md")
     md = (tmp_path / "reports" / "ablations.md").read_text()
     for text in ("| **codebook** |", "Lloyd LUT", "failed¹", "at least 16 bits", "Diminishing returns",
-                 "Per-layer bit allocation", "`quant.codebook=lloyd`"):
+                 "Per-layer bit allocation", "`quant.codebook=lloyd`", "Δ KL tiny-cnn @3.0"):
         assert text in md, text
+    # every row scored example by example against the FP logits, one folder per row
+    files = {r["examples_file"] for r in ok}
+    assert len(files) == 8 and all(Path(f).is_relative_to(out / "examples") for f in files)
+    assert all(r["kl_mean"] >= 0 and r["kl_se"] >= 0 for r in ok)
+    from safetensors.torch import load_file
+
+    from bayesq.comparison import paired_difference
+    from flows.report import ablation_deltas
+
+    at3 = {r["row"]: r for r in ok if r["budget"] == 3.0}
+    deltas = ablation_deltas(ok, ("core", "BayesQ"), 3.0)
+    for row, group in (("Lloyd LUT", "codebook"), ("always kept", "distillation")):
+        mine, core = (load_file(at3[k]["examples_file"]) for k in (row, "BayesQ"))
+        assert float(mine["kl"].double().mean()) == pytest.approx(at3[row]["kl_mean"], rel=1e-6)
+        for metric, key, scale in (("kl", "kl", 1.0), ("accuracy", "correct", 100.0)):
+            want = paired_difference(scale * mine[key].double(), scale * core[key].double())
+            assert deltas[("tiny-cnn", group, row)][metric] == pytest.approx(want.as_dict(), rel=1e-9, abs=1e-12)
 
 
 class TinyEntryB(TinyEntry):

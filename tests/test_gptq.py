@@ -230,6 +230,17 @@ def test_gptq_select_returns_least_calibration_kl():
         assert torch.equal(q.codes, winner.weights[n].codes)
 
 
+def test_gptq_select_bias_correction_offers_each_variant_corrected():
+    model, batches, stats = _calibrated(1)
+    plain = gptq_select(model, stats, batches, 4.0, CFG, group_sizes=GROUP_SIZES)
+    both = gptq_select(model, stats, iter(batches), 4.0, CFG, group_sizes=GROUP_SIZES, bias_correction=True)
+    assert set(both.kl) == set(plain.kl) | {f"{k}+bc" for k in plain.kl}
+    for k, v in plain.kl.items():  # the uncorrected forms score as without the option
+        assert both.kl[k] == pytest.approx(v, rel=1e-12)
+    assert both.variant == min(both.kl, key=both.kl.get)
+    assert both.kl[both.variant] <= plain.kl[plain.variant]
+
+
 def test_gptq_select_infeasible_budget_names_minimum():
     model, batches, stats = _calibrated()
     with pytest.raises(ValueError, match="infeasible for GPTQ") as err:

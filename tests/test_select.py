@@ -1,5 +1,6 @@
 """The baselines' variant selection: exact costs, feasible variants, the calibration-KL choice."""
 
+import copy
 import math
 
 import pytest
@@ -12,8 +13,9 @@ from nets import TokenModel
 from bayesq.baselines.rtn import rtn_quantize
 from bayesq.baselines.select import (
     UniformVariant, check_feasible, encoding_config, given_allocation, layouts, mean_kl, reference_log_probs,
-    select_best, uniform_bits, uniform_variants,
+    select_best, stats_correction, uniform_bits, uniform_variants,
 )
+from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.blocks import quantizable_layers
 from bayesq.config import BaselinesConfig, Granularity, QuantConfig, load_params
 from bayesq.expected_loss import LossTable
@@ -98,6 +100,52 @@ def test_select_best_returns_least_calibration_kl():
     assert choice.variant == min(want, key=want.get)
     assert choice.result.average_bits == choice.avg_bits[choice.variant] <= budgets[choice.variant]
     assert explicit_kl(model, choice.result.model, batches) == pytest.approx(want[choice.variant], rel=1e-9)
+
+
+def _corrected_by_hand(fp, q, batches):
+    """Copy of ``q`` whose Linear biases absorb (W - Q) abar, abar the mean input of each layer on
+    ``batches`` computed directly from the FP model's activations (float64)."""
+    x = torch.cat(batches)
+    with torch.no_grad():
+        inputs = [x, torch.relu(fp[0](x))]  # what fp[0] and fp[2] read
+        out = copy.deepcopy(q)
+        for i, a in zip((0, 2), inputs):
+            out[i].bias += (fp[i].weight - q[i].weight) @ a.mean(0)
+    return out
+
+
+def test_select_best_with_correction_scores_both_forms_vs_hand_corrected():
+    model, batches = _model(), _batches()
+    budgets = {"b3.3": 3.3, "b4.5": 4.5}
+    cands = {k: (lambda b=b: rtn_quantize(model, Granularity.GROUP, b, CFG)) for k, b in budgets.items()}
+    stats = input_stats(model, batches, quantizable_layers(model))
+    choice = select_best(cands, model, batches, stats_correction(model, stats, batches))
+    want = {}
+    for k, build in cands.items():
+        q = build().model
+        want[k] = explicit_kl(model, q, batches)
+        want[f"{k}+bc"] = explicit_kl(model, _corrected_by_hand(model, q, batches), batches)
+    assert set(choice.kl) == set(want)
+    for k in want:
+        assert choice.kl[k] == pytest.approx(want[k], rel=1e-9, abs=1e-15)
+    assert want["b3.3+bc"] < want["b3.3"]  # the correction helps here, so the test can tell the forms apart
+    assert choice.variant == min(want, key=want.get)
+    if choice.variant.endswith("+bc"):
+        assert choice.result.correction is not None
+        assert explicit_kl(model, choice.result.model, batches) == pytest.approx(want[choice.variant], rel=1e-9)
+    # the candidate's own result is not corrected in place
+    plain = select_best(cands, model, batches)
+    assert set(plain.kl) == set(budgets) and plain.result.correction is None
+
+
+def test_stats_correction_without_means_names_the_fix():
+    model, batches = _model(), _batches()
+    stats = input_stats(model, batches, quantizable_layers(model))
+    no_mean = {n: InputStats(s.H, s.abs_mean, s.n) for n, s in stats.items()}
+    with pytest.raises(ValueError, match="no mean input.*input_stats"):
+        stats_correction(model, no_mean, batches)
+    with pytest.raises(ValueError, match="empty calibration set"):
+        stats_correction(model, stats, [])
 
 
 def _stub(model):

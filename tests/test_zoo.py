@@ -164,6 +164,28 @@ def test_finetune_seeded_learns_and_ends_in_eval_mode() -> None:
     assert after >= 0.9 and after >= before
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_finetune_runs_on_configured_threads_and_restores_count(threads) -> None:
+    entry = LinearEntry()
+    splits = entry.load_splits(TINY_DATA, entry.default_raw)
+    seen = []
+    model = entry.build()
+    model.register_forward_pre_hook(lambda mod, args: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    entry.finetune(model, splits, TINY_DATA, FinetuneConfig(epochs=1, batch_size=16, threads=threads))
+    assert seen and set(seen) == {threads}
+    assert torch.get_num_threads() == before
+    seen.clear()
+    entry.finetune(model, splits, TINY_DATA, FinetuneConfig(epochs=1, batch_size=16, threads=0))
+    assert set(seen) == {before}  # 0: the count as set
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
+def test_finetune_config_bad_threads_names_field(value) -> None:
+    with pytest.raises(ValueError, match="finetune.threads"):
+        FinetuneConfig(threads=value)
+
+
 # ---------------------------------------------------------------- image entry
 
 

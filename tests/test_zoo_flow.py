@@ -149,14 +149,18 @@ def test_zoo_flow_killed_and_restarted_redoes_no_finished_task(zoo_setup):
            "--models", str(tmp / "models"), "--out", str(tmp / "zoo")]
     marker, export = tmp / "stalled", tmp / "zoo" / "exports" / "tiny-cnn_bayesq-distill_b4.0_s17.safetensors"
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "BAYESQ_TEST_STALL": str(marker)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = tmp / "first_run.log"
+    # the flow prints "[zoo] tiny-cnn budget ..." once tiny-cnn's task futures resolved, i.e. after its
+    # results were persisted: the signal that the first model is finished while the second stalls
+    finished = lambda: marker.exists() and "[zoo] tiny-cnn budget" in log.read_text()  # noqa: E731
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "BAYESQ_TEST_STALL": str(marker)},
+                                stdout=out, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 300
-        while not (marker.exists() and export.exists()) and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.5)
-        assert marker.exists() and export.exists(), "the first run did not reach the stalled model"
-        time.sleep(2)  # let the finished task's result be persisted
+        while not finished() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.5)  # polling, with a deadline
+        assert finished() and export.exists(), "the first run did not reach the stalled model"
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -36,7 +36,7 @@ from torch import nn
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.select import (
     GROUP_SIZES, BaselineChoice, baseline_blocks, check_feasible, cheapest_bits, mixed_min_bits, select_best,
-    uniform_variants,
+    stats_correction, uniform_variants,
 )
 from bayesq.blocks import LayerBlocks, checked_layers
 from bayesq.codebook import minmax_grids
@@ -195,13 +195,16 @@ def awq_candidates(
 def awq_select(
     model: nn.Module, stats: dict[str, InputStats], batches: Iterable[Batch], budget: float,
     cfg: QuantConfig = QuantConfig(), *, granularity: Granularity = Granularity.GROUP,
-    group_sizes: Sequence[int] = GROUP_SIZES, grid: int = GRID,
+    group_sizes: Sequence[int] = GROUP_SIZES, grid: int = GRID, bias_correction: bool = False,
 ) -> BaselineChoice:
     """The AWQ variant of :func:`awq_candidates` with the least mean calibration
-    ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from).
+    ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from); ``bias_correction``:
+    each variant also in its bias-corrected form (:func:`bayesq.baselines.select.select_best`).
 
     Raises:
         ValueError: as :func:`awq_candidates`; an empty ``batches``.
     """
     cands = awq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes, grid=grid)
-    return select_best(cands, model, batches)
+    batches = list(batches)  # read by the correction's target search and by the selection
+    correction = stats_correction(model, stats, batches) if bias_correction else None
+    return select_best(cands, model, batches, correction)

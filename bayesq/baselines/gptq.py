@@ -33,7 +33,7 @@ from torch import nn
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.select import (
     GROUP_SIZES, BaselineChoice, baseline_blocks, check_feasible, cheapest_bits, given_allocation,
-    mixed_min_bits, select_best, uniform_variants,
+    mixed_min_bits, select_best, stats_correction, uniform_variants,
 )
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.config import Granularity, QuantConfig, Rounding
@@ -158,14 +158,17 @@ def gptq_select(
     model: nn.Module, stats: dict[str, InputStats], batches: Iterable[Batch], budget: float,
     cfg: QuantConfig = QuantConfig(), *, granularity: Granularity = Granularity.GROUP,
     group_sizes: Sequence[int] = GROUP_SIZES, allocation: Mapping[str, Sequence[int]] | None = None,
-    act_order: bool = True, damp: float = DAMP,
+    act_order: bool = True, damp: float = DAMP, bias_correction: bool = False,
 ) -> BaselineChoice:
     """The GPTQ variant of :func:`gptq_candidates` with the least mean calibration
-    ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from).
+    ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from); ``bias_correction``:
+    each variant also in its bias-corrected form (:func:`bayesq.baselines.select.select_best`).
 
     Raises:
         ValueError: as :func:`gptq_candidates`; an empty ``batches``.
     """
     cands = gptq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes,
                             allocation=allocation, act_order=act_order, damp=damp)
-    return select_best(cands, model, batches)
+    batches = list(batches)  # read by the correction's target search and by the selection
+    correction = stats_correction(model, stats, batches) if bias_correction else None
+    return select_best(cands, model, batches, correction)

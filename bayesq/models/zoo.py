@@ -21,6 +21,7 @@ Nothing is loaded at import time: weights, tokenizer and data are read when aske
 from __future__ import annotations
 
 import abc
+import contextlib
 import difflib
 import math
 from dataclasses import dataclass
@@ -135,7 +136,8 @@ class ZooEntry(abc.ABC):
         """Fine-tune all parameters with AdamW and cross-entropy on ``splits.train_*``.
 
         ``self.epochs(cfg)`` epochs over a fresh seeded shuffle each (``cfg.seed``), mini-batches of
-        ``cfg.batch_size`` preprocessed on the fly. The global RNG state is restored afterwards.
+        ``cfg.batch_size`` preprocessed on the fly, on ``cfg.threads`` torch threads (0: as set).
+        The global RNG state and thread count are restored afterwards.
 
         Returns:
             ``model`` itself, trained in place, in eval mode.
@@ -146,7 +148,7 @@ class ZooEntry(abc.ABC):
         n = len(splits.train_labels)
         epochs = self.epochs(cfg)
         steps = epochs * math.ceil(n / cfg.batch_size)
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _threads(cfg.threads or torch.get_num_threads()):
             torch.manual_seed(cfg.seed)
             model.train()
             bar = tqdm(total=steps, desc=f"finetune {self.name}", unit="batch", disable=None)
@@ -168,6 +170,17 @@ class ZooEntry(abc.ABC):
         opt.zero_grad(set_to_none=True)
         model.eval()
         return model
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    """Run the block on ``n`` torch intra-op threads, then restore the previous count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # --------------------------------------------------------------------------- images
