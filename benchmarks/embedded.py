@@ -1,8 +1,8 @@
 """Shared setup of the benchmarks that evaluate one fine-tuned embedded model at one budget.
 
-``case(description)`` parses ``--model --budget --seed --params`` and loads what ``make run``
-left behind: the fine-tuned model (``models/``), its data (``data/raw``), the seed's
-calibration batches and the test batches.
+``case(description)`` parses ``--model --budget --seed --params --models --raw`` and loads what
+``make run`` left behind: the fine-tuned model (``--models``, default ``models/``), its data
+(``--raw``, default ``data/raw``), the seed's calibration batches and the test batches.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def case(description: str) -> Case:
     p.add_argument("--budget", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--params", type=Path, default=Path("params.yaml"))
+    p.add_argument("--models", type=Path, default=Path("models"), help="folder of fine-tuned models")
+    p.add_argument("--raw", type=Path, default=Path("data/raw"), help="folder of the raw data")
     a = p.parse_args()
 
     from bayesq.models.zoo import get_entry
@@ -46,8 +48,8 @@ def case(description: str) -> Case:
 
     params = read_params(a.params)
     entry = get_entry(a.model)
-    model = load_model(entry, Path("models") / a.model / "model.safetensors")
-    splits = entry.load_splits(params.data, raw_path(entry, Path("data/raw")))
+    model = load_model(entry, a.models / a.model / "model.safetensors")
+    splits = entry.load_splits(params.data, raw_path(entry, a.raw))
     _, batches = calibration_batches(entry, splits, params.data, params.calibration, a.seed)
     test = entry.batches(splits.test_inputs, 64, params.data)
     return Case(a.model, a.budget, a.seed, params, model, batches, test, splits.test_labels)
