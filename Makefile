@@ -36,7 +36,11 @@ else
 endif
 
 ablations: venv data
+ifeq ($(PROFILE),quick)
 	dvc repro ablation_report
+else
+	dvc exp run -S profile=$(PROFILE) ablation_report
+endif
 
 test: venv
 	$(PY) -m pytest
