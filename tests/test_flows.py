@@ -237,6 +237,20 @@ def test_read_params_misspelled_key_is_clear(tmp_path):
         read_params(path)
 
 
+def test_params_yaml_ablation_rows_validate_in_every_profile():
+    from bayesq.config import load_params
+    from flows.ablate import ablation_rows
+
+    raw = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
+    rows = {}
+    for profile in raw["profiles"]:
+        rows[profile] = [(g, label) for g, label, _, _ in ablation_rows(load_params({**raw, "profile": profile}))]
+        assert rows[profile][0][0] == "core"  # the reference row comes first
+    assert set(rows["quick"]) < set(rows["full"])  # full adds the exploratory rows to the default ones
+    for group in ("objective", "cost terms", "prior", "distillation acceptance"):
+        assert any(g == group for g, _ in rows["quick"]), group
+
+
 def test_ablation_row_method_must_be_one_a_row_can_run(tmp_path):
     from flows.ablate import ablation_rows
     from flows.common import read_params
