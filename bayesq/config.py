@@ -209,6 +209,7 @@ class QuantConfig:
     act_order: bool = True
     refit: bool = True
     feedback_table: bool = True
+    feedback_search: bool = False
     cd_passes: int = 2
     select_grids: bool = True
     bias_correction: bool = True
@@ -265,7 +266,7 @@ class QuantConfig:
             _fail(s, "min_range_ratio", self.min_range_ratio, "must be in (0, 1]")
         if isinstance(self.cd_passes, bool) or not isinstance(self.cd_passes, int) or self.cd_passes < 0:
             _fail(s, "cd_passes", self.cd_passes, "must be an integer >= 0 (0: error-feedback codes as they are)")
-        for name in ("act_order", "refit", "feedback_table", "select_grids", "bias_correction"):
+        for name in ("act_order", "refit", "feedback_table", "feedback_search", "select_grids", "bias_correction"):
             if not isinstance(getattr(self, name), bool):
                 _fail(s, name, getattr(self, name), "must be true or false")
 

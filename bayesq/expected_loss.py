@@ -251,13 +251,27 @@ class _LayerFit:
 class _DeployedFit(_LayerFit):
     """Codebook fits under the ``deployed`` objective: every cost is the metric-weighted squared
     error of the stored weights, ``sum_i omega_i (Q(mu_i) - mu_i)^2``; the posterior's variances
-    do not enter (they add the same constant to every candidate)."""
+    do not enter (they add the same constant to every candidate).
 
-    def __init__(self, blocks: LayerBlocks, mu: torch.Tensor, omega: torch.Tensor, cfg: QuantConfig):
+    ``entry_omega`` (error-feedback gains applied, :func:`feedback_weights`): the codebooks are
+    fitted under ``omega`` and the table entries of grids are their cost under ``entry_omega``.
+    """
+
+    def __init__(self, blocks: LayerBlocks, mu: torch.Tensor, omega: torch.Tensor, cfg: QuantConfig,
+                 entry_omega: torch.Tensor | None = None):
         self.blocks, self.cfg = blocks, cfg
         self.mu, self.mask = blocks.to_groups(mu.reshape(-1))  # (G, g) each
         self.omega, _ = blocks.to_groups(omega.reshape(-1))
         self.weight = self.mask * self.omega
+        self.entry_weight = None if entry_omega is None else self.mask * blocks.to_groups(entry_omega.reshape(-1))[0]
+
+    def candidate(self, bits: int) -> tuple[Book, torch.Tensor, str]:
+        book, loss, kind = super().candidate(bits)
+        if self.entry_weight is not None:
+            if kind != "grid":
+                raise ValueError(f"error-feedback table entries need uniform grids, got a '{kind}' codebook")
+            loss = self._units(grid_sq_error(self.mu, self.entry_weight, book))
+        return book, loss, kind
 
     def uniform(self, grids: UniformGrids) -> torch.Tensor:
         return grid_sq_error(self.mu, self.weight, grids)
@@ -281,22 +295,26 @@ class _DeployedFit(_LayerFit):
 
 
 def layer_table(blocks: LayerBlocks, mu: torch.Tensor, sigma: torch.Tensor | None, cfg: QuantConfig,
-                omega: torch.Tensor | None = None) -> LayerTable:
+                omega: torch.Tensor | None = None, entry_omega: torch.Tensor | None = None) -> LayerTable:
     """Closed-form table of one layer.
 
     ``quant.objective = deployed``: ``L_u(b) = 0.5 sum_{i in u} omega_i (Q_b(mu_i) - mu_i)^2``
     (``omega`` required: the metric, e.g. the data curvature); ``draws``: the expected distortion
     of posterior draws (``sigma`` required; ``omega`` None = whitening ``1 / sigma^2``).
+    ``entry_omega`` (deployed only): the codebooks are fitted under ``omega`` and the entries are
+    ``0.5 sum_{i in u} entry_omega_i (Q_b(mu_i) - mu_i)^2`` (the error-feedback table).
 
     Args:
-        mu, sigma, omega: float64 shaped like the weight (posterior means, standard deviations,
-            metric weights).
+        mu, sigma, omega, entry_omega: float64 shaped like the weight (posterior means, standard
+            deviations, metric weights, entry weights).
     """
     if Objective(cfg.objective) == Objective.DEPLOYED:
         if omega is None:
             raise ValueError("the deployed objective needs the metric weights omega (e.g. the data curvature)")
-        fit: _LayerFit = _DeployedFit(blocks, mu, omega, cfg)
+        fit: _LayerFit = _DeployedFit(blocks, mu, omega, cfg, entry_omega)
     else:
+        if entry_omega is not None:
+            raise ValueError("entry_omega (the error-feedback table) needs the deployed objective")
         fit = _LayerFit(blocks, mu, sigma, omega, cfg)
     books, losses, kinds = [], [], []
     for b in cfg.bits:
@@ -359,14 +377,20 @@ def posterior_table(
 
     ``gains``: layer -> error-feedback gains ``r_j`` multiplying the metric's columns
     (:func:`feedback_weights`; the deployed objective of a layer rounded with error feedback).
+    They weigh the table entries; the grids' ranges are searched under the metric without them
+    unless ``cfg.feedback_search`` (the gains price small independent rounding errors, and a
+    clipped weight's error is neither: docs/method.md section 18d).
     """
     tables = []
     for lb in tqdm(blocks, desc="loss table", disable=not progress, leave=False):
         omega = metric_weights(posterior, lb.name, Whitening(cfg.whitening), input_diag, cfg.objective,
                                cfg.cost_terms)
+        entry = None
         if gains is not None and omega is not None:
-            omega = feedback_weights(omega, gains[lb.name])
-        tables.append(layer_table(lb, posterior.mean[lb.name], posterior.std(lb.name), cfg, omega))
+            entry = feedback_weights(omega, gains[lb.name])
+            if cfg.feedback_search:
+                omega, entry = entry, None
+        tables.append(layer_table(lb, posterior.mean[lb.name], posterior.std(lb.name), cfg, omega, entry))
     return LossTable(tuple(tables))
 
 

@@ -297,7 +297,27 @@ def test_posterior_table_with_gains_is_the_table_of_the_scaled_metric():
     gain = torch.rand(mu.shape[1], generator=torch.Generator().manual_seed(19), dtype=F64)
     post = Posterior({"l": mu}, {"l": 1 / (h + 1)}, 10, curvature={"l": h}, prior_precision={"l": 1.0})
     lb = LayerBlocks("l", tuple(mu.shape), 32, 4)
-    cfg = QuantConfig(group_size=32, unit_groups=4, bits=(2, 3, 8))
+    cfg = QuantConfig(group_size=32, unit_groups=4, bits=(2, 3, 8), feedback_search=True)
     got = posterior_table(post, [lb], cfg, progress=False, gains={"l": gain}).layers[0]
     want = layer_table(lb, mu, None, cfg, h * gain)
     torch.testing.assert_close(got.unit_loss, want.unit_loss, rtol=0, atol=0)
+
+
+def test_posterior_table_with_gains_searches_the_plain_metric_and_prices_the_scaled_one():
+    mu, _ = _layer(17)
+    h = torch.rand(mu.shape, generator=torch.Generator().manual_seed(18), dtype=F64)
+    gain = torch.rand(mu.shape[1], generator=torch.Generator().manual_seed(19), dtype=F64)
+    post = Posterior({"l": mu}, {"l": 1 / (h + 1)}, 10, curvature={"l": h}, prior_precision={"l": 1.0})
+    lb = LayerBlocks("l", tuple(mu.shape), 32, 4)
+    cfg = QuantConfig(group_size=32, unit_groups=4, bits=(2, 3, 8))
+    got = posterior_table(post, [lb], cfg, progress=False, gains={"l": gain}).layers[0]
+    plain = layer_table(lb, mu, None, cfg, h)
+    w, _ = lb.to_groups(mu.reshape(-1))
+    weight, _ = lb.to_groups((h * gain).reshape(-1))
+    for j, (book, ref) in enumerate(zip(got.books, plain.books)):
+        torch.testing.assert_close(book.scale, ref.scale, rtol=0, atol=0)  # searched without the gains
+        torch.testing.assert_close(book.zero, ref.zero, rtol=0, atol=0)
+        err = weight * (book.dequantize(book.quantize(w)) - w) ** 2  # (G, g): priced with them
+        unit = lb.group_unit()  # (G,)
+        want = torch.tensor([0.5 * float(err[unit == u].sum()) for u in range(int(unit.max()) + 1)], dtype=F64)
+        torch.testing.assert_close(got.unit_loss[:, j], want, rtol=1e-12, atol=0)
