@@ -209,7 +209,7 @@ class QuantConfig:
     act_order: bool = True
     refit: bool = True
     feedback_table: bool = True
-    feedback_search: bool = False
+    feedback_search: bool = True
     cd_passes: int = 2
     select_grids: bool = True
     bias_correction: bool = True

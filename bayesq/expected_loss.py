@@ -377,9 +377,10 @@ def posterior_table(
 
     ``gains``: layer -> error-feedback gains ``r_j`` multiplying the metric's columns
     (:func:`feedback_weights`; the deployed objective of a layer rounded with error feedback).
-    They weigh the table entries; the grids' ranges are searched under the metric without them
-    unless ``cfg.feedback_search`` (the gains price small independent rounding errors, and a
-    clipped weight's error is neither: docs/method.md section 18d).
+    They weigh the table entries, and with ``cfg.feedback_search`` (the default) the grids' range
+    search too; without it the ranges are searched under the metric without them (the gains
+    price small independent rounding errors, and a clipped weight's error is neither:
+    docs/method.md section 18d).
     """
     tables = []
     for lb in tqdm(blocks, desc="loss table", disable=not progress, leave=False):

@@ -309,7 +309,7 @@ def test_posterior_table_with_gains_searches_the_plain_metric_and_prices_the_sca
     gain = torch.rand(mu.shape[1], generator=torch.Generator().manual_seed(19), dtype=F64)
     post = Posterior({"l": mu}, {"l": 1 / (h + 1)}, 10, curvature={"l": h}, prior_precision={"l": 1.0})
     lb = LayerBlocks("l", tuple(mu.shape), 32, 4)
-    cfg = QuantConfig(group_size=32, unit_groups=4, bits=(2, 3, 8))
+    cfg = QuantConfig(group_size=32, unit_groups=4, bits=(2, 3, 8), feedback_search=False)
     got = posterior_table(post, [lb], cfg, progress=False, gains={"l": gain}).layers[0]
     plain = layer_table(lb, mu, None, cfg, h)
     w, _ = lb.to_groups(mu.reshape(-1))
