@@ -52,6 +52,7 @@ def test_load_params_unknown_profile():
         (QuantConfig, {"bits": (2, 16)}, "quant.bits"),
         (QuantConfig, {"group_size": 0}, "quant.group_size"),
         (QuantConfig, {"feedback_table": "yes"}, "quant.feedback_table"),
+        (QuantConfig, {"feedback_search": "yes"}, "quant.feedback_search"),
         (QuantConfig, {"refit": 1}, "quant.refit"),
         (QuantConfig, {"codebook": "vq", "unit": "tensor", "vq_dim": 4, "group_size": 30, "rounding": "nearest"}, "quant.group_size"),
         (BayesQConfig, {"budget": -1.0}, "config.budget"),

@@ -291,12 +291,18 @@ def test_feedback_weights_vs_loop_over_conv_groups():
         feedback_weights(omega, torch.ones(4, 18, dtype=F64))
 
 
-def test_posterior_table_with_gains_is_the_table_of_the_scaled_metric():
+def _gain_case():
+    """A layer's means, data curvature h, error-feedback gains, its posterior and blocks."""
     mu, _ = _layer(17)
     h = torch.rand(mu.shape, generator=torch.Generator().manual_seed(18), dtype=F64)
     gain = torch.rand(mu.shape[1], generator=torch.Generator().manual_seed(19), dtype=F64)
     post = Posterior({"l": mu}, {"l": 1 / (h + 1)}, 10, curvature={"l": h}, prior_precision={"l": 1.0})
     lb = LayerBlocks("l", tuple(mu.shape), 32, 4)
+    return mu, h, gain, post, lb
+
+
+def test_posterior_table_with_gains_is_the_table_of_the_scaled_metric():
+    mu, h, gain, post, lb = _gain_case()
     cfg = QuantConfig(group_size=32, unit_groups=4, bits=(2, 3, 8), feedback_search=True)
     got = posterior_table(post, [lb], cfg, progress=False, gains={"l": gain}).layers[0]
     want = layer_table(lb, mu, None, cfg, h * gain)
@@ -304,11 +310,7 @@ def test_posterior_table_with_gains_is_the_table_of_the_scaled_metric():
 
 
 def test_posterior_table_with_gains_searches_the_plain_metric_and_prices_the_scaled_one():
-    mu, _ = _layer(17)
-    h = torch.rand(mu.shape, generator=torch.Generator().manual_seed(18), dtype=F64)
-    gain = torch.rand(mu.shape[1], generator=torch.Generator().manual_seed(19), dtype=F64)
-    post = Posterior({"l": mu}, {"l": 1 / (h + 1)}, 10, curvature={"l": h}, prior_precision={"l": 1.0})
-    lb = LayerBlocks("l", tuple(mu.shape), 32, 4)
+    mu, h, gain, post, lb = _gain_case()
     cfg = QuantConfig(group_size=32, unit_groups=4, bits=(2, 3, 8), feedback_search=False)
     got = posterior_table(post, [lb], cfg, progress=False, gains={"l": gain}).layers[0]
     plain = layer_table(lb, mu, None, cfg, h)
