@@ -325,6 +325,15 @@ def _input_stats(posterior: Posterior, model: nn.Module | None, calibration: Ite
     return input_stats(model, calibration, layers, progress=progress)
 
 
+def _stats_of(stats: Mapping[str, InputStats], posterior: Posterior) -> dict[str, InputStats]:
+    """``stats`` of the posterior's layers (ValueError naming those it lacks)."""
+    missing = [name for name in posterior.mean if name not in stats]
+    if missing:
+        raise ValueError(f"the input statistics given lack layers {missing[:3]} of the posterior: compute them "
+                         "with bayesq.baselines.activations.input_stats on the same model and layers")
+    return {name: stats[name] for name in posterior.mean}
+
+
 def bias_correction(
     model: nn.Module, stats: Mapping[str, InputStats], calibration: Iterable[Batch],
 ) -> BiasCorrection:
@@ -448,6 +457,7 @@ def encode_best(
     allocation_cfg: AllocationConfig = AllocationConfig(), *, seed: int = 0,
     calibration: Iterable[Batch] | None = None, column_metric: Mapping[str, torch.Tensor] | None = None,
     correction: BiasCorrection | None = None, progress: bool = False,
+    stats: Mapping[str, InputStats] | None = None,
 ) -> Encoding:
     """Allocate and encode ``table`` (built for ``q``); with ``q.selects_grids`` also the other
     candidates of :func:`grid_candidates` (their tables built here), keeping the one with
@@ -455,7 +465,8 @@ def encode_best(
     after its bias correction (``q.bias_correction``).
 
     ``column_metric``: :func:`ef_column_metric` of ``q``; ``correction``: :func:`bias_correction`
-    (each computed here, from one statistics pass, when None and needed).
+    (each computed here when None and needed, from ``stats``: the layers' input statistics
+    :func:`bayesq.baselines.activations.input_stats` on ``calibration``, one pass here when None).
     """
     layers = {t.blocks.name: model.get_submodule(t.blocks.name) for t in table.layers}
     weights = {n: m.weight for n, m in layers.items()}
@@ -468,7 +479,8 @@ def encode_best(
     need_metric = column_metric is None and Rounding(q.rounding) == Rounding.ERROR_FEEDBACK and not posterior.kfac
     need_correction = correction is None and q.bias_correction
     if need_metric or need_correction:
-        stats = _input_stats(posterior, model, calibration, progress)
+        stats = (_input_stats(posterior, model, calibration, progress) if stats is None
+                 else _stats_of(stats, posterior))
         if need_metric:
             column_metric = ef_column_metric(posterior, q, stats=stats)
         if need_correction:

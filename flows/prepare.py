@@ -118,6 +118,47 @@ def load_posterior(model, path: Path):
 
 
 @task(cache_policy=CACHE, persist_result=True)
+def stats_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
+               data, calibration, seed: int, out: str, code: str) -> dict:
+    """Layer-input statistics of every quantisable layer on the seed's calibration inputs
+    (:func:`bayesq.baselines.activations.input_stats`), saved as safetensors
+    ``<out>/<model>_s<seed>.safetensors``: one pass read by every row that needs them (GPTQ and
+    AWQ; BayesQ's error-feedback metric and bias correction), instead of one pass per row.
+    Returns ``{"path", "sha256", "seconds"}``."""
+    from bayesq.baselines.activations import input_stats
+    from bayesq.blocks import quantizable_layers
+    from bayesq.models.zoo import get_entry
+    from bayesq.tensorfile import file_sha256, save_tensors
+
+    entry = get_entry(name)
+    model = load_model(entry, Path(model_file))
+    _, batches = calibration_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
+    start = time.perf_counter()
+    stats = input_stats(model, batches, quantizable_layers(model))
+    seconds = time.perf_counter() - start
+    tensors = {}
+    for k, st in stats.items():
+        tensors |= {f"H/{k}": st.H.contiguous(), f"abs_mean/{k}": st.abs_mean.contiguous(),
+                    f"mean/{k}": st.mean.contiguous()}
+    n = {st.n for st in stats.values()}
+    path = save_tensors(Path(out) / f"{name}_s{seed}.safetensors", tensors, {"n": str(n.pop()), "seed": str(seed)})
+    return {"path": str(path), "sha256": file_sha256(path), "seconds": seconds}
+
+
+def load_stats(path: Path) -> dict:
+    """The layer name -> :class:`bayesq.baselines.activations.InputStats` saved by ``stats_task``."""
+    from safetensors import safe_open
+
+    from bayesq.baselines.activations import InputStats
+
+    with safe_open(str(path), "pt") as f:
+        n = int(f.metadata()["n"])
+        names = [k[2:] for k in f.keys() if k.startswith("H/")]
+        return {k: InputStats(f.get_tensor(f"H/{k}"), f.get_tensor(f"abs_mean/{k}"), n, f.get_tensor(f"mean/{k}"))
+                for k in names}
+
+
+@task(cache_policy=CACHE, persist_result=True)
 def table_task(name: str, model_file: str, model_digest: str, posterior_file: str,
                posterior_digest: str, raw: str, raw_digest: str, data, calibration, quant,
                seed: int, out: str, code: str, tag: str = ""):
@@ -216,12 +257,13 @@ def _paper_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call
 
 def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str, seed: int, out: Path,
             call=plain_call) -> tuple:
-    """Cached posterior, table, K-FAC prep and HAWQ traces of one (model, seed).
+    """Cached posterior, table, K-FAC prep, layer-input statistics and HAWQ traces of one (model, seed).
 
     ``call``: how each task is called (a :class:`flows.timings.TaskClock` records its time).
 
-    Returns ``(post, tab, prep, hawq)``: ``prep`` maps each BayesQ method to its
-    ``(posterior, table, table key, quant)``; ``hawq`` is None unless HAWQ is a method.
+    Returns ``(post, tab, prep, hawq, stats)``: ``prep`` maps each BayesQ method to its
+    ``(posterior, table, table key, quant)``; ``hawq`` is None unless HAWQ is a method;
+    ``stats`` is :func:`stats_task`'s record (every method reads it or ignores it).
     """
     from bayesq.config import Method
 
@@ -241,4 +283,6 @@ def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str
     if Method.HAWQ in params.methods:
         hawq = call(f"hawq traces {name} s{seed}", hawq_traces_task, name, str(model_file), mdig, str(src), sdig,
                     params.data, params.calibration, params.baselines.hawq_probes, seed, code)
-    return post, tab, prep, hawq
+    stats = call(f"layer-input statistics {name} s{seed}", stats_task, name, str(model_file), mdig, str(src), sdig,
+                 params.data, params.calibration, seed, str(Path(out) / "stats"), code)
+    return post, tab, prep, hawq, stats

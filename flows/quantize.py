@@ -4,15 +4,16 @@
 
 Per (model, seed): a cached posterior task (calibration inputs drawn from the training split
 with the seed, labels never used) and a cached loss-table task (also written as Parquet), a
-second pair with the K-FAC posterior for ``bayesq-ef``, and the HAWQ Hessian traces; per
-(method, budget): a cached quantise-and-evaluate task (GPTQ and AWQ collect their layer-input
-statistics inside it, on the same calibration inputs). Every record carries
-``preprocess_seconds``: the method's whole one-time cost at that budget (BayesQ: posterior +
-table + allocation and encoding; GPTQ / AWQ: input statistics + solve; HAWQ: traces + knapsack).  One MLflow parent run per invocation,
+second pair with the K-FAC posterior for ``bayesq-ef``, the HAWQ Hessian traces, and the
+layer-input statistics (one pass, saved to ``<out>/stats/``, read by GPTQ, AWQ and BayesQ's
+error-feedback metric and bias correction); per (method, budget): a cached quantise-and-evaluate
+task. Every record carries ``preprocess_seconds``: the method's whole one-time cost at that
+budget (BayesQ: posterior + table + the statistics pass when it read it + allocation and
+encoding; GPTQ / AWQ: statistics pass + solve; HAWQ: traces + knapsack).  One MLflow parent run per invocation,
 one child run per (model, method, seed, budget), logged from the flow body so cache hits are
 logged too.  Every quantised model is written in the export format (``bayesq.export``) to
 ``<out>/exports/`` and evaluated after loading it back from there.  Writes
-``<out>/results.json``, ``<out>/posterior/``, ``<out>/tables/`` and ``<out>/exports/``.
+``<out>/results.json``, ``<out>/posterior/``, ``<out>/tables/``, ``<out>/stats/`` and ``<out>/exports/``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from flows.common import (
 )
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage
-from flows.prepare import calibration_batches, load_posterior, prep_code, prepare
+from flows.prepare import calibration_batches, load_posterior, load_stats, prep_code, prepare
 from flows.robustness import fp_eval_task, mean_corruption_error, tracked_metrics
 from flows.timings import TaskClock
 
@@ -64,12 +65,13 @@ def row_code(method: Method) -> str:
 
 
 def _baseline(method: Method, model, entry, splits, data, calibration, quant, baselines, budget: float,
-              seed: int, traces: dict | None, allocation: dict | None = None):
+              seed: int, traces: dict | None, allocation: dict | None = None, stats_file: str | None = None):
     """Quantise with a baseline: (QuantizationResult, record fields).
 
     GPTQ / AWQ with ``baselines.select``: the variant with the least KL on the calibration
     batches their statistics come from (``allocation``, layer -> unit bit-widths, adds GPTQ on
-    it as a candidate; ``baselines.bias_correction`` adds each variant's bias-corrected form); the fields are ``variant`` (its name), ``variant_kl`` and
+    it as a candidate; ``baselines.bias_correction`` adds each variant's bias-corrected form;
+    ``stats_file``: their layer-input statistics, computed here when None); the fields are ``variant`` (its name), ``variant_kl`` and
     ``variant_bits`` (candidate -> calibration KL / true average bits). Without ``select`` they
     name the ``mixed`` rule; other baselines add no fields.
     """
@@ -89,7 +91,7 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
         return hawq_quantize(model, traces, budget, quant), {}
     _, batches = calibration_batches(entry, splits, data, calibration, seed)
     batches = list(batches)  # read by the statistics and by the selection
-    stats = input_stats(model, batches, quantizable_layers(model))
+    stats = load_stats(Path(stats_file)) if stats_file else input_stats(model, batches, quantizable_layers(model))
     gptq = dict(act_order=baselines.gptq_act_order, damp=baselines.gptq_damp)
     if not baselines.select:
         res = (gptq_quantize(model, stats, Granularity.GROUP, budget, quant, **gptq) if method == Method.GPTQ
@@ -106,16 +108,19 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
 
 
 def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: str | None, seed: int,
-            batches=None):
+            batches=None, stats_file: str | None = None):
     """BayesQ's allocation and encoding from a cached table (:func:`bayesq.quantize.encode_best`,
     the library's own step): (Encoding, posterior).
 
-    ``batches``: calibration batches (error-feedback rounding under a diagonal posterior reads
-    the layers' input second moments from them; the grid selection scores on them)."""
-    from bayesq.quantize import encode_best
+    ``batches``: calibration batches (the grid selection scores on them; error-feedback rounding
+    under a diagonal posterior and the bias correction read the layers' input statistics: from
+    ``stats_file`` when given, else computed from the batches)."""
+    from bayesq.quantize import encode_best, needs_input_stats
 
     post = load_posterior(model, Path(posterior_file)) if posterior_file else None
-    return encode_best(model, post, table, quant, budget, allocation_cfg, seed=seed, calibration=batches), post
+    stats = load_stats(Path(stats_file)) if stats_file and needs_input_stats(post, quant) else None
+    return encode_best(model, post, table, quant, budget, allocation_cfg, seed=seed, calibration=batches,
+                       stats=stats), post, stats is not None
 
 
 def posterior_record(name: str, seed: int, method: str, post: dict) -> dict:
@@ -160,7 +165,8 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
                        calibration=None, baselines=None, traces: dict | None = None,
                        distill=None, robustness=None, ood: bool = False, *, export_dir: str,
                        lineage: dict | None = None, allocation: dict | None = None,
-                       examples_dir: str | None = None, fp_logits: str | None = None) -> dict:
+                       examples_dir: str | None = None, fp_logits: str | None = None,
+                       stats_file: str | None = None, stats_sha256: str = "") -> dict:
     """Quantise with one method at one budget, write the export, load it back and evaluate the
     loaded model on the test split (and under shift).
 
@@ -175,7 +181,10 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     with FP goes to the same name under ``examples_dir`` (default ``<export_dir>/../examples``),
     scored against ``fp_logits`` (default: the FP logits file there); the record carries its sizes,
     digests and the largest logit difference between the loaded and the in-memory model on one
-    batch. Its header holds the row's lineage: ``lineage`` (the invocation's params and commit,
+    batch. ``stats_file`` (:func:`flows.prepare.stats_task`'s file, keyed by ``stats_sha256``): the
+    layer-input statistics of the calibration inputs, read instead of computed (GPTQ, AWQ, BayesQ's
+    error-feedback metric and bias correction); the record's ``stats_read`` says whether they were.
+    Its header holds the row's lineage: ``lineage`` (the invocation's params and commit,
     :func:`flows.lineage.export_lineage`; not part of the cache key, so a cache hit keeps the
     file and the lineage of the run that wrote it) and the inputs (:func:`flows.lineage.input_lineage`).
     """
@@ -195,7 +204,8 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     extra = {}
     if Method(method) in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER):
         batches = list(calibration_batches(entry, splits, data, calibration, seed)[1]) if calibration else None
-        enc, post = _bayesq(model, table, budget, allocation_cfg, quant, posterior_file, seed, batches)
+        enc, post, stats_read = _bayesq(model, table, budget, allocation_cfg, quant, posterior_file, seed, batches,
+                                        stats_file)
         qweights, allocation, quant = enc.weights, enc.allocation, enc.quant
         extra = {"encoding": enc.name, "encoding_kl": dict(enc.calibration_kl),
                  "unit_bits": {k: list(v) for k, v in allocation.unit_bits.items()}}
@@ -217,7 +227,8 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
                      "distill_kl_after": res.kl_after}
     else:
         res, variant = _baseline(Method(method), model, entry, splits, data, calibration, quant, baselines,
-                                 budget, seed, traces, allocation)
+                                 budget, seed, traces, allocation, stats_file)
+        stats_read = bool(stats_file) and Method(method) in (Method.GPTQ, Method.AWQ)
         qmodel, allocation, qweights = res.model, res.allocation, res.weights
         quant = encoding_config(res, quant)  # the variant's bit set: what its unit headers name
         extra.update(variant)
@@ -240,7 +251,7 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
         "accuracy": ev["calibration"]["accuracy"], **ev,
         "avg_bits": allocation.average_bits, "total_bits": allocation.total_bits,
         "budget_bits": allocation.budget_bits, "n_weights": allocation.n_weights,
-        "quantize_seconds": seconds, "layer_bits": layer_bits, **extra,
+        "quantize_seconds": seconds, "layer_bits": layer_bits, "stats_read": stats_read, **extra,
     }
 
 
@@ -269,7 +280,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
             records.append(fp)
             print(f"[quantize] {name} FP: acc {fp['accuracy']:.4f}, ECE {fp['calibration']['ece']:.4f}", flush=True)
             for seed in params.seeds:
-                post, tab, prep, hawq = prepare(params, name, model_file, mdig, src, sdig, seed, out, clock)
+                post, tab, prep, hawq, stats = prepare(params, name, model_file, mdig, src, sdig, seed, out, clock)
                 posteriors += [posterior_record(name, seed, m.value, p[0])
                                for m, p in prep.items() if m != Method.BAYESQ_DISTILL]
                 print(f"[quantize] {name} seed {seed}: posterior {post['seconds']:.1f}s, "
@@ -290,25 +301,28 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                                   distill=params.distill, robustness=rob,
                                   ood=method in rob.methods and budget in rob.budgets,
                                   export_dir=str(Path(out) / "exports"), lineage=lineage,
-                                  allocation=given)
+                                  allocation=given, stats_file=stats["path"], stats_sha256=stats["sha256"])
                         unit_bits = r.get("unit_bits")
                         r = {k: v for k, v in r.items() if k != "unit_bits"}
                         if method == Method.BAYESQ:  # the allocation BayesQ kept: GPTQ's allocation variant
                             kept[budget] = unit_bits
-                        r = {**r, "preprocess_seconds": r["quantize_seconds"]}
+                        # the shared statistics pass counts in full in every row that read it
+                        shared = {"stats_seconds": stats["seconds"]} if r["stats_read"] else {}
+                        r = {**r, **shared, "preprocess_seconds": r["quantize_seconds"] + shared.get("stats_seconds", 0.0)}
                         corruption = mean_corruption_error(r["ood"], fp["ood"])
                         if corruption:
                             r = {**r, "corruption": corruption}
                         if method in prep:
                             r = {**r, "posterior_seconds": p_post["seconds"], "table_seconds": p_tab["seconds"],
-                                 "preprocess_seconds": p_post["seconds"] + p_tab["seconds"] + r["quantize_seconds"]}
+                                 "preprocess_seconds": p_post["seconds"] + p_tab["seconds"] + r["preprocess_seconds"]}
                         elif method == Method.HAWQ:
                             r = {**r, "traces_seconds": hawq["seconds"],
-                                 "preprocess_seconds": hawq["seconds"] + r["quantize_seconds"]}
+                                 "preprocess_seconds": hawq["seconds"] + r["preprocess_seconds"]}
                         print(f"[quantize] {name} {method.value:12s} budget {budget}: "
                               f"acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits", flush=True)
                         metrics = {k: r[k] for k in ("accuracy", "avg_bits", "total_bits", "quantize_seconds",
                                                      "posterior_seconds", "table_seconds", "traces_seconds",
+                                                     "stats_seconds",
                                                      "preprocess_seconds", "distill_seconds",
                                                      "distill_sample_scale", "distill_kl_before", "distill_kl_after",
                                                      "kl_mean", "kl_se", "agreement") if k in r}

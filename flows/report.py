@@ -280,7 +280,9 @@ def paired_table(rows: list[dict], notes: list[str]) -> str:
              f"paired bootstrap over test examples ({RESAMPLES:,} resamples of the example indices, "
              f"generator seed {SEED}, the same indices for both methods); * marks an interval that "
              "excludes 0. It covers test-set sampling only, not the calibration set, fine-tuning or any "
-             "other seed."]
+             "other seed. The fine-tune is pinned (`finetune.seed`, `finetune.threads`), so a rerun on a fresh "
+             "clone on the same kind of machine reproduces these numbers; another fine-tune is another model, and "
+             "how far the differences move with it is measured in docs/method.md §22b."]
     seeds = sorted({tuple(r["seeds"]) for r in rows})
     if any(len(s) > 1 for s in seeds):
         lines[-1] += (" Several seeds: each example's values are averaged over the seeds both rows have, "
@@ -409,7 +411,8 @@ def layer_kind(name: str) -> str:
 
 
 def _overhead(r: dict) -> float:
-    return r.get("posterior_seconds", 0.0) + r.get("table_seconds", 0.0) + r["quantize_seconds"]
+    return (r.get("posterior_seconds", 0.0) + r.get("table_seconds", 0.0) + r.get("stats_seconds", 0.0)
+            + r["quantize_seconds"])
 
 
 def ablation_deltas(records: list[dict], base: tuple[str, str], budget: float, resamples: int | None = None,

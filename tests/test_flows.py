@@ -98,6 +98,12 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
         assert 0.0 <= r["accuracy"] <= 1.0
         assert r["preprocess_seconds"] >= r["quantize_seconds"] > 0
     assert (results / "posterior" / "tiny-cnn_s17_kfac.safetensors").exists()
+    # one statistics pass per (model, seed), read by the rows that need it and counted in their one-time cost
+    assert (results / "stats" / "tiny-cnn_s17.safetensors").exists()
+    assert {r["method"] for r in records if r["stats_read"]} == {"bayesq", "bayesq-distill", "bayesq-ef", "gptq", "awq"}
+    for r in records:
+        assert ("stats_seconds" in r) == r["stats_read"]
+        assert r["preprocess_seconds"] >= r["quantize_seconds"] + r.get("stats_seconds", 0.0)
     for r in records:  # evaluated from the export on disk, which holds exactly the accounted bits
         ex = r["export"]
         assert Path(ex["path"]).stat().st_size == ex["file_bytes"]
@@ -418,7 +424,7 @@ def test_row_cache_keys_leave_out_only_sources_the_row_never_runs(tmp_path, tiny
     called = _called_sources(lambda: out.update(prep=prepare(params, "tiny-cnn", model_file, mdig, src, digest(src),
                                                              17, tmp_path, call=direct)))
     assert not _inside(called, PREP_EXCLUDE)
-    _, _, prep, hawq = out["prep"]
+    _, _, prep, hawq, stats = out["prep"]
     codes = set()
     for method in params.methods:
         p_post, p_tab, p_key, p_quant = prep.get(method, (None, None, "", params.quant))
@@ -427,10 +433,41 @@ def test_row_cache_keys_leave_out_only_sources_the_row_never_runs(tmp_path, tiny
             params.allocation, p_tab and p_tab["table"], p_key, p_post and p_post["path"], row_code(method),
             calibration=params.calibration, baselines=params.baselines,
             traces=hawq["traces"] if method == Method.HAWQ else None, distill=params.distill,
-            robustness=params.robustness, export_dir=str(tmp_path / "exports"))
+            robustness=params.robustness, export_dir=str(tmp_path / "exports"), stats_file=stats["path"],
+            stats_sha256=stats["sha256"])
         called = _called_sources(row)
         assert not _inside(called, row_excluded(method)), method
         if method in METHOD_SOURCES:  # the method's own source is in its key and really runs
             assert _inside(called, METHOD_SOURCES[method]), method
         codes.add(row_code(method))
     assert len(codes) == len(METHOD_SOURCES) + 1  # one key per method with its own source, one shared
+
+
+def test_stats_task_round_trip_vs_input_stats(tmp_path, tiny_entry):
+    from bayesq.baselines.activations import input_stats
+    from bayesq.blocks import quantizable_layers
+    from bayesq.models.zoo import get_entry
+    from flows.common import digest, read_params
+    from safetensors.torch import save_model
+
+    from flows.finetune import load_model
+    from flows.prepare import calibration_batches, load_stats, stats_task
+
+    params, raw = read_params(_params(tmp_path)), tmp_path / "raw"
+    raw.mkdir()
+    (raw / "tiny.bin").write_bytes(b"synthetic")
+    entry = get_entry("tiny-cnn")
+    model_file = tmp_path / "model.safetensors"
+    save_model(entry.build(), str(model_file))
+    src = raw / "tiny.bin"
+    rec = stats_task.fn("tiny-cnn", str(model_file), digest(model_file), str(src), digest(src), params.data,
+                        params.calibration, 17, str(tmp_path / "stats"), "code")
+    model = load_model(entry, model_file)
+    _, batches = calibration_batches(entry, entry.load_splits(params.data, src), params.data, params.calibration, 17)
+    want = input_stats(model, batches, quantizable_layers(model))
+    got = load_stats(Path(rec["path"]))
+    assert set(got) == set(want) and rec["seconds"] > 0
+    for k, w in want.items():
+        g = got[k]
+        assert g.n == w.n and g.H.dtype == torch.float64
+        assert torch.equal(g.H, w.H) and torch.equal(g.abs_mean, w.abs_mean) and torch.equal(g.mean, w.mean)

@@ -323,6 +323,28 @@ def test_encode_best_keeps_least_calibration_kl_vs_building_each_candidate():
     assert res.encoding == enc.name and dict(res.calibration_kl) == pytest.approx(kl, rel=1e-12)
 
 
+def test_encode_best_given_stats_vs_its_own_statistics_pass():
+    from bayesq.baselines.activations import input_stats
+    from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.quantize import build_table, encode_best, fit_posterior
+
+    torch.manual_seed(0)
+    model, batches = _model(), _calibration()
+    q = QuantConfig(group_size=32, unit_groups=8)
+    post = fit_posterior(model, batches, BayesQConfig(quant=q), progress=False)
+    table = build_table(post, layer_blocks(quantizable_layers(model), 32, 8), q, model=model, calibration=batches,
+                        progress=False)
+    stats = input_stats(model, batches, quantizable_layers(model))
+    own = encode_best(model, post, table, q, 3.0, calibration=batches)
+    given = encode_best(model, post, table, q, 3.0, calibration=batches, stats=stats)
+    assert given.name == own.name and dict(given.calibration_kl) == dict(own.calibration_kl)
+    for name, qw in own.weights.items():
+        assert torch.equal(given.weights[name].codes, qw.codes)
+    some = {k: v for k, v in list(stats.items())[1:]}
+    with pytest.raises(ValueError, match="input statistics given lack layers"):
+        encode_best(model, post, table, q, 3.0, calibration=batches, stats=some)
+
+
 def test_encode_best_selection_without_calibration_names_the_fix():
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.quantize import build_table, encode_best, fit_posterior
