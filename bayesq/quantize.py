@@ -97,8 +97,7 @@ class QuantizedWeight:
 class QuantizationResult:
     """What :func:`quantize_model` returns.
 
-    ``encoding`` names the grids kept (``searched``, ``searched-plain``, ``searched-gained`` or
-    ``minmax``, :func:`grid_candidates`);
+    ``encoding`` names the grids kept (``searched`` or ``minmax``, :func:`grid_candidates`);
     ``calibration_kl`` maps every candidate built to its KL to the full-precision model on the
     calibration inputs (empty when there was one candidate); ``correction`` is the bias correction
     applied to ``model`` (None: ``quant.bias_correction`` off; its ``skipped`` lists the layers
@@ -414,19 +413,15 @@ def encode(
 
 def grid_candidates(q: QuantConfig) -> dict[str, QuantConfig]:
     """The encodings :func:`encode_best` builds: ``q`` itself (``searched`` clipping, or
-    ``minmax`` when ``q.min_range_ratio = 1``) and, when ``q.selects_grids``:
+    ``minmax`` when ``q.min_range_ratio = 1``) and, when ``q.selects_grids``, ``minmax``: min/max
+    grids (``min_range_ratio = 1``, GPTQ's) without the scale refit.
 
-    * the other range search of the error-feedback table (``q.feeds_back_table``):
-      ``searched-plain`` (ranges searched without the gains, ``feedback_search: false``) when ``q``
-      searches with them, else ``searched-gained``. Neither search wins on every model: the gains
-      can clip a layer's early columns hard (docs/method.md, "Which range search");
-    * ``minmax``: min/max grids (``min_range_ratio = 1``, GPTQ's) without the scale refit.
+    The other range search of the error-feedback table (``feedback_search`` flipped) is not a
+    candidate: as a third one it lost to this pair at 3.0 bits on both embedded models, because
+    the calibration KL preferred it where the test KL did not (docs/method.md, section 18d).
     """
     out = {"searched" if q.min_range_ratio < 1 else "minmax": q}
     if q.selects_grids:
-        if q.feeds_back_table:
-            other = "searched-plain" if q.feedback_search else "searched-gained"
-            out[other] = replace(q, feedback_search=not q.feedback_search)
         out["minmax"] = replace(q, min_range_ratio=1.0, refit=False, select_grids=False)
     return out
 
@@ -459,8 +454,8 @@ def encode_best(
     correction: BiasCorrection | None = None, progress: bool = False,
     stats: Mapping[str, InputStats] | None = None,
 ) -> Encoding:
-    """Allocate and encode ``table`` (built for ``q``); with ``q.selects_grids`` also the other
-    candidates of :func:`grid_candidates` (their tables built here), keeping the one with
+    """Allocate and encode ``table`` (built for ``q``); with ``q.selects_grids`` also the
+    ``minmax`` candidate of :func:`grid_candidates` (its table built here), keeping the one with
     the least mean ``KL(p_FP || p_Q)`` on ``calibration`` (ties keep ``table``'s), each scored
     after its bias correction (``q.bias_correction``).
 

@@ -274,15 +274,11 @@ def test_loss_reduction_curve_vs_hand_computed_greedy_sequence():
     assert curve == pytest.approx({0.2: 0.0, 0.4: 0.5, 0.6: 0.75, 0.8: 11 / 12, 1.0: 1.0})
 
 
-def test_grid_candidates_add_the_other_search_and_minmax_only_to_searched_error_feedback_grids():
+def test_grid_candidates_add_minmax_only_to_searched_error_feedback_grids():
     from bayesq.quantize import grid_candidates
 
     both = grid_candidates(QuantConfig())
-    assert list(both) == ["searched", "searched-plain", "minmax"]
-    assert both["searched-plain"] == replace(QuantConfig(), feedback_search=False)
-    assert list(grid_candidates(QuantConfig(feedback_search=False))) == ["searched", "searched-gained", "minmax"]
-    assert grid_candidates(QuantConfig(feedback_search=False))["searched-gained"] == QuantConfig()
-    assert list(grid_candidates(QuantConfig(feedback_table=False))) == ["searched", "minmax"]
+    assert list(both) == ["searched", "minmax"]
     assert both["minmax"].min_range_ratio == 1.0 and not both["minmax"].refit and not both["minmax"].select_grids
     assert list(grid_candidates(QuantConfig(rounding="nearest"))) == ["searched"]
     assert list(grid_candidates(QuantConfig(min_range_ratio=1.0))) == ["minmax"]
