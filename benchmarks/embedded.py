@@ -23,6 +23,14 @@ class Case:
     calibration: list  # the seed's calibration batches (labels never used)
     test: list  # test batches
     labels: Any  # (N,) int64 test labels
+    entry: Any = None  # bayesq.models.zoo.ZooEntry
+    splits: Any = None  # its data splits
+
+    def draw(self, seed: int) -> list:
+        """Another calibration-sized draw of training inputs (``seed`` in place of the case's)."""
+        from flows.prepare import calibration_batches
+
+        return list(calibration_batches(self.entry, self.splits, self.params.data, self.params.calibration, seed)[1])
 
     def accuracy(self, model) -> float:
         """Test accuracy of ``model`` in percent."""
@@ -52,4 +60,4 @@ def case(description: str) -> Case:
     splits = entry.load_splits(params.data, raw_path(entry, a.raw))
     _, batches = calibration_batches(entry, splits, params.data, params.calibration, a.seed)
     test = entry.batches(splits.test_inputs, 64, params.data)
-    return Case(a.model, a.budget, a.seed, params, model, batches, test, splits.test_labels)
+    return Case(a.model, a.budget, a.seed, params, model, batches, test, splits.test_labels, entry, splits)

@@ -1,0 +1,68 @@
+"""Does the calibration KL pick the grid candidate the test set would? Against a held-out draw.
+
+Each candidate of the grid selection (``quantize.grid_candidates``) plus the other range search
+of the error-feedback table is fitted on the seed's calibration inputs exactly as
+``quantize.encode_best`` fits it (posterior, layer-input statistics, table, allocation,
+error-feedback encoding, bias correction), then scored by the mean KL(p_FP || p_Q) on
+
+* the calibration inputs it was fitted on (what ``encode_best`` selects on),
+* another draw of as many training inputs (``--holdout-seed``, used by nothing else),
+* every test example.
+
+    python benchmarks/selection_holdout.py [--model lite0-fmnist] [--budget 3.0] [--seed 17] [--holdout-seed 99]
+
+Needs the fine-tuned model and data of ``make run`` (``models/``, ``data/raw``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from embedded import case
+
+
+def main() -> None:
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--holdout-seed", type=int, default=99, help="seed of the held-out draw of training inputs")
+    args, sys.argv[1:] = extra.parse_known_args(sys.argv[1:])
+    c = case(__doc__.splitlines()[0])
+    from bayesq import BayesQConfig
+    from bayesq.baselines.activations import input_stats
+    from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.config import replace
+    from bayesq.evaluation import mean_kl, reference_log_probs
+    from bayesq.quantize import (
+        allocate, bias_correction, build_table, ef_column_metric, encode, fit_posterior, grid_candidates,
+        quantized_copy,
+    )
+
+    p, q = c.params, c.params.quant
+    cal, held = list(c.calibration), list(c.draw(args.holdout_seed))
+    layers = quantizable_layers(c.model)
+    blocks = layer_blocks(layers, q.group_size, q.unit_groups, q.unit.value)
+    post = fit_posterior(c.model, cal, BayesQConfig(posterior=p.posterior, quant=q, seed=c.seed), progress=False)
+    stats = input_stats(c.model, cal, layers)
+    metric = ef_column_metric(post, q, stats=stats)
+    correction = bias_correction(c.model, stats, cal) if q.bias_correction else None
+    weights = {n: m.weight for n, m in layers.items()}
+    sets = {"calibration": cal, "held-out": held, "test": c.test}
+    refs = {k: reference_log_probs(c.model, b) for k, b in sets.items()}
+    cands = dict(grid_candidates(q))
+    if q.feeds_back_table:
+        cands["searched, other range search"] = replace(q, feedback_search=not q.feedback_search)
+    print(f"{c.model_name} at {c.budget} bits, seed {c.seed}, held-out draw seed {args.holdout_seed} "
+          f"({len(cal)} / {len(held)} / {len(c.test)} batches); mean KL(p_FP || p_Q):")
+    for name, cq in cands.items():
+        t = build_table(post, blocks, cq, seed=c.seed, model=c.model, calibration=cal, progress=False,
+                        column_metric=metric)
+        qw = encode(t, allocate(t, c.budget, p.allocation, c.seed), weights, posterior=post, rounding=cq.rounding,
+                    column_metric=metric, act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits,
+                    cd_passes=cq.cd_passes)
+        qmodel = quantized_copy(c.model, qw, correction)
+        kls = {k: mean_kl(refs[k], qmodel, b) for k, b in sets.items()}
+        print(f"  {name:30s} " + "  ".join(f"{k} {v:.5f}" for k, v in kls.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
