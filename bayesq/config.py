@@ -650,6 +650,9 @@ class Params:
                             allocation=self.allocation, distill=self.distill, seed=seed)
 
 
+MAX_ROW_LABEL = 60  # an ablation row's label: nested 18 columns deep in dvc.lock, wrapped past column 80
+
+
 @dataclass(frozen=True)
 class AblationConfig:
     """Ablation grid: ``rows[group][label]`` maps dotted keys (``quant.codebook``) to values.
@@ -673,6 +676,11 @@ class AblationConfig:
             for label, over in rows.items():
                 if not isinstance(over, Mapping):
                     _fail(f"ablations.rows.{group}", label, over, "need a mapping {dotted.key: value}")
+                if len(str(label)) > MAX_ROW_LABEL:
+                    _fail(f"ablations.rows.{group}", label, over,
+                          f"row labels are at most {MAX_ROW_LABEL} characters: DVC copies params.yaml into "
+                          "dvc.lock with an 80-column YAML writer that breaks a longer key across lines, and then "
+                          "cannot read its own lock; shorten the label")
 
 
 _SECTIONS = {

@@ -471,3 +471,24 @@ def test_stats_task_round_trip_vs_input_stats(tmp_path, tiny_entry):
         g = got[k]
         assert g.n == w.n and g.H.dtype == torch.float64
         assert torch.equal(g.H, w.H) and torch.equal(g.abs_mean, w.abs_mean) and torch.equal(g.mean, w.mean)
+
+
+def test_ablation_row_label_at_the_limit_survives_dvc_lock_and_longer_is_refused():
+    from dvc.utils.serialize import dumps_yaml
+
+    from bayesq.config import MAX_ROW_LABEL, AblationConfig
+
+    def lock_round_trip(label: str) -> bool:  # nested as deep as params.yaml's full profile puts a row in dvc.lock
+        lock = {"stages": {"ablate": {"params": {"params.yaml": {"profiles": {"full": {"ablations": {
+            "rows": {"group": {label: {}}}}}}}}}}}
+        try:
+            return yaml.safe_load(dumps_yaml(lock)) == lock
+        except yaml.YAMLError:
+            return False
+
+    words = ("posterior grid rounding " * 10)
+    assert lock_round_trip(words[:MAX_ROW_LABEL].strip().ljust(MAX_ROW_LABEL, "x"))
+    assert not lock_round_trip(words[:MAX_ROW_LABEL + 15])  # what DVC did to a 75-character label
+    AblationConfig(rows={"group": {"x" * MAX_ROW_LABEL: {}}})
+    with pytest.raises(ValueError, match=f"at most {MAX_ROW_LABEL} characters.*shorten the label"):
+        AblationConfig(rows={"group": {words[:MAX_ROW_LABEL + 1]: {}}})
