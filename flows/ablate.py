@@ -23,7 +23,7 @@ from bayesq.config import Method, ablation_params
 from bayesq.quantize import loss_reduction_curve
 from flows.common import code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json
 from flows.finetune import raw_path
-from flows.prepare import config_tag, posterior_task, prep_code, stats_task, table_task
+from flows.prepare import config_tag, posterior_task, prep_code, stats_cost, stats_task, table_task
 from flows.quantize import quantize_eval_task
 from flows.robustness import fp_eval_task
 
@@ -114,8 +114,7 @@ def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig
                                export_dir=str(Path(out) / "exports" / group / label),
                                examples_dir=str(Path(out) / "examples" / group / label), fp_logits=fp_logits,
                                stats_file=stats["path"], stats_sha256=stats["sha256"])
-        shared = {"stats_seconds": stats["seconds"]} if r["stats_read"] else {}
-        r = {**r, **shared, "group": group, "row": label, "overrides": {k: str(v) for k, v in over.items()},
+        r = {**r, **stats_cost(r, stats), "group": group, "row": label, "overrides": {k: str(v) for k, v in over.items()},
              "posterior_seconds": post["seconds"], "table_seconds": tab["seconds"]}
         print(f"[ablate] {name} {group} / {label} @ {budget}: acc {r['accuracy']:.4f} "
               f"at {r['avg_bits']:.4f} bits", flush=True)

@@ -145,6 +145,12 @@ def stats_task(name: str, model_file: str, model_digest: str, raw: str, raw_dige
     return {"path": str(path), "sha256": file_sha256(path), "seconds": seconds}
 
 
+def stats_cost(record: dict, stats: dict) -> dict:
+    """``{"stats_seconds": ...}`` when the row ``record`` read the shared statistics pass
+    ``stats`` (:func:`stats_task`'s record): the pass counts in full in every row that read it."""
+    return {"stats_seconds": stats["seconds"]} if record["stats_read"] else {}
+
+
 def load_stats(path: Path) -> dict:
     """The layer name -> :class:`bayesq.baselines.activations.InputStats` saved by ``stats_task``."""
     from safetensors import safe_open

@@ -30,7 +30,7 @@ from flows.common import (
 )
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage
-from flows.prepare import calibration_batches, load_posterior, load_stats, prep_code, prepare
+from flows.prepare import calibration_batches, load_posterior, load_stats, prep_code, prepare, stats_cost
 from flows.robustness import fp_eval_task, mean_corruption_error, tracked_metrics
 from flows.timings import TaskClock
 
@@ -306,8 +306,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                         r = {k: v for k, v in r.items() if k != "unit_bits"}
                         if method == Method.BAYESQ:  # the allocation BayesQ kept: GPTQ's allocation variant
                             kept[budget] = unit_bits
-                        # the shared statistics pass counts in full in every row that read it
-                        shared = {"stats_seconds": stats["seconds"]} if r["stats_read"] else {}
+                        shared = stats_cost(r, stats)
                         r = {**r, **shared, "preprocess_seconds": r["quantize_seconds"] + shared.get("stats_seconds", 0.0)}
                         corruption = mean_corruption_error(r["ood"], fp["ood"])
                         if corruption:
