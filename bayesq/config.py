@@ -66,6 +66,14 @@ class Objective(str, Enum):
     DRAWS = "draws"  # distortion of quantised posterior draws E_w[(Q(w) - w)^2 / sigma^2] (ablation)
 
 
+class SelectionInputs(str, Enum):
+    """Which inputs score the choices among candidates fitted on the calibration inputs (BayesQ's
+    grids, GPTQ's / AWQ's variants)."""
+
+    HELD_OUT = "held-out"  # another draw of as many training inputs, disjoint from the calibration draw
+    CALIBRATION = "calibration"  # the calibration inputs themselves (ablation)
+
+
 class CostTerms(str, Enum):
     """Which precision terms weigh the deployed weights' error (``quant.objective: deployed``)."""
 
@@ -468,7 +476,9 @@ class FinetuneConfig:
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    """Unlabelled calibration set sizes (labels are never used) and batch size.
+    """Unlabelled calibration set sizes (labels are never used), batch size, and the inputs
+    that score selections among fitted candidates (``selection``: ``held-out``, a second draw of
+    as many training inputs disjoint from the calibration draw; or the calibration inputs).
 
     The Laplace data size N is ``posterior.n_data`` (one definition for the library and the
     pipeline); the key ``fisher_scale`` that set it here before is rejected with that hint.
@@ -477,12 +487,14 @@ class CalibrationConfig:
     images: int = 500
     sentences: int = 1000
     batch_size: int = 32
+    selection: SelectionInputs = SelectionInputs.HELD_OUT
 
     def __post_init__(self) -> None:
         s = "calibration"
         for name in ("images", "sentences", "batch_size"):
             if getattr(self, name) < 1:
                 _fail(s, name, getattr(self, name), "must be >= 1")
+        _enum(self, s, "selection", SelectionInputs)
 
 
 _REMOVED = {  # keys of earlier versions: section -> {key: what to do instead}

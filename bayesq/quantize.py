@@ -97,9 +97,10 @@ class QuantizedWeight:
 class QuantizationResult:
     """What :func:`quantize_model` returns.
 
-    ``encoding`` names the grids kept (``searched`` or ``minmax``, :func:`grid_candidates`);
-    ``calibration_kl`` maps every candidate built to its KL to the full-precision model on the
-    calibration inputs (empty when there was one candidate); ``correction`` is the bias correction
+    ``encoding`` names the grids kept (``searched``, ``searched-plain``, ``searched-gained`` or
+    ``minmax``, :func:`grid_candidates`); ``selection_kl`` maps every candidate built to its KL to
+    the full-precision model on the selection inputs (the calibration inputs when none were
+    given; empty when there was one candidate); ``correction`` is the bias correction
     applied to ``model`` (None: ``quant.bias_correction`` off; its ``skipped`` lists the layers
     whose output shift had nowhere to go).
     """
@@ -110,7 +111,7 @@ class QuantizationResult:
     table: LossTable
     posterior: Posterior | None = None
     encoding: str = ""
-    calibration_kl: Mapping[str, float] = field(default_factory=dict)
+    selection_kl: Mapping[str, float] = field(default_factory=dict)
     correction: BiasCorrection | None = None
 
     @property
@@ -411,17 +412,23 @@ def encode(
     return out
 
 
-def grid_candidates(q: QuantConfig) -> dict[str, QuantConfig]:
+def grid_candidates(q: QuantConfig, held_out: bool = False) -> dict[str, QuantConfig]:
     """The encodings :func:`encode_best` builds: ``q`` itself (``searched`` clipping, or
-    ``minmax`` when ``q.min_range_ratio = 1``) and, when ``q.selects_grids``, ``minmax``: min/max
-    grids (``min_range_ratio = 1``, GPTQ's) without the scale refit.
+    ``minmax`` when ``q.min_range_ratio = 1``) and, when ``q.selects_grids``:
 
-    The other range search of the error-feedback table (``feedback_search`` flipped) is not a
-    candidate: as a third one it lost to this pair at 3.0 bits on both embedded models, because
-    the calibration KL preferred it where the test KL did not (docs/method.md, section 18d).
+    * with ``held_out`` (candidates scored on inputs they were not fitted on) and
+      ``q.feeds_back_table``, the other range search of the error-feedback table:
+      ``searched-plain`` (``feedback_search: false``) when ``q`` searches with the gains, else
+      ``searched-gained``. Neither search wins on every model, and only held-out inputs tell
+      which one wins: scored on the calibration inputs, this third candidate was kept where the
+      test KL was worse (docs/method.md, section 18d);
+    * ``minmax``: min/max grids (``min_range_ratio = 1``, GPTQ's) without the scale refit.
     """
     out = {"searched" if q.min_range_ratio < 1 else "minmax": q}
     if q.selects_grids:
+        if held_out and q.feeds_back_table:
+            other = "searched-plain" if q.feedback_search else "searched-gained"
+            out[other] = replace(q, feedback_search=not q.feedback_search)
         out["minmax"] = replace(q, min_range_ratio=1.0, refit=False, select_grids=False)
     return out
 
@@ -434,7 +441,8 @@ class Encoding:
         name: its :func:`grid_candidates` name.
         quant: its configuration.
         table, allocation, weights: its loss table, allocation and encoded layers.
-        calibration_kl: candidate name -> mean calibration ``KL(p_FP || p_Q)`` (empty: one candidate).
+        selection_kl: candidate name -> mean ``KL(p_FP || p_Q)`` on the inputs it was scored on
+            (``selection``, else the calibration inputs; empty: one candidate).
         correction: the bias correction :func:`quantized_copy` applies (None: ``quant.bias_correction`` off).
     """
 
@@ -443,7 +451,7 @@ class Encoding:
     table: LossTable
     allocation: Allocation
     weights: dict[str, QuantizedWeight]
-    calibration_kl: Mapping[str, float]
+    selection_kl: Mapping[str, float]
     correction: BiasCorrection | None = None
 
 
@@ -452,12 +460,14 @@ def encode_best(
     allocation_cfg: AllocationConfig = AllocationConfig(), *, seed: int = 0,
     calibration: Iterable[Batch] | None = None, column_metric: Mapping[str, torch.Tensor] | None = None,
     correction: BiasCorrection | None = None, progress: bool = False,
-    stats: Mapping[str, InputStats] | None = None,
+    stats: Mapping[str, InputStats] | None = None, selection: Iterable[Batch] | None = None,
 ) -> Encoding:
-    """Allocate and encode ``table`` (built for ``q``); with ``q.selects_grids`` also the
-    ``minmax`` candidate of :func:`grid_candidates` (its table built here), keeping the one with
-    the least mean ``KL(p_FP || p_Q)`` on ``calibration`` (ties keep ``table``'s), each scored
-    after its bias correction (``q.bias_correction``).
+    """Allocate and encode ``table`` (built for ``q``); with ``q.selects_grids`` also the other
+    candidates of :func:`grid_candidates` (their tables built here), keeping the one with the
+    least mean ``KL(p_FP || p_Q)`` on ``selection`` (inputs held out of the fit, e.g.
+    :func:`bayesq.data.calibration.sample_selection_indices`; they also admit the third
+    candidate), else on ``calibration`` (ties keep ``table``'s), each scored after its bias
+    correction (``q.bias_correction``).
 
     ``column_metric``: :func:`ef_column_metric` of ``q``; ``correction``: :func:`bias_correction`
     (each computed here when None and needed, from ``stats``: the layers' input statistics
@@ -465,12 +475,17 @@ def encode_best(
     """
     layers = {t.blocks.name: model.get_submodule(t.blocks.name) for t in table.layers}
     weights = {n: m.weight for n, m in layers.items()}
-    cands = grid_candidates(q)
+    selection = list(selection) if selection is not None else None
+    if selection is not None and not selection:
+        raise ValueError("selection= is empty: pass held-out input batches to score the grid candidates on, "
+                         "or None to score them on the calibration inputs")
+    cands = grid_candidates(q, held_out=selection is not None)
     if len(cands) > 1 or needs_input_stats(posterior, q):
         calibration = list(calibration) if calibration is not None else None
-    if len(cands) > 1 and not calibration:
+    if len(cands) > 1 and not (selection or calibration):
         raise ValueError("quant.select_grids scores each candidate's KL on the calibration inputs, but none were "
                          "given: pass calibration= batches, or set quant.select_grids: false")
+    scored = selection if selection is not None else calibration
     need_metric = column_metric is None and Rounding(q.rounding) == Rounding.ERROR_FEEDBACK and not posterior.kfac
     need_correction = correction is None and q.bias_correction
     if need_metric or need_correction:
@@ -484,7 +499,7 @@ def encode_best(
         column_metric = ef_column_metric(posterior, q)  # the K-FAC posterior's, or None
     blocks = [t.blocks for t in table.layers]
     best, best_kl, kls = None, float("inf"), {}
-    reference = reference_log_probs(model, calibration) if len(cands) > 1 else None
+    reference = reference_log_probs(model, scored) if len(cands) > 1 else None
     for name, cq in cands.items():
         t = table if cq is q else build_table(posterior, blocks, cq, seed=seed, model=model, calibration=calibration,
                                               progress=progress, column_metric=column_metric)
@@ -493,12 +508,12 @@ def encode_best(
                     act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits, cd_passes=cq.cd_passes,
                     progress=progress)
         if reference is not None:
-            kls[name] = mean_kl(reference, quantized_copy(model, qw, correction), calibration)
+            kls[name] = mean_kl(reference, quantized_copy(model, qw, correction), scored)
         score = kls.get(name, 0.0)
         score = float("inf") if score != score else score  # a NaN KL never wins
         if best is None or score < best_kl:
             best, best_kl = Encoding(name, cq, t, allocation, qw, kls, correction), score
-    return replace(best, calibration_kl=dict(kls))
+    return replace(best, selection_kl=dict(kls))
 
 
 def quantized_copy(
@@ -580,7 +595,7 @@ def build_table(
 
 def quantize_model(
     model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig = BayesQConfig(),
-    *, posterior: Posterior | None = None, progress: bool = True,
+    *, posterior: Posterior | None = None, progress: bool = True, selection: Iterable[Batch] | None = None,
 ) -> QuantizationResult:
     """BayesQ: posterior -> expected-loss tables -> allocation -> quantised model.
 
@@ -592,6 +607,9 @@ def quantize_model(
             codebook, table, allocation and rounding settings, and the distillation applied at
             budgets up to ``config.distill.max_budget`` (3.5 by default; same codes and bits).
         posterior: a posterior fitted earlier (skips the curvature pass).
+        selection: input batches held out of ``calibration`` (e.g. another draw of training
+            inputs): the grid candidates are scored on them, which also admits the other range
+            search as a candidate (:func:`grid_candidates`); None scores on ``calibration``.
 
     Returns:
         :class:`QuantizationResult` with the quantised copy of the model, the codes and
@@ -613,7 +631,8 @@ def quantize_model(
     table = build_table(posterior, blocks, q, seed=config.seed, model=model, calibration=calibration,
                         progress=progress, column_metric=metric)
     enc = encode_best(model, posterior, table, q, config.budget, config.allocation, seed=config.seed,
-                      calibration=calibration, column_metric=metric, correction=correction, progress=progress)
+                      calibration=calibration, column_metric=metric, correction=correction, progress=progress,
+                      selection=selection)
     weights, allocation, table = enc.weights, enc.allocation, enc.table
     qmodel = quantized_copy(model, weights, correction)
     if config.distill.applies(config.budget):
@@ -624,5 +643,5 @@ def quantize_model(
         weights, qmodel = res.weights, apply_distilled(model, res)
         if correction is not None and not res.biases:  # trained biases already fit the mean
             correction.apply(qmodel, model)
-    return QuantizationResult(qmodel, weights, allocation, table, posterior, enc.name, enc.calibration_kl,
+    return QuantizationResult(qmodel, weights, allocation, table, posterior, enc.name, enc.selection_kl,
                               correction)

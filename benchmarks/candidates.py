@@ -85,9 +85,9 @@ def main() -> None:
         start = time.perf_counter()
         res = quantize_model(c.model, c.calibration, cfg, progress=False)
         post = res.posterior
-        kept = f", kept {res.encoding} grids (calibration KL {', '.join(f'{k} {v:.4g}' for k, v in res.calibration_kl.items())})"
+        kept = f", kept {res.encoding} grids (selection KL {', '.join(f'{k} {v:.4g}' for k, v in res.selection_kl.items())})"
         score(name, res, time.perf_counter() - start,
-              f"  prior-dominated {100 * post.prior_dominated_share():.1f} %" + (kept if res.calibration_kl else ""))
+              f"  prior-dominated {100 * post.prior_dominated_share():.1f} %" + (kept if res.selection_kl else ""))
         if allocation is None:  # the first candidate's allocation is GPTQ's allocation variant
             allocation = {k: list(v) for k, v in res.allocation.unit_bits.items()}
     start = time.perf_counter()

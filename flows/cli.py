@@ -67,7 +67,7 @@ def quantize(
     from flows.common import code_version, digest, read_params
     from flows.finetune import load_model, raw_path
     from flows.lineage import export_lineage, input_lineage
-    from flows.prepare import calibration_batches
+    from flows.prepare import calibration_batches, selection_batches
 
     try:
         p = read_params(params)
@@ -86,7 +86,7 @@ def quantize(
                        seed=seed)
     start = time.perf_counter()
     try:
-        res = quantize_model(net, batches, cfg)
+        res = quantize_model(net, batches, cfg, selection=selection_batches(entry, splits, p.data, p.calibration, seed))
     except ValueError as err:
         _fail(str(err))
     src = raw_path(entry, raw)

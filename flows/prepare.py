@@ -47,6 +47,24 @@ def calibration_batches(entry, splits, data, calibration, seed: int):
     return idx, entry.batches(inputs, calibration.batch_size, data)
 
 
+def selection_batches(entry, splits, data, calibration, seed: int):
+    """The batches that score selections among candidates fitted on the calibration inputs
+    (BayesQ's grids, GPTQ's / AWQ's variants): with ``calibration.selection: held-out`` a second
+    draw of as many training inputs, disjoint from the calibration draw
+    (:func:`bayesq.data.calibration.sample_selection_indices`); None scores on the calibration
+    inputs themselves."""
+    from bayesq.config import SelectionInputs
+    from bayesq.data.calibration import sample_selection_indices
+    from bayesq.models.zoo import _take
+
+    if SelectionInputs(calibration.selection) != SelectionInputs.HELD_OUT:
+        return None
+    n_cal = calibration.images if entry.task == "image" else calibration.sentences
+    n_total = len(splits.train_labels)
+    idx = sample_selection_indices(n_total, min(n_cal, n_total), seed)
+    return list(entry.batches(_take(splits.train_inputs, idx), calibration.batch_size, data))
+
+
 @task(cache_policy=CACHE, persist_result=True)
 def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
                    data, calibration, posterior, seed: int, out: str, code: str, tag: str = "") -> dict:

@@ -30,7 +30,9 @@ from flows.common import (
 )
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage
-from flows.prepare import calibration_batches, load_posterior, load_stats, prep_code, prepare, stats_cost
+from flows.prepare import (
+    calibration_batches, load_posterior, load_stats, prep_code, prepare, selection_batches, stats_cost,
+)
 from flows.robustness import fp_eval_task, mean_corruption_error, tracked_metrics
 from flows.timings import TaskClock
 
@@ -68,8 +70,9 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
               seed: int, traces: dict | None, allocation: dict | None = None, stats_file: str | None = None):
     """Quantise with a baseline: (QuantizationResult, record fields).
 
-    GPTQ / AWQ with ``baselines.select``: the variant with the least KL on the calibration
-    batches their statistics come from (``allocation``, layer -> unit bit-widths, adds GPTQ on
+    GPTQ / AWQ with ``baselines.select``: the variant with the least KL on the selection inputs
+    (:func:`flows.prepare.selection_batches`; the calibration batches their statistics come from
+    when ``calibration.selection: calibration``) (``allocation``, layer -> unit bit-widths, adds GPTQ on
     it as a candidate; ``baselines.bias_correction`` adds each variant's bias-corrected form;
     ``stats_file``: their layer-input statistics, computed here when None); the fields are ``variant`` (its name), ``variant_kl`` and
     ``variant_bits`` (candidate -> calibration KL / true average bits). Without ``select`` they
@@ -99,20 +102,22 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
         return res, {"variant": "mixed", "variant_kl": {}, "variant_bits": {}}
     if method == Method.GPTQ:
         choice = gptq_select(model, stats, batches, budget, quant, group_sizes=baselines.group_sizes,
-                             allocation=allocation, bias_correction=baselines.bias_correction, **gptq)
+                             allocation=allocation, bias_correction=baselines.bias_correction,
+                             selection=selection_batches(entry, splits, data, calibration, seed), **gptq)
     else:
         choice = awq_select(model, stats, batches, budget, quant, group_sizes=baselines.group_sizes,
-                            grid=baselines.awq_grid, bias_correction=baselines.bias_correction)
+                            grid=baselines.awq_grid, bias_correction=baselines.bias_correction,
+                            selection=selection_batches(entry, splits, data, calibration, seed))
     return choice.result, {"variant": choice.variant, "variant_kl": dict(choice.kl),
                            "variant_bits": dict(choice.avg_bits)}
 
 
 def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: str | None, seed: int,
-            batches=None, stats_file: str | None = None):
+            batches=None, stats_file: str | None = None, selection=None):
     """BayesQ's allocation and encoding from a cached table (:func:`bayesq.quantize.encode_best`,
     the library's own step): (Encoding, posterior).
 
-    ``batches``: calibration batches (the grid selection scores on them; error-feedback rounding
+    ``batches``: calibration batches (the grid selection scores on ``selection``, else on them; error-feedback rounding
     under a diagonal posterior and the bias correction read the layers' input statistics: from
     ``stats_file`` when given, else computed from the batches)."""
     from bayesq.quantize import encode_best, needs_input_stats
@@ -120,7 +125,7 @@ def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: 
     post = load_posterior(model, Path(posterior_file)) if posterior_file else None
     stats = load_stats(Path(stats_file)) if stats_file and needs_input_stats(post, quant) else None
     return encode_best(model, post, table, quant, budget, allocation_cfg, seed=seed, calibration=batches,
-                       stats=stats), post, stats is not None
+                       stats=stats, selection=selection), post, stats is not None
 
 
 def posterior_record(name: str, seed: int, method: str, post: dict) -> dict:
@@ -204,10 +209,11 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     extra = {}
     if Method(method) in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER):
         batches = list(calibration_batches(entry, splits, data, calibration, seed)[1]) if calibration else None
+        selection = selection_batches(entry, splits, data, calibration, seed) if calibration else None
         enc, post, stats_read = _bayesq(model, table, budget, allocation_cfg, quant, posterior_file, seed, batches,
-                                        stats_file)
+                                        stats_file, selection)
         qweights, allocation, quant = enc.weights, enc.allocation, enc.quant
-        extra = {"encoding": enc.name, "encoding_kl": dict(enc.calibration_kl),
+        extra = {"encoding": enc.name, "encoding_kl": dict(enc.selection_kl),
                  "unit_bits": {k: list(v) for k, v in allocation.unit_bits.items()}}
         if enc.correction is not None:
             extra |= {"bias_corrected": len(enc.correction.targets), "bias_skipped": dict(enc.correction.skipped)}

@@ -101,3 +101,12 @@ def test_quant_config_rejects_unknown_objective_and_cost_terms():
         QuantConfig(objective="posterior")
     with pytest.raises(ValueError, match="cost_terms"):
         QuantConfig(cost_terms="prior")
+
+
+def test_calibration_selection_parses_and_names_the_choices():
+    from bayesq.config import CalibrationConfig, SelectionInputs
+
+    assert CalibrationConfig().selection == SelectionInputs.HELD_OUT
+    assert from_mapping(CalibrationConfig, {"selection": "calibration"}, "calibration").selection == "calibration"
+    with pytest.raises(ValueError, match=r"calibration\.selection.*held-out.*calibration"):
+        CalibrationConfig(selection="heldout")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bayesq.data.calibration import sample_calibration_indices
+from bayesq.data.calibration import sample_calibration_indices, sample_selection_indices
 from bayesq.data.fashion_mnist import FILES, load_fashion_mnist, read_idx
 from bayesq.data.sentiment import (
     binary_labels,
@@ -185,6 +185,21 @@ def test_sample_calibration_indices_sorted_unique_seeded() -> None:
     assert len(set(idx.tolist())) == 20 and 0 <= int(idx.min()) and int(idx.max()) < 50
     assert torch.equal(idx, sample_calibration_indices(50, 20, seed=1))
     assert sample_calibration_indices(5, 5, seed=0).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_sample_selection_indices_disjoint_from_calibration_and_cover_the_rest() -> None:
+    cal, sel = sample_calibration_indices(50, 20, seed=3), sample_selection_indices(50, 20, seed=3)
+    assert sel.shape == (20,) and torch.equal(sel, torch.sort(sel).values)
+    assert not set(cal.tolist()) & set(sel.tolist())
+    assert torch.equal(sel, sample_selection_indices(50, 20, seed=3))
+    # a pool under twice the calibration size: the selection is everything the calibration left
+    cal, sel = sample_calibration_indices(30, 20, seed=4), sample_selection_indices(30, 20, seed=4)
+    assert sorted(cal.tolist() + sel.tolist()) == list(range(30))
+
+
+def test_sample_selection_indices_nothing_left_names_the_fix() -> None:
+    with pytest.raises(ValueError, match="none is left.*calibration.selection: calibration"):
+        sample_selection_indices(5, 5, seed=0)
 
 
 @pytest.mark.parametrize(

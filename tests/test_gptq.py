@@ -230,6 +230,16 @@ def test_gptq_select_returns_least_calibration_kl():
         assert torch.equal(q.codes, winner.weights[n].codes)
 
 
+def test_gptq_select_scores_on_selection_inputs_vs_explicit_kl():
+    model, batches, stats = _calibrated(1)
+    _, held, _ = _calibrated(2)
+    cands = gptq_candidates(model, stats, 4.0, CFG, group_sizes=GROUP_SIZES)
+    choice = gptq_select(model, stats, batches, 4.0, CFG, group_sizes=GROUP_SIZES, selection=held)
+    want = {k: explicit_kl(model, build().model, held) for k, build in cands.items()}
+    assert choice.kl == pytest.approx(want, rel=1e-9)
+    assert choice.variant == min(want, key=want.get)
+
+
 def test_gptq_select_bias_correction_offers_each_variant_corrected():
     model, batches, stats = _calibrated(1)
     plain = gptq_select(model, stats, batches, 4.0, CFG, group_sizes=GROUP_SIZES)

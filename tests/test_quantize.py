@@ -285,7 +285,20 @@ def test_grid_candidates_add_minmax_only_to_searched_error_feedback_grids():
     assert list(grid_candidates(QuantConfig(select_grids=False))) == ["searched"]
 
 
-def test_encode_best_keeps_least_calibration_kl_vs_building_each_candidate():
+def test_grid_candidates_other_range_search_only_when_scored_held_out():
+    from bayesq.quantize import grid_candidates
+
+    held = grid_candidates(QuantConfig(), held_out=True)
+    assert list(held) == ["searched", "searched-plain", "minmax"]
+    assert held["searched-plain"] == replace(QuantConfig(), feedback_search=False)
+    plain = grid_candidates(QuantConfig(feedback_search=False), held_out=True)
+    assert list(plain) == ["searched", "searched-gained", "minmax"]
+    assert list(grid_candidates(QuantConfig(feedback_table=False), held_out=True)) == ["searched", "minmax"]
+    assert list(grid_candidates(QuantConfig(select_grids=False), held_out=True)) == ["searched"]
+
+
+@pytest.mark.parametrize("held_out", [False, True])
+def test_encode_best_keeps_least_selection_kl_vs_building_each_candidate(held_out):
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.evaluation import mean_kl, reference_log_probs
     from bayesq.baselines.activations import input_stats
@@ -302,21 +315,29 @@ def test_encode_best_keeps_least_calibration_kl_vs_building_each_candidate():
     metric = ef_column_metric(post, q, model, batches)
     correction = bias_correction(model, input_stats(model, batches, quantizable_layers(model)), batches)
     weights = {n: m.weight for n, m in quantizable_layers(model).items()}
-    reference, kl, codes = reference_log_probs(model, batches), {}, {}
-    for name, cq in grid_candidates(q).items():
+    g = torch.Generator().manual_seed(2)
+    selection = [torch.randn(8, 3, 6, 6, generator=g) for _ in range(2)] if held_out else None
+    scored = selection or batches
+    reference, kl, codes = reference_log_probs(model, scored), {}, {}
+    cands = grid_candidates(q, held_out=held_out)
+    assert len(cands) == (3 if held_out else 2)
+    for name, cq in cands.items():
         t = build_table(post, blocks, cq, model=model, calibration=batches, progress=False, column_metric=metric)
         qw = encode(t, allocate(t, 3.0), weights, posterior=post, rounding=cq.rounding, column_metric=metric,
                     act_order=cq.act_order, refit=cq.refit, cd_passes=cq.cd_passes)
-        kl[name], codes[name] = mean_kl(reference, quantized_copy(model, qw, correction), batches), qw
+        kl[name], codes[name] = mean_kl(reference, quantized_copy(model, qw, correction), scored), qw
     table = build_table(post, blocks, q, model=model, calibration=batches, progress=False, column_metric=metric)
-    enc = encode_best(model, post, table, q, 3.0, calibration=batches, column_metric=metric)
-    assert dict(enc.calibration_kl) == pytest.approx(kl, rel=1e-12)
+    enc = encode_best(model, post, table, q, 3.0, calibration=batches, column_metric=metric, selection=selection)
+    assert dict(enc.selection_kl) == pytest.approx(kl, rel=1e-12)
     assert enc.name == min(kl, key=kl.get)
     for name, qw in enc.weights.items():
         assert torch.equal(qw.codes, codes[enc.name][name].codes)
     res = quantize_model(model, batches, BayesQConfig(budget=3.0, quant=q, distill=DistillConfig(max_budget=0)),
-                         posterior=post, progress=False)
-    assert res.encoding == enc.name and dict(res.calibration_kl) == pytest.approx(kl, rel=1e-12)
+                         posterior=post, progress=False, selection=selection)
+    assert res.encoding == enc.name and dict(res.selection_kl) == pytest.approx(kl, rel=1e-12)
+    if held_out:
+        with pytest.raises(ValueError, match="selection= is empty"):
+            encode_best(model, post, table, q, 3.0, calibration=batches, selection=[])
 
 
 def test_encode_best_given_stats_vs_its_own_statistics_pass():
@@ -333,7 +354,7 @@ def test_encode_best_given_stats_vs_its_own_statistics_pass():
     stats = input_stats(model, batches, quantizable_layers(model))
     own = encode_best(model, post, table, q, 3.0, calibration=batches)
     given = encode_best(model, post, table, q, 3.0, calibration=batches, stats=stats)
-    assert given.name == own.name and dict(given.calibration_kl) == dict(own.calibration_kl)
+    assert given.name == own.name and dict(given.selection_kl) == dict(own.selection_kl)
     for name, qw in own.weights.items():
         assert torch.equal(given.weights[name].codes, qw.codes)
     some = {k: v for k, v in list(stats.items())[1:]}

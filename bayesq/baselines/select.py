@@ -254,7 +254,8 @@ def select_best(
         candidates: variant name -> builder of its :class:`QuantizationResult` (called once,
             in order; only the best result so far is kept in memory).
         model: the full-precision model (the KL's reference).
-        batches: calibration batches (the inputs the baseline's statistics come from).
+        batches: the inputs the candidates are scored on (the calibration inputs, or inputs
+            held out of them).
         correction: given, each candidate is also scored with it applied (:func:`corrected`),
             named ``<variant>+bc``.
 
@@ -265,7 +266,7 @@ def select_best(
         raise ValueError("no candidate to select from: the budget is infeasible for every variant")
     batches = list(batches)
     if not batches:
-        raise ValueError("empty calibration set: the selection scores candidates on calibration inputs")
+        raise ValueError("empty calibration set: the selection scores candidates on calibration (or held-out) inputs")
     reference = reference_log_probs(model, batches)
     kl, bits, best, best_kl = {}, {}, None, math.inf
     for name, build in candidates.items():

@@ -33,3 +33,29 @@ def sample_calibration_indices(n_total: int, n_cal: int, seed: int) -> Tensor:
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     idx = torch.randperm(n_total, generator=gen, dtype=torch.int64)[:n_cal]
     return torch.sort(idx).values
+
+
+def sample_selection_indices(n_total: int, n_cal: int, seed: int) -> Tensor:
+    """Draw the selection inputs: up to ``n_cal`` indices disjoint from the calibration draw.
+
+    They are the next ``n_cal`` entries of the same seeded permutation
+    :func:`sample_calibration_indices` takes its first ``n_cal`` from (fewer when the pool is
+    smaller than ``2 * n_cal``), so the two draws never share an input.  Choices made among
+    candidates fitted on the calibration inputs (grid and variant selection) are scored on
+    these: the calibration inputs themselves favour what fits them best (docs/method.md, 18d).
+
+    Returns:
+        int64 tensor (min(n_cal, n_total - n_cal),), sorted ascending.
+
+    Raises:
+        ValueError: as :func:`sample_calibration_indices`, or no input left after the
+            calibration draw ("use a smaller calibration set or score on the calibration inputs").
+    """
+    sample_calibration_indices(n_total, n_cal, seed)  # validates the arguments
+    if n_cal >= n_total:
+        raise ValueError(f"the calibration draw takes all {n_total} inputs of the pool, so none is left to "
+                         "score the selection on: use a smaller calibration set, or set "
+                         "calibration.selection: calibration")
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    idx = torch.randperm(n_total, generator=gen, dtype=torch.int64)[n_cal:2 * n_cal]
+    return torch.sort(idx).values
