@@ -60,13 +60,16 @@ def _time_ratio(methods: dict, a: str, b: str) -> float | None:
 
 
 def variant_lines(records: list[dict], model: str) -> list[str]:
-    """Which variant each selecting baseline kept at each budget (seed), from the records' ``variant``."""
+    """Which variant each selecting baseline kept (``variant``), and which grids each BayesQ row
+    kept (``encoding``, when it had candidates), at each budget (seed)."""
     kept: dict = defaultdict(list)
     for r in records:
-        if r["model"] == model and r.get("variant"):
-            kept[r["method"]].append(f"{r['budget']:.1f} bits: {r['variant']}"
+        choice = r.get("variant") or (r.get("encoding") if r.get("encoding_kl") else None)
+        if r["model"] == model and choice:
+            kept[r["method"]].append(f"{r['budget']:.1f} bits: {choice}"
                                      + (f" (seed {r['seed']})" if len({x['seed'] for x in records}) > 1 else ""))
-    return [f"{METHOD_LABEL.get(m, m)} kept (least calibration KL): " + "; ".join(v) + "." for m, v in kept.items()]
+    return [f"{METHOD_LABEL.get(m, m)} kept (least KL on the selection inputs): " + "; ".join(v) + "."
+            for m, v in kept.items()]
 
 
 def accuracy_se(accuracy: float, n: int) -> float:
@@ -81,8 +84,10 @@ def main_table(summary: dict, fp: dict[str, dict], budgets: list[float], records
              "weight (payload, scales, zero-points, stored AWQ scales and bit-width headers all counted). "
              "The SE covers test-set sampling only; differences between two rows are resolved far more "
              "sharply by the paired comparisons below (same examples). GPTQ and AWQ are their best "
-             "variant on the calibration KL (own mixed rule, uniform widths at the smallest fitting "
-             "group size, GPTQ on BayesQ's allocation, each also with bias correction). "
+             "variant (own mixed rule, uniform widths at the smallest fitting group size, GPTQ on "
+             "BayesQ's allocation, each also with bias correction) by the least KL to FP on the selection "
+             "inputs: a second draw of as many training inputs, disjoint from the calibration inputs the "
+             "variants are fitted on (`calibration.selection`), as BayesQ's grid selection. "
              "Time: the method's one-time cost in wall seconds (BayesQ: posterior + loss table + "
              "allocation and encoding; GPTQ / AWQ: input statistics + solve; HAWQ: Hessian traces + "
              "knapsack), mean over budgets, measured in the same run on the same machine.", ""]

@@ -123,3 +123,20 @@ def test_example_file_found_in_moved_results_folder(tmp_path):
     results.rename(moved)
     assert example_file(r, moved) == moved / "examples" / "m_bayesq_b3.0_s17.safetensors"
     assert example_file({k: v for k, v in r.items() if k != "examples_file"}, moved) is None
+
+
+def test_variant_lines_name_baseline_variants_and_bayesq_grids():
+    from flows.report import variant_lines
+
+    records = [
+        {"model": "m", "method": "gptq", "budget": 3.0, "seed": 1, "variant": "allocation+bc"},
+        {"model": "m", "method": "bayesq", "budget": 3.0, "seed": 1, "encoding": "minmax",
+         "encoding_kl": {"searched": 0.2, "minmax": 0.1}},
+        {"model": "m", "method": "bayesq-paper", "budget": 3.0, "seed": 1, "encoding": "searched",
+         "encoding_kl": {}},  # one candidate: nothing was chosen
+        {"model": "other", "method": "gptq", "budget": 3.0, "seed": 1, "variant": "mixed"},
+    ]
+    lines = variant_lines(records, "m")
+    assert len(lines) == 2
+    assert lines[0].startswith("GPTQ") and lines[0].endswith("3.0 bits: allocation+bc.")
+    assert "3.0 bits: minmax." in lines[1] and "selection inputs" in lines[1]
