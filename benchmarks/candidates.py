@@ -81,9 +81,10 @@ def main() -> None:
               f"KL {kl.mean():.5f} ± {kl.std() / len(kl) ** 0.5:.5f}  ({seconds:.0f} s){note}", flush=True)
 
     print(f"{c.model_name} at {c.budget} bits, seed {c.seed}, {len(c.labels)} test examples")
+    selection = c.selection  # as the pipeline: choices scored on the held-out draw
     for name, cfg in candidates.items():
         start = time.perf_counter()
-        res = quantize_model(c.model, c.calibration, cfg, progress=False)
+        res = quantize_model(c.model, c.calibration, cfg, progress=False, selection=selection)
         post = res.posterior
         kept = f", kept {res.encoding} grids (selection KL {', '.join(f'{k} {v:.4g}' for k, v in res.selection_kl.items())})"
         score(name, res, time.perf_counter() - start,
@@ -94,9 +95,9 @@ def main() -> None:
     stats = input_stats(c.model, c.calibration, quantizable_layers(c.model))
     choice = gptq_select(c.model, stats, c.calibration, c.budget, p.quant, group_sizes=p.baselines.group_sizes,
                          allocation=allocation, act_order=p.baselines.gptq_act_order, damp=p.baselines.gptq_damp,
-                         bias_correction=p.baselines.bias_correction)
+                         bias_correction=p.baselines.bias_correction, selection=selection)
     score("gptq", choice.result, time.perf_counter() - start,
-          f"  variant {choice.variant} (calibration KL {', '.join(f'{k} {v:.4g}' for k, v in choice.kl.items())})")
+          f"  variant {choice.variant} (selection KL {', '.join(f'{k} {v:.4g}' for k, v in choice.kl.items())})")
     start = time.perf_counter()
     score("rtn-group", rtn_quantize(c.model, Granularity.GROUP, c.budget, p.quant), time.perf_counter() - start)
 

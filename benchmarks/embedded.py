@@ -2,7 +2,8 @@
 
 ``case(description)`` parses ``--model --budget --seed --params --models --raw`` and loads what
 ``make run`` left behind: the fine-tuned model (``--models``, default ``models/``), its data
-(``--raw``, default ``data/raw``), the seed's calibration batches and the test batches.
+(``--raw``, default ``data/raw``), the seed's calibration batches (and its selection batches,
+``Case.selection``) and the test batches.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ class Case:
         from flows.prepare import calibration_batches
 
         return list(calibration_batches(self.entry, self.splits, self.params.data, self.params.calibration, seed)[1])
+
+    @property
+    def selection(self) -> list | None:
+        """The seed's selection batches (``calibration.selection: held-out``: a second draw, disjoint
+        from the calibration draw, that scores choices among fitted candidates), else None."""
+        from flows.prepare import selection_batches
+
+        return selection_batches(self.entry, self.splits, self.params.data, self.params.calibration, self.seed)
 
     def accuracy(self, model) -> float:
         """Test accuracy of ``model`` in percent."""

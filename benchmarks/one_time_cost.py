@@ -1,11 +1,12 @@
 """BayesQ's one-time cost against GPTQ's, side by side in one process, per embedded model.
 
 BayesQ (the library default, distillation off): posterior fit + error-feedback metric + loss
-table + :func:`bayesq.quantize.encode_best` (its second table, both allocations, both
-encodings, the calibration KL that picks one). GPTQ as the pipeline's ``gptq`` row runs it:
-layer-input statistics + :func:`bayesq.baselines.gptq.gptq_select` (every variant, BayesQ's
-allocation among them, the calibration KL that picks one). Same fine-tuned model, same
-calibration inputs, same budget, one thread each after the other.
+table + :func:`bayesq.quantize.encode_best` (its other candidates' tables, every allocation and
+encoding, the KL on the held-out selection inputs that picks one). GPTQ as the pipeline's ``gptq``
+row runs it: layer-input statistics + :func:`bayesq.baselines.gptq.gptq_select` (every variant,
+BayesQ's allocation among them, the KL on the same selection inputs that picks one). Same
+fine-tuned model, same calibration and selection inputs, same budget, one thread each after the
+other.
 
     python benchmarks/one_time_cost.py [--models lite0-fmnist,minilm-sentiment] [--budget 3.0] [--seed 17]
                                        [--threads 1] [--profile N]
@@ -36,17 +37,17 @@ def _load(model_name: str, seed: int, params_path: Path):
     from bayesq.models.zoo import get_entry
     from flows.common import read_params
     from flows.finetune import load_model, raw_path
-    from flows.prepare import calibration_batches
+    from flows.prepare import calibration_batches, selection_batches
 
     params = read_params(params_path)
     entry = get_entry(model_name)
     model = load_model(entry, Path("models") / model_name / "model.safetensors")
     splits = entry.load_splits(params.data, raw_path(entry, Path("data/raw")))
     _, batches = calibration_batches(entry, splits, params.data, params.calibration, seed)
-    return params, model, batches
+    return params, model, batches, selection_batches(entry, splits, params.data, params.calibration, seed)
 
 
-def bayesq_stages(model, calibration, params, budget: float, seed: int) -> tuple[dict, object]:
+def bayesq_stages(model, calibration, params, budget: float, seed: int, selection=None) -> tuple[dict, object]:
     """Wall seconds of each BayesQ stage; the kept :class:`~bayesq.quantize.Encoding`."""
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.quantize import build_table, ef_column_metric, encode_best, fit_posterior
@@ -65,11 +66,11 @@ def bayesq_stages(model, calibration, params, budget: float, seed: int) -> tuple
                             column_metric=metric)
     with _timed(stages, "allocate+encode+select"):
         enc = encode_best(model, post, table, q, budget, cfg.allocation, seed=seed, calibration=calibration,
-                          column_metric=metric)
+                          column_metric=metric, selection=selection)
     return stages, enc
 
 
-def gptq_stages(model, calibration, params, budget: float, allocation) -> tuple[dict, object]:
+def gptq_stages(model, calibration, params, budget: float, allocation, selection=None) -> tuple[dict, object]:
     """Wall seconds of GPTQ's statistics and its calibration-selected solve; the choice."""
     from bayesq.baselines.activations import input_stats
     from bayesq.baselines.gptq import gptq_select
@@ -82,7 +83,7 @@ def gptq_stages(model, calibration, params, budget: float, allocation) -> tuple[
         choice = gptq_select(model, stats, calibration, budget, params.quant,
                              group_sizes=params.baselines.group_sizes, allocation=allocation,
                              act_order=params.baselines.gptq_act_order, damp=params.baselines.gptq_damp,
-                             bias_correction=params.baselines.bias_correction)
+                             bias_correction=params.baselines.bias_correction, selection=selection)
     return stages, choice
 
 
@@ -100,15 +101,15 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     ratios = {}
     for name in a.models.split(","):
-        params, model, calibration = _load(name, a.seed, a.params)
+        params, model, calibration, selection = _load(name, a.seed, a.params)
         prof = cProfile.Profile() if a.profile else None
         if prof:
             prof.enable()
-        b_stages, enc = bayesq_stages(model, calibration, params, a.budget, a.seed)
+        b_stages, enc = bayesq_stages(model, calibration, params, a.budget, a.seed, selection)
         if prof:
             prof.disable()
         allocation = {k: list(v) for k, v in enc.allocation.unit_bits.items()}
-        g_stages, choice = gptq_stages(model, calibration, params, a.budget, allocation)
+        g_stages, choice = gptq_stages(model, calibration, params, a.budget, allocation, selection)
         b, g = sum(b_stages.values()), sum(g_stages.values())
         ratios[name] = b / g
         fmt = lambda s: ", ".join(f"{k} {v:.1f}" for k, v in s.items())  # noqa: E731
