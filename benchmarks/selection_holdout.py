@@ -5,11 +5,15 @@ of the error-feedback table is fitted on the seed's calibration inputs exactly a
 ``quantize.encode_best`` fits it (posterior, layer-input statistics, table, allocation,
 error-feedback encoding, bias correction), then scored by the mean KL(p_FP || p_Q) on
 
-* the calibration inputs it was fitted on (what ``encode_best`` selects on),
-* another draw of as many training inputs (``--holdout-seed``, used by nothing else),
+* the calibration inputs it was fitted on (what ``encode_best`` selects on without ``selection=``),
+* the pipeline's selection draw (``calibration.selection: held-out``: as many training inputs
+  again, disjoint from the calibration draw),
+* another draw of ``--held-size`` training inputs (``--holdout-seed``, used by nothing else;
+  default as many as the calibration set),
 * every test example.
 
     python benchmarks/selection_holdout.py [--model lite0-fmnist] [--budget 3.0] [--seed 17] [--holdout-seed 99]
+                                           [--held-size N]
 
 Needs the fine-tuned model and data of ``make run`` (``models/``, ``data/raw``).
 """
@@ -25,6 +29,7 @@ from embedded import case
 def main() -> None:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--holdout-seed", type=int, default=99, help="seed of the held-out draw of training inputs")
+    extra.add_argument("--held-size", type=int, default=0, help="inputs in that draw (0: the calibration size)")
     args, sys.argv[1:] = extra.parse_known_args(sys.argv[1:])
     c = case(__doc__.splitlines()[0])
     from bayesq import BayesQConfig
@@ -38,7 +43,11 @@ def main() -> None:
     )
 
     p, q = c.params, c.params.quant
-    cal, held = list(c.calibration), list(c.draw(args.holdout_seed))
+    cal, selection = list(c.calibration), c.selection or []
+    if args.held_size:
+        n = {"images": args.held_size} if c.entry.task == "image" else {"sentences": args.held_size}
+        c = replace(c, params=replace(p, calibration=replace(p.calibration, **n)))
+    held = list(c.draw(args.holdout_seed))
     layers = quantizable_layers(c.model)
     blocks = layer_blocks(layers, q.group_size, q.unit_groups, q.unit.value)
     post = fit_posterior(c.model, cal, BayesQConfig(posterior=p.posterior, quant=q, seed=c.seed), progress=False)
@@ -46,13 +55,14 @@ def main() -> None:
     metric = ef_column_metric(post, q, stats=stats)
     correction = bias_correction(c.model, stats, cal) if q.bias_correction else None
     weights = {n: m.weight for n, m in layers.items()}
-    sets = {"calibration": cal, "held-out": held, "test": c.test}
+    sets = {"calibration": cal, "selection": selection, "held-out": held, "test": c.test}
+    sets = {k: b for k, b in sets.items() if b}
     refs = {k: reference_log_probs(c.model, b) for k, b in sets.items()}
     cands = dict(grid_candidates(q))
     if q.feeds_back_table:
         cands["searched, other range search"] = replace(q, feedback_search=not q.feedback_search)
     print(f"{c.model_name} at {c.budget} bits, seed {c.seed}, held-out draw seed {args.holdout_seed} "
-          f"({len(cal)} / {len(held)} / {len(c.test)} batches); mean KL(p_FP || p_Q):")
+          f"(batches: {', '.join(f'{k} {len(b)}' for k, b in sets.items())}); mean KL(p_FP || p_Q):")
     for name, cq in cands.items():
         t = build_table(post, blocks, cq, seed=c.seed, model=c.model, calibration=cal, progress=False,
                         column_metric=metric)
