@@ -8,6 +8,8 @@ method, so differences can be measured example by example:
 * :func:`agreement_per_example` -- ``argmax_c z_Q_ic == argmax_c z_FP_ic``;
 * :func:`correct_per_example` -- ``argmax_c z_ic == y_i``;
 * :func:`fidelity_summary` -- mean KL, its standard error ``sd(KL) / sqrt(N)`` and the agreement rate;
+* :func:`resolved_choice` -- which of several candidates scored on the same examples to keep: a
+  reference unless another's paired advantage over it is resolved;
 * :func:`paired_differences` -- the mean of ``a_i - b_i`` for two methods on the same examples and
   a percentile 95 % interval from a paired bootstrap over examples: resample ``N`` example indices
   with replacement (the same indices for both methods), take the mean difference, repeat
@@ -23,6 +25,7 @@ fine-tuning or any other seed.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -198,3 +201,41 @@ def paired_difference(method: Tensor, baseline: Tensor, resamples: int = RESAMPL
     if method.ndim != 1:
         raise ValueError(f"paired_difference takes (N,) values, got {tuple(method.shape)}")
     return paired_differences(method, baseline, resamples, seed, level, scale)[0]
+
+
+def resolved_choice(losses: Mapping[str, Tensor], reference: str, resamples: int = RESAMPLES, seed: int = SEED,
+                    level: float = 0.95) -> tuple[str, dict[str, PairedDifference]]:
+    """Keep ``reference`` unless another candidate's per-example loss is lower by a resolved margin.
+
+    A candidate is admitted when the ``level`` interval of the paired bootstrap of
+    ``mean_i(loss_i(candidate) - loss_i(reference))`` (:func:`paired_differences`, one set of
+    resamples for all candidates) lies below zero (``ci_high < 0``); the admitted candidate with
+    the least mean loss is kept, else ``reference``. The least mean loss alone on a finite draw
+    picks the candidate the draw's noise favours as often as the better one when candidates are
+    close (the winner's curse); the reference should be the one with the fewest fitted choices.
+    A candidate whose losses are not all finite is never admitted; a non-finite reference gives way
+    to the finite candidate with the least mean.
+
+    Args:
+        losses: candidate name -> (N,) per-example losses on the same N examples (e.g. KL to FP).
+        reference: the key kept unless another is resolved better.
+
+    Returns:
+        (kept name, {other name: its PairedDifference to the reference}).
+    """
+    if reference not in losses:
+        raise ValueError(f"reference candidate '{reference}' is not among {sorted(losses)}")
+    others = [k for k in losses if k != reference]
+    finite = {k: bool(torch.isfinite(v).all()) for k, v in losses.items()}
+    if not others:
+        return reference, {}
+    if not finite[reference]:
+        means = {k: float(losses[k].double().mean()) for k in others if finite[k]}
+        return (min(means, key=means.get) if means else reference), {}
+    ok = [k for k in others if finite[k]]
+    if not ok:
+        return reference, {}
+    ref = losses[reference][:, None].expand(-1, len(ok))
+    diffs = dict(zip(ok, paired_differences(torch.stack([losses[k] for k in ok], 1), ref, resamples, seed, level)))
+    admitted = {k: d.diff for k, d in diffs.items() if d.ci_high < 0}
+    return (min(admitted, key=admitted.get) if admitted else reference), diffs

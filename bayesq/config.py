@@ -70,7 +70,7 @@ class SelectionInputs(str, Enum):
     """Which inputs score the choices among candidates fitted on the calibration inputs (BayesQ's
     grids, GPTQ's / AWQ's variants)."""
 
-    HELD_OUT = "held-out"  # another draw of as many training inputs, disjoint from the calibration draw
+    HELD_OUT = "held-out"  # another draw of training inputs, disjoint from the calibration draw
     CALIBRATION = "calibration"  # the calibration inputs themselves (ablation)
 
 
@@ -478,7 +478,8 @@ class FinetuneConfig:
 class CalibrationConfig:
     """Unlabelled calibration set sizes (labels are never used), batch size, and the inputs
     that score selections among fitted candidates (``selection``: ``held-out``, a second draw of
-    as many training inputs disjoint from the calibration draw; or the calibration inputs).
+    ``selection_images`` / ``selection_sentences`` training inputs disjoint from the calibration
+    draw; or the calibration inputs).
 
     The Laplace data size N is ``posterior.n_data`` (one definition for the library and the
     pipeline); the key ``fisher_scale`` that set it here before is rejected with that hint.
@@ -488,10 +489,12 @@ class CalibrationConfig:
     sentences: int = 1000
     batch_size: int = 32
     selection: SelectionInputs = SelectionInputs.HELD_OUT
+    selection_images: int = 2000
+    selection_sentences: int = 2000
 
     def __post_init__(self) -> None:
         s = "calibration"
-        for name in ("images", "sentences", "batch_size"):
+        for name in ("images", "sentences", "batch_size", "selection_images", "selection_sentences"):
             if getattr(self, name) < 1:
                 _fail(s, name, getattr(self, name), "must be >= 1")
         _enum(self, s, "selection", SelectionInputs)

@@ -52,19 +52,22 @@ def reference_log_probs(model: nn.Module, batches: Iterable[Batch]) -> list[torc
     return _eval_log_probs(model, list(batches))
 
 
-def mean_kl(reference: Sequence[torch.Tensor], model: nn.Module, batches: Sequence[Batch]) -> float:
-    """Mean over examples of ``KL(p_ref || p_model) = sum_c p_ref (log p_ref - log p_model)``.
+def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
+    """Per input, ``KL(p_ref || p_model) = sum_c p_ref (log p_ref - log p_model)``: (N,) float64.
 
     Args:
         reference: :func:`reference_log_probs` on the same ``batches``.
         model: the quantised model.
         batches: the calibration batches (tensors or dicts of tensors), same order.
     """
-    total, rows = 0.0, 0
-    for ref, logq in zip(reference, _eval_log_probs(model, batches), strict=True):
-        total += float((ref.exp() * (ref - logq)).sum())
-        rows += ref.shape[0]
-    return total / rows
+    rows = [(ref.exp() * (ref - logq)).sum(-1)
+            for ref, logq in zip(reference, _eval_log_probs(model, batches), strict=True)]
+    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.float64)
+
+
+def mean_kl(reference: Sequence[torch.Tensor], model: nn.Module, batches: Sequence[Batch]) -> float:
+    """Mean over inputs of :func:`kl_per_input`."""
+    return float(kl_per_input(reference, model, batches).mean())
 
 
 SE_RESAMPLES = 100  # bootstrap resamples of the test examples behind every standard error

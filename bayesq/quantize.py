@@ -27,7 +27,8 @@ from bayesq.config import (
     AllocationConfig, Allocator, BayesQConfig, CostTerms, Objective, Proxy, QuantConfig, Rounding, Whitening,
 )
 from bayesq.error_feedback import coordinate_descent, damped_metric, error_feedback_groups, feedback_gain
-from bayesq.evaluation import mean_kl, reference_log_probs
+from bayesq.comparison import resolved_choice
+from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import Book, LossTable, apply_mc_proxy, posterior_table
 from bayesq.forward import Batch, batch_size
 from bayesq.posterior import Posterior, fit_posterior as _fit_posterior, input_moments
@@ -444,6 +445,9 @@ class Encoding:
         selection_kl: candidate name -> mean ``KL(p_FP || p_Q)`` on the inputs it was scored on
             (``selection``, else the calibration inputs; empty: one candidate).
         correction: the bias correction :func:`quantized_copy` applies (None: ``quant.bias_correction`` off).
+        selection_margin: candidate name -> 95 % paired-bootstrap interval (low, high) of its mean
+            KL minus the ``minmax`` candidate's on those inputs; a candidate is kept over
+            ``minmax`` only when ``high < 0`` (:func:`bayesq.comparison.resolved_choice`).
     """
 
     name: str
@@ -453,6 +457,7 @@ class Encoding:
     weights: dict[str, QuantizedWeight]
     selection_kl: Mapping[str, float]
     correction: BiasCorrection | None = None
+    selection_margin: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def encode_best(
@@ -463,11 +468,13 @@ def encode_best(
     stats: Mapping[str, InputStats] | None = None, selection: Iterable[Batch] | None = None,
 ) -> Encoding:
     """Allocate and encode ``table`` (built for ``q``); with ``q.selects_grids`` also the other
-    candidates of :func:`grid_candidates` (their tables built here), keeping the one with the
-    least mean ``KL(p_FP || p_Q)`` on ``selection`` (inputs held out of the fit, e.g.
+    candidates of :func:`grid_candidates` (their tables built here), each scored by its
+    per-input ``KL(p_FP || p_Q)`` after its bias correction (``q.bias_correction``) on
+    ``selection`` (inputs held out of the fit, e.g.
     :func:`bayesq.data.calibration.sample_selection_indices`; they also admit the third
-    candidate), else on ``calibration`` (ties keep ``table``'s), each scored after its bias
-    correction (``q.bias_correction``).
+    candidate), else on ``calibration``. The ``minmax`` grids are kept unless another candidate's
+    mean KL is lower by a resolved margin (95 % paired-bootstrap interval of the difference below
+    zero, :func:`bayesq.comparison.resolved_choice`); among those, the least mean KL.
 
     ``column_metric``: :func:`ef_column_metric` of ``q``; ``correction``: :func:`bias_correction`
     (each computed here when None and needed, from ``stats``: the layers' input statistics
@@ -498,7 +505,7 @@ def encode_best(
     if column_metric is None:
         column_metric = ef_column_metric(posterior, q)  # the K-FAC posterior's, or None
     blocks = [t.blocks for t in table.layers]
-    best, best_kl, kls = None, float("inf"), {}
+    built, kls = {}, {}
     reference = reference_log_probs(model, scored) if len(cands) > 1 else None
     for name, cq in cands.items():
         t = table if cq is q else build_table(posterior, blocks, cq, seed=seed, model=model, calibration=calibration,
@@ -507,13 +514,13 @@ def encode_best(
         qw = encode(t, allocation, weights, posterior=posterior, rounding=cq.rounding, column_metric=column_metric,
                     act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits, cd_passes=cq.cd_passes,
                     progress=progress)
+        built[name] = (cq, t, allocation, qw)
         if reference is not None:
-            kls[name] = mean_kl(reference, quantized_copy(model, qw, correction), scored)
-        score = kls.get(name, 0.0)
-        score = float("inf") if score != score else score  # a NaN KL never wins
-        if best is None or score < best_kl:
-            best, best_kl = Encoding(name, cq, t, allocation, qw, kls, correction), score
-    return replace(best, selection_kl=dict(kls))
+            kls[name] = kl_per_input(reference, quantized_copy(model, qw, correction), scored)
+    kept, margins = resolved_choice(kls, "minmax" if "minmax" in kls else next(iter(cands))) if kls else (
+        next(iter(cands)), {})
+    return Encoding(kept, *built[kept], {k: float(v.mean()) for k, v in kls.items()}, correction,
+                    {k: (d.ci_low, d.ci_high) for k, d in margins.items()})
 
 
 def quantized_copy(

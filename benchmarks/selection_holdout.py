@@ -6,11 +6,14 @@ of the error-feedback table is fitted on the seed's calibration inputs exactly a
 error-feedback encoding, bias correction), then scored by the mean KL(p_FP || p_Q) on
 
 * the calibration inputs it was fitted on (what ``encode_best`` selects on without ``selection=``),
-* the pipeline's selection draw (``calibration.selection: held-out``: as many training inputs
-  again, disjoint from the calibration draw),
+* the pipeline's selection draw (``calibration.selection: held-out``: ``selection_images`` /
+  ``selection_sentences`` training inputs, disjoint from the calibration draw),
 * another draw of ``--held-size`` training inputs (``--holdout-seed``, used by nothing else;
   default as many as the calibration set),
-* every test example.
+* every test example,
+
+and, on each of these sets, which candidate ``encode_best``'s rule keeps there (min/max unless
+another's KL is lower by a resolved margin) with each paired 95 % interval against min/max.
 
     python benchmarks/selection_holdout.py [--model lite0-fmnist] [--budget 3.0] [--seed 17] [--holdout-seed 99]
                                            [--held-size N]
@@ -36,7 +39,8 @@ def main() -> None:
     from bayesq.baselines.activations import input_stats
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.config import replace
-    from bayesq.evaluation import mean_kl, reference_log_probs
+    from bayesq.comparison import resolved_choice
+    from bayesq.evaluation import kl_per_input, reference_log_probs
     from bayesq.quantize import (
         allocate, bias_correction, build_table, ef_column_metric, encode, fit_posterior, grid_candidates,
         quantized_copy,
@@ -58,7 +62,7 @@ def main() -> None:
     sets = {"calibration": cal, "selection": selection, "held-out": held, "test": c.test}
     sets = {k: b for k, b in sets.items() if b}
     refs = {k: reference_log_probs(c.model, b) for k, b in sets.items()}
-    cands = dict(grid_candidates(q))
+    cands, per = dict(grid_candidates(q)), {}
     if q.feeds_back_table:
         cands["searched, other range search"] = replace(q, feedback_search=not q.feedback_search)
     print(f"{c.model_name} at {c.budget} bits, seed {c.seed}, held-out draw seed {args.holdout_seed} "
@@ -70,8 +74,13 @@ def main() -> None:
                     column_metric=metric, act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits,
                     cd_passes=cq.cd_passes)
         qmodel = quantized_copy(c.model, qw, correction)
-        kls = {k: mean_kl(refs[k], qmodel, b) for k, b in sets.items()}
-        print(f"  {name:30s} " + "  ".join(f"{k} {v:.5f}" for k, v in kls.items()), flush=True)
+        per[name] = {k: kl_per_input(refs[k], qmodel, b) for k, b in sets.items()}
+        print(f"  {name:30s} " + "  ".join(f"{k} {float(v.mean()):.5f}" for k, v in per[name].items()), flush=True)
+    print("kept on each set by encode_best's rule (min/max unless resolved lower; 95 % paired interval vs min/max):")
+    for k in sets:
+        kept, margins = resolved_choice({n: v[k] for n, v in per.items()}, "minmax")
+        print(f"  {k:12s} {kept:30s} " + "  ".join(f"{n} [{d.ci_low:+.5f}, {d.ci_high:+.5f}]"
+                                                  for n, d in margins.items()), flush=True)
 
 
 if __name__ == "__main__":

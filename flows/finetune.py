@@ -57,7 +57,8 @@ def finetune_flow(params_path: Path, raw: Path, out: Path) -> list[dict]:
 
     params = read_params(params_path)
     # the embedded entries' sources only: a new loader elsewhere in bayesq/models retrains nothing
-    code = code_version("bayesq/models/zoo.py", "bayesq/data", "bayesq/forward.py", "flows/finetune.py")
+    code = code_version("bayesq/models/zoo.py", "bayesq/data", "bayesq/forward.py", "flows/finetune.py",
+                        exclude=("bayesq/data/calibration.py",))  # sampling: not read by the fine-tune
     results = []
     for name in params.models:
         src = raw_path(get_entry(name), raw)

@@ -30,12 +30,31 @@ def prep_code() -> str:
     return code_version(exclude=PREP_EXCLUDE)
 
 
+def _sizes(entry, calibration, n_total: int) -> tuple[int, int]:
+    """(calibration inputs, selection inputs) of the entry's kind (images or sentences), the
+    calibration size capped at the pool of ``n_total`` training inputs."""
+    image = entry.task == "image"
+    n_cal = calibration.images if image else calibration.sentences
+    return min(n_cal, n_total), calibration.selection_images if image else calibration.selection_sentences
+
+
+def fit_inputs(calibration):
+    """``calibration`` as the fitting tasks (posterior, tables, statistics, traces) see it: the
+    settings of the selection draw, which they never read, at their defaults, so a run that only
+    changes how choices are scored reuses their cached results."""
+    from bayesq.config import CalibrationConfig
+
+    d = CalibrationConfig()
+    return replace(calibration, selection=d.selection, selection_images=d.selection_images,
+                   selection_sentences=d.selection_sentences)
+
+
 def calibration_indices(entry, splits, calibration, seed: int):
     """(n_cal,) int64 indices into the training split of the seed's calibration inputs."""
     from bayesq.data.calibration import sample_calibration_indices
 
-    n_cal = calibration.images if entry.task == "image" else calibration.sentences
-    return sample_calibration_indices(len(splits.train_labels), min(n_cal, len(splits.train_labels)), seed)
+    n_total = len(splits.train_labels)
+    return sample_calibration_indices(n_total, _sizes(entry, calibration, n_total)[0], seed)
 
 
 def calibration_batches(entry, splits, data, calibration, seed: int):
@@ -50,18 +69,18 @@ def calibration_batches(entry, splits, data, calibration, seed: int):
 def selection_batches(entry, splits, data, calibration, seed: int):
     """The batches that score selections among candidates fitted on the calibration inputs
     (BayesQ's grids, GPTQ's / AWQ's variants): with ``calibration.selection: held-out`` a second
-    draw of as many training inputs, disjoint from the calibration draw
-    (:func:`bayesq.data.calibration.sample_selection_indices`); None scores on the calibration
-    inputs themselves."""
+    draw of ``calibration.selection_images`` / ``selection_sentences`` training inputs, disjoint
+    from the calibration draw (:func:`bayesq.data.calibration.sample_selection_indices`; fewer
+    when the pool runs out); None scores on the calibration inputs themselves."""
     from bayesq.config import SelectionInputs
     from bayesq.data.calibration import sample_selection_indices
     from bayesq.models.zoo import _take
 
     if SelectionInputs(calibration.selection) != SelectionInputs.HELD_OUT:
         return None
-    n_cal = calibration.images if entry.task == "image" else calibration.sentences
     n_total = len(splits.train_labels)
-    idx = sample_selection_indices(n_total, min(n_cal, n_total), seed)
+    n_cal, n_sel = _sizes(entry, calibration, n_total)
+    idx = sample_selection_indices(n_total, n_cal, seed, n_sel)
     return list(entry.batches(_take(splits.train_inputs, idx), calibration.batch_size, data))
 
 
@@ -257,10 +276,11 @@ def _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call=
     """Posterior and table of the ``bayesq-ef`` row: K-FAC posterior, error-feedback rounding."""
     posterior = replace(params.posterior, curvature=Curvature.KFAC)
     quant = replace(params.quant, rounding=Rounding.ERROR_FEEDBACK)
+    cal = fit_inputs(params.calibration)
     post = call(f"posterior (K-FAC) {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src), sdig,
-                params.data, params.calibration, posterior, seed, str(Path(out) / "posterior"), code, tag="kfac")
+                params.data, cal, posterior, seed, str(Path(out) / "posterior"), code, tag="kfac")
     tab = call(f"table (bayesq-ef) {name} s{seed}", table_task, name, str(model_file), mdig, post["path"],
-               digest(Path(post["path"])), str(src), sdig, params.data, params.calibration, quant, seed,
+               digest(Path(post["path"])), str(src), sdig, params.data, cal, quant, seed,
                str(Path(out) / "tables"), code, tag="ef")
     return post, tab, f"{digest(Path(post['path']))}:{quant}:{params.calibration}", quant
 
@@ -271,10 +291,11 @@ def _paper_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call
     bias correction."""
     posterior = replace(params.posterior, prior=Prior.FIXED)
     quant = replace(params.quant, objective=Objective.DRAWS, rounding=Rounding.NEAREST, bias_correction=False)
+    cal = fit_inputs(params.calibration)
     post = call(f"posterior (fixed prior) {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src),
-                sdig, params.data, params.calibration, posterior, seed, str(Path(out) / "posterior"), code, tag="paper")
+                sdig, params.data, cal, posterior, seed, str(Path(out) / "posterior"), code, tag="paper")
     tab = call(f"table (bayesq-paper) {name} s{seed}", table_task, name, str(model_file), mdig, post["path"],
-               digest(Path(post["path"])), str(src), sdig, params.data, params.calibration, quant, seed,
+               digest(Path(post["path"])), str(src), sdig, params.data, cal, quant, seed,
                str(Path(out) / "tables"), code, tag="paper")
     return post, tab, f"{digest(Path(post['path']))}:{quant}:{params.calibration}", quant
 
@@ -291,11 +312,11 @@ def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str
     """
     from bayesq.config import Method
 
-    code = prep_code()
+    code, cal = prep_code(), fit_inputs(params.calibration)
     post = call(f"posterior {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src), sdig,
-                params.data, params.calibration, params.posterior, seed, str(Path(out) / "posterior"), code)
+                params.data, cal, params.posterior, seed, str(Path(out) / "posterior"), code)
     tab = call(f"table {name} s{seed}", table_task, name, str(model_file), mdig, post["path"],
-               digest(Path(post["path"])), str(src), sdig, params.data, params.calibration, params.quant, seed,
+               digest(Path(post["path"])), str(src), sdig, params.data, cal, params.quant, seed,
                str(Path(out) / "tables"), code)
     key = f"{digest(Path(post['path']))}:{params.quant}:{params.calibration}"
     prep = {Method.BAYESQ: (post, tab, key, params.quant), Method.BAYESQ_DISTILL: (post, tab, key, params.quant)}
@@ -306,7 +327,7 @@ def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str
     hawq = None
     if Method.HAWQ in params.methods:
         hawq = call(f"hawq traces {name} s{seed}", hawq_traces_task, name, str(model_file), mdig, str(src), sdig,
-                    params.data, params.calibration, params.baselines.hawq_probes, seed, code)
+                    params.data, cal, params.baselines.hawq_probes, seed, code)
     stats = call(f"layer-input statistics {name} s{seed}", stats_task, name, str(model_file), mdig, str(src), sdig,
-                 params.data, params.calibration, seed, str(Path(out) / "stats"), code)
+                 params.data, cal, seed, str(Path(out) / "stats"), code)
     return post, tab, prep, hawq, stats

@@ -59,17 +59,27 @@ def _time_ratio(methods: dict, a: str, b: str) -> float | None:
     return statistics.fmean(ratios) if ratios else None
 
 
+_RULE = {"variant": "least KL on the selection inputs",
+         "encoding": "min/max grids unless another candidate's KL on the selection inputs is lower by a resolved "
+                     "margin, its 95 % paired-bootstrap interval against min/max shown"}
+
+
 def variant_lines(records: list[dict], model: str) -> list[str]:
-    """Which variant each selecting baseline kept (``variant``), and which grids each BayesQ row
-    kept (``encoding``, when it had candidates), at each budget (seed)."""
+    """Which variant each selecting baseline kept (``variant``: the least KL on the selection
+    inputs), and which grids each BayesQ row kept (``encoding``, when it had candidates: min/max
+    unless another candidate's KL was lower by a resolved margin), at each budget (seed)."""
     kept: dict = defaultdict(list)
+    rule: dict = {}
     for r in records:
-        choice = r.get("variant") or (r.get("encoding") if r.get("encoding_kl") else None)
-        if r["model"] == model and choice:
-            kept[r["method"]].append(f"{r['budget']:.1f} bits: {choice}"
-                                     + (f" (seed {r['seed']})" if len({x['seed'] for x in records}) > 1 else ""))
-    return [f"{METHOD_LABEL.get(m, m)} kept (least KL on the selection inputs): " + "; ".join(v) + "."
-            for m, v in kept.items()]
+        kind = "variant" if r.get("variant") else "encoding" if r.get("encoding_kl") else None
+        if r["model"] != model or kind is None:
+            continue
+        margins = ", ".join(f"{k} − minmax [{lo:+.5f}, {hi:+.5f}]"
+                            for k, (lo, hi) in r.get("encoding_margin", {}).items()) if kind == "encoding" else ""
+        rule[r["method"]] = _RULE[kind]
+        kept[r["method"]].append(f"{r['budget']:.1f} bits: {r[kind]}" + (f" ({margins})" if margins else "")
+                                 + (f" (seed {r['seed']})" if len({x['seed'] for x in records}) > 1 else ""))
+    return [f"{METHOD_LABEL.get(m, m)} kept ({rule[m]}): " + "; ".join(v) + "." for m, v in kept.items()]
 
 
 def accuracy_se(accuracy: float, n: int) -> float:
@@ -86,8 +96,9 @@ def main_table(summary: dict, fp: dict[str, dict], budgets: list[float], records
              "sharply by the paired comparisons below (same examples). GPTQ and AWQ are their best "
              "variant (own mixed rule, uniform widths at the smallest fitting group size, GPTQ on "
              "BayesQ's allocation, each also with bias correction) by the least KL to FP on the selection "
-             "inputs: a second draw of as many training inputs, disjoint from the calibration inputs the "
-             "variants are fitted on (`calibration.selection`), as BayesQ's grid selection. "
+             "inputs: a second draw of training inputs, disjoint from the calibration inputs the variants are "
+             "fitted on (`calibration.selection`, `selection_images` / `selection_sentences`), on which "
+             "BayesQ's grid selection also scores. "
              "Time: the method's one-time cost in wall seconds (BayesQ: posterior + loss table + "
              "allocation and encoding; GPTQ / AWQ: input statistics + solve; HAWQ: Hessian traces + "
              "knapsack), mean over budgets, measured in the same run on the same machine.", ""]

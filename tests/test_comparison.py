@@ -150,3 +150,39 @@ def test_bootstrap_means_shape_and_constant_column():
 def test_paired_difference_shape_mismatch_raises():
     with pytest.raises(ValueError, match="shape"):
         paired_difference(torch.zeros(5), torch.zeros(6))
+
+
+def test_resolved_choice_vs_paired_difference_by_hand():
+    from bayesq.comparison import resolved_choice
+
+    g = torch.Generator().manual_seed(3)
+    ref = torch.rand(400, generator=g, dtype=torch.float64)
+    noise = 0.2 * torch.randn(400, generator=g, dtype=torch.float64)
+    noise -= noise.mean()  # every mean difference is exactly its shift
+    losses = {"ref": ref, "close": ref - 0.002 + noise, "better": ref - 0.08 + noise, "best": ref - 0.1 + noise,
+              "worse": ref + 0.1 + noise}
+    kept, margins = resolved_choice(losses, "ref")
+    assert set(margins) == {"close", "better", "best", "worse"}
+    for k, d in margins.items():
+        want = paired_difference(losses[k], ref)
+        assert (d.diff, d.ci_low, d.ci_high) == pytest.approx((want.diff, want.ci_low, want.ci_high), rel=1e-12)
+    assert margins["close"].diff < 0 < margins["close"].ci_high  # lower on this draw, not resolved
+    assert margins["best"].ci_high < 0 and margins["better"].ci_high < 0
+    assert kept == "best"
+    # the least mean alone would keep an unresolved candidate; the rule keeps the reference
+    assert resolved_choice({"ref": ref, "close": losses["close"]}, "ref")[0] == "ref"
+
+
+def test_resolved_choice_non_finite_and_degenerate_cases():
+    from bayesq.comparison import resolved_choice
+
+    a, b = torch.full((50,), 0.5, dtype=torch.float64), torch.full((50,), 0.1, dtype=torch.float64)
+    nan = a.clone()
+    nan[3] = float("nan")
+    assert resolved_choice({"ref": a}, "ref") == ("ref", {})
+    assert resolved_choice({"ref": a, "nan": nan - 1}, "ref")[0] == "ref"  # a NaN never wins
+    assert resolved_choice({"ref": nan, "x": a, "y": b}, "ref")[0] == "y"  # a NaN reference gives way
+    assert resolved_choice({"ref": a, "y": b}, "ref")[0] == "y"  # constant gap: a zero-width interval below 0
+    assert resolved_choice({"ref": b, "y": b.clone()}, "ref")[0] == "ref"  # a tie keeps the reference
+    with pytest.raises(ValueError, match="reference candidate 'minmax' is not among"):
+        resolved_choice({"ref": a}, "minmax")

@@ -110,3 +110,7 @@ def test_calibration_selection_parses_and_names_the_choices():
     assert from_mapping(CalibrationConfig, {"selection": "calibration"}, "calibration").selection == "calibration"
     with pytest.raises(ValueError, match=r"calibration\.selection.*held-out.*calibration"):
         CalibrationConfig(selection="heldout")
+    assert from_mapping(CalibrationConfig, {"selection_images": 300}, "calibration").selection_images == 300
+    for key in ("selection_images", "selection_sentences"):
+        with pytest.raises(ValueError, match=rf"calibration\.{key}"):
+            from_mapping(CalibrationConfig, {key: 0}, "calibration")

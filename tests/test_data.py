@@ -197,9 +197,22 @@ def test_sample_selection_indices_disjoint_from_calibration_and_cover_the_rest()
     assert sorted(cal.tolist() + sel.tolist()) == list(range(30))
 
 
+def test_sample_selection_indices_larger_than_calibration_is_the_next_permutation_entries() -> None:
+    cal, sel = sample_calibration_indices(100, 10, seed=5), sample_selection_indices(100, 10, seed=5, n_sel=40)
+    assert sel.shape == (40,) and not set(cal.tolist()) & set(sel.tolist())
+    assert set(sample_selection_indices(100, 10, seed=5).tolist()) <= set(sel.tolist())  # a prefix of the same draw
+    perm = torch.randperm(100, generator=torch.Generator().manual_seed(5), dtype=torch.int64)
+    assert sel.tolist() == sorted(perm[10:50].tolist()) and cal.tolist() == sorted(perm[:10].tolist())
+    # the pool runs out: what the calibration left
+    assert sorted(sample_selection_indices(30, 10, seed=5, n_sel=50).tolist() + sample_calibration_indices(
+        30, 10, seed=5).tolist()) == list(range(30))
+
+
 def test_sample_selection_indices_nothing_left_names_the_fix() -> None:
     with pytest.raises(ValueError, match="none is left.*calibration.selection: calibration"):
         sample_selection_indices(5, 5, seed=0)
+    with pytest.raises(ValueError, match="selection size n_sel = 0 must be >= 1"):
+        sample_selection_indices(10, 5, seed=0, n_sel=0)
 
 
 @pytest.mark.parametrize(

@@ -473,6 +473,24 @@ def test_stats_task_round_trip_vs_input_stats(tmp_path, tiny_entry):
         assert torch.equal(g.H, w.H) and torch.equal(g.abs_mean, w.abs_mean) and torch.equal(g.mean, w.mean)
 
 
+def test_selection_batches_draw_the_configured_size_and_fit_inputs_ignore_it(tiny_entry):
+    from bayesq.config import CalibrationConfig, replace
+    from bayesq.models.zoo import get_entry
+    from flows.prepare import fit_inputs, selection_batches
+
+    entry, data = get_entry("tiny-cnn"), DataConfig()
+    splits = entry.load_splits(data, Path("unused"))  # 300 training inputs
+    cal = CalibrationConfig(images=64, batch_size=16, selection_images=100, selection_sentences=7)
+    assert sum(len(b) for b in selection_batches(entry, splits, data, cal, 17)) == 100
+    big = replace(cal, selection_images=1000)  # the pool runs out: all 236 inputs the calibration draw left
+    assert sum(len(b) for b in selection_batches(entry, splits, data, big, 17)) == 300 - 64
+    assert selection_batches(entry, splits, data, replace(cal, selection="calibration"), 17) is None
+    # the fitting tasks' cache inputs: the same for every selection setting, not for the calibration draw
+    assert fit_inputs(cal) == fit_inputs(big) == fit_inputs(replace(cal, selection="calibration"))
+    assert fit_inputs(cal) != fit_inputs(replace(cal, images=32))
+    assert fit_inputs(cal).images == 64 and fit_inputs(cal).batch_size == 16
+
+
 def test_ablation_row_label_at_the_limit_survives_dvc_lock_and_longer_is_refused():
     from dvc.utils.serialize import dumps_yaml
 

@@ -298,9 +298,10 @@ def test_grid_candidates_other_range_search_only_when_scored_held_out():
 
 
 @pytest.mark.parametrize("held_out", [False, True])
-def test_encode_best_keeps_least_selection_kl_vs_building_each_candidate(held_out):
+def test_encode_best_keeps_minmax_unless_resolved_vs_building_each_candidate(held_out):
     from bayesq.blocks import layer_blocks, quantizable_layers
-    from bayesq.evaluation import mean_kl, reference_log_probs
+    from bayesq.comparison import kl_per_example, paired_difference
+    from bayesq.evaluation import predict
     from bayesq.baselines.activations import input_stats
     from bayesq.quantize import (
         allocate, bias_correction, build_table, ef_column_metric, encode, encode_best, fit_posterior, grid_candidates,
@@ -318,23 +319,32 @@ def test_encode_best_keeps_least_selection_kl_vs_building_each_candidate(held_ou
     g = torch.Generator().manual_seed(2)
     selection = [torch.randn(8, 3, 6, 6, generator=g) for _ in range(2)] if held_out else None
     scored = selection or batches
-    reference, kl, codes = reference_log_probs(model, scored), {}, {}
+    fp, per, codes = predict(model, scored).double(), {}, {}
     cands = grid_candidates(q, held_out=held_out)
     assert len(cands) == (3 if held_out else 2)
     for name, cq in cands.items():
         t = build_table(post, blocks, cq, model=model, calibration=batches, progress=False, column_metric=metric)
         qw = encode(t, allocate(t, 3.0), weights, posterior=post, rounding=cq.rounding, column_metric=metric,
                     act_order=cq.act_order, refit=cq.refit, cd_passes=cq.cd_passes)
-        kl[name], codes[name] = mean_kl(reference, quantized_copy(model, qw, correction), scored), qw
+        per[name] = kl_per_example(fp, predict(quantized_copy(model, qw, correction), scored).double())
+        codes[name] = qw
+    kl = {k: float(v.mean()) for k, v in per.items()}
+    # the rule by hand: min/max unless another's paired 95 % interval against it lies below zero
+    margin = {k: paired_difference(v, per["minmax"]) for k, v in per.items() if k != "minmax"}
+    admitted = {k: kl[k] for k, d in margin.items() if d.ci_high < 0}
+    want = min(admitted, key=admitted.get) if admitted else "minmax"
     table = build_table(post, blocks, q, model=model, calibration=batches, progress=False, column_metric=metric)
     enc = encode_best(model, post, table, q, 3.0, calibration=batches, column_metric=metric, selection=selection)
-    assert dict(enc.selection_kl) == pytest.approx(kl, rel=1e-12)
-    assert enc.name == min(kl, key=kl.get)
+    assert dict(enc.selection_kl) == pytest.approx(kl, rel=1e-6)
+    assert enc.name == want
+    assert set(enc.selection_margin) == set(margin)
+    for k, d in margin.items():
+        assert enc.selection_margin[k] == pytest.approx((d.ci_low, d.ci_high), rel=1e-6, abs=1e-12)
     for name, qw in enc.weights.items():
         assert torch.equal(qw.codes, codes[enc.name][name].codes)
     res = quantize_model(model, batches, BayesQConfig(budget=3.0, quant=q, distill=DistillConfig(max_budget=0)),
                          posterior=post, progress=False, selection=selection)
-    assert res.encoding == enc.name and dict(res.selection_kl) == pytest.approx(kl, rel=1e-12)
+    assert res.encoding == enc.name and dict(res.selection_kl) == pytest.approx(kl, rel=1e-6)
     if held_out:
         with pytest.raises(ValueError, match="selection= is empty"):
             encode_best(model, post, table, q, 3.0, calibration=batches, selection=[])
