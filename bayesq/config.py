@@ -289,8 +289,9 @@ class QuantConfig:
     @property
     def selects_grids(self) -> bool:
         """Whether :func:`bayesq.quantize.quantize_model` also builds the min/max-grid encoding
-        (no clipping search, no refit; its own table and allocation) and keeps whichever has the
-        lower KL to the full-precision model on the calibration inputs."""
+        (no clipping search, no refit; its own table and allocation), and with held-out
+        selection inputs the other range search, keeping min/max unless another has a lower KL
+        to the full-precision model by a resolved margin (:func:`bayesq.quantize.encode_best`)."""
         return (self.select_grids and self.rounding == Rounding.ERROR_FEEDBACK
                 and self.codebook == Codebook.UNIFORM and self.min_range_ratio < 1)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -434,6 +434,22 @@ def grid_candidates(q: QuantConfig, held_out: bool = False) -> dict[str, QuantCo
     return out
 
 
+def candidate_tables(
+    posterior: Posterior, blocks: list[LayerBlocks], q: QuantConfig, *, seed: int = 0,
+    model: nn.Module | None = None, calibration: Iterable[Batch] | None = None,
+    column_metric: Mapping[str, torch.Tensor] | None = None, progress: bool = False,
+    only: Mapping[str, QuantConfig] | None = None,
+) -> dict[str, LossTable]:
+    """The loss tables of :func:`grid_candidates` (``held_out=True``: every candidate a selection
+    can score) other than ``q``'s own, by candidate name: what :func:`encode_best` builds per call
+    when not given them. ``only``: just these candidates (name -> config). Arguments as
+    :func:`build_table`."""
+    cands = only if only is not None else {k: c for k, c in grid_candidates(q, held_out=True).items() if c is not q}
+    calibration = list(calibration) if calibration is not None else None
+    return {name: build_table(posterior, blocks, cq, seed=seed, model=model, calibration=calibration,
+                              progress=progress, column_metric=column_metric) for name, cq in cands.items()}
+
+
 @dataclass(frozen=True)
 class Encoding:
     """The allocated and encoded candidate :func:`encode_best` kept.
@@ -466,6 +482,7 @@ def encode_best(
     calibration: Iterable[Batch] | None = None, column_metric: Mapping[str, torch.Tensor] | None = None,
     correction: BiasCorrection | None = None, progress: bool = False,
     stats: Mapping[str, InputStats] | None = None, selection: Iterable[Batch] | None = None,
+    reference: Sequence[torch.Tensor] | None = None, tables: Mapping[str, LossTable] | None = None,
 ) -> Encoding:
     """Allocate and encode ``table`` (built for ``q``); with ``q.selects_grids`` also the other
     candidates of :func:`grid_candidates` (their tables built here), each scored by its
@@ -479,6 +496,10 @@ def encode_best(
     ``column_metric``: :func:`ef_column_metric` of ``q``; ``correction``: :func:`bias_correction`
     (each computed here when None and needed, from ``stats``: the layers' input statistics
     :func:`bayesq.baselines.activations.input_stats` on ``calibration``, one pass here when None).
+    ``reference``: the FP model's log-probabilities on the scored inputs
+    (:func:`bayesq.evaluation.reference_log_probs`), computed here when None. ``tables``: the
+    other candidates' tables by name (:func:`candidate_tables`; they do not depend on the
+    budget, so a caller encoding several budgets builds them once); those absent are built here.
     """
     layers = {t.blocks.name: model.get_submodule(t.blocks.name) for t in table.layers}
     weights = {n: m.weight for n, m in layers.items()}
@@ -506,16 +527,21 @@ def encode_best(
         column_metric = ef_column_metric(posterior, q)  # the K-FAC posterior's, or None
     blocks = [t.blocks for t in table.layers]
     built, kls = {}, {}
-    reference = reference_log_probs(model, scored) if len(cands) > 1 else None
+    if len(cands) > 1 and reference is None:
+        reference = reference_log_probs(model, scored)
+    given = {**(tables or {}), **{k: table for k, cq in cands.items() if cq is q}}
+    missing = {k: v for k, v in cands.items() if k not in given}
+    if missing:
+        given |= candidate_tables(posterior, blocks, q, seed=seed, model=model, calibration=calibration,
+                                  column_metric=column_metric, progress=progress, only=missing)
     for name, cq in cands.items():
-        t = table if cq is q else build_table(posterior, blocks, cq, seed=seed, model=model, calibration=calibration,
-                                              progress=progress, column_metric=column_metric)
+        t = given[name]
         allocation = allocate(t, budget, allocation_cfg, seed)
         qw = encode(t, allocation, weights, posterior=posterior, rounding=cq.rounding, column_metric=column_metric,
                     act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits, cd_passes=cq.cd_passes,
                     progress=progress)
         built[name] = (cq, t, allocation, qw)
-        if reference is not None:
+        if len(cands) > 1:
             kls[name] = kl_per_input(reference, quantized_copy(model, qw, correction), scored)
     kept, margins = resolved_choice(kls, "minmax" if "minmax" in kls else next(iter(cands))) if kls else (
         next(iter(cands)), {})

@@ -23,7 +23,7 @@ from bayesq.config import Method, ablation_params
 from bayesq.quantize import loss_reduction_curve
 from flows.common import code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json
 from flows.finetune import raw_path
-from flows.prepare import config_tag, posterior_task, prep_code, stats_cost, stats_task, table_task
+from flows.prepare import config_tag, posterior_task, prep_code, reference_task, stats_cost, stats_task, table_task
 from flows.quantize import quantize_eval_task
 from flows.robustness import fp_eval_task
 
@@ -102,6 +102,8 @@ def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig
                      str(Path(out) / "tables"), prep_code(), tag=config_tag(p.quant))
     stats = stats_task(name, str(model_file), mdig, str(src), sdig, p.data, p.calibration, seed,
                        str(Path(out) / "stats"), prep_code())
+    ref = reference_task(name, str(model_file), mdig, str(src), sdig, p.data, p.calibration, seed,
+                         str(Path(out) / "reference"), prep_code())
     key = f"{digest(Path(post['path']))}:{p.quant}:{p.calibration}"
     if index == 0:
         curve = {str(b): {str(f): v for f, v in loss_reduction_curve(
@@ -113,8 +115,10 @@ def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig
                                post["path"], code, calibration=p.calibration, distill=p.distill,
                                export_dir=str(Path(out) / "exports" / group / label),
                                examples_dir=str(Path(out) / "examples" / group / label), fp_logits=fp_logits,
-                               stats_file=stats["path"], stats_sha256=stats["sha256"])
-        r = {**r, **stats_cost(r, stats), "group": group, "row": label, "overrides": {k: str(v) for k, v in over.items()},
+                               stats_file=stats["path"], stats_sha256=stats["sha256"],
+                               reference_file=ref.get("path"), reference_sha256=ref.get("sha256", ""),
+                               tables=tab.get("tables"))
+        r = {**r, **stats_cost(r, stats, ref), "group": group, "row": label, "overrides": {k: str(v) for k, v in over.items()},
              "posterior_seconds": post["seconds"], "table_seconds": tab["seconds"]}
         print(f"[ablate] {name} {group} / {label} @ {budget}: acc {r['accuracy']:.4f} "
               f"at {r['avg_bits']:.4f} bits", flush=True)
@@ -122,7 +126,7 @@ def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig
                      {"model": name, "group": group, "row": label, "seed": seed, "budget": budget,
                       **{k: str(v) for k, v in over.items()}},
                      {k: r[k] for k in ("accuracy", "avg_bits", "quantize_seconds", "posterior_seconds",
-                                        "table_seconds", "stats_seconds", "kl_mean", "kl_se", "agreement") if k in r},
+                                        "table_seconds", "stats_seconds", "reference_seconds", "kl_mean", "kl_se", "agreement") if k in r},
                      {"profile": params.profile, "code_version": code})
         records.append(r)
     return records, curve

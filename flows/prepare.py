@@ -80,8 +80,9 @@ def selection_batches(entry, splits, data, calibration, seed: int):
         return None
     n_total = len(splits.train_labels)
     n_cal, n_sel = _sizes(entry, calibration, n_total)
-    idx = sample_selection_indices(n_total, n_cal, seed, n_sel)
-    return list(entry.batches(_take(splits.train_inputs, idx), calibration.batch_size, data))
+    inputs = _take(splits.train_inputs, sample_selection_indices(n_total, n_cal, seed, n_sel))
+    inputs = _take(inputs, entry.padding_order(inputs))  # scored input by input: the order is free
+    return list(entry.batches(inputs, calibration.batch_size, data))
 
 
 @task(cache_policy=CACHE, persist_result=True)
@@ -182,10 +183,48 @@ def stats_task(name: str, model_file: str, model_digest: str, raw: str, raw_dige
     return {"path": str(path), "sha256": file_sha256(path), "seconds": seconds}
 
 
-def stats_cost(record: dict, stats: dict) -> dict:
-    """``{"stats_seconds": ...}`` when the row ``record`` read the shared statistics pass
-    ``stats`` (:func:`stats_task`'s record): the pass counts in full in every row that read it."""
-    return {"stats_seconds": stats["seconds"]} if record["stats_read"] else {}
+@task(cache_policy=CACHE, persist_result=True)
+def reference_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
+                   data, calibration, seed: int, out: str, code: str) -> dict:
+    """The FP model's log-probabilities on the seed's selection draw (:func:`selection_batches`,
+    :func:`bayesq.evaluation.reference_log_probs`), saved as safetensors
+    ``<out>/<model>_s<seed>.safetensors`` (one float64 (rows, C) tensor per batch): one forward
+    pass read by every row that scores a selection on the draw (BayesQ's grids, GPTQ's and AWQ's
+    variants) instead of one per row. Returns ``{"path", "sha256", "seconds"}``, or ``{}`` when
+    selections are scored on the calibration inputs (``calibration.selection: calibration``)."""
+    from bayesq.evaluation import reference_log_probs
+    from bayesq.models.zoo import get_entry
+    from bayesq.tensorfile import file_sha256, save_tensors
+
+    entry = get_entry(name)
+    batches = selection_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
+    if batches is None:
+        return {}
+    start = time.perf_counter()
+    ref = reference_log_probs(load_model(entry, Path(model_file)), batches)
+    seconds = time.perf_counter() - start
+    path = save_tensors(Path(out) / f"{name}_s{seed}.safetensors",
+                        {f"{i:06d}": r.contiguous() for i, r in enumerate(ref)}, {"seed": str(seed)})
+    return {"path": str(path), "sha256": file_sha256(path), "seconds": seconds}
+
+
+def load_reference(path: Path) -> list:
+    """The per-batch log-probabilities saved by :func:`reference_task`, in batch order."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return [f.get_tensor(k) for k in sorted(f.keys())]
+
+
+def stats_cost(record: dict, stats: dict, reference: dict | None = None) -> dict:
+    """``{"stats_seconds": ..., "reference_seconds": ...}`` for the shared passes the row
+    ``record`` read: the statistics pass ``stats`` (:func:`stats_task`'s record) and the FP pass
+    over the selection draw ``reference`` (:func:`reference_task`'s). Each counts in full in every
+    row that read it."""
+    out = {"stats_seconds": stats["seconds"]} if record["stats_read"] else {}
+    if reference and record.get("reference_read"):
+        out["reference_seconds"] = reference["seconds"]
+    return out
 
 
 def load_stats(path: Path) -> dict:
@@ -206,12 +245,14 @@ def table_task(name: str, model_file: str, model_digest: str, posterior_file: st
                posterior_digest: str, raw: str, raw_digest: str, data, calibration, quant,
                seed: int, out: str, code: str, tag: str = ""):
     """BayesQ expected-loss table (LossTable, persisted by Prefect) plus its Parquet copy
-    ``<out>/<posterior file stem>[_<tag>].parquet`` (with every entry's standard error)."""
+    ``<out>/<posterior file stem>[_<tag>].parquet`` (with every entry's standard error), and the
+    tables of the other grid candidates (``"tables"``, :func:`bayesq.quantize.candidate_tables`:
+    built once here instead of once per budget and row; ``seconds`` counts them)."""
     import pandas as pd
 
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.models.zoo import get_entry
-    from bayesq.quantize import build_table
+    from bayesq.quantize import build_table, candidate_tables
 
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))
@@ -222,11 +263,13 @@ def table_task(name: str, model_file: str, model_digest: str, posterior_file: st
         _, batches = calibration_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
     start = time.perf_counter()
     table = build_table(post, blocks, quant, seed=seed, model=model, calibration=batches, progress=False)
+    tables = candidate_tables(post, blocks, quant, seed=seed, model=model, calibration=batches) if (
+        quant.selects_grids) else {}
     seconds = time.perf_counter() - start
     path = Path(out) / f"{Path(posterior_file).stem}{'_' + tag if tag else ''}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame.from_records(table.records()).to_parquet(path, index=False)
-    return {"table": table, "seconds": seconds, "path": str(path)}
+    return {"table": table, "tables": tables, "seconds": seconds, "path": str(path)}
 
 
 @task(cache_policy=CACHE, persist_result=True)

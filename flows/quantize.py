@@ -6,14 +6,15 @@ Per (model, seed): a cached posterior task (calibration inputs drawn from the tr
 with the seed, labels never used) and a cached loss-table task (also written as Parquet), a
 second pair with the K-FAC posterior for ``bayesq-ef``, the HAWQ Hessian traces, and the
 layer-input statistics (one pass, saved to ``<out>/stats/``, read by GPTQ, AWQ and BayesQ's
-error-feedback metric and bias correction); per (method, budget): a cached quantise-and-evaluate
-task. Every record carries ``preprocess_seconds``: the method's whole one-time cost at that
-budget (BayesQ: posterior + table + the statistics pass when it read it + allocation and
-encoding; GPTQ / AWQ: statistics pass + solve; HAWQ: traces + knapsack).  One MLflow parent run per invocation,
+error-feedback metric and bias correction) and the FP log-probabilities on the selection draw (one
+pass, ``<out>/reference/``, read by every row that selects among candidates); per (method,
+budget): a cached quantise-and-evaluate task. Every record carries ``preprocess_seconds``: the method's whole one-time cost at that
+budget (BayesQ: posterior + table + the statistics and selection-draw passes when it read them +
+allocation and encoding; GPTQ / AWQ: statistics and selection-draw passes + solve; HAWQ: traces + knapsack).  One MLflow parent run per invocation,
 one child run per (model, method, seed, budget), logged from the flow body so cache hits are
 logged too.  Every quantised model is written in the export format (``bayesq.export``) to
 ``<out>/exports/`` and evaluated after loading it back from there.  Writes
-``<out>/results.json``, ``<out>/posterior/``, ``<out>/tables/``, ``<out>/stats/`` and ``<out>/exports/``.
+``<out>/results.json``, ``<out>/posterior/``, ``<out>/tables/``, ``<out>/stats/``, ``<out>/reference/`` and ``<out>/exports/``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from flows.common import (
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage
 from flows.prepare import (
-    calibration_batches, load_posterior, load_stats, prep_code, prepare, selection_batches, stats_cost,
+    calibration_batches, load_posterior, load_reference, load_stats, prep_code, prepare, reference_task,
+    selection_batches, stats_cost,
 )
 from flows.robustness import fp_eval_task, mean_corruption_error, tracked_metrics
 from flows.timings import TaskClock
@@ -67,14 +69,17 @@ def row_code(method: Method) -> str:
 
 
 def _baseline(method: Method, model, entry, splits, data, calibration, quant, baselines, budget: float,
-              seed: int, traces: dict | None, allocation: dict | None = None, stats_file: str | None = None):
+              seed: int, traces: dict | None, allocation: dict | None = None, stats_file: str | None = None,
+              reference_file: str | None = None):
     """Quantise with a baseline: (QuantizationResult, record fields).
 
     GPTQ / AWQ with ``baselines.select``: the variant with the least KL on the selection inputs
     (:func:`flows.prepare.selection_batches`; the calibration batches their statistics come from
     when ``calibration.selection: calibration``) (``allocation``, layer -> unit bit-widths, adds GPTQ on
     it as a candidate; ``baselines.bias_correction`` adds each variant's bias-corrected form;
-    ``stats_file``: their layer-input statistics, computed here when None); the fields are ``variant`` (its name), ``variant_kl`` and
+    ``stats_file``: their layer-input statistics, computed here when None; ``reference_file``: the FP
+    log-probabilities on the selection draw, :func:`flows.prepare.reference_task`, computed here when
+    None); the fields are ``variant`` (its name), ``variant_kl`` and
     ``variant_bits`` (candidate -> calibration KL / true average bits). Without ``select`` they
     name the ``mixed`` rule; other baselines add no fields.
     """
@@ -100,32 +105,38 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
         res = (gptq_quantize(model, stats, Granularity.GROUP, budget, quant, **gptq) if method == Method.GPTQ
                else awq_quantize(model, stats, budget, quant, grid=baselines.awq_grid))
         return res, {"variant": "mixed", "variant_kl": {}, "variant_bits": {}}
+    selection = selection_batches(entry, splits, data, calibration, seed)
+    reference = load_reference(Path(reference_file)) if reference_file and selection is not None else None
     if method == Method.GPTQ:
         choice = gptq_select(model, stats, batches, budget, quant, group_sizes=baselines.group_sizes,
                              allocation=allocation, bias_correction=baselines.bias_correction,
-                             selection=selection_batches(entry, splits, data, calibration, seed), **gptq)
+                             selection=selection, reference=reference, **gptq)
     else:
         choice = awq_select(model, stats, batches, budget, quant, group_sizes=baselines.group_sizes,
                             grid=baselines.awq_grid, bias_correction=baselines.bias_correction,
-                            selection=selection_batches(entry, splits, data, calibration, seed))
+                            selection=selection, reference=reference)
     return choice.result, {"variant": choice.variant, "variant_kl": dict(choice.kl),
-                           "variant_bits": dict(choice.avg_bits)}
+                           "variant_bits": dict(choice.avg_bits), "reference_read": reference is not None}
 
 
 def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: str | None, seed: int,
-            batches=None, stats_file: str | None = None, selection=None):
+            batches=None, stats_file: str | None = None, selection=None, reference_file: str | None = None,
+            tables: dict | None = None):
     """BayesQ's allocation and encoding from a cached table (:func:`bayesq.quantize.encode_best`,
     the library's own step): (Encoding, posterior).
 
     ``batches``: calibration batches (the grid selection scores on ``selection``, else on them; error-feedback rounding
     under a diagonal posterior and the bias correction read the layers' input statistics: from
-    ``stats_file`` when given, else computed from the batches)."""
+    ``stats_file`` when given, else computed from the batches; ``reference_file``: the FP
+    log-probabilities on ``selection``, computed here when None; ``tables``: the other grid
+    candidates' tables, built here when None)."""
     from bayesq.quantize import encode_best, needs_input_stats
 
     post = load_posterior(model, Path(posterior_file)) if posterior_file else None
     stats = load_stats(Path(stats_file)) if stats_file and needs_input_stats(post, quant) else None
+    reference = load_reference(Path(reference_file)) if reference_file and selection is not None else None
     return encode_best(model, post, table, quant, budget, allocation_cfg, seed=seed, calibration=batches,
-                       stats=stats, selection=selection), post, stats is not None
+                       stats=stats, selection=selection, reference=reference, tables=tables), post, stats is not None
 
 
 def posterior_record(name: str, seed: int, method: str, post: dict) -> dict:
@@ -163,7 +174,7 @@ def _logit_diff(entry, qmodel, loaded, splits, data) -> float:
 DATA_FREE = (Method.RTN_TENSOR, Method.RTN_CHANNEL, Method.RTN_GROUP, Method.ACIQ)
 
 
-@task(cache_policy=locked((INPUTS - "table" - "lineage") + TASK_SOURCE), persist_result=True)
+@task(cache_policy=locked((INPUTS - "table" - "tables" - "lineage") + TASK_SOURCE), persist_result=True)
 def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_file: str,
                        model_digest: str, raw: str, raw_digest: str, data, quant, allocation_cfg,
                        table, table_key: str, posterior_file: str | None, code: str,
@@ -171,7 +182,9 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
                        distill=None, robustness=None, ood: bool = False, *, export_dir: str,
                        lineage: dict | None = None, allocation: dict | None = None,
                        examples_dir: str | None = None, fp_logits: str | None = None,
-                       stats_file: str | None = None, stats_sha256: str = "") -> dict:
+                       stats_file: str | None = None, stats_sha256: str = "",
+                       reference_file: str | None = None, reference_sha256: str = "",
+                       tables: dict | None = None) -> dict:
     """Quantise with one method at one budget, write the export, load it back and evaluate the
     loaded model on the test split (and under shift).
 
@@ -189,6 +202,10 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     batch. ``stats_file`` (:func:`flows.prepare.stats_task`'s file, keyed by ``stats_sha256``): the
     layer-input statistics of the calibration inputs, read instead of computed (GPTQ, AWQ, BayesQ's
     error-feedback metric and bias correction); the record's ``stats_read`` says whether they were.
+    ``reference_file`` (:func:`flows.prepare.reference_task`'s file, keyed by ``reference_sha256``):
+    the FP log-probabilities on the selection draw, read instead of computed by every selecting row.
+    ``tables`` (BayesQ rows): the other grid candidates' tables, derived from the same posterior
+    and configuration as ``table`` (so, like it, keyed by ``table_key``), built here when None.
     Its header holds the row's lineage: ``lineage`` (the invocation's params and commit,
     :func:`flows.lineage.export_lineage`; not part of the cache key, so a cache hit keeps the
     file and the lineage of the run that wrote it) and the inputs (:func:`flows.lineage.input_lineage`).
@@ -211,8 +228,9 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
         batches = list(calibration_batches(entry, splits, data, calibration, seed)[1]) if calibration else None
         selection = selection_batches(entry, splits, data, calibration, seed) if calibration else None
         enc, post, stats_read = _bayesq(model, table, budget, allocation_cfg, quant, posterior_file, seed, batches,
-                                        stats_file, selection)
+                                        stats_file, selection, reference_file, tables)
         qweights, allocation, quant = enc.weights, enc.allocation, enc.quant
+        reference_read = bool(reference_file) and selection is not None and bool(enc.selection_kl)
         extra = {"encoding": enc.name, "encoding_kl": dict(enc.selection_kl),
                  "encoding_margin": {k: list(v) for k, v in enc.selection_margin.items()},
                  "unit_bits": {k: list(v) for k, v in allocation.unit_bits.items()}}
@@ -234,8 +252,9 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
                      "distill_kl_after": res.kl_after}
     else:
         res, variant = _baseline(Method(method), model, entry, splits, data, calibration, quant, baselines,
-                                 budget, seed, traces, allocation, stats_file)
+                                 budget, seed, traces, allocation, stats_file, reference_file)
         stats_read = bool(stats_file) and Method(method) in (Method.GPTQ, Method.AWQ)
+        reference_read = variant.pop("reference_read", False)
         qmodel, allocation, qweights = res.model, res.allocation, res.weights
         quant = encoding_config(res, quant)  # the variant's bit set: what its unit headers name
         extra.update(variant)
@@ -258,7 +277,8 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
         "accuracy": ev["calibration"]["accuracy"], **ev,
         "avg_bits": allocation.average_bits, "total_bits": allocation.total_bits,
         "budget_bits": allocation.budget_bits, "n_weights": allocation.n_weights,
-        "quantize_seconds": seconds, "layer_bits": layer_bits, "stats_read": stats_read, **extra,
+        "quantize_seconds": seconds, "layer_bits": layer_bits, "stats_read": stats_read,
+        "reference_read": reference_read, **extra,
     }
 
 
@@ -288,6 +308,9 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
             print(f"[quantize] {name} FP: acc {fp['accuracy']:.4f}, ECE {fp['calibration']['ece']:.4f}", flush=True)
             for seed in params.seeds:
                 post, tab, prep, hawq, stats = prepare(params, name, model_file, mdig, src, sdig, seed, out, clock)
+                ref = clock(f"FP on the selection draw {name} s{seed}", reference_task, name, str(model_file), mdig,
+                            str(src), sdig, params.data, params.calibration, seed, str(Path(out) / "reference"),
+                            prep_code())
                 posteriors += [posterior_record(name, seed, m.value, p[0])
                                for m, p in prep.items() if m != Method.BAYESQ_DISTILL]
                 print(f"[quantize] {name} seed {seed}: posterior {post['seconds']:.1f}s, "
@@ -308,13 +331,15 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                                   distill=params.distill, robustness=rob,
                                   ood=method in rob.methods and budget in rob.budgets,
                                   export_dir=str(Path(out) / "exports"), lineage=lineage,
-                                  allocation=given, stats_file=stats["path"], stats_sha256=stats["sha256"])
+                                  allocation=given, stats_file=stats["path"], stats_sha256=stats["sha256"],
+                                  reference_file=ref.get("path"), reference_sha256=ref.get("sha256", ""),
+                                  tables=p_tab and p_tab.get("tables"))
                         unit_bits = r.get("unit_bits")
                         r = {k: v for k, v in r.items() if k != "unit_bits"}
                         if method == Method.BAYESQ:  # the allocation BayesQ kept: GPTQ's allocation variant
                             kept[budget] = unit_bits
-                        shared = stats_cost(r, stats)
-                        r = {**r, **shared, "preprocess_seconds": r["quantize_seconds"] + shared.get("stats_seconds", 0.0)}
+                        shared = stats_cost(r, stats, ref)
+                        r = {**r, **shared, "preprocess_seconds": r["quantize_seconds"] + sum(shared.values())}
                         corruption = mean_corruption_error(r["ood"], fp["ood"])
                         if corruption:
                             r = {**r, "corruption": corruption}
@@ -328,7 +353,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                               f"acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits", flush=True)
                         metrics = {k: r[k] for k in ("accuracy", "avg_bits", "total_bits", "quantize_seconds",
                                                      "posterior_seconds", "table_seconds", "traces_seconds",
-                                                     "stats_seconds",
+                                                     "stats_seconds", "reference_seconds",
                                                      "preprocess_seconds", "distill_seconds",
                                                      "distill_sample_scale", "distill_kl_before", "distill_kl_after",
                                                      "kl_mean", "kl_se", "agreement") if k in r}

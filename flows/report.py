@@ -430,7 +430,7 @@ def layer_kind(name: str) -> str:
 
 def _overhead(r: dict) -> float:
     return (r.get("posterior_seconds", 0.0) + r.get("table_seconds", 0.0) + r.get("stats_seconds", 0.0)
-            + r["quantize_seconds"])
+            + r.get("reference_seconds", 0.0) + r["quantize_seconds"])
 
 
 def ablation_deltas(records: list[dict], base: tuple[str, str], budget: float, resamples: int | None = None,

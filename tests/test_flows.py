@@ -443,15 +443,11 @@ def test_row_cache_keys_leave_out_only_sources_the_row_never_runs(tmp_path, tiny
     assert len(codes) == len(METHOD_SOURCES) + 1  # one key per method with its own source, one shared
 
 
-def test_stats_task_round_trip_vs_input_stats(tmp_path, tiny_entry):
-    from bayesq.baselines.activations import input_stats
-    from bayesq.blocks import quantizable_layers
+def _tiny_task_inputs(tmp_path):
+    """(params, entry, model_file, src, task args up to ``data``) of the tiny CNN for a prepare task."""
     from bayesq.models.zoo import get_entry
     from flows.common import digest, read_params
     from safetensors.torch import save_model
-
-    from flows.finetune import load_model
-    from flows.prepare import calibration_batches, load_stats, stats_task
 
     params, raw = read_params(_params(tmp_path)), tmp_path / "raw"
     raw.mkdir()
@@ -460,8 +456,19 @@ def test_stats_task_round_trip_vs_input_stats(tmp_path, tiny_entry):
     model_file = tmp_path / "model.safetensors"
     save_model(entry.build(), str(model_file))
     src = raw / "tiny.bin"
-    rec = stats_task.fn("tiny-cnn", str(model_file), digest(model_file), str(src), digest(src), params.data,
-                        params.calibration, 17, str(tmp_path / "stats"), "code")
+    args = ("tiny-cnn", str(model_file), digest(model_file), str(src), digest(src), params.data)
+    return params, entry, model_file, src, args
+
+
+def test_stats_task_round_trip_vs_input_stats(tmp_path, tiny_entry):
+    from bayesq.baselines.activations import input_stats
+    from bayesq.blocks import quantizable_layers
+
+    from flows.finetune import load_model
+    from flows.prepare import calibration_batches, load_stats, stats_task
+
+    params, entry, model_file, src, args = _tiny_task_inputs(tmp_path)
+    rec = stats_task.fn(*args, params.calibration, 17, str(tmp_path / "stats"), "code")
     model = load_model(entry, model_file)
     _, batches = calibration_batches(entry, entry.load_splits(params.data, src), params.data, params.calibration, 17)
     want = input_stats(model, batches, quantizable_layers(model))
@@ -471,6 +478,48 @@ def test_stats_task_round_trip_vs_input_stats(tmp_path, tiny_entry):
         g = got[k]
         assert g.n == w.n and g.H.dtype == torch.float64
         assert torch.equal(g.H, w.H) and torch.equal(g.abs_mean, w.abs_mean) and torch.equal(g.mean, w.mean)
+
+
+def test_reference_task_round_trip_vs_reference_log_probs(tmp_path, tiny_entry):
+    from bayesq.config import replace
+    from bayesq.evaluation import reference_log_probs
+
+    from flows.finetune import load_model
+    from flows.prepare import load_reference, reference_task, selection_batches, stats_cost
+
+    params, entry, model_file, src, args = _tiny_task_inputs(tmp_path)
+    rec = reference_task.fn(*args, params.calibration, 17, str(tmp_path / "ref"), "code")
+    batches = selection_batches(entry, entry.load_splits(params.data, src), params.data, params.calibration, 17)
+    want = reference_log_probs(load_model(entry, model_file), batches)
+    got = load_reference(Path(rec["path"]))
+    assert len(got) == len(want) > 1 and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert got[0].dtype == torch.float64 and rec["seconds"] > 0
+    # scored on the calibration inputs: nothing to share
+    assert reference_task.fn(*args, replace(params.calibration, selection="calibration"), 17,
+                             str(tmp_path / "ref2"), "code") == {}
+    # the shared pass counts in every row that read it
+    stats = {"seconds": 2.0}
+    assert stats_cost({"stats_read": True, "reference_read": True}, stats, rec) == {
+        "stats_seconds": 2.0, "reference_seconds": rec["seconds"]}
+    assert stats_cost({"stats_read": False, "reference_read": False}, stats, rec) == {}
+
+
+def test_selection_batches_of_sentences_in_padding_order():
+    from bayesq.config import CalibrationConfig
+    from bayesq.models.zoo import MiniLMSentiment, Splits
+
+    class Words(MiniLMSentiment):  # batches of sentences without a tokenizer: the lists themselves
+        def batches(self, inputs, batch_size, data):
+            return [list(inputs[i:i + batch_size]) for i in range(0, len(inputs), batch_size)]
+
+    from flows.prepare import selection_batches
+
+    g = torch.Generator().manual_seed(0)
+    train = ["x" * int(n) for n in torch.randint(1, 60, (200,), generator=g)]
+    splits = Splits(train, torch.zeros(200, dtype=torch.int64), train[:4], torch.zeros(4, dtype=torch.int64))
+    cal = CalibrationConfig(sentences=50, batch_size=8, selection_sentences=100)
+    got = [s for b in selection_batches(Words(), splits, DataConfig(), cal, 17) for s in b]
+    assert len(got) == 100 and [len(s) for s in got] == sorted(len(s) for s in got)
 
 
 def test_selection_batches_draw_the_configured_size_and_fit_inputs_ignore_it(tiny_entry):

@@ -372,6 +372,56 @@ def test_encode_best_given_stats_vs_its_own_statistics_pass():
         encode_best(model, post, table, q, 3.0, calibration=batches, stats=some)
 
 
+def _fitted_with_held_out():
+    """(model, calibration, held-out batches, q, posterior, blocks, table) of the small CNN."""
+    from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.quantize import build_table, fit_posterior
+
+    torch.manual_seed(0)
+    model, batches = _model(), _calibration()
+    g = torch.Generator().manual_seed(5)
+    held = [torch.randn(16, 3, 6, 6, generator=g) for _ in range(2)]
+    q = QuantConfig(group_size=32, unit_groups=8)
+    post = fit_posterior(model, batches, BayesQConfig(quant=q), progress=False)
+    blocks = layer_blocks(quantizable_layers(model), 32, 8)
+    return model, batches, held, q, post, blocks, build_table(post, blocks, q, model=model, calibration=batches,
+                                                              progress=False)
+
+
+def test_encode_best_given_reference_vs_its_own_fp_pass():
+    from bayesq.evaluation import reference_log_probs
+    from bayesq.quantize import encode_best
+
+    model, batches, held, q, post, _, table = _fitted_with_held_out()
+    own = encode_best(model, post, table, q, 3.0, calibration=batches, selection=held)
+    given = encode_best(model, post, table, q, 3.0, calibration=batches, selection=held,
+                        reference=reference_log_probs(model, held))
+    assert len(own.selection_kl) > 1 and given.name == own.name
+    assert dict(given.selection_kl) == dict(own.selection_kl)
+    # the given reference is the one scored against: log-probs of other inputs move every KL
+    other = encode_best(model, post, table, q, 3.0, calibration=batches, selection=held,
+                        reference=reference_log_probs(model, held[::-1]))
+    assert all(other.selection_kl[k] != own.selection_kl[k] for k in own.selection_kl)
+
+
+def test_encode_best_given_candidate_tables_vs_building_them():
+    from bayesq.quantize import candidate_tables, encode_best, grid_candidates
+
+    model, batches, held, q, post, blocks, table = _fitted_with_held_out()
+    tables = candidate_tables(post, blocks, q, model=model, calibration=batches)
+    assert set(tables) == set(grid_candidates(q, held_out=True)) - {"searched"} == {"searched-plain", "minmax"}
+    for held_out in (None, held):  # without selection inputs only min/max is a second candidate
+        own = encode_best(model, post, table, q, 3.0, calibration=batches, selection=held_out)
+        given = encode_best(model, post, table, q, 3.0, calibration=batches, selection=held_out, tables=tables)
+        assert given.name == own.name and dict(given.selection_kl) == dict(own.selection_kl)
+        for name, qw in own.weights.items():
+            assert torch.equal(given.weights[name].codes, qw.codes)
+    # the given tables are the ones allocated from: a swapped pair changes what min/max is scored at
+    swapped = {"minmax": tables["searched-plain"], "searched-plain": tables["minmax"]}
+    other = encode_best(model, post, table, q, 3.0, calibration=batches, selection=held, tables=swapped)
+    assert dict(other.selection_kl) != dict(own.selection_kl)
+
+
 def test_encode_best_selection_without_calibration_names_the_fix():
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.quantize import build_table, encode_best, fit_posterior

@@ -102,6 +102,18 @@ def test_select_best_returns_least_calibration_kl():
     assert explicit_kl(model, choice.result.model, batches) == pytest.approx(want[choice.variant], rel=1e-9)
 
 
+def test_select_best_given_reference_vs_its_own_fp_pass():
+    from bayesq.evaluation import reference_log_probs
+
+    model, batches = _model(), _batches()
+    cands = {k: (lambda b=b: rtn_quantize(model, Granularity.GROUP, b, CFG)) for k, b in {"a": 3.3, "b": 4.5}.items()}
+    own = select_best(cands, model, batches)
+    given = select_best(cands, model, batches, reference=reference_log_probs(model, batches))
+    assert given.variant == own.variant and given.kl == own.kl
+    other = select_best(cands, model, batches, reference=reference_log_probs(model, batches[::-1]))
+    assert all(other.kl[k] != own.kl[k] for k in own.kl)  # the given reference is the one scored against
+
+
 def _corrected_by_hand(fp, q, batches):
     """Copy of ``q`` whose Linear biases absorb (W - Q) abar, abar the mean input of each layer on
     ``batches`` computed directly from the FP model's activations (float64)."""

@@ -196,13 +196,14 @@ def awq_select(
     model: nn.Module, stats: dict[str, InputStats], batches: Iterable[Batch], budget: float,
     cfg: QuantConfig = QuantConfig(), *, granularity: Granularity = Granularity.GROUP,
     group_sizes: Sequence[int] = GROUP_SIZES, grid: int = GRID, bias_correction: bool = False,
-    selection: Iterable[Batch] | None = None,
+    selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
 ) -> BaselineChoice:
     """The AWQ variant of :func:`awq_candidates` with the least mean calibration
     ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from); ``bias_correction``:
     each variant also in its bias-corrected form (:func:`bayesq.baselines.select.select_best`).
     ``selection``: inputs held out of ``batches`` to score the variants on instead (the
-    bias correction is still fitted on ``batches``).
+    bias correction is still fitted on ``batches``). ``reference``: the FP model's log-probabilities
+    on the scored inputs, when the caller already has them (:func:`select_best`).
 
     Raises:
         ValueError: as :func:`awq_candidates`; an empty ``batches``.
@@ -210,4 +211,4 @@ def awq_select(
     cands = awq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes, grid=grid)
     batches = list(batches)  # read by the correction's target search and by the selection
     correction = stats_correction(model, stats, batches) if bias_correction else None
-    return select_best(cands, model, batches if selection is None else selection, correction)
+    return select_best(cands, model, batches if selection is None else selection, correction, reference)

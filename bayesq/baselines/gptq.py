@@ -159,13 +159,14 @@ def gptq_select(
     cfg: QuantConfig = QuantConfig(), *, granularity: Granularity = Granularity.GROUP,
     group_sizes: Sequence[int] = GROUP_SIZES, allocation: Mapping[str, Sequence[int]] | None = None,
     act_order: bool = True, damp: float = DAMP, bias_correction: bool = False,
-    selection: Iterable[Batch] | None = None,
+    selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
 ) -> BaselineChoice:
     """The GPTQ variant of :func:`gptq_candidates` with the least mean calibration
     ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from); ``bias_correction``:
     each variant also in its bias-corrected form (:func:`bayesq.baselines.select.select_best`).
     ``selection``: inputs held out of ``batches`` to score the variants on instead (the
-    bias correction is still fitted on ``batches``).
+    bias correction is still fitted on ``batches``). ``reference``: the FP model's log-probabilities
+    on the scored inputs, when the caller already has them (:func:`select_best`).
 
     Raises:
         ValueError: as :func:`gptq_candidates`; an empty ``batches``.
@@ -174,4 +175,4 @@ def gptq_select(
                             allocation=allocation, act_order=act_order, damp=damp)
     batches = list(batches)  # read by the correction's target search and by the selection
     correction = stats_correction(model, stats, batches) if bias_correction else None
-    return select_best(cands, model, batches if selection is None else selection, correction)
+    return select_best(cands, model, batches if selection is None else selection, correction, reference)

@@ -246,7 +246,7 @@ def corrected(result: QuantizationResult, model: nn.Module, correction: BiasCorr
 
 def select_best(
     candidates: Mapping[str, Callable[[], QuantizationResult]], model: nn.Module, batches: Iterable[Batch],
-    correction: BiasCorrection | None = None,
+    correction: BiasCorrection | None = None, reference: Sequence[torch.Tensor] | None = None,
 ) -> BaselineChoice:
     """Build every candidate in turn and keep the one with the least mean calibration KL.
 
@@ -258,6 +258,9 @@ def select_best(
             held out of them).
         correction: given, each candidate is also scored with it applied (:func:`corrected`),
             named ``<variant>+bc``.
+        reference: the full-precision model's log-probabilities on ``batches``
+            (:func:`bayesq.evaluation.reference_log_probs`; computed here when None): one pass
+            shared by callers that score several selections on the same inputs.
 
     Raises:
         ValueError: no candidates, or no calibration batch.
@@ -267,7 +270,7 @@ def select_best(
     batches = list(batches)
     if not batches:
         raise ValueError("empty calibration set: the selection scores candidates on calibration (or held-out) inputs")
-    reference = reference_log_probs(model, batches)
+    reference = reference_log_probs(model, batches) if reference is None else reference
     kl, bits, best, best_kl = {}, {}, None, math.inf
     for name, build in candidates.items():
         res = build()

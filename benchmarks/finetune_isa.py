@@ -1,0 +1,94 @@
+"""Does an embedded model's fine-tune depend on which CPU kernels run it? One machine, four dispatches.
+
+Runs the first ``--steps`` steps of ``ModelEntry.finetune``'s loop (same optimiser, learning
+rate, seed and batches; one torch thread) in a fresh process per setting: the default dispatch,
+then each library that picks kernels by instruction set switched to another code path
+
+* ``ATEN_CPU_CAPABILITY=default``: ATen's vectorised element-wise and reduction kernels,
+* ``ONEDNN_MAX_CPU_ISA=AVX``: oneDNN's convolutions and matmuls,
+* ``MKL_CBWR=COMPATIBLE``: MKL's BLAS,
+
+and prints, per setting, the relative L2 change of all weights against the default and the
+training loss at the last step. A change at float-rounding level (~1e-7) means the fine-tune
+is the same model on another CPU; percent-level means the kernels' rounding is amplified and
+another CPU fine-tunes another model (docs/method.md, section 22b).
+
+    python benchmarks/finetune_isa.py [--model lite0-fmnist] [--steps 20] [--params params.yaml] [--raw data/raw]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = {"default dispatch": {}, "ATEN_CPU_CAPABILITY=default": {"ATEN_CPU_CAPABILITY": "default"},
+            "ONEDNN_MAX_CPU_ISA=AVX": {"ONEDNN_MAX_CPU_ISA": "AVX"}, "MKL_CBWR=COMPATIBLE": {"MKL_CBWR": "COMPATIBLE"}}
+
+
+def steps(model_name: str, n_steps: int, params: Path, raw: Path, out: Path) -> None:
+    """The first ``n_steps`` of the fine-tune; saves the flattened weights (float32) to ``out``."""
+    import torch
+    import torch.nn.functional as F
+    import yaml
+
+    sys.path.insert(0, str(ROOT))
+    from bayesq.config import load_params
+    from bayesq.data.sentiment import seeded_permutation
+    from bayesq.forward import logits
+    from bayesq.models.zoo import _take, get_entry
+
+    p = load_params(yaml.safe_load(params.read_text()))
+    entry, cfg = get_entry(model_name), p.finetune
+    splits = entry.load_splits(p.data, raw / entry.default_raw.name)
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    model = entry.build(pretrained=True).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=entry.learning_rate(cfg), weight_decay=cfg.weight_decay)
+    order = seeded_permutation(len(splits.train_labels), cfg.seed * 1000003)  # epoch 0, as finetune
+    loss = torch.tensor(float("nan"))
+    for s in range(n_steps):
+        idx = order[s * cfg.batch_size:(s + 1) * cfg.batch_size]
+        (batch,) = entry.batches(_take(splits.train_inputs, idx), len(idx), p.data)
+        loss = F.cross_entropy(logits(model, batch), splits.train_labels[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    torch.save({"weights": torch.cat([q.detach().flatten() for q in model.parameters()]),
+                "loss": float(loss.detach())}, out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="lite0-fmnist")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--params", type=Path, default=ROOT / "params.yaml")
+    ap.add_argument("--raw", type=Path, default=ROOT / "data" / "raw")
+    ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # internal: run the steps, save here
+    a = ap.parse_args()
+    if a.child:
+        steps(a.model, a.steps, a.params, a.raw, a.child)
+        return
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {}
+        for label, env in SETTINGS.items():
+            out = Path(tmp) / f"{len(runs)}.pt"
+            subprocess.run([sys.executable, __file__, "--model", a.model, "--steps", str(a.steps), "--params",
+                            str(a.params), "--raw", str(a.raw), "--child", str(out)],
+                           env={**os.environ, **env}, check=True)
+            runs[label] = torch.load(out)
+    base = runs["default dispatch"]["weights"]
+    print(f"{a.model}, {a.steps} fine-tune steps, one thread: relative L2 change of all weights vs the default dispatch")
+    for label, r in runs.items():
+        rel = float((r["weights"] - base).norm() / base.norm())
+        print(f"  {label:30s} {rel:.2e}   loss at the last step {r['loss']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
