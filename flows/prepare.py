@@ -252,7 +252,7 @@ def table_task(name: str, model_file: str, model_digest: str, posterior_file: st
 
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.models.zoo import get_entry
-    from bayesq.quantize import build_table, candidate_tables
+    from bayesq.quantize import build_table, candidate_tables, ef_column_metric
 
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))
@@ -262,9 +262,12 @@ def table_task(name: str, model_file: str, model_digest: str, posterior_file: st
     if quant.needs_data:
         _, batches = calibration_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
     start = time.perf_counter()
-    table = build_table(post, blocks, quant, seed=seed, model=model, calibration=batches, progress=False)
-    tables = candidate_tables(post, blocks, quant, seed=seed, model=model, calibration=batches) if (
-        quant.selects_grids) else {}
+    # one statistics pass for every table's error-feedback metric (the candidates share it)
+    metric = ef_column_metric(post, quant, model, batches) if quant.feeds_back_table else None
+    table = build_table(post, blocks, quant, seed=seed, model=model, calibration=batches, progress=False,
+                        column_metric=metric)
+    tables = candidate_tables(post, blocks, quant, seed=seed, model=model, calibration=batches,
+                              column_metric=metric) if quant.selects_grids else {}
     seconds = time.perf_counter() - start
     path = Path(out) / f"{Path(posterior_file).stem}{'_' + tag if tag else ''}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -504,6 +504,29 @@ def test_reference_task_round_trip_vs_reference_log_probs(tmp_path, tiny_entry):
     assert stats_cost({"stats_read": False, "reference_read": False}, stats, rec) == {}
 
 
+def test_table_task_candidate_tables_vs_building_each(tmp_path, tiny_entry):
+    from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.quantize import build_table, grid_candidates
+
+    from flows.finetune import load_model
+    from flows.prepare import calibration_batches, load_posterior, posterior_task, table_task
+
+    params, entry, model_file, src, args = _tiny_task_inputs(tmp_path)
+    post = posterior_task.fn(*args, params.calibration, params.posterior, 17, str(tmp_path / "post"), "c")
+    q = params.quant
+    rec = table_task.fn(*args[:3], post["path"], post["sha256"], *args[3:], params.calibration, q, 17,
+                        str(tmp_path / "tables"), "c")
+    model = load_model(entry, model_file)
+    blocks = layer_blocks(quantizable_layers(model), q.group_size, q.unit_groups, q.unit.value)
+    _, batches = calibration_batches(entry, entry.load_splits(params.data, src), params.data, params.calibration, 17)
+    posterior = load_posterior(model, Path(post["path"]))
+    cands = grid_candidates(q, held_out=True)
+    assert q.selects_grids and set(rec["tables"]) == set(cands) - {"searched"}
+    for name, t in {"searched": rec["table"], **rec["tables"]}.items():  # each as encode_best would build it
+        want = build_table(posterior, blocks, cands[name], seed=17, model=model, calibration=batches, progress=False)
+        assert all(torch.equal(a.unit_loss, b.unit_loss) for a, b in zip(t.layers, want.layers)), name
+
+
 def test_selection_batches_of_sentences_in_padding_order():
     from bayesq.config import CalibrationConfig
     from bayesq.models.zoo import MiniLMSentiment, Splits
