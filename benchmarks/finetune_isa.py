@@ -8,12 +8,16 @@ then each library that picks kernels by instruction set switched to another code
 * ``ONEDNN_MAX_CPU_ISA=AVX``: oneDNN's convolutions and matmuls,
 * ``MKL_CBWR=COMPATIBLE``: MKL's BLAS,
 
-and prints, per setting, the relative L2 change of all weights against the default and the
-training loss at the last step. A change at float-rounding level (~1e-7) means the fine-tune
+and prints, per setting, the relative L2 change of all weights against the default, the
+largest change, how many weights moved by more than 1e-6, and the training loss at the last step. ``--variant`` changes the recipe in every setting alike, to see
+whether a change removes the amplification: ``eps`` (Adam's epsilon 1e-6 instead of 1e-8),
+``bn-frozen`` (BatchNorm layers in eval mode), ``sgd`` (SGD, lr 0.01, momentum 0.9, weight decay
+1e-4), ``float64`` (weights and inputs in float64; the inputs are still resized in float32). A change at float-rounding level (~1e-7) means the fine-tune
 is the same model on another CPU; percent-level means the kernels' rounding is amplified and
 another CPU fine-tunes another model (docs/method.md, section 22b).
 
-    python benchmarks/finetune_isa.py [--model lite0-fmnist] [--steps 20] [--params params.yaml] [--raw data/raw]
+    python benchmarks/finetune_isa.py [--model lite0-fmnist] [--steps 20] [--variant adam|eps|bn-frozen|sgd|float64]
+                                      [--params params.yaml] [--raw data/raw]
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ SETTINGS = {"default dispatch": {}, "ATEN_CPU_CAPABILITY=default": {"ATEN_CPU_CA
             "ONEDNN_MAX_CPU_ISA=AVX": {"ONEDNN_MAX_CPU_ISA": "AVX"}, "MKL_CBWR=COMPATIBLE": {"MKL_CBWR": "COMPATIBLE"}}
 
 
-def steps(model_name: str, n_steps: int, params: Path, raw: Path, out: Path) -> None:
+VARIANTS = ("adam", "eps", "bn-frozen", "sgd", "float64")
+
+
+def steps(model_name: str, n_steps: int, params: Path, raw: Path, out: Path, variant: str = "adam") -> None:
     """The first ``n_steps`` of the fine-tune; saves the flattened weights (float32) to ``out``."""
     import torch
     import torch.nn.functional as F
@@ -48,17 +55,29 @@ def steps(model_name: str, n_steps: int, params: Path, raw: Path, out: Path) -> 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     model = entry.build(pretrained=True).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=entry.learning_rate(cfg), weight_decay=cfg.weight_decay)
+    if variant == "float64":
+        model = model.double()
+    if variant == "bn-frozen":
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.eval()
+    if variant == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=entry.learning_rate(cfg), weight_decay=cfg.weight_decay,
+                                eps=1e-6 if variant == "eps" else 1e-8)
     order = seeded_permutation(len(splits.train_labels), cfg.seed * 1000003)  # epoch 0, as finetune
     loss = torch.tensor(float("nan"))
     for s in range(n_steps):
         idx = order[s * cfg.batch_size:(s + 1) * cfg.batch_size]
         (batch,) = entry.batches(_take(splits.train_inputs, idx), len(idx), p.data)
+        if variant == "float64" and isinstance(batch, torch.Tensor):
+            batch = batch.double()
         loss = F.cross_entropy(logits(model, batch), splits.train_labels[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    torch.save({"weights": torch.cat([q.detach().flatten() for q in model.parameters()]),
+    torch.save({"weights": torch.cat([q.detach().flatten().float() for q in model.parameters()]),
                 "loss": float(loss.detach())}, out)
 
 
@@ -66,12 +85,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="lite0-fmnist")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--variant", choices=VARIANTS, default="adam")
     ap.add_argument("--params", type=Path, default=ROOT / "params.yaml")
     ap.add_argument("--raw", type=Path, default=ROOT / "data" / "raw")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # internal: run the steps, save here
     a = ap.parse_args()
     if a.child:
-        steps(a.model, a.steps, a.params, a.raw, a.child)
+        steps(a.model, a.steps, a.params, a.raw, a.child, a.variant)
         return
     import torch
 
@@ -79,15 +99,20 @@ def main() -> None:
         runs = {}
         for label, env in SETTINGS.items():
             out = Path(tmp) / f"{len(runs)}.pt"
-            subprocess.run([sys.executable, __file__, "--model", a.model, "--steps", str(a.steps), "--params",
+            subprocess.run([sys.executable, __file__, "--model", a.model, "--steps", str(a.steps), "--variant", a.variant,
+                            "--params",
                             str(a.params), "--raw", str(a.raw), "--child", str(out)],
                            env={**os.environ, **env}, check=True)
             runs[label] = torch.load(out)
     base = runs["default dispatch"]["weights"]
-    print(f"{a.model}, {a.steps} fine-tune steps, one thread: relative L2 change of all weights vs the default dispatch")
+    print(f"{a.model}, {a.steps} fine-tune steps ({a.variant}), one thread: relative L2 change of all weights vs the "
+          "default dispatch")
     for label, r in runs.items():
-        rel = float((r["weights"] - base).norm() / base.norm())
-        print(f"  {label:30s} {rel:.2e}   loss at the last step {r['loss']:.4f}")
+        diff = r["weights"] - base
+        rel = float(diff.norm() / base.norm())
+        print(f"  {label:30s} {rel:.2e}   max |change| {float(diff.abs().max()):.1e}, "
+              f"{int((diff.abs() > 1e-6).sum())} of {diff.numel()} weights moved > 1e-6; "
+              f"loss at the last step {r['loss']:.4f}")
 
 
 if __name__ == "__main__":
