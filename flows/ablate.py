@@ -23,7 +23,9 @@ from bayesq.config import Method, ablation_params
 from bayesq.quantize import loss_reduction_curve
 from flows.common import code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json
 from flows.finetune import raw_path
-from flows.prepare import config_tag, posterior_task, prep_code, reference_task, stats_cost, stats_task, table_task
+from flows.prepare import (
+    config_tag, fit_inputs, posterior_task, prep_code, reference_task, stats_cost, stats_task, table_task,
+)
 from flows.quantize import quantize_eval_task
 from flows.robustness import fp_eval_task
 
@@ -94,13 +96,14 @@ def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig
          fp_logits: str):
     """Posterior, table and every budget of one ablation row on one model (tasks are cached)."""
     records, curve = [], None
-    post = posterior_task(name, str(model_file), mdig, str(src), sdig, p.data, p.calibration,
+    cal = fit_inputs(p.calibration)  # the fits ignore the selection settings (rows differing only there share them)
+    post = posterior_task(name, str(model_file), mdig, str(src), sdig, p.data, cal,
                           p.posterior, seed, str(Path(out) / "posterior"), prep_code(),
-                          tag=config_tag(p.calibration, p.posterior))
+                          tag=config_tag(cal, p.posterior))
     tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])),
-                     str(src), sdig, p.data, p.calibration, p.quant, seed,
+                     str(src), sdig, p.data, cal, p.quant, seed,
                      str(Path(out) / "tables"), prep_code(), tag=config_tag(p.quant))
-    stats = stats_task(name, str(model_file), mdig, str(src), sdig, p.data, p.calibration, seed,
+    stats = stats_task(name, str(model_file), mdig, str(src), sdig, p.data, cal, seed,
                        str(Path(out) / "stats"), prep_code())
     ref = reference_task(name, str(model_file), mdig, str(src), sdig, p.data, p.calibration, seed,
                          str(Path(out) / "reference"), prep_code())
