@@ -60,8 +60,16 @@ def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: S
         model: the quantised model.
         batches: the calibration batches (tensors or dicts of tensors), same order.
     """
-    rows = [(ref.exp() * (ref - logq)).sum(-1)
-            for ref, logq in zip(reference, _eval_log_probs(model, batches), strict=True)]
+    if len(reference) != len(batches):
+        raise ValueError(f"reference has {len(reference)} batches of log-probabilities for {len(batches)} input "
+                         "batches: pass reference_log_probs of the same batches, in the same order")
+    rows = []
+    for i, (ref, logq) in enumerate(zip(reference, _eval_log_probs(model, batches))):
+        if ref.shape != logq.shape:
+            raise ValueError(f"reference batch {i} has shape {tuple(ref.shape)} but the model gives "
+                             f"{tuple(logq.shape)} on that batch: pass reference_log_probs of the same batches, "
+                             "in the same order")
+        rows.append((ref.exp() * (ref - logq)).sum(-1))
     return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.float64)
 
 

@@ -24,7 +24,7 @@ from bayesq.quantize import loss_reduction_curve
 from flows.common import code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json
 from flows.finetune import raw_path
 from flows.prepare import (
-    config_tag, fit_inputs, posterior_task, prep_code, reference_task, stats_cost, stats_task, table_task,
+    config_tag, fit_inputs, posterior_task, prep_code, reference_task, shared_cost, stats_task, table_task,
 )
 from flows.quantize import quantize_eval_task
 from flows.robustness import fp_eval_task
@@ -121,7 +121,7 @@ def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig
                                stats_file=stats["path"], stats_sha256=stats["sha256"],
                                reference_file=ref.get("path"), reference_sha256=ref.get("sha256", ""),
                                tables=tab.get("tables"))
-        r = {**r, **stats_cost(r, stats, ref), "group": group, "row": label, "overrides": {k: str(v) for k, v in over.items()},
+        r = {**r, **shared_cost(r, stats, ref), "group": group, "row": label, "overrides": {k: str(v) for k, v in over.items()},
              "posterior_seconds": post["seconds"], "table_seconds": tab["seconds"]}
         print(f"[ablate] {name} {group} / {label} @ {budget}: acc {r['accuracy']:.4f} "
               f"at {r['avg_bits']:.4f} bits", flush=True)

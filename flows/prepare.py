@@ -216,7 +216,7 @@ def load_reference(path: Path) -> list:
         return [f.get_tensor(k) for k in sorted(f.keys())]
 
 
-def stats_cost(record: dict, stats: dict, reference: dict | None = None) -> dict:
+def shared_cost(record: dict, stats: dict, reference: dict | None = None) -> dict:
     """``{"stats_seconds": ..., "reference_seconds": ...}`` for the shared passes the row
     ``record`` read: the statistics pass ``stats`` (:func:`stats_task`'s record) and the FP pass
     over the selection draw ``reference`` (:func:`reference_task`'s). Each counts in full in every

@@ -33,7 +33,7 @@ from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage
 from flows.prepare import (
     calibration_batches, load_posterior, load_reference, load_stats, prep_code, prepare, reference_task,
-    selection_batches, stats_cost,
+    selection_batches, shared_cost,
 )
 from flows.robustness import fp_eval_task, mean_corruption_error, tracked_metrics
 from flows.timings import TaskClock
@@ -338,7 +338,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                         r = {k: v for k, v in r.items() if k != "unit_bits"}
                         if method == Method.BAYESQ:  # the allocation BayesQ kept: GPTQ's allocation variant
                             kept[budget] = unit_bits
-                        shared = stats_cost(r, stats, ref)
+                        shared = shared_cost(r, stats, ref)
                         r = {**r, **shared, "preprocess_seconds": r["quantize_seconds"] + sum(shared.values())}
                         corruption = mean_corruption_error(r["ood"], fp["ood"])
                         if corruption:

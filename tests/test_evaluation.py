@@ -252,3 +252,17 @@ def test_prediction_summary_length_mismatch_raises():
     logit = torch.zeros(5, 3)
     with pytest.raises(ValueError, match="5 logits but 4 labels"):
         prediction_summary(logit, torch.zeros(4, dtype=torch.int64))
+
+
+def test_kl_per_input_mismatched_reference_names_the_fix():
+    from bayesq.evaluation import kl_per_input, reference_log_probs
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).double()
+    batches = [torch.randn(5, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)]
+    ref = reference_log_probs(model, batches)
+    assert torch.equal(kl_per_input(ref, model, batches), torch.zeros(7, dtype=torch.float64))
+    with pytest.raises(ValueError, match="1 batches of log-probabilities for 2 input batches"):
+        kl_per_input(ref[:1], model, batches)
+    with pytest.raises(ValueError, match=r"batch 0 has shape \(2, 3\) but the model gives \(5, 3\)"):
+        kl_per_input(ref[::-1], model, batches)

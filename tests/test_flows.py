@@ -485,7 +485,7 @@ def test_reference_task_round_trip_vs_reference_log_probs(tmp_path, tiny_entry):
     from bayesq.evaluation import reference_log_probs
 
     from flows.finetune import load_model
-    from flows.prepare import load_reference, reference_task, selection_batches, stats_cost
+    from flows.prepare import load_reference, reference_task, selection_batches, shared_cost
 
     params, entry, model_file, src, args = _tiny_task_inputs(tmp_path)
     rec = reference_task.fn(*args, params.calibration, 17, str(tmp_path / "ref"), "code")
@@ -499,9 +499,9 @@ def test_reference_task_round_trip_vs_reference_log_probs(tmp_path, tiny_entry):
                              str(tmp_path / "ref2"), "code") == {}
     # the shared pass counts in every row that read it
     stats = {"seconds": 2.0}
-    assert stats_cost({"stats_read": True, "reference_read": True}, stats, rec) == {
+    assert shared_cost({"stats_read": True, "reference_read": True}, stats, rec) == {
         "stats_seconds": 2.0, "reference_seconds": rec["seconds"]}
-    assert stats_cost({"stats_read": False, "reference_read": False}, stats, rec) == {}
+    assert shared_cost({"stats_read": False, "reference_read": False}, stats, rec) == {}
 
 
 def test_table_task_candidate_tables_vs_building_each(tmp_path, tiny_entry):
