@@ -238,6 +238,8 @@ def search_range(
 
     one = torch.ones_like(wmin)
     best_cost, best_rho = cost_at(one), one.clone()
+    if min_ratio >= 1:  # min/max is the only range: nothing to search
+        return grids_from_range(wmin, wmax, bits, scale_bits), best_cost
 
     def consider(rho: torch.Tensor, f: torch.Tensor) -> None:
         nonlocal best_cost, best_rho

@@ -146,26 +146,29 @@ def _round_ordered(Wp: torch.Tensor, U: torch.Tensor, s: torch.Tensor, z: torch.
     """Error-feedback codes, batched over groups, columns already in quantisation order.
 
     Args:
-        Wp: (groups, rows, in) float64 weights, overwritten with the updated weights.
+        Wp: (groups, rows, in) float64 weights (not modified).
         U: (groups, in, in) upper factors of each group's permuted ``H^-1 = U^T U``.
         s, z, m: (groups, rows, in) per-element scale, zero (float64) and maxq (int64).
 
     Returns:
         (groups, rows, in) int64 codes in the same (permuted) column order.
+
+    Works on (groups, in, rows) copies, so that each column is contiguous.
     """
-    d = Wp.shape[-1]
-    codes = torch.empty(Wp.shape, dtype=torch.int64, device=Wp.device)
+    Wt, s, z, m = (x.transpose(1, 2).contiguous() for x in (Wp, s, z, m))
+    d = Wt.shape[1]
+    codes = torch.empty(Wt.shape, dtype=torch.int64, device=Wt.device)
     for i1 in range(0, d, block_size):
         i2 = min(i1 + block_size, d)
-        W1, U1 = Wp[..., i1:i2], U[:, i1:i2, i1:i2]  # views: (G, rows, b), (G, b, b)
-        err = torch.zeros_like(W1)  # (G, rows, b) scaled errors
+        W1, U1 = Wt[:, i1:i2], U[:, i1:i2, i1:i2]  # views: (G, b, rows), (G, b, b)
+        err = torch.zeros_like(W1)  # (G, b, rows) scaled errors
         for j in range(i2 - i1):
-            c, q = _quantize(W1[..., j], s[..., i1 + j], z[..., i1 + j], m[..., i1 + j])
-            codes[..., i1 + j] = c
-            err[..., j] = (W1[..., j] - q) / U1[:, j, j, None]
-            W1[..., j:] -= err[..., j : j + 1] * U1[:, None, j, j:]
-        Wp[..., i2:] -= torch.bmm(err, U[:, i1:i2, i2:])
-    return codes
+            c, q = _quantize(W1[:, j], s[:, i1 + j], z[:, i1 + j], m[:, i1 + j])
+            codes[:, i1 + j] = c
+            torch.div(W1[:, j] - q, U1[:, j, j, None], out=err[:, j])
+            W1[:, j:].baddbmm_(U1[:, j, j:, None], err[:, j : j + 1], alpha=-1.0)  # -= U1[j, j:]^T err_j
+        Wt[:, i2:].baddbmm_(U[:, i1:i2, i2:].transpose(1, 2), err, alpha=-1.0)
+    return codes.transpose(1, 2)
 
 
 def error_feedback_round(
@@ -305,23 +308,26 @@ def coordinate_descent(
     if W.shape[0] % groups:
         raise ValueError(f"{W.shape[0]} output rows do not split into {groups} groups")
     shape = (groups, W.shape[0] // groups, d)
-    s, z, m = (torch.broadcast_to(torch.as_tensor(x), W.shape).double().reshape(shape) for x in (scale, zero, maxq))
-    c = codes.double().reshape(shape).clone()
-    Wg = W.double().reshape(shape)
+
+    def by_column(x: torch.Tensor) -> torch.Tensor:  # (groups, d, rows): one column is contiguous
+        return torch.broadcast_to(torch.as_tensor(x), W.shape).double().reshape(shape).transpose(1, 2).contiguous()
+
+    s, z, m, c, Wt = (by_column(x) for x in (scale, zero, maxq, codes, W))
     Q = s * (c - z)
-    DH = torch.bmm(Q - Wg, H)  # (groups, rows, d): (D H) per row, kept current
-    hdiag = H.diagonal(dim1=1, dim2=2)[:, None, :]  # (groups, 1, d)
+    HD = torch.bmm(H, Q - Wt)  # (groups, d, rows): (D H)^T per row, kept current
+    inv_hdiag = 1.0 / H.diagonal(dim1=1, dim2=2)[:, :, None]  # (groups, d, 1)
     for _ in range(passes):
         for i1 in range(0, d, block_size):
             i2 = min(i1 + block_size, d)
-            delta = torch.zeros(shape[0], shape[1], i2 - i1, dtype=torch.float64, device=W.device)
+            delta = torch.zeros(shape[0], i2 - i1, shape[1], dtype=torch.float64, device=W.device)
             for j in range(i1, i2):
-                target = Q[..., j] - DH[..., j] / hdiag[..., j]
-                cj = torch.minimum(torch.round(target / s[..., j] + z[..., j]).clamp_min(0), m[..., j])
-                qj = s[..., j] * (cj - z[..., j])
-                delta[..., j - i1] = qj - Q[..., j]
-                DH[..., i1:i2] += delta[..., j - i1].unsqueeze(-1) * H[:, j, None, i1:i2]
-                Q[..., j], c[..., j] = qj, cj
-            DH[..., :i1] += torch.bmm(delta, H[:, i1:i2, :i1])
-            DH[..., i2:] += torch.bmm(delta, H[:, i1:i2, i2:])
-    return c.reshape(W.shape).to(torch.int64)
+                k = j - i1
+                target = torch.addcmul(Q[:, j], HD[:, j], inv_hdiag[:, j], value=-1.0)
+                cj = torch.minimum(torch.round(target / s[:, j] + z[:, j]).clamp_min_(0), m[:, j])
+                qj = s[:, j] * (cj - z[:, j])
+                torch.sub(qj, Q[:, j], out=delta[:, k])
+                HD[:, i1:i2].baddbmm_(H[:, i1:i2, j : j + 1], delta[:, k : k + 1])  # += H[:, :, j] delta_j^T
+                Q[:, j], c[:, j] = qj, cj
+            HD[:, :i1] += torch.bmm(H[:, :i1, i1:i2], delta)
+            HD[:, i2:] += torch.bmm(H[:, i2:, i1:i2], delta)
+    return c.transpose(1, 2).reshape(W.shape).to(torch.int64)

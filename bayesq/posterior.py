@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from bayesq.config import Curvature, PosteriorConfig, Prior
 from bayesq.curvature.kfac import KFACFactors, _input_rows, damped, kfac_diagonal, kfac_factors
 from bayesq.curvature.lowrank import truncate
-from bayesq.forward import Batch, batch_size, logits
+from bayesq.forward import Batch, batch_size, by_length, logits
 
 BACKOFF = 3.0
 MAX_BACKOFFS = 8
@@ -300,6 +300,7 @@ def fit_posterior(
     fisher: sampled-label Fisher diagonal; empirical-fisher: squared gradients at the model's
     argmax labels; hutchinson-hessian / -ggn: Rademacher probes (``cfg.probes`` per batch);
     kfac / lowrank: Kronecker factors with EMA ``cfg.kfac_decay``. No dataset labels are read.
+    The diagonal estimators read the batches regrouped by length (:func:`bayesq.forward.by_length`).
     """
     from bayesq.curvature.fisher import empirical_fisher_diagonal, fisher_diagonal
     from bayesq.curvature.hutchinson import hutchinson_diagonal
@@ -311,6 +312,7 @@ def fit_posterior(
         factors = kfac_factors(model, calibration, layers, decay=decay, label_samples=cfg.label_samples,
                                seed=seed, progress=progress)
         return fit_kfac_posterior(factors, weights, cfg, lowrank=curv == Curvature.LOWRANK)
+    calibration = by_length(calibration)  # a sum over examples: the batching is free (K-FAC's EMA is not)
     if curv == Curvature.FISHER:
         fisher, n = fisher_diagonal(model, calibration, layers, label_samples=cfg.label_samples,
                                     seed=seed, progress=progress)
@@ -330,11 +332,13 @@ def forward_inputs(
     """One forward pass (eval mode, no grad) calling ``on_rows(name, rows)`` for every layer call
     (``progress``: a bar over the batches, labelled ``desc``).
 
-    ``rows``: the layer's inputs as (N, groups, T, d_in) float64 (Conv2d: unfolded patches,
-    d_in = in/groups*kh*kw, as in K-FAC). Linear layers called on the same input tensor (an
+    ``rows``: the layer's inputs as (N, groups, T, d_in) in the inputs' dtype (Conv2d: unfolded
+    patches, d_in = in/groups*kh*kw, as in K-FAC); callers reduce a batch in that dtype and
+    accumulate batches in float64. Linear layers called on the same input tensor (an
     attention block's q / k / v projections) get the same ``rows`` object, so ``on_rows`` can
-    reuse what it computed from it. The model's training flag is restored. Returns the
-    number of inputs seen.
+    reuse what it computed from it. The model's training flag is restored. Batches are
+    regrouped by length first (:func:`bayesq.forward.by_length`: callers sum over examples).
+    Returns the number of inputs seen.
     """
     last: list = [None, None]  # the last Linear input tensor seen and its rows
 
@@ -343,7 +347,7 @@ def forward_inputs(
             if isinstance(mod, nn.Linear) and last[0] is inputs[0]:
                 rows = last[1]
             else:
-                rows = _input_rows(mod, inputs[0].detach(), output.shape)
+                rows = _input_rows(mod, inputs[0].detach(), output.shape, widen=False)
                 last[:] = (inputs[0], rows) if isinstance(mod, nn.Linear) else (None, None)
             on_rows(name, rows)
         return fn
@@ -353,7 +357,7 @@ def forward_inputs(
     model.eval()
     try:
         with torch.no_grad():
-            for batch in tqdm(calibration, desc=desc, disable=not progress, leave=False):
+            for batch in tqdm(by_length(calibration), desc=desc, disable=not progress, leave=False):
                 logits(model, batch)
                 n += batch_size(batch)
                 last[:] = (None, None)
@@ -376,7 +380,7 @@ def input_moments(
     sums = {name: torch.zeros(math.prod(m.weight.shape[1:]), dtype=torch.float64) for name, m in layers.items()}
 
     def add(name: str, rows: torch.Tensor) -> None:  # rows (N, groups, T, d_in)
-        sums[name] += rows.pow(2).sum((0, 2)).mean(0).cpu()  # (d_in,), groups averaged
+        sums[name] += rows.pow(2).sum((0, 2)).double().mean(0).cpu()  # (d_in,), groups averaged
 
     n = forward_inputs(model, calibration, layers, add)
     if n == 0:

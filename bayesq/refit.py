@@ -39,7 +39,7 @@ def layer_cost(W_hat: torch.Tensor, W: torch.Tensor, H: torch.Tensor) -> float:
 
 def refit_scales(
     W: torch.Tensor, u: torch.Tensor, group: torch.Tensor, scale: torch.Tensor, H: torch.Tensor, *,
-    iters: int = 20, scale_bits: int = 16,
+    iters: int = 20, scale_bits: int = 16, rtol: float = 1e-9,
 ) -> tuple[torch.Tensor, float, float]:
     """Group scales minimising ``J(a)`` (module docstring) for fixed codes.
 
@@ -49,7 +49,8 @@ def refit_scales(
         group: (out, d) int64 group index of every weight, in ``[0, len(scale))``.
         scale: (G,) float64 current (stored) scales.
         H: (groups, d, d) or (d, d) float64 SPD column metric.
-        iters: preconditioned steps.
+        iters: at most this many preconditioned steps ...
+        rtol: ... stopping after one that lowers ``J`` by at most ``rtol * J(scale)``.
         scale_bits: 16 (fp16) or 32 (fp32) storage of the scales.
 
     Returns:
@@ -65,18 +66,22 @@ def refit_scales(
     hdiag = torch.zeros(n, dtype=torch.float64).index_add_(  # sum of u^2 H_jj per group
         0, flat, (u * u * diag.repeat_interleave(W.shape[0] // diag.shape[0], 0)).reshape(-1))
     a = scale.clone()
-    before = layer_cost(a[group] * u, W, H)
+    R = a[group] * u - W
+    RH = metric_apply(R, H)  # kept current: R H after a step is RH - alpha * D H (one product per step)
+    before = float((RH * R).sum())
     for _ in range(iters):
-        R = a[group] * u - W
-        grad = torch.zeros(n, dtype=torch.float64).index_add_(0, flat, (u * metric_apply(R, H)).reshape(-1))
+        grad = torch.zeros(n, dtype=torch.float64).index_add_(0, flat, (u * RH).reshape(-1))
         step = torch.where(hdiag > 0, grad / hdiag.clamp_min(1e-300), torch.zeros_like(grad))
         D = step[group] * u  # (out, d) change of W_hat per unit alpha
         HD = metric_apply(D, H)
         curv = float((HD * D).sum())
         if curv <= 0:
             break
-        alpha = float((HD * R).sum()) / curv  # argmin_alpha J(a - alpha * step)
-        a = a - alpha * step
+        slope = float((HD * R).sum())
+        alpha = slope / curv  # argmin_alpha J(a - alpha * step); J drops by alpha * slope
+        a, R, RH = a - alpha * step, R - alpha * D, RH - alpha * HD
+        if alpha * slope <= rtol * before:  # converged far below the stored precision of the scales
+            break
     dtype = torch.float16 if scale_bits == 16 else torch.float32
     stored = a.to(dtype).to(torch.float64)
     stored = torch.where(torch.isfinite(stored) & (stored > 0), stored, scale)  # a scale stays positive

@@ -100,11 +100,12 @@ def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig
     post = posterior_task(name, str(model_file), mdig, str(src), sdig, p.data, cal,
                           p.posterior, seed, str(Path(out) / "posterior"), prep_code(),
                           tag=config_tag(cal, p.posterior))
-    tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])),
-                     str(src), sdig, p.data, cal, p.quant, seed,
-                     str(Path(out) / "tables"), prep_code(), tag=config_tag(p.quant))
     stats = stats_task(name, str(model_file), mdig, str(src), sdig, p.data, cal, seed,
                        str(Path(out) / "stats"), prep_code())
+    tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])),
+                     str(src), sdig, p.data, cal, p.quant, seed,
+                     str(Path(out) / "tables"), prep_code(), tag=config_tag(p.quant),
+                     stats_file=stats["path"], stats_sha256=stats["sha256"])
     ref = reference_task(name, str(model_file), mdig, str(src), sdig, p.data, p.calibration, seed,
                          str(Path(out) / "reference"), prep_code())
     key = f"{digest(Path(post['path']))}:{p.quant}:{p.calibration}"

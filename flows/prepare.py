@@ -243,11 +243,13 @@ def load_stats(path: Path) -> dict:
 @task(cache_policy=CACHE, persist_result=True)
 def table_task(name: str, model_file: str, model_digest: str, posterior_file: str,
                posterior_digest: str, raw: str, raw_digest: str, data, calibration, quant,
-               seed: int, out: str, code: str, tag: str = ""):
+               seed: int, out: str, code: str, tag: str = "", stats_file: str = "", stats_sha256: str = ""):
     """BayesQ expected-loss table (LossTable, persisted by Prefect) plus its Parquet copy
     ``<out>/<posterior file stem>[_<tag>].parquet`` (with every entry's standard error), and the
     tables of the other grid candidates (``"tables"``, :func:`bayesq.quantize.candidate_tables`:
-    built once here instead of once per budget and row; ``seconds`` counts them)."""
+    built once here instead of once per budget and row; ``seconds`` counts them).
+    ``stats_file`` (:func:`stats_task`'s file, keyed by ``stats_sha256``): the error-feedback
+    metric is read from it (the rows count that pass) instead of a statistics pass here."""
     import pandas as pd
 
     from bayesq.blocks import layer_blocks, quantizable_layers
@@ -262,8 +264,11 @@ def table_task(name: str, model_file: str, model_digest: str, posterior_file: st
     if quant.needs_data:
         _, batches = calibration_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
     start = time.perf_counter()
-    # one statistics pass for every table's error-feedback metric (the candidates share it)
-    metric = ef_column_metric(post, quant, model, batches) if quant.feeds_back_table else None
+    # one statistics pass (or the shared one) for every table's error-feedback metric
+    metric = None
+    if quant.feeds_back_table:
+        stats = load_stats(Path(stats_file)) if stats_file and not post.kfac else None
+        metric = ef_column_metric(post, quant, model, batches, stats=stats)
     table = build_table(post, blocks, quant, seed=seed, model=model, calibration=batches, progress=False,
                         column_metric=metric)
     tables = candidate_tables(post, blocks, quant, seed=seed, model=model, calibration=batches,
@@ -361,9 +366,11 @@ def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str
     code, cal = prep_code(), fit_inputs(params.calibration)
     post = call(f"posterior {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src), sdig,
                 params.data, cal, params.posterior, seed, str(Path(out) / "posterior"), code)
+    stats = call(f"layer-input statistics {name} s{seed}", stats_task, name, str(model_file), mdig, str(src), sdig,
+                 params.data, cal, seed, str(Path(out) / "stats"), code)
     tab = call(f"table {name} s{seed}", table_task, name, str(model_file), mdig, post["path"],
                digest(Path(post["path"])), str(src), sdig, params.data, cal, params.quant, seed,
-               str(Path(out) / "tables"), code)
+               str(Path(out) / "tables"), code, stats_file=stats["path"], stats_sha256=stats["sha256"])
     key = f"{digest(Path(post['path']))}:{params.quant}:{params.calibration}"
     prep = {Method.BAYESQ: (post, tab, key, params.quant), Method.BAYESQ_DISTILL: (post, tab, key, params.quant)}
     if Method.BAYESQ_EF in params.methods:
@@ -374,6 +381,4 @@ def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str
     if Method.HAWQ in params.methods:
         hawq = call(f"hawq traces {name} s{seed}", hawq_traces_task, name, str(model_file), mdig, str(src), sdig,
                     params.data, cal, params.baselines.hawq_probes, seed, code)
-    stats = call(f"layer-input statistics {name} s{seed}", stats_task, name, str(model_file), mdig, str(src), sdig,
-                 params.data, cal, seed, str(Path(out) / "stats"), code)
     return post, tab, prep, hawq, stats

@@ -3,7 +3,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bayesq.baselines.activations import input_stats
+from bayesq.baselines import activations
+from bayesq.baselines.activations import batch_sums, input_stats
 from nets import SamePadConv
 
 
@@ -71,8 +72,8 @@ def test_input_stats_shared_input_computed_once_vs_explicit_sums(monkeypatch):
     model = _QKV().double()
     batches = _batches((4, 7, 5), 2)
     calls = []
-    einsum = torch.einsum
-    monkeypatch.setattr(torch, "einsum", lambda *a: calls.append(a[0]) or einsum(*a))
+    sums = activations.batch_sums
+    monkeypatch.setattr(activations, "batch_sums", lambda rows: calls.append(rows.shape) or sums(rows))
     st = input_stats(model, batches, {n: getattr(model, n) for n in "qkvo"})
     assert len(calls) == 2 * len(batches)  # one for q / k / v, one for o, per batch
     X = torch.cat([b.reshape(-1, 5) for b in batches])
@@ -91,3 +92,16 @@ def test_input_stats_empty_or_unused_layer_raises():
     unused = nn.Linear(3, 3)
     with pytest.raises(ValueError, match="never ran"):
         input_stats(lin, [torch.randn(2, 3)], {"": lin, "u": unused})
+
+
+def test_batch_sums_float32_vs_float64_reference():
+    torch.manual_seed(0)  # post-ReLU inputs (all positive: the worst case of a float32 sum), 32 x 1024 rows
+    rows = torch.relu(torch.randn(32, 3, 1024, 9) + 1.0)  # (N, groups, T, d) float32
+    H, a, m = batch_sums(rows)
+    r = rows.double()
+    want = (torch.einsum("ngti,ngtj->gij", r, r), r.abs().sum((0, 2)), r.sum((0, 2)))
+    assert H.dtype == torch.float32 and H.shape == (3, 9, 9) and a.shape == m.shape == (3, 9)
+    assert torch.equal(H, H.mT)
+    for got, ref in zip((H, a, m), want):
+        assert float((got.double() - ref).norm() / ref.norm()) < 1e-5
+    assert float((H.double() - want[0]).norm() / want[0].norm()) > 0  # float32 arithmetic, not float64

@@ -7,7 +7,7 @@ from scipy import integrate, stats
 
 from bayesq.codebook import (
     dequantize, fit_uniform_grids, grid_cost, grids_from_range, lloyd_max_gaussian, minmax_grids,
-    optimal_uniform_range, quantize, uniform_gaussian_mse,
+    optimal_uniform_range, quantize, search_range, uniform_gaussian_mse,
 )
 
 
@@ -220,3 +220,19 @@ def test_fit_weighted_levels_never_worse_than_rtn_levels(bits):
     assert (cost <= levels_sq_error(w, weight * mask, rtn16) + 1e-12).all()
     assert (levels[:, 1:] >= levels[:, :-1]).all()
     assert quantize_levels(w, levels).max() < 2**bits
+
+
+@pytest.mark.parametrize("grid", [0, 20])
+def test_search_range_min_ratio_one_is_minmax_scored_once(grid):
+    torch.manual_seed(0)
+    w = torch.randn(6, 64, dtype=torch.float64)
+    calls = []
+
+    def cost(g):
+        calls.append(g)
+        return (g.dequantize(g.quantize(w)) - w).pow(2).sum(1)
+
+    grids, c = search_range(w.min(1).values, w.max(1).values, 3, cost, iters=12, min_ratio=1.0, grid=grid)
+    want = minmax_grids(w, 3)
+    assert len(calls) == 1 and torch.equal(grids.scale, want.scale) and torch.equal(grids.zero, want.zero)
+    assert torch.equal(c, cost(want))

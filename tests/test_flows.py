@@ -527,6 +527,24 @@ def test_table_task_candidate_tables_vs_building_each(tmp_path, tiny_entry):
         assert all(torch.equal(a.unit_loss, b.unit_loss) for a, b in zip(t.layers, want.layers)), name
 
 
+def test_table_task_reading_stats_file_vs_own_statistics_pass(tmp_path, tiny_entry):
+    from flows.prepare import posterior_task, stats_task, table_task
+
+    params, entry, model_file, src, args = _tiny_task_inputs(tmp_path)
+    post = posterior_task.fn(*args, params.calibration, params.posterior, 17, str(tmp_path / "post"), "c")
+    stats = stats_task.fn(*args, params.calibration, 17, str(tmp_path / "stats"), "c")
+    q = params.quant
+    assert q.feeds_back_table
+    head = (*args[:3], post["path"], post["sha256"], *args[3:], params.calibration, q, 17)
+    own = table_task.fn(*head, str(tmp_path / "t1"), "c")
+    read = table_task.fn(*head, str(tmp_path / "t2"), "c", stats_file=stats["path"], stats_sha256=stats["sha256"])
+    for a, b in zip(own["table"].layers, read["table"].layers):
+        assert torch.equal(a.unit_loss, b.unit_loss)
+    Path(stats["path"]).write_bytes(b"corrupt")  # the file is what it reads: a broken one fails
+    with pytest.raises(Exception):
+        table_task.fn(*head, str(tmp_path / "t3"), "c", stats_file=stats["path"], stats_sha256="x")
+
+
 def test_selection_batches_of_sentences_in_padding_order():
     from bayesq.config import CalibrationConfig
     from bayesq.models.zoo import MiniLMSentiment, Splits

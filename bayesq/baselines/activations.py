@@ -11,7 +11,8 @@ per convolution group g (Linear: one group). ``tr(D H[g] D^T)`` is the mean over
 inputs of the squared layer-output error ``sum_t ||D a_t||^2`` caused by a weight error D of the
 rows of group g: the objective GPTQ minimises and AWQ searches its scales on. Statistics are
 taken on the full-precision model in one forward pass (not sequentially on the partly
-quantised model), so every baseline sees the same inputs.
+quantised model), so every baseline sees the same inputs; each batch is reduced in the model's
+dtype (one GEMM per group) and batches are added in float64.
 """
 
 from __future__ import annotations
@@ -52,6 +53,21 @@ class InputStats:
         return self.H.diagonal(dim1=1, dim2=2).repeat_interleave(per, dim=0)
 
 
+def batch_sums(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One batch's ``sum a a^T`` (groups, d, d), ``sum |a|`` and ``sum a`` (groups, d) over
+    examples and positions, in the dtype of ``rows`` (N, groups, T, d).
+
+    One (N*T, d) matrix per group and one batched product: a float32 sum over the batch's
+    N*T rows carries a relative error of order (block + N*T / block) * 2^-24 for the
+    GEMM's accumulation blocks (docs/method.md, section 18f); :func:`input_stats` adds batches
+    in float64.
+    """
+    g, d = rows.shape[1], rows.shape[3]
+    X = rows.transpose(0, 1).reshape(g, -1, d)  # (groups, N*T, d)
+    h = X.mT @ X  # the GEMM sums each triangle in its own order: symmetrise exactly
+    return 0.5 * (h + h.mT), X.abs().sum(1), X.sum(1)
+
+
 def input_stats(
     model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module], *, progress: bool = False,
 ) -> dict[str, InputStats]:
@@ -64,12 +80,11 @@ def input_stats(
     sums: dict[str, list] = {}
     last: list = [None, None]  # rows, their sums: q / k / v read the same rows object
 
-    def add(name: str, rows: torch.Tensor) -> None:  # rows (N, groups, T, d_in)
+    def add(name: str, rows: torch.Tensor) -> None:  # rows (N, groups, T, d_in) in the model's dtype
         if last[0] is rows:
             new = last[1]
         else:
-            h = torch.einsum("ngti,ngtj->gij", rows, rows)  # (groups, d_in, d_in)
-            new = [h, rows.abs().sum((0, 2)), rows.sum((0, 2)), rows.shape[0] * rows.shape[2]]
+            new = [x.double() for x in batch_sums(rows)] + [rows.shape[0] * rows.shape[2]]
             last[:] = rows, new
         old = sums.get(name)
         sums[name] = new if old is None else [x + y for x, y in zip(old, new)]

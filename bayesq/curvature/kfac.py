@@ -97,14 +97,17 @@ def _explicit_padding(mod: nn.Conv2d, a: torch.Tensor, out_hw: tuple[int, int]) 
     return a
 
 
-def _input_rows(mod: nn.Module, a: torch.Tensor, out_shape: torch.Size) -> torch.Tensor:
-    """Layer inputs as rows of the weight's column space: (N, groups, T, d_in) float64.
+def _input_rows(mod: nn.Module, a: torch.Tensor, out_shape: torch.Size, widen: bool = True) -> torch.Tensor:
+    """Layer inputs as rows of the weight's column space: (N, groups, T, d_in), float64 when
+    ``widen`` (else the input's dtype).
 
     Linear: (N, ..., in) -> (N, 1, T, in).  Conv2d: unfolded patches per group,
-    (N, groups, L, in/groups*kh*kw) with L = out_h*out_w.
+    (N, groups, L, in/groups*kh*kw) with L = out_h*out_w (a transposed view of the unfolded
+    (N, groups, d_in, L) tensor).
     """
     n = a.shape[0]
-    a = a.double()
+    if widen:
+        a = a.double()
     if isinstance(mod, nn.Linear):
         return a.reshape(n, 1, -1, a.shape[-1])  # (N, 1, T, in)
     out_hw = (int(out_shape[-2]), int(out_shape[-1]))
