@@ -36,35 +36,39 @@ def _log_probs(model: nn.Module, batch: Batch) -> torch.Tensor:
     return F.log_softmax(z.reshape(-1, z.shape[-1]).double(), dim=-1)
 
 
-def _eval_log_probs(model: nn.Module, batches: Sequence[Batch]) -> list[torch.Tensor]:
-    """:func:`_log_probs` of every batch in eval mode without gradients (training flag restored)."""
+def _eval_log_probs(model: nn.Module, batches: Sequence[Batch], desc: str | None = None) -> list[torch.Tensor]:
+    """:func:`_log_probs` of every batch in eval mode without gradients (training flag restored;
+    ``desc``: a progress bar over the batches with that label)."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            return [_log_probs(model, b) for b in batches]
+            return [_log_probs(model, b) for b in tqdm(batches, desc=desc, disable=desc is None, leave=False)]
     finally:
         model.train(was_training)
 
 
-def reference_log_probs(model: nn.Module, batches: Iterable[Batch]) -> list[torch.Tensor]:
-    """Full-precision log-probabilities, one (rows, C) float64 tensor per batch."""
-    return _eval_log_probs(model, list(batches))
+def reference_log_probs(model: nn.Module, batches: Iterable[Batch], desc: str | None = None) -> list[torch.Tensor]:
+    """Full-precision log-probabilities, one (rows, C) float64 tensor per batch (``desc``: a
+    progress bar with that label)."""
+    return _eval_log_probs(model, list(batches), desc)
 
 
-def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
+def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: Sequence[Batch],
+                 desc: str | None = None) -> torch.Tensor:
     """Per input, ``KL(p_ref || p_model) = sum_c p_ref (log p_ref - log p_model)``: (N,) float64.
 
     Args:
         reference: :func:`reference_log_probs` on the same ``batches``.
         model: the quantised model.
         batches: the calibration batches (tensors or dicts of tensors), same order.
+        desc: a progress bar over the batches with this label (None: none).
     """
     if len(reference) != len(batches):
         raise ValueError(f"reference has {len(reference)} batches of log-probabilities for {len(batches)} input "
                          "batches: pass reference_log_probs of the same batches, in the same order")
     rows = []
-    for i, (ref, logq) in enumerate(zip(reference, _eval_log_probs(model, batches))):
+    for i, (ref, logq) in enumerate(zip(reference, _eval_log_probs(model, batches, desc))):
         if ref.shape != logq.shape:
             raise ValueError(f"reference batch {i} has shape {tuple(ref.shape)} but the model gives "
                              f"{tuple(logq.shape)} on that batch: pass reference_log_probs of the same batches, "

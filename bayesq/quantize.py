@@ -528,7 +528,7 @@ def encode_best(
     blocks = [t.blocks for t in table.layers]
     built, kls = {}, {}
     if len(cands) > 1 and reference is None:
-        reference = reference_log_probs(model, scored)
+        reference = reference_log_probs(model, scored, "FP on the selection inputs" if progress else None)
     given = {**(tables or {}), **{k: table for k, cq in cands.items() if cq is q}}
     missing = {k: v for k, v in cands.items() if k not in given}
     if missing:
@@ -542,7 +542,8 @@ def encode_best(
                     progress=progress)
         built[name] = (cq, t, allocation, qw)
         if len(cands) > 1:
-            kls[name] = kl_per_input(reference, quantized_copy(model, qw, correction), scored)
+            kls[name] = kl_per_input(reference, quantized_copy(model, qw, correction), scored,
+                                     f"selection KL ({name})" if progress else None)
     kept, margins = resolved_choice(kls, "minmax" if "minmax" in kls else next(iter(cands))) if kls else (
         next(iter(cands)), {})
     return Encoding(kept, *built[kept], {k: float(v.mean()) for k, v in kls.items()}, correction,

@@ -434,3 +434,12 @@ def test_encode_best_selection_without_calibration_names_the_fix():
     for empty in (None, []):
         with pytest.raises(ValueError, match="pass calibration= batches, or set quant.select_grids: false"):
             encode_best(model, post, table, q, 3.0, calibration=empty)
+
+
+def test_quantize_model_progress_names_every_step(capsys):
+    cfg = BayesQConfig(budget=3.0, quant=CFG, distill=DistillConfig(max_budget=0))
+    quantize_model(_model(), _calibration(), cfg, progress=True, selection=_calibration(2))
+    err = capsys.readouterr().err
+    steps = ["fisher", "layer-input statistics", "loss table", "encode (error-feedback)",
+             "FP on the selection inputs", "selection KL (searched)", "selection KL (minmax)"]
+    assert [s for s in steps if s not in err] == []
