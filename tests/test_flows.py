@@ -600,3 +600,22 @@ def test_ablation_row_label_at_the_limit_survives_dvc_lock_and_longer_is_refused
     AblationConfig(rows={"group": {"x" * MAX_ROW_LABEL: {}}})
     with pytest.raises(ValueError, match=f"at most {MAX_ROW_LABEL} characters.*shorten the label"):
         AblationConfig(rows={"group": {words[:MAX_ROW_LABEL + 1]: {}}})
+
+
+def test_load_model_image_entry_channels_last_vs_saved_model(tmp_path):
+    from safetensors.torch import save_model
+
+    from bayesq.models.zoo import get_entry
+    from flows.finetune import load_model
+
+    entry = get_entry("lite0-fmnist")
+    torch.manual_seed(0)
+    saved = entry.build(pretrained=False).eval()
+    save_model(saved, str(tmp_path / "m.safetensors"))
+    model = load_model(entry, tmp_path / "m.safetensors")
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in convs)
+    assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), model.state_dict().values()))
+    x = torch.randn(4, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.allclose(model(x), saved(x), rtol=0, atol=1e-4)

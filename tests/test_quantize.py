@@ -443,3 +443,15 @@ def test_quantize_model_progress_names_every_step(capsys):
     steps = ["fisher", "layer-input statistics", "loss table", "encode (error-feedback)",
              "FP on the selection inputs", "selection KL (searched)", "selection KL (minmax)"]
     assert [s for s in steps if s not in err] == []
+
+
+def test_quantize_model_channels_last_vs_contiguous():
+    cfg = BayesQConfig(budget=3.0, quant=CFG, distill=DistillConfig(max_budget=0))
+    plain = quantize_model(_model().double(), [b.double() for b in _calibration()], cfg, progress=False)
+    last_model = _model().double().to(memory_format=torch.channels_last)
+    assert last_model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    last = quantize_model(last_model, [b.double() for b in _calibration()], cfg, progress=False)
+    assert plain.allocation.unit_bits == last.allocation.unit_bits
+    for name, qw in plain.weights.items():
+        assert torch.equal(qw.codes, last.weights[name].codes), name
+        assert torch.allclose(qw.dequantize(), last.weights[name].dequantize(), rtol=0, atol=1e-12), name
