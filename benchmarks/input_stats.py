@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from one_time_cost import _load
+from one_time_cost import load_inputs
 
 
 def compare(model, calibration) -> tuple[float, float, dict[str, float]]:
@@ -52,7 +52,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     for name in a.models.split(","):
-        _, model, calibration, _ = _load(name, a.seed, a.params)
+        _, model, calibration, _ = load_inputs(name, a.seed, a.params)
         fast, slow, err = compare(model, calibration)
         worst = max(err, key=err.get)
         print(f"{name}: input_stats {fast:.1f} s, float64 reference {slow:.1f} s (ratio {slow / fast:.2f}); "

@@ -34,7 +34,8 @@ def _timed(stages: dict, name: str):
     stages[name] = time.perf_counter() - start
 
 
-def _load(model_name: str, seed: int, params_path: Path):
+def load_inputs(model_name: str, seed: int, params_path: Path):
+    """(params, fine-tuned model, calibration batches, selection batches) of one embedded model and seed."""
     from bayesq.models.zoo import get_entry
     from flows.common import read_params
     from flows.finetune import load_model, raw_path
@@ -105,7 +106,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     ratios = {}
     for name in a.models.split(","):
-        params, model, calibration, selection = _load(name, a.seed, a.params)
+        params, model, calibration, selection = load_inputs(name, a.seed, a.params)
         prof = cProfile.Profile() if a.profile else None
         if prof:
             prof.enable()
