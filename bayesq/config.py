@@ -450,6 +450,11 @@ class FinetuneConfig:
     sum in a thread-dependent order, and AdamW turns those last-bit differences into different
     weights, so the fine-tuned model depends on the thread count; a fixed count makes it the same
     on machines with another number of cores (0: torch's default, the machine's core count).
+
+    ``frozen_backbone``: models whose pretrained backbone stays as shipped; only their new head is
+    trained, for ``head_epochs`` epochs on the backbone's features (computed once, eval mode).
+    Training every weight of a convolutional net amplifies the CPU kernels' last-bit rounding
+    into a different model on another CPU; a head on fixed features is the same model there.
     """
 
     epochs: int = 1
@@ -460,12 +465,17 @@ class FinetuneConfig:
     weight_decay: float = 0.01
     seed: int = 0
     threads: int = 2
+    frozen_backbone: tuple[str, ...] = ()
+    head_epochs: int = 3
 
     def __post_init__(self) -> None:
         s = "finetune"
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
             _fail(s, "threads", self.threads, "must be an integer >= 0 (0: torch's default)")
-        for name in ("epochs", "scratch_epochs"):
+        if isinstance(self.frozen_backbone, str) or not all(isinstance(m, str) for m in self.frozen_backbone):
+            _fail(s, "frozen_backbone", self.frozen_backbone, "must be a list of model names, e.g. [lite0-fmnist]")
+        object.__setattr__(self, "frozen_backbone", tuple(self.frozen_backbone))
+        for name in ("epochs", "scratch_epochs", "head_epochs"):
             if getattr(self, name) < 1:
                 _fail(s, name, getattr(self, name), "must be >= 1")
         if self.batch_size < 1:

@@ -12,11 +12,14 @@ and prints, per setting, the relative L2 change of all weights against the defau
 largest change, how many weights moved by more than 1e-6, and the training loss at the last step. ``--variant`` changes the recipe in every setting alike, to see
 whether a change removes the amplification: ``eps`` (Adam's epsilon 1e-6 instead of 1e-8),
 ``bn-frozen`` (BatchNorm layers in eval mode), ``sgd`` (SGD, lr 0.01, momentum 0.9, weight decay
-1e-4), ``float64`` (weights and inputs in float64; the inputs are still resized in float32). A change at float-rounding level (~1e-7) means the fine-tune
+1e-4), ``float64`` (weights and inputs in float64; the inputs are still resized in float32);
+``frozen`` runs the library's whole fine-tune with the backbone frozen (``finetune.frozen_backbone``:
+only the head trains, ``finetune.head_epochs`` epochs on the backbone's features; ``--steps`` is
+ignored). A change at float-rounding level (~1e-7) means the fine-tune
 is the same model on another CPU; percent-level means the kernels' rounding is amplified and
 another CPU fine-tunes another model (docs/method.md, section 22b).
 
-    python benchmarks/finetune_isa.py [--model lite0-fmnist] [--steps 20] [--variant adam|eps|bn-frozen|sgd|float64]
+    python benchmarks/finetune_isa.py [--model lite0-fmnist] [--steps 20] [--variant adam|eps|bn-frozen|sgd|float64|frozen]
                                       [--params params.yaml] [--raw data/raw]
 """
 
@@ -34,7 +37,7 @@ SETTINGS = {"default dispatch": {}, "ATEN_CPU_CAPABILITY=default": {"ATEN_CPU_CA
             "ONEDNN_MAX_CPU_ISA=AVX": {"ONEDNN_MAX_CPU_ISA": "AVX"}, "MKL_CBWR=COMPATIBLE": {"MKL_CBWR": "COMPATIBLE"}}
 
 
-VARIANTS = ("adam", "eps", "bn-frozen", "sgd", "float64")
+VARIANTS = ("adam", "eps", "bn-frozen", "sgd", "float64", "frozen")
 
 
 def steps(model_name: str, n_steps: int, params: Path, raw: Path, out: Path, variant: str = "adam") -> None:
@@ -44,7 +47,7 @@ def steps(model_name: str, n_steps: int, params: Path, raw: Path, out: Path, var
     import yaml
 
     sys.path.insert(0, str(ROOT))
-    from bayesq.config import load_params
+    from bayesq.config import load_params, replace
     from bayesq.data.sentiment import seeded_permutation
     from bayesq.forward import logits
     from bayesq.models.zoo import _take, get_entry
@@ -53,6 +56,12 @@ def steps(model_name: str, n_steps: int, params: Path, raw: Path, out: Path, var
     entry, cfg = get_entry(model_name), p.finetune
     splits = entry.load_splits(p.data, raw / entry.default_raw.name)
     torch.set_num_threads(1)
+    if variant == "frozen":  # the pipeline's own code path, whole
+        model = entry.finetune(entry.build(pretrained=True), splits, p.data,
+                               replace(cfg, frozen_backbone=(model_name,), threads=1))
+        torch.save({"weights": torch.cat([q.detach().flatten().float() for q in model.parameters()]),
+                    "loss": float("nan")}, out)
+        return
     torch.manual_seed(cfg.seed)
     model = entry.build(pretrained=True).train()
     if variant == "float64":
@@ -105,14 +114,14 @@ def main() -> None:
                            env={**os.environ, **env}, check=True)
             runs[label] = torch.load(out)
     base = runs["default dispatch"]["weights"]
-    print(f"{a.model}, {a.steps} fine-tune steps ({a.variant}), one thread: relative L2 change of all weights vs the "
-          "default dispatch")
+    what = "the whole fine-tune" if a.variant == "frozen" else f"{a.steps} fine-tune steps"
+    print(f"{a.model}, {what} ({a.variant}), one thread: relative L2 change of all weights vs the default dispatch")
     for label, r in runs.items():
         diff = r["weights"] - base
         rel = float(diff.norm() / base.norm())
         print(f"  {label:30s} {rel:.2e}   max |change| {float(diff.abs().max()):.1e}, "
-              f"{int((diff.abs() > 1e-6).sum())} of {diff.numel()} weights moved > 1e-6; "
-              f"loss at the last step {r['loss']:.4f}")
+              f"{int((diff.abs() > 1e-6).sum())} of {diff.numel()} weights moved > 1e-6"
+              + (f"; loss at the last step {r['loss']:.4f}" if r["loss"] == r["loss"] else ""))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ def finetune_one(name: str, raw: str, raw_digest: str, data, cfg, out: str, code
     save_model(model, str(folder / "model.safetensors"))
     acc = evaluate(model, entry.batches(splits.test_inputs, 64, data), splits.test_labels)
     metrics = {"model": name, "fp_accuracy": acc, "finetune_seconds": seconds,
+               "trained": "head" if name in cfg.frozen_backbone else "all",
                "n_train": len(splits.train_labels), "n_test": len(splits.test_labels)}
     write_json(folder / "fp.json", metrics)
     return metrics
@@ -57,6 +58,11 @@ def finetune_flow(params_path: Path, raw: Path, out: Path) -> list[dict]:
     from bayesq.models.zoo import get_entry
 
     params = read_params(params_path)
+    for name in params.finetune.frozen_backbone:
+        try:
+            get_entry(name)
+        except ValueError as err:
+            raise ValueError(f"finetune.frozen_backbone: {err}") from None
     # the embedded entries' sources only: a new loader elsewhere in bayesq/models retrains nothing
     code = code_version("bayesq/models/zoo.py", "bayesq/data", "bayesq/forward.py", "flows/finetune.py",
                         exclude=("bayesq/data/calibration.py",))  # sampling: not read by the fine-tune

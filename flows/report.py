@@ -104,7 +104,9 @@ def main_table(summary: dict, fp: dict[str, dict], budgets: list[float], records
              "knapsack), mean over budgets, measured in the same run on the same machine.", ""]
     for model, methods in summary.items():
         seeds = max(v["n_seeds"] for m in methods.values() for v in m.values())
-        lines += [f"## {model}", "", f"Seeds: {seeds}. FP accuracy: {100 * fp[model]['fp_accuracy']:.2f}% "
+        trained = " (only the new head trained, on the frozen pretrained backbone)" \
+            if fp[model].get("trained") == "head" else ""
+        lines += [f"## {model}", "", f"Seeds: {seeds}. FP accuracy{trained}: {100 * fp[model]['fp_accuracy']:.2f}% "
                   f"on {fp[model]['n_test']} test examples.", ""]
         lines.append("| method | " + " | ".join(f"{b:.1f} bits" for b in budgets) + " | time (s) |")
         lines.append("|---|" + "---|" * (len(budgets) + 1))

@@ -269,6 +269,18 @@ def test_ablation_row_method_must_be_one_a_row_can_run(tmp_path):
         ablation_rows(read_params(path))
 
 
+def test_finetune_flow_unknown_frozen_backbone_names_field(tmp_path):
+    from flows.finetune import finetune_flow
+
+    cfg = yaml.safe_load(_params(tmp_path).read_text())
+    cfg["finetune"]["frozen_backbone"] = ["lite0-fmnst"]
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ValueError, match="finetune.frozen_backbone: unknown model 'lite0-fmnst'.*lite0-fmnist"):
+        finetune_flow.fn(path, tmp_path, tmp_path / "models")
+    assert not (tmp_path / "models").exists()
+
+
 def test_get_entry_unknown_model_is_clear():
     from bayesq.models.zoo import get_entry
 

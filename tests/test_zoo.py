@@ -6,6 +6,7 @@ import gzip
 import io
 import struct
 import tarfile
+from collections import OrderedDict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from bayesq.config import DataConfig, FinetuneConfig
@@ -178,6 +180,83 @@ def test_finetune_runs_on_configured_threads_and_restores_count(threads) -> None
     seen.clear()
     entry.finetune(model, splits, TINY_DATA, FinetuneConfig(epochs=1, batch_size=16, threads=0))
     assert set(seen) == {before}  # 0: the count as set
+
+
+class BackboneEntry(LinearEntry):
+    """A float64 two-layer net whose second layer ``head`` is the new classifier."""
+
+    name = "backbone-test"
+    head = "head"
+
+    def build(self, pretrained: bool = True) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(OrderedDict(body=nn.Sequential(nn.Linear(4, 8), nn.Tanh()),
+                                         head=nn.Linear(8, 2))).double()
+
+
+def test_finetune_frozen_backbone_trains_head_only() -> None:
+    entry = BackboneEntry()
+    splits = entry.load_splits(TINY_DATA, entry.default_raw)
+    cfg = FinetuneConfig(frozen_backbone=("backbone-test",), head_epochs=30, batch_size=8, lr_image=0.05,
+                         weight_decay=0.0)
+    before = entry.build()
+    model = entry.finetune(entry.build(), splits, TINY_DATA, cfg)
+    assert not model.training
+    for (name, a), b in zip(model.body.named_parameters(), before.body.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    assert not torch.equal(model.head.weight, before.head.weight)
+    assert evaluate(model, entry.batches(splits.test_inputs, 8, TINY_DATA), splits.test_labels) >= 0.9
+
+
+def test_finetune_frozen_backbone_vs_whole_model_steps() -> None:
+    """Head steps on features computed once equal AdamW steps through the whole model with the
+    backbone's parameters excluded from the optimiser, same shuffles."""
+    entry = BackboneEntry()
+    splits = entry.load_splits(TINY_DATA, entry.default_raw)
+    cfg = FinetuneConfig(frozen_backbone=("backbone-test",), head_epochs=2, batch_size=8, lr_image=0.05, seed=4)
+    fast = entry.finetune(entry.build(), splits, TINY_DATA, cfg)
+    ref = entry.build().eval()
+    opt = torch.optim.AdamW(ref.head.parameters(), lr=cfg.lr_image, weight_decay=cfg.weight_decay)
+    n = len(splits.train_labels)
+    for epoch in range(cfg.head_epochs):
+        order = zoo.seeded_permutation(n, cfg.seed * 1000003 + epoch)
+        for start in range(0, n, cfg.batch_size):
+            idx = order[start:start + cfg.batch_size]
+            loss = F.cross_entropy(ref(splits.train_inputs[idx]), splits.train_labels[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    for (name, a), b in zip(fast.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
+
+
+def test_finetune_frozen_backbone_of_scratch_entry_names_field() -> None:
+    entry = BackboneEntry()
+    entry.pretrained_backbone = False
+    splits = entry.load_splits(TINY_DATA, entry.default_raw)
+    with pytest.raises(ValueError, match="finetune.frozen_backbone lists 'backbone-test'.*random"):
+        entry.finetune(entry.build(), splits, TINY_DATA, FinetuneConfig(frozen_backbone=("backbone-test",)))
+    assert get_entry("resnet18-fmnist").pretrained_backbone is False
+
+
+def test_head_inputs_head_called_twice_raises() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(4, 2).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(x) + self.head(x)
+
+    entry = BackboneEntry()
+    with pytest.raises(ValueError, match="head 'head' must be called once per batch"):
+        entry.head_inputs(Twice(), torch.zeros(3, 4, dtype=torch.float64), TINY_DATA, 2)
+
+
+@pytest.mark.parametrize("value", ["lite0-fmnist", [1]])
+def test_finetune_config_bad_frozen_backbone_names_field(value) -> None:
+    with pytest.raises(ValueError, match="finetune.frozen_backbone"):
+        FinetuneConfig(frozen_backbone=value)
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "2"])

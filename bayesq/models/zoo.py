@@ -112,6 +112,8 @@ class ZooEntry(abc.ABC):
     # layout of the loaded fine-tuned model's weights for quantising and evaluating (not for
     # fine-tuning, whose result depends on the CPU kernels: docs/method.md 22b)
     memory_format: torch.memory_format = torch.contiguous_format
+    head: str  # the new classifier module (trained alone when the backbone is frozen)
+    pretrained_backbone: bool = True  # False: trained from random initialisation
 
     @abc.abstractmethod
     def build(self, pretrained: bool = True) -> nn.Module:
@@ -142,32 +144,52 @@ class ZooEntry(abc.ABC):
     def finetune(
         self, model: nn.Module, splits: Splits, data: DataConfig, cfg: FinetuneConfig
     ) -> nn.Module:
-        """Fine-tune all parameters with AdamW and cross-entropy on ``splits.train_*``.
+        """Fine-tune with AdamW and cross-entropy on ``splits.train_*``.
 
-        ``self.epochs(cfg)`` epochs over a fresh seeded shuffle each (``cfg.seed``), mini-batches of
-        ``cfg.batch_size`` preprocessed on the fly, on ``cfg.threads`` torch threads (0: as set).
-        The global RNG state and thread count are restored afterwards.
+        Every parameter, ``self.epochs(cfg)`` epochs, mini-batches preprocessed on the fly; or, for
+        a model listed in ``cfg.frozen_backbone``, only the head ``self.head``, ``cfg.head_epochs``
+        epochs on the features it reads (one pass of the model in eval mode, :meth:`head_inputs`).
+        Each epoch is a fresh seeded shuffle (``cfg.seed``) in mini-batches of ``cfg.batch_size``,
+        on ``cfg.threads`` torch threads (0: as set). The global RNG state and thread count are
+        restored afterwards.
 
         Returns:
             ``model`` itself, trained in place, in eval mode.
+
+        Raises:
+            ValueError: a frozen backbone for an entry that has no pretrained one.
         """
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=self.learning_rate(cfg), weight_decay=cfg.weight_decay
-        )
-        n = len(splits.train_labels)
-        epochs = self.epochs(cfg)
-        steps = epochs * math.ceil(n / cfg.batch_size)
+        frozen = self.name in cfg.frozen_backbone
+        if frozen and not self.pretrained_backbone:
+            raise ValueError(f"finetune.frozen_backbone lists {self.name!r}, which is trained from random "
+                             "initialisation: its backbone would stay random; remove it from the list")
+        labels = splits.train_labels
+        n = len(labels)
         with torch.random.fork_rng(devices=[]), _threads(cfg.threads or torch.get_num_threads()):
             torch.manual_seed(cfg.seed)
-            model.train()
-            bar = tqdm(total=steps, desc=f"finetune {self.name}", unit="batch", disable=None)
+            if frozen:
+                head = model.get_submodule(self.head)
+                features = self.head_inputs(model, splits.train_inputs, data, cfg.batch_size)
+                params, epochs = head.parameters(), cfg.head_epochs
+
+                def loss_of(idx: Tensor) -> Tensor:
+                    return F.cross_entropy(head(features[idx]), labels[idx])
+            else:
+                model.train()
+                params, epochs = model.parameters(), self.epochs(cfg)
+
+                def loss_of(idx: Tensor) -> Tensor:
+                    (batch,) = self.batches(_take(splits.train_inputs, idx), len(idx), data)
+                    return F.cross_entropy(logits(model, batch), labels[idx])
+
+            opt = torch.optim.AdamW(params, lr=self.learning_rate(cfg), weight_decay=cfg.weight_decay)
+            bar = tqdm(total=epochs * math.ceil(n / cfg.batch_size), desc=f"finetune {self.name}"
+                       + (" (head)" if frozen else ""), unit="batch", disable=None)
             running = None
             for epoch in range(epochs):
                 order = seeded_permutation(n, cfg.seed * 1000003 + epoch)
                 for start in range(0, n, cfg.batch_size):
-                    idx = order[start:start + cfg.batch_size]
-                    (batch,) = self.batches(_take(splits.train_inputs, idx), len(idx), data)
-                    loss = F.cross_entropy(logits(model, batch), splits.train_labels[idx])
+                    loss = loss_of(order[start:start + cfg.batch_size])
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     opt.step()
@@ -176,9 +198,33 @@ class ZooEntry(abc.ABC):
                     bar.set_postfix(epoch=epoch, loss=f"{running:.4f}")
                     bar.update(1)
             bar.close()
-        opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=True)
         model.eval()
         return model
+
+    def head_inputs(self, model: nn.Module, inputs: Any, data: DataConfig, chunk: int) -> Tensor:
+        """(N, d) inputs of the head ``self.head`` on ``inputs`` (in order, batches of ``chunk``), the
+        model in eval mode and without gradients; ``model`` is left in eval mode.
+
+        Raises:
+            ValueError: the head is not called once per batch with one (B, d) tensor.
+        """
+        head = model.get_submodule(self.head)
+        seen: list[Tensor] = []
+        hook = head.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
+        model.eval()
+        try:
+            with torch.no_grad():
+                for batch in tqdm(self.batches(inputs, chunk, data), desc=f"{self.name} backbone features",
+                                  unit="batch", disable=None, leave=False):
+                    before = len(seen)
+                    logits(model, batch)
+                    if len(seen) != before + 1 or seen[-1].dim() != 2 or len(seen[-1]) != batch_size(batch):
+                        raise ValueError(f"{self.name}: head {self.head!r} must be called once per batch on "
+                                         "one (batch, features) tensor to train it on a frozen backbone")
+        finally:
+            hook.remove()
+        return torch.cat(seen)
 
 
 @contextlib.contextmanager
@@ -213,6 +259,7 @@ def preprocess_images(images: Tensor, image_size: int) -> Tensor:
 class Lite0FashionMNIST(ZooEntry):
     """EfficientNet-Lite0 (ImageNet) with a new 10-class head ``_fc``, on Fashion-MNIST."""
 
+    head = "_fc"
     memory_format = torch.channels_last  # forward passes ~1.3x faster on CPU (benchmarks/channels_last.py)
 
     name = "lite0-fmnist"
@@ -283,6 +330,8 @@ class ResNet18FashionMNIST(Lite0FashionMNIST):
     """
 
     name = "resnet18-fmnist"
+    head = "fc"
+    pretrained_backbone = False
 
     def build(self, pretrained: bool = True) -> nn.Module:
         """ResNet-18 with a 10-class ``fc``; seeded random weights (there is nothing pretrained)."""
@@ -316,6 +365,7 @@ class MiniLMSentiment(ZooEntry):
 
     name = "minilm-sentiment"
     task = "text"
+    head = "classifier"
     default_raw = Path("/tmp/vader/vaderSentiment-3.3.2.tar.gz")
     num_labels = 2
     domain = "movie"
