@@ -15,7 +15,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run ablations test venv data clean-cache
+.PHONY: run ablations test ui-test venv data clean-cache
 
 venv: $(STAMP)
 
@@ -44,6 +44,9 @@ endif
 
 test: venv
 	$(PY) -m pytest
+
+ui-test: venv  # the UI servers on non-default ports (not in `make test`: about a minute)
+	$(PY) -m pytest -m ui
 
 clean-cache:
 	rm -rf .prefect/results

@@ -241,11 +241,14 @@ def zoo_serve(zoo: Path = typer.Option(..., help="zoo file (YAML list of models)
     serve(deployment)
 
 
-def _serve(cmds: dict[str, list[str]]) -> None:
-    """Start the servers, wait until Ctrl-C or one of them exits, then stop all of them.
+def _serve(servers: dict[str, tuple[list[str], dict[str, str]]]) -> None:
+    """Start the servers (command, extra environment), wait until Ctrl-C or one of them exits,
+    then stop all of them.
 
     Ctrl-C is a clean stop; a server that exits by itself (e.g. its port is taken) exits 1."""
-    procs = {name: subprocess.Popen(cmd, cwd=ROOT) for name, cmd in cmds.items()}
+    import os
+
+    procs = {name: subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}) for name, (cmd, env) in servers.items()}
     try:
         while all(p.poll() is None for p in procs.values()):
             time.sleep(0.5)
@@ -265,19 +268,48 @@ def _serve(cmds: dict[str, list[str]]) -> None:
                 p.kill()
 
 
+def mlflow_runs_url(base: str, tracking_uri: str, experiment: str = "bayesq") -> str:
+    """The URL of ``experiment``'s runs table in the MLflow UI at ``base`` (the experiment's
+    page opens on its GenAI traces tab otherwise); ``base`` itself while the store has no such
+    experiment yet."""
+    import mlflow
+
+    try:
+        found = mlflow.tracking.MlflowClient(tracking_uri).get_experiment_by_name(experiment)
+    except Exception:  # noqa: BLE001  (no store yet: nothing to link to)
+        found = None
+    if found is None:
+        return base
+    return f"{base}/#/experiments/{found.experiment_id}?workflowType=machine_learning"
+
+
+def ui_servers(mlflow_port: int, prefect_port: int, tracking_uri: str) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Command and extra environment of each UI server, both on 127.0.0.1.
+
+    MLflow with one worker (the default four are heavy on 2 cores). Prefect with the API URL its
+    UI calls set to this port (Prefect 3.8 points the UI at port 4200 otherwise) and the V1 UI
+    as the default (the V2 UI loads a third-party analytics script when a page opens).
+    """
+    bin_dir = Path(sys.executable).parent
+    prefect_env = {"PREFECT_UI_API_URL": f"http://127.0.0.1:{prefect_port}/api",
+                   "PREFECT_SERVER_UI_V2_ENABLED": "false",
+                   "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false"}
+    return {"mlflow": ([str(bin_dir / "mlflow"), "ui", "--backend-store-uri", tracking_uri, "--host", "127.0.0.1",
+                        "--port", str(mlflow_port), "--workers", "1"], {}),
+            "prefect": ([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1",
+                         "--port", str(prefect_port)], prefect_env)}
+
+
 @app.command()
 def ui(mlflow_port: int = typer.Option(5000, help="MLflow UI port on 127.0.0.1"),
        prefect_port: int = typer.Option(4200, help="Prefect UI port on 127.0.0.1")) -> None:
-    """MLflow UI and Prefect UI on loopback; Ctrl-C stops both."""
+    """MLflow UI and Prefect UI on loopback; prints the pages to open; Ctrl-C stops both."""
     import os
 
-    bin_dir = Path(sys.executable).parent
-    cmds = {"mlflow": [str(bin_dir / "mlflow"), "ui", "--backend-store-uri", os.environ["MLFLOW_TRACKING_URI"],
-                       "--host", "127.0.0.1", "--port", str(mlflow_port)],
-            "prefect": [str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1",
-                        "--port", str(prefect_port)]}
-    typer.echo(f"MLflow  http://127.0.0.1:{mlflow_port}\nPrefect http://127.0.0.1:{prefect_port}\nCtrl-C stops both")
-    _serve(cmds)
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    typer.echo(f"MLflow runs   {mlflow_runs_url(f'http://127.0.0.1:{mlflow_port}', uri)}\n"
+               f"Prefect runs  http://127.0.0.1:{prefect_port}/runs\nCtrl-C stops both")
+    _serve(ui_servers(mlflow_port, prefect_port, uri))
 
 
 if __name__ == "__main__":

@@ -141,7 +141,7 @@ def started(monkeypatch):
 
 def test_serve_one_server_exits_stops_the_others_and_fails(started):
     with pytest.raises(typer.Exit) as err:
-        _serve({"long": _sleeper(), "dies": [sys.executable, "-c", "raise SystemExit(3)"]})
+        _serve({"long": (_sleeper(), {}), "dies": ([sys.executable, "-c", "raise SystemExit(3)"], {})})
     assert err.value.exit_code == 1
     assert [p.returncode for p in started][1] == 3
     assert started[0].returncode is not None  # the long-running one was stopped, not left behind
@@ -157,5 +157,69 @@ def test_serve_ctrl_c_stops_every_server(started, monkeypatch):
         real_sleep(seconds)
 
     monkeypatch.setattr(time, "sleep", interrupt_once)
-    _serve({"a": _sleeper(), "b": _sleeper()})  # returns normally: Ctrl-C is a clean stop
+    _serve({"a": (_sleeper(), {}), "b": (_sleeper(), {"EXTRA": "1"})})  # returns normally: Ctrl-C is a clean stop
     assert len(started) == 2 and all(p.returncode is not None for p in started)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _get_json(url: str, body: dict | None = None, deadline: float = 0.0):
+    """GET (or POST ``body``) ``url`` as JSON, retrying until ``deadline`` while the server starts."""
+    import json
+    import urllib.request
+
+    while True:
+        try:
+            data = None if body is None else json.dumps(body).encode()
+            req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return json.loads(resp.read())
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+@pytest.mark.ui
+def test_cli_ui_on_other_ports_serves_advertised_urls(tmp_path):
+    """``bayesq ui`` on two non-default ports: the printed MLflow URL opens the runs table of the
+    ``bayesq`` experiment, and the Prefect UI's settings point at its own port's API."""
+    import os
+    import re
+    import signal
+
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    exp_id = mlflow.tracking.MlflowClient(uri).create_experiment("bayesq")
+    ml_port, pf_port = _free_port(), _free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--mlflow-port", str(ml_port),
+                             "--prefect-port", str(pf_port)], env=env, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        printed = "".join(proc.stdout.readline() for _ in range(3))
+        ml_url = re.search(r"MLflow runs\s+(\S+)", printed).group(1)
+        assert ml_url == f"http://127.0.0.1:{ml_port}/#/experiments/{exp_id}?workflowType=machine_learning"
+        assert f"http://127.0.0.1:{pf_port}/runs" in printed
+        deadline = time.monotonic() + 180
+        settings = _get_json(f"http://127.0.0.1:{pf_port}/ui-settings", deadline=deadline)
+        assert settings["api_url"] == f"http://127.0.0.1:{pf_port}/api" and settings["default_ui"] == "v1"
+        assert _get_json(settings["api_url"] + "/flow_runs/filter", {"limit": 5}, deadline) == []
+        found = _get_json(ml_url.split("#")[0] + "api/2.0/mlflow/experiments/search?max_results=10",
+                          deadline=deadline)
+        assert exp_id in [e["experiment_id"] for e in found["experiments"] if e["name"] == "bayesq"]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the command stops both servers
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
