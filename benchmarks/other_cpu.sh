@@ -44,7 +44,7 @@ for r in json.load(open(f"{out}/reports/paired.json")):
     if r["method"] != "bayesq" or c is None:
         continue
     inside = c["ci_low"] <= r["diff"] <= c["ci_high"]
-    print(f"  {r['method']} - {r['baseline']} {r['metric']}: {r['diff']:+.5g} [{r['ci_low']:+.5g}, {r['ci_high']:+.5g}]"
+    print(f"  {r['model']} {r['budget']} bits, {r['method']} - {r['baseline']} {r['metric']}: {r['diff']:+.5g} [{r['ci_low']:+.5g}, {r['ci_high']:+.5g}]"
           f"   committed {c['diff']:+.5g} [{c['ci_low']:+.5g}, {c['ci_high']:+.5g}]   "
           f"{'inside' if inside else 'OUTSIDE'} the committed interval")
 PY
