@@ -20,7 +20,12 @@ for _key, _value in {
     "TOKENIZERS_PARALLELISM": "false",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "PREFECT_HOME": str(ROOT / ".prefect"),
-    "PREFECT_LOGGING_LEVEL": "WARNING",
+    "PREFECT_LOGGING_LEVEL": "WARNING",  # Prefect's own console chatter
+    # our flow and task runs' INFO lines (flows.tracking.say, Prefect's state changes) reach the
+    # UI's Logs tab; the console keeps warnings only (say() prints its line itself)
+    "PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL": "INFO",
+    "PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL": "INFO",
+    "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
     "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
     "PREFECT_LOCAL_STORAGE_PATH": str(ROOT / ".prefect" / "results"),
     "MLFLOW_TRACKING_URI": f"sqlite:///{ROOT / 'mlflow.db'}",

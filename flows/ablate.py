@@ -21,13 +21,16 @@ from prefect import flow
 
 from bayesq.config import Method, ablation_params
 from bayesq.quantize import loss_reduction_curve
-from flows.common import code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json
+from flows.common import code_version, digest, parser, read_params, write_json
 from flows.finetune import raw_path
 from flows.prepare import (
     config_tag, fit_inputs, posterior_task, prep_code, reference_task, shared_cost, stats_task, table_task,
 )
 from flows.quantize import quantize_eval_task
 from flows.robustness import fp_eval_task
+from flows.tracking import (
+    flow_run_namer, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say, write_run_file,
+)
 
 
 ROW_METHODS = (Method.BAYESQ, Method.BAYESQ_DISTILL)  # what a row's optional ``method`` key may name
@@ -57,7 +60,7 @@ def ablation_rows(params) -> list[tuple[str, str, dict, object]]:
     return rows
 
 
-@flow(name="bayesq-ablate")
+@flow(name="bayesq-ablate", flow_run_name=flow_run_namer("ablate"))
 def ablate_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list[dict]:
     from bayesq.models.zoo import get_entry
 
@@ -67,8 +70,8 @@ def ablate_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list[d
     code = code_version()
     records, curves = [], {}
     names = params.ablations.models or params.models
-    with mlflow_parent("bayesq-ablations", f"ablate-{params.profile}", {"profile": params.profile},
-                       params_path) as parent:
+    with mlflow_parent("bayesq-ablations", "ablate", params.profile, {}, params_path) as parent:
+        write_run_file(Path(out), parent)
         for name in names:
             entry = get_entry(name)
             model_file = Path(models) / name / "model.safetensors"
@@ -81,7 +84,7 @@ def ablate_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list[d
                     recs, curve = _row(name, i, group, label, over, p, params, model_file, mdig, src, sdig,
                                        seed, out, code, parent.info.run_id, fp["logits_file"])
                 except Exception as err:  # one broken row is reported, the others still run
-                    print(f"[ablate] {name} {group} / {label}: FAILED: {err!r}", flush=True)
+                    say(f"[ablate] {name} {group} / {label}: FAILED: {err!r}")
                     records.append({"model": name, "group": group, "row": label, "error": repr(err),
                                     "overrides": {k: str(v) for k, v in over.items()}})
                     continue
@@ -124,14 +127,19 @@ def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig
                                tables=tab.get("tables"))
         r = {**r, **shared_cost(r, stats, ref), "group": group, "row": label, "overrides": {k: str(v) for k, v in over.items()},
              "posterior_seconds": post["seconds"], "table_seconds": tab["seconds"]}
-        print(f"[ablate] {name} {group} / {label} @ {budget}: acc {r['accuracy']:.4f} "
-              f"at {r['avg_bits']:.4f} bits", flush=True)
-        mlflow_child(parent_id, f"{name}/{group}/{label}/b{budget}",
+        say(f"[ablate] {name} {group} / {label} @ {budget}: acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits")
+        metrics = {k: r[k] for k in ("accuracy", "avg_bits", "quantize_seconds", "eval_seconds", "posterior_seconds",
+                                     "table_seconds", "stats_seconds", "reference_seconds", "kl_mean", "kl_se",
+                                     "agreement") if k in r}
+        one_time = sum(r.get(k, 0.0) for k in ("quantize_seconds", "posterior_seconds", "table_seconds",
+                                                 "stats_seconds", "reference_seconds"))
+        mlflow_child(parent_id, f"{name}/{group}/{label}/b{float(budget)}/s{seed}",
                      {"model": name, "group": group, "row": label, "seed": seed, "budget": budget,
-                      **{k: str(v) for k, v in over.items()}},
-                     {k: r[k] for k in ("accuracy", "avg_bits", "quantize_seconds", "posterior_seconds",
-                                        "table_seconds", "stats_seconds", "reference_seconds", "kl_mean", "kl_se", "agreement") if k in r},
-                     {"profile": params.profile, "code_version": code})
+                      **{f"override.{k}": str(v) for k, v in over.items()},
+                      **row_params(p, method, p.posterior, p.quant)},
+                     metrics, {"profile": params.profile, "code_version": code},
+                     seconds=one_time + r.get("eval_seconds", 0.0),
+                     artifacts=lambda c, rid: log_row_artifacts(c, rid, r))
         records.append(r)
     return records, curve
 

@@ -1,4 +1,5 @@
-"""Shared I/O helpers of the flows: params, digests, code version, MLflow runs, JSON."""
+"""Shared I/O helpers of the flows: params, digests, code version, the MLflow store lock, JSON
+(how runs look in MLflow and Prefect: :mod:`flows.tracking`)."""
 
 from __future__ import annotations
 
@@ -102,34 +103,3 @@ def mlflow_store_lock() -> Iterator[None]:
 
     with FileLock(uri.removeprefix("sqlite:///") + ".lock", timeout=600):
         yield
-
-
-@contextmanager
-def mlflow_parent(experiment: str, run_name: str, tags: dict[str, str], params_path: Path | None = None) -> Iterator[Any]:
-    """One parent MLflow run per flow invocation (tracking URI from MLFLOW_TRACKING_URI), tagged
-    with its lineage (:func:`flows.lineage.run_tags`: commit, params and ``dvc.lock`` hashes)."""
-    import mlflow
-
-    from flows.lineage import run_tags
-
-    with mlflow_store_lock():  # creating the store's schema or the experiment races between processes
-        mlflow.set_experiment(experiment)
-    with mlflow.start_run(run_name=run_name, tags={**run_tags(params_path), **tags}) as run:
-        yield run
-
-
-def mlflow_child(parent_id: str, name: str, params: dict, metrics: dict, tags: dict[str, str]) -> None:
-    """A child run under ``parent_id`` (explicit: Prefect tasks run in other threads)."""
-    import mlflow
-
-    client = mlflow.tracking.MlflowClient()
-    parent = client.get_run(parent_id)
-    run = client.create_run(
-        parent.info.experiment_id, run_name=name,
-        tags={"mlflow.parentRunId": parent_id, "git_commit": parent.data.tags.get("git_commit", ""), **tags},
-    )
-    for k, v in params.items():
-        client.log_param(run.info.run_id, k, v)
-    for k, v in metrics.items():
-        client.log_metric(run.info.run_id, k, float(v))
-    client.set_terminated(run.info.run_id)

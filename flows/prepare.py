@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prefect import task
 
-from bayesq.config import Curvature, Objective, Prior, Rounding, replace
+from bayesq.config import Curvature, Method, Objective, Prior, Rounding, replace
 from flows.common import CACHE, code_version, digest
 from flows.finetune import load_model
 from flows.timings import plain_call
@@ -85,7 +85,7 @@ def selection_batches(entry, splits, data, calibration, seed: int):
     return list(entry.batches(inputs, calibration.batch_size, data))
 
 
-@task(cache_policy=CACHE, persist_result=True)
+@task(cache_policy=CACHE, persist_result=True, task_run_name="posterior {name} s{seed} {tag}")
 def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
                    data, calibration, posterior, seed: int, out: str, code: str, tag: str = "") -> dict:
     """Fit the posterior on the seed's calibration set; save it as safetensors.
@@ -155,7 +155,7 @@ def load_posterior(model, path: Path):
     return Posterior(mean, var, n, kfac or None, int(meta.get("n_data", 0)), curv, prior, moment or None)
 
 
-@task(cache_policy=CACHE, persist_result=True)
+@task(cache_policy=CACHE, persist_result=True, task_run_name="layer-input statistics {name} s{seed}")
 def stats_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
                data, calibration, seed: int, out: str, code: str) -> dict:
     """Layer-input statistics of every quantisable layer on the seed's calibration inputs
@@ -183,7 +183,7 @@ def stats_task(name: str, model_file: str, model_digest: str, raw: str, raw_dige
     return {"path": str(path), "sha256": file_sha256(path), "seconds": seconds}
 
 
-@task(cache_policy=CACHE, persist_result=True)
+@task(cache_policy=CACHE, persist_result=True, task_run_name="FP on the selection draw {name} s{seed}")
 def reference_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
                    data, calibration, seed: int, out: str, code: str) -> dict:
     """The FP model's log-probabilities on the seed's selection draw (:func:`selection_batches`,
@@ -240,7 +240,7 @@ def load_stats(path: Path) -> dict:
                 for k in names}
 
 
-@task(cache_policy=CACHE, persist_result=True)
+@task(cache_policy=CACHE, persist_result=True, task_run_name="table {name} s{seed} {tag}")
 def table_task(name: str, model_file: str, model_digest: str, posterior_file: str,
                posterior_digest: str, raw: str, raw_digest: str, data, calibration, quant,
                seed: int, out: str, code: str, tag: str = "", stats_file: str = "", stats_sha256: str = ""):
@@ -280,7 +280,7 @@ def table_task(name: str, model_file: str, model_digest: str, posterior_file: st
     return {"table": table, "tables": tables, "seconds": seconds, "path": str(path)}
 
 
-@task(cache_policy=CACHE, persist_result=True)
+@task(cache_policy=CACHE, persist_result=True, task_run_name="table {name} {layer}")
 def layer_table_task(name: str, model_file: str, model_digest: str, posterior_file: str, posterior_sha256: str,
                      layer: str, quant, code: str):
     """One layer's closed-form loss table (:class:`bayesq.expected_loss.LayerTable`), so the
@@ -308,7 +308,7 @@ def config_tag(*configs) -> str:
     return hashlib.sha256("|".join(map(str, configs)).encode()).hexdigest()[:10]
 
 
-@task(cache_policy=CACHE, persist_result=True)
+@task(cache_policy=CACHE, persist_result=True, task_run_name="hawq traces {name} s{seed}")
 def hawq_traces_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
                      data, calibration, probes: int, seed: int, code: str) -> dict:
     """HAWQ's per-layer Hutchinson Hessian traces on the seed's calibration set (timed)."""
@@ -323,10 +323,23 @@ def hawq_traces_task(name: str, model_file: str, model_digest: str, raw: str, ra
     return {"traces": traces, "seconds": time.perf_counter() - start}
 
 
+def method_settings(params, method) -> tuple:
+    """(posterior, quant) settings a BayesQ row runs with: params.yaml's, except ``bayesq-ef``
+    (K-FAC posterior, error-feedback rounding) and ``bayesq-paper`` (the paper-literal
+    configuration: prior precision fixed at ``posterior.damping``, the ``draws`` objective, nearest
+    rounding, no bias correction)."""
+    if Method(method) == Method.BAYESQ_EF:
+        return (replace(params.posterior, curvature=Curvature.KFAC),
+                replace(params.quant, rounding=Rounding.ERROR_FEEDBACK))
+    if Method(method) == Method.BAYESQ_PAPER:
+        return (replace(params.posterior, prior=Prior.FIXED),
+                replace(params.quant, objective=Objective.DRAWS, rounding=Rounding.NEAREST, bias_correction=False))
+    return params.posterior, params.quant
+
+
 def _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call=plain_call):
     """Posterior and table of the ``bayesq-ef`` row: K-FAC posterior, error-feedback rounding."""
-    posterior = replace(params.posterior, curvature=Curvature.KFAC)
-    quant = replace(params.quant, rounding=Rounding.ERROR_FEEDBACK)
+    posterior, quant = method_settings(params, Method.BAYESQ_EF)
     cal = fit_inputs(params.calibration)
     post = call(f"posterior (K-FAC) {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src), sdig,
                 params.data, cal, posterior, seed, str(Path(out) / "posterior"), code, tag="kfac")
@@ -340,8 +353,7 @@ def _paper_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call
     """Posterior and table of the ``bayesq-paper`` row, the paper-literal configuration: the
     prior precision fixed at ``posterior.damping``, the ``draws`` objective, nearest rounding, no
     bias correction."""
-    posterior = replace(params.posterior, prior=Prior.FIXED)
-    quant = replace(params.quant, objective=Objective.DRAWS, rounding=Rounding.NEAREST, bias_correction=False)
+    posterior, quant = method_settings(params, Method.BAYESQ_PAPER)
     cal = fit_inputs(params.calibration)
     post = call(f"posterior (fixed prior) {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src),
                 sdig, params.data, cal, posterior, seed, str(Path(out) / "posterior"), code, tag="paper")
@@ -361,8 +373,6 @@ def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str
     ``(posterior, table, table key, quant)``; ``hawq`` is None unless HAWQ is a method;
     ``stats`` is :func:`stats_task`'s record (every method reads it or ignores it).
     """
-    from bayesq.config import Method
-
     code, cal = prep_code(), fit_inputs(params.calibration)
     post = call(f"posterior {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src), sdig,
                 params.data, cal, params.posterior, seed, str(Path(out) / "posterior"), code)

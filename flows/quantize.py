@@ -26,17 +26,19 @@ from prefect import flow, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from bayesq.config import Granularity, Method
-from flows.common import (
-    code_version, digest, locked, mlflow_child, mlflow_parent, parser, read_params, write_json,
-)
+from flows.common import code_version, digest, locked, parser, read_params, write_json
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage
 from flows.prepare import (
-    calibration_batches, load_posterior, load_reference, load_stats, prep_code, prepare, reference_task,
-    selection_batches, shared_cost,
+    calibration_batches, load_posterior, load_reference, load_stats, method_settings, prep_code, prepare,
+    reference_task, selection_batches, shared_cost,
 )
 from flows.robustness import fp_eval_task, mean_corruption_error, tracked_metrics
 from flows.timings import TaskClock
+from flows.tracking import (
+    child_run_name, flow_run_namer, log_files, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say,
+    write_run_file,
+)
 
 _RTN = {Method.RTN_TENSOR: Granularity.TENSOR, Method.RTN_CHANNEL: Granularity.CHANNEL,
         Method.RTN_GROUP: Granularity.GROUP}
@@ -174,7 +176,8 @@ def _logit_diff(entry, qmodel, loaded, splits, data) -> float:
 DATA_FREE = (Method.RTN_TENSOR, Method.RTN_CHANNEL, Method.RTN_GROUP, Method.ACIQ)
 
 
-@task(cache_policy=locked((INPUTS - "table" - "tables" - "lineage") + TASK_SOURCE), persist_result=True)
+@task(cache_policy=locked((INPUTS - "table" - "tables" - "lineage") + TASK_SOURCE), persist_result=True,
+      task_run_name="{method} {name} b{budget} s{seed}")
 def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_file: str,
                        model_digest: str, raw: str, raw_digest: str, data, quant, allocation_cfg,
                        table, table_key: str, posterior_file: str | None, code: str,
@@ -267,8 +270,12 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     loaded = load_export(path)
     extra["export"] = {**export.as_dict(), "max_logit_diff": _logit_diff(entry, qmodel, loaded, splits, data)}
     examples = Path(examples_dir) if examples_dir else Path(export_dir).parent / "examples"
+    start = time.perf_counter()
     ev = evaluate_model(entry, loaded, splits, data, Path(raw), robustness or RobustnessConfig(), ood, seed,
                         examples=examples / path.name, fp_file=fp_logits and Path(fp_logits))
+    eval_seconds = time.perf_counter() - start
+    say(f"[quantize] {name} {method} b{budget} s{seed}: quantised in {seconds:.1f} s, evaluated in "
+        f"{eval_seconds:.1f} s")
     layer_bits = {}
     for layer, bits in allocation.unit_bits.items():
         layer_bits[layer] = sum(bits) / len(bits)
@@ -277,12 +284,12 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
         "accuracy": ev["calibration"]["accuracy"], **ev,
         "avg_bits": allocation.average_bits, "total_bits": allocation.total_bits,
         "budget_bits": allocation.budget_bits, "n_weights": allocation.n_weights,
-        "quantize_seconds": seconds, "layer_bits": layer_bits, "stats_read": stats_read,
+        "quantize_seconds": seconds, "eval_seconds": eval_seconds, "layer_bits": layer_bits, "stats_read": stats_read,
         "reference_read": reference_read, **extra,
     }
 
 
-@flow(name="bayesq-quantize")
+@flow(name="bayesq-quantize", flow_run_name=flow_run_namer("quantize"))
 def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list[dict]:
     from bayesq.models.zoo import get_entry
 
@@ -291,7 +298,8 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
     lineage = export_lineage(params)
     records, posteriors, clock = [], [], TaskClock()
     codes = {m: row_code(m) for m in params.methods}
-    with mlflow_parent("bayesq", f"quantize-{params.profile}", {"profile": params.profile}, params_path) as parent:
+    with mlflow_parent("bayesq", "quantize", params.profile, {}, params_path) as parent:
+        write_run_file(Path(out), parent)
         for name in params.models:
             entry = get_entry(name)
             model_file = Path(models) / name / "model.safetensors"
@@ -305,7 +313,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                 fp = clock(f"FP evaluation {name} (file gone)", fp_eval_task.with_options(refresh_cache=True),
                            *fp_args, out=str(out))
             records.append(fp)
-            print(f"[quantize] {name} FP: acc {fp['accuracy']:.4f}, ECE {fp['calibration']['ece']:.4f}", flush=True)
+            say(f"[quantize] {name} FP: acc {fp['accuracy']:.4f}, ECE {fp['calibration']['ece']:.4f}")
             for seed in params.seeds:
                 post, tab, prep, hawq, stats = prepare(params, name, model_file, mdig, src, sdig, seed, out, clock)
                 ref = clock(f"FP on the selection draw {name} s{seed}", reference_task, name, str(model_file), mdig,
@@ -313,8 +321,8 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                             prep_code())
                 posteriors += [posterior_record(name, seed, m.value, p[0])
                                for m, p in prep.items() if m != Method.BAYESQ_DISTILL]
-                print(f"[quantize] {name} seed {seed}: posterior {post['seconds']:.1f}s, "
-                      f"table {tab['seconds']:.1f}s", flush=True)
+                say(f"[quantize] {name} seed {seed}: posterior {post['seconds']:.1f}s, table {tab['seconds']:.1f}s")
+                log_files(parent.info.run_id, sorted(Path(out, "tables").glob(f"{name}_s{seed}*.parquet")), "tables")
                 kept = {}  # budget -> the unit bit-widths the bayesq row kept
                 for budget in params.budgets:
                     for method in params.methods:
@@ -349,9 +357,10 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                         elif method == Method.HAWQ:
                             r = {**r, "traces_seconds": hawq["seconds"],
                                  "preprocess_seconds": hawq["seconds"] + r["preprocess_seconds"]}
-                        print(f"[quantize] {name} {method.value:12s} budget {budget}: "
-                              f"acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits", flush=True)
+                        say(f"[quantize] {name} {method.value:12s} budget {budget}: "
+                            f"acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits")
                         metrics = {k: r[k] for k in ("accuracy", "avg_bits", "total_bits", "quantize_seconds",
+                                                     "eval_seconds",
                                                      "posterior_seconds", "table_seconds", "traces_seconds",
                                                      "stats_seconds", "reference_seconds",
                                                      "preprocess_seconds", "distill_seconds",
@@ -362,13 +371,15 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                         metrics.update(tracked_metrics(r))
                         metrics.update({f"export_{k}": r["export"][k] for k in
                                         ("file_bytes", "payload_avg_bits", "fp_bytes", "max_logit_diff")})
-                        mlflow_child(parent.info.run_id, f"{name}/{method.value}/s{seed}/b{budget}",
+                        chosen = {k: r[k] for k in ("variant", "encoding") if k in r}  # what a selection kept
+                        mlflow_child(parent.info.run_id, child_run_name(name, method.value, budget, seed),
                                      {"model": name, "method": method.value, "seed": seed, "budget": budget,
-                                      "group_size": params.quant.group_size, "bits": str(params.quant.bits),
-                                      "damping": params.posterior.damping},
+                                      **chosen, **row_params(params, method, *method_settings(params, method))},
                                      metrics, {"profile": params.profile, "code_version": code,
                                                **artifact_tags(r["export"], model_digest=mdig,
-                                                               posterior_sha256=(p_post or {}).get("sha256", ""))})
+                                                               posterior_sha256=(p_post or {}).get("sha256", ""))},
+                                     seconds=r["preprocess_seconds"] + r.get("eval_seconds", 0.0),
+                                     artifacts=lambda c, rid, r=r: log_row_artifacts(c, rid, r))
                         records.append(r)
     write_json(Path(out) / "results.json", records)
     write_json(Path(out) / "posteriors.json", posteriors)

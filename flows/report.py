@@ -18,6 +18,7 @@ from pathlib import Path
 
 from flows.common import read_json, write_json
 from flows.timings import timings_markdown
+from flows.tracking import log_reports
 
 METHOD_LABEL = {"bayesq": "BayesQ", "bayesq-distill": "BayesQ + distillation", "bayesq-ef": "BayesQ (K-FAC)",
                 "bayesq-paper": "BayesQ (paper-literal)",
@@ -409,6 +410,8 @@ def report(results: Path, models: Path, out: Path) -> None:
         for model, methods in summary.items()
     }
     write_json(out / "metrics.json", metrics)
+    written = sorted(p for p in out.iterdir() if p.is_file() and p.name != "ablations.md")  # that one: the ablate run's
+    log_reports(Path(results).parent / "mlflow_run.json", written)
 
 
 LAYER_KINDS = (  # (substring of the module name, kind) -- first match wins
@@ -576,6 +579,7 @@ def ablation_report(results: Path, models: Path, out: Path) -> None:
     fp = {m: read_json(Path(models) / m / "fp.json") for m in {r["model"] for r in records}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(ablation_table(records, fp, extras))
+    log_reports(Path(results).parent / "mlflow_run.json", [out])
 
 
 def main() -> None:

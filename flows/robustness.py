@@ -141,7 +141,7 @@ def _evaluate(entry, model, splits, data, raw: Path, rob, ood: bool, seed: int):
     return {"calibration": summary, "ood": ood_eval(entry, model, splits, data, raw, rob) if ood else None}, logit
 
 
-@task(cache_policy=CACHE, persist_result=True)
+@task(cache_policy=CACHE, persist_result=True, task_run_name="FP evaluation {name}")
 def fp_eval_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str, data, robustness,
                  seed: int, code: str, out: str | None = None) -> dict:
     """The full-precision model's test summary and out-of-domain results (the mCE reference).

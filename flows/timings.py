@@ -2,7 +2,7 @@
 
 ``clock = TaskClock()``; ``clock("posterior lite0-fmnist s17", posterior_task, *args)`` runs the
 task like a plain call (its result, or its exception) and records the call's wall seconds and
-whether the state was ``Cached``. :func:`timings_markdown` renders the records for
+whether the state was ``Cached``, and says so (console and the Prefect run's log). :func:`timings_markdown` renders the records for
 ``reports/timings.md``.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 from typing import Any
+
+from flows.tracking import say
 
 
 class TaskClock:
@@ -21,8 +23,9 @@ class TaskClock:
     def __call__(self, label: str, task, *args, **kwargs) -> Any:
         start = time.perf_counter()
         state = task(*args, return_state=True, **kwargs)
-        self.records.append({"task": label, "seconds": round(time.perf_counter() - start, 3),
-                             "cached": state.name == "Cached"})
+        record = {"task": label, "seconds": round(time.perf_counter() - start, 3), "cached": state.name == "Cached"}
+        self.records.append(record)
+        say(f"[task] {label}: {record['seconds']:.1f} s, {'cache hit' if record['cached'] else 'computed'}")
         return state.result()
 
 

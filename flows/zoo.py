@@ -35,7 +35,10 @@ import yaml
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.common import code_version, digest, mlflow_child, mlflow_parent, parser, read_params, write_json
+from flows.common import code_version, digest, parser, read_params, write_json
+from flows.tracking import (
+    child_run_name, flow_run_namer, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say,
+)
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ def pin_threads(threads: int | None) -> None:
 # (a Dask worker is a fresh process that has not registered it), then calls the cached task of
 # flows/prepare.py or flows/quantize.py, so their cache keys are the pipeline's.
 
-@task(cache_policy=NO_CACHE)
+@task(cache_policy=NO_CACHE, task_run_name="zoo posterior {m.name}")
 def posterior(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, params, out: str, threads: int | None) -> dict:
     from flows.prepare import posterior_task, prep_code
 
@@ -133,7 +136,7 @@ def posterior(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, params, ou
                           params.seeds[0], str(Path(out) / "posterior"), prep_code())
 
 
-@task(cache_policy=NO_CACHE)
+@task(cache_policy=NO_CACHE, task_run_name="zoo table {m.name} {layer}")
 def layer_table(m: ZooModel, ckpt: str, mdig: str, post: dict, layer: str, params, threads: int | None):
     from flows.prepare import layer_table_task, prep_code
 
@@ -142,7 +145,7 @@ def layer_table(m: ZooModel, ckpt: str, mdig: str, post: dict, layer: str, param
     return layer_table_task(m.name, ckpt, mdig, post["path"], post["sha256"], layer, params.quant, prep_code())
 
 
-@task(cache_policy=NO_CACHE)
+@task(cache_policy=NO_CACHE, task_run_name="zoo table {m.name}")
 def whole_table(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post: dict, params, out: str,
                 threads: int | None):
     from flows.prepare import prep_code, table_task
@@ -153,7 +156,7 @@ def whole_table(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post: di
                       params.quant, params.seeds[0], str(Path(out) / "tables"), prep_code())["table"]
 
 
-@task(cache_policy=NO_CACHE)
+@task(cache_policy=NO_CACHE, task_run_name="zoo merge tables")
 def merge_tables(parts: list):
     """The per-layer tables (network order) as one LossTable."""
     from bayesq.expected_loss import LossTable
@@ -161,7 +164,7 @@ def merge_tables(parts: list):
     return LossTable(tuple(parts))
 
 
-@task(cache_policy=NO_CACHE)
+@task(cache_policy=NO_CACHE, task_run_name="zoo bayesq-distill {m.name} b{budget}")
 def quantize_budget(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post: dict, table, params, out: str,
                     code: str, lineage: dict, threads: int | None, budget: float) -> dict:
     """BayesQ (distilled up to ``distill.max_budget``) at one budget: export, load back, evaluate."""
@@ -175,7 +178,7 @@ def quantize_budget(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post
                            calibration=params.calibration, distill=params.distill, robustness=params.robustness,
                            export_dir=str(Path(out) / "exports"), lineage=lineage)
     return {**{k: r[k] for k in ("model", "budget", "seed", "accuracy", "avg_bits", "total_bits",
-                                 "quantize_seconds", "export")},
+                                 "quantize_seconds", "export", "layer_bits")},
             "posterior_seconds": post["seconds"], "posterior_sha256": post["sha256"], "model_digest": mdig}
 
 
@@ -241,7 +244,8 @@ def zoo_flow_body(zoo: Path, params_path: Path, raw: Path, models: Path, out: Pa
         except Exception as err:  # one failing model is reported; the others go on
             failures.append({"model": m.name, "error": f"{type(err).__name__}: {err}"})
     records = []
-    with mlflow_parent("bayesq-zoo", f"zoo-{Path(zoo).stem}", {"zoo": str(zoo)}, params_path) as parent:
+    with mlflow_parent("bayesq-zoo", f"zoo-{Path(zoo).stem}", params.profile, {"zoo": str(zoo)},
+                       params_path) as parent:
         for name, futs in futures.items():
             try:
                 rs = [f.result() for f in futs]
@@ -249,16 +253,18 @@ def zoo_flow_body(zoo: Path, params_path: Path, raw: Path, models: Path, out: Pa
                 failures.append({"model": name, "error": f"{type(err).__name__}: {err}"})
                 continue
             for r in rs:
-                print(f"[zoo] {name} budget {r['budget']}: acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits, "
-                      f"{r['export']['file_bytes'] / 1e6:.2f} MB", flush=True)
-                mlflow_child(parent.info.run_id, f"{name}/b{r['budget']}",
-                             {"model": name, "method": "bayesq-distill", "budget": r["budget"], "seed": r["seed"]},
+                say(f"[zoo] {name} budget {r['budget']}: acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits, "
+                    f"{r['export']['file_bytes'] / 1e6:.2f} MB")
+                mlflow_child(parent.info.run_id, child_run_name(name, "bayesq-distill", r["budget"], r["seed"]),
+                             {"model": name, "method": "bayesq-distill", "budget": r["budget"], "seed": r["seed"],
+                              **row_params(params, "bayesq-distill")},
                              {k: r[k] for k in ("accuracy", "avg_bits", "total_bits", "quantize_seconds")},
                              {"code_version": code, **artifact_tags(r["export"], model_digest=r["model_digest"],
-                                                                    posterior_sha256=r["posterior_sha256"])})
+                                                                    posterior_sha256=r["posterior_sha256"])},
+                             seconds=r["quantize_seconds"], artifacts=lambda c, rid: log_row_artifacts(c, rid, r))
             records += rs
     for f in failures:
-        print(f"[zoo] {f['model']}: FAILED: {f['error']}", flush=True)
+        say(f"[zoo] {f['model']}: FAILED: {f['error']}")
     result = {"records": records, "failures": failures}
     write_json(Path(out) / "zoo_results.json", result)
     return result
@@ -266,7 +272,7 @@ def zoo_flow_body(zoo: Path, params_path: Path, raw: Path, models: Path, out: Pa
 
 def make_zoo_flow(dask: str | None = None, workers: int = 2, threads: int | None = None):
     """The zoo flow on the chosen task runner (see :func:`task_runner`)."""
-    return flow(name="bayesq-zoo", task_runner=task_runner(dask, workers, threads))(zoo_flow_body)
+    return flow(name="bayesq-zoo", flow_run_name=flow_run_namer("zoo"), task_runner=task_runner(dask, workers, threads))(zoo_flow_body)
 
 
 def main() -> None:

@@ -139,11 +139,15 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     assert all({"posterior_seconds", "table_seconds"} <= set(r.data.metrics) for r in bayesq_runs)
 
     _check_lineage(records, runs, results, params, models)
+    _check_tracking(records, runs, results)
 
     again = quantize_flow(params, raw, models, results)  # every task a cache hit
     assert again == everything  # identical wall times prove nothing was recomputed
+    _check_prefect_runs(read_json(results / "mlflow_run.json")["run_id"], cached=True)
 
     report(results / "results.json", models, reports)
+    logged = mlflow.tracking.MlflowClient().list_artifacts(read_json(results / "mlflow_run.json")["run_id"], "reports")
+    assert {"reports/main_table.md", "reports/paired.json", "reports/frontier_tiny-cnn.png"} <= {a.path for a in logged}
     table_md = (reports / "main_table.md").read_text()
     assert "## tiny-cnn" in table_md and "RTN per-group" in table_md and "HAWQ" in table_md
     assert "BayesQ / GPTQ time:" in table_md
@@ -232,6 +236,70 @@ def _check_lineage(records, runs, results, params_path, models):
         if "mlflow.parentRunId" in run.data.tags:
             r = by[(run.data.params["method"], float(run.data.params["budget"]))]
             assert run.data.tags["export_sha256"] == file_sha256(r["export"]["path"]) == r["export"]["sha256"]
+
+
+def _check_tracking(records, runs, results):
+    """MLflow: the parent named by stage, profile, commit and time; children ``model/method/bB/sS``
+    with the effective configuration as parameters, a duration equal to their one-time cost plus
+    evaluation, and their files; the loss tables on the parent; the Prefect flow run linked both ways."""
+    import re
+
+    import mlflow
+
+    from flows.common import read_json
+    from flows.lineage import git_commit
+    from flows.tracking import child_run_name
+
+    client = mlflow.tracking.MlflowClient()
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    assert re.fullmatch(rf"quantize-quick-{git_commit()[:7]}-\d{{8}}-\d{{4}}", parent.info.run_name)
+    assert read_json(results / "mlflow_run.json")["run_id"] == parent.info.run_id
+    by = {(r["method"], r["budget"]): r for r in records}
+    children = {r.info.run_name: r for r in runs if "mlflow.parentRunId" in r.data.tags}
+    assert set(children) == {child_run_name("tiny-cnn", m, b, 17) for m, b in by}
+    for (method, budget), r in by.items():
+        run = children[child_run_name("tiny-cnn", method, budget, 17)]
+        assert run.data.params["quant.group_size"] == "32" and "data.split_seed" in run.data.params
+        assert ("posterior.curvature" in run.data.params) == method.startswith("bayesq")
+        assert run.data.metrics["eval_seconds"] == pytest.approx(r["eval_seconds"])
+        spent = 1000 * (r["preprocess_seconds"] + r["eval_seconds"])
+        assert run.info.end_time - run.info.start_time == pytest.approx(spent, abs=2)
+        files = {a.path for a in client.list_artifacts(run.info.run_id)}
+        files |= {a.path for a in client.list_artifacts(run.info.run_id, "export")}
+        assert {"layer_bits.json", f"export/{Path(r['export']['path']).name}"} <= files
+    assert children[child_run_name("tiny-cnn", "bayesq-ef", 3.0, 17)].data.params["posterior.curvature"] == "kfac"
+    assert children[child_run_name("tiny-cnn", "gptq", 3.0, 17)].data.params["variant"] == by[("gptq", 3.0)]["variant"]
+    assert "tables/tiny-cnn_s17.parquet" in {a.path for a in client.list_artifacts(parent.info.run_id, "tables")}
+    _check_prefect_runs(parent.info.run_id, cached=False)
+
+
+def _check_prefect_runs(mlflow_run_id: str, cached: bool):
+    """The Prefect flow run of that MLflow parent: named by stage, profile and commit, tagged with
+    the MLflow run id; its task runs named by method, model, budget and seed; our progress lines
+    (and, on a rerun, the cache hits) in its logs."""
+    import mlflow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import TaskRunSort
+    from prefect.logging.handlers import APILogHandler
+
+    from flows.lineage import git_commit
+
+    flow_id = mlflow.tracking.MlflowClient().get_run(mlflow_run_id).data.tags["prefect_flow_run_id"]
+    APILogHandler().flush()  # send the queued log lines
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(flow_id)
+        assert flow_run.name == f"quantize-quick-{git_commit()[:7]}"
+        assert f"mlflow:{mlflow_run_id}" in flow_run.tags
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_id]}), limit=200,
+                                      sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+        assert {"bayesq tiny-cnn b3.0 s17", "gptq tiny-cnn b4.0 s17", "posterior tiny-cnn s17 "} <= {t.name for t in tasks}
+        logs, where = [], LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_id]))
+        while page := client.read_logs(where, limit=200, offset=len(logs)):  # the server's page size
+            logs += [log.message for log in page]
+    assert any(m.startswith("[quantize] tiny-cnn bayesq ") for m in logs)
+    assert any(m.startswith("[task] posterior tiny-cnn s17") and m.endswith("cache hit" if cached else "computed")
+               for m in logs)
 
 
 def test_read_params_misspelled_key_is_clear(tmp_path):

@@ -214,7 +214,10 @@ def test_zoo_flow_two_concurrent_runs_share_cache_and_mlflow_store(zoo_setup):
     for parent in parents:
         children = sorted((r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id),
                           key=lambda r: r.info.run_name)
-        assert [c.info.run_name for c in children] == ["tiny-cnn-b/b4.0", "tiny-cnn/b3.0", "tiny-cnn/b4.0"]
+        assert [c.info.run_name for c in children] == ["tiny-cnn-b/bayesq-distill/b4.0/s17",
+                                                       "tiny-cnn/bayesq-distill/b3.0/s17",
+                                                       "tiny-cnn/bayesq-distill/b4.0/s17"]
+        assert all("layer_bits.json" in {a.path for a in client.list_artifacts(c.info.run_id)} for c in children)
         logged.append([(c.data.metrics["quantize_seconds"], c.data.tags["export_sha256"]) for c in children])
     assert logged[0] == logged[1]  # one computation per task, read by the other run
     result = json.loads((tmp / "zoo" / "zoo_results.json").read_text())
