@@ -45,7 +45,7 @@ endif
 test: venv
 	$(PY) -m pytest
 
-ui-test: venv  # the UI servers on non-default ports (not in `make test`: about a minute)
+ui-test: venv  # the UI servers on other ports + a headless-Chromium walkthrough (docs/operations.md; ~5 min)
 	$(PY) -m pytest -m ui
 
 clean-cache:

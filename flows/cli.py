@@ -269,8 +269,8 @@ def _serve(servers: dict[str, tuple[list[str], dict[str, str]]]) -> None:
 
 
 def mlflow_runs_url(base: str, tracking_uri: str, experiment: str = "bayesq") -> str:
-    """The URL of ``experiment``'s runs table in the MLflow UI at ``base`` (the experiment's
-    page opens on its GenAI traces tab otherwise); ``base`` itself while the store has no such
+    """The URL of ``experiment``'s runs table in the MLflow UI at ``base``
+    (:func:`flows.tracking.runs_table_url`); ``base`` itself while the store has no such
     experiment yet."""
     import mlflow
 
@@ -280,7 +280,9 @@ def mlflow_runs_url(base: str, tracking_uri: str, experiment: str = "bayesq") ->
         found = None
     if found is None:
         return base
-    return f"{base}/#/experiments/{found.experiment_id}?workflowType=machine_learning"
+    from flows.tracking import runs_table_url
+
+    return runs_table_url(base, found)
 
 
 def ui_servers(mlflow_port: int, prefect_port: int, tracking_uri: str) -> dict[str, tuple[list[str], dict[str, str]]]:

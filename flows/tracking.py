@@ -10,11 +10,14 @@ One place decides how a run looks to a person browsing MLflow or Prefect:
   are the row's whole effective configuration, flattened to dotted keys (``quant.bits``,
   ``posterior.prior``, ...; :func:`row_params`); its start and end times span the row's real
   one-time cost plus its evaluation, so the runs table's Duration column means something.
-* **Artifacts** go to a folder beside the tracking store (:func:`artifact_root`: ``mlartifacts/``
+* **Artifacts** go to a folder beside the tracking store (:func:`artifact_root`: ``mlartifacts/<experiment>``
   next to ``mlflow.db``), set when the experiment is created. A row's export is logged when it is
   at most :data:`EXPORT_ARTIFACT_MAX_BYTES`; a larger one (MiniLM's are ~50 MB each, ~1.5 GB a run)
   is logged as ``export_ref.json``: its path, sha256 and the content-addressed path DVC keeps it
   under (``.dvc/cache/files/md5/..``), so the bytes are stored once.
+* **Runs table**: each experiment stores a shared view (:func:`runs_view`: flat, by run name, the
+  model / method / budget parameters and the accuracy, bits, KL and time metrics as columns);
+  :func:`runs_table_url` links to it (``bayesq ui`` prints it).
 * **Prefect**: flow runs are named by :func:`flow_run_namer` (stage, profile, commit); tasks carry
   ``task_run_name`` templates (model, method, budget, seed). :func:`say` prints a progress line
   and sends it to the current flow or task run's log, which the Prefect UI shows (``flows/__init__``
@@ -59,9 +62,39 @@ def artifact_root(tracking_uri: str | None = None) -> Path:
     return ROOT / "mlartifacts"
 
 
+# The runs table a person should see first: a shared view stored on the experiment (MLflow UI's
+# "viewStateShareKey"), flat (sorted by run name, so children are not folded under their parent
+# and one row's runs across invocations sit together, newest first), with these columns.
+VIEW_KEY = "bayesq"
+_METRICS = ("accuracy", "avg_bits", "kl_mean", "agreement", "preprocess_seconds", "eval_seconds")
+VIEW_COLUMNS = {
+    "bayesq": (("params", ("model", "method", "budget", "seed", "variant", "encoding")), ("metrics", _METRICS)),
+    "bayesq-ablations": (("params", ("model", "group", "row", "budget")), ("metrics", _METRICS)),
+    "bayesq-zoo": (("params", ("model", "budget")), ("metrics", ("accuracy", "avg_bits", "quantize_seconds"))),
+}
+
+
+def runs_view(experiment: str) -> str:
+    """JSON of the shared runs-table view of ``experiment`` (:data:`VIEW_COLUMNS`)."""
+    columns = [f"{kind}.`{key}`" for kind, keys in VIEW_COLUMNS.get(experiment, ()) for key in keys]
+    return json.dumps({"selectedColumns": columns, "orderByKey": "tags.`mlflow.runName`", "orderByAsc": True,
+                       "runsHiddenMode": "SHOW_ALL"})
+
+
+def runs_table_url(base: str, experiment) -> str:
+    """The MLflow UI link to ``experiment``'s runs table (an ``mlflow.entities.Experiment``): its
+    shared view when it has one, else the plain table (the experiment's own page opens on the GenAI
+    traces tab)."""
+    if f"mlflow.sharedViewState.{VIEW_KEY}" in experiment.tags:
+        return f"{base}/#/experiments/{experiment.experiment_id}/runs?viewStateShareKey={VIEW_KEY}" \
+               "&workflowType=machine_learning"
+    return f"{base}/#/experiments/{experiment.experiment_id}?workflowType=machine_learning"
+
+
 def use_experiment(name: str) -> str:
     """Make ``name`` the active MLflow experiment, creating it with its artifacts under
-    :func:`artifact_root`; returns its id."""
+    :func:`artifact_root` ``/<name>``, and (re)store its runs-table view (:func:`runs_view`);
+    returns its id."""
     import mlflow
 
     from flows.common import mlflow_store_lock
@@ -69,10 +102,12 @@ def use_experiment(name: str) -> str:
     with mlflow_store_lock():  # creating the store's schema or the experiment races between processes
         found = mlflow.get_experiment_by_name(name)
         if found is None:
-            root = artifact_root()
+            root = artifact_root() / name
             root.mkdir(parents=True, exist_ok=True)
             mlflow.create_experiment(name, artifact_location=root.as_uri())
-        return mlflow.set_experiment(name).experiment_id
+        exp_id = mlflow.set_experiment(name).experiment_id
+        mlflow.tracking.MlflowClient().set_experiment_tag(exp_id, f"mlflow.sharedViewState.{VIEW_KEY}", runs_view(name))
+        return exp_id
 
 
 def parent_run_name(stage: str, profile: str, commit: str, when: datetime | None = None) -> str:

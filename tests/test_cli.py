@@ -4,6 +4,8 @@ DVC, its lineage printed back, clear errors."""
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,36 +188,25 @@ def _get_json(url: str, body: dict | None = None, deadline: float = 0.0):
             time.sleep(0.5)
 
 
-@pytest.mark.ui
-def test_cli_ui_on_other_ports_serves_advertised_urls(tmp_path):
-    """``bayesq ui`` on two non-default ports: the printed MLflow URL opens the runs table of the
-    ``bayesq`` experiment, and the Prefect UI's settings point at its own port's API."""
+@contextmanager
+def _ui(tmp_path: Path):
+    """``bayesq ui`` on two free ports with the stores under ``tmp_path``: yields (environment of
+    those stores, printed MLflow URL, MLflow base URL, Prefect port); Ctrl-C (SIGINT) after."""
     import os
     import re
     import signal
 
-    import mlflow
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    exp_id = mlflow.tracking.MlflowClient(uri).create_experiment("bayesq")
-    ml_port, pf_port = _free_port(), _free_port()
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PREFECT_HOME": str(tmp_path / "prefect")}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+           "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
+    ml_port, pf_port = _free_port(), _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--mlflow-port", str(ml_port),
                              "--prefect-port", str(pf_port)], env=env, stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         printed = "".join(proc.stdout.readline() for _ in range(3))
-        ml_url = re.search(r"MLflow runs\s+(\S+)", printed).group(1)
-        assert ml_url == f"http://127.0.0.1:{ml_port}/#/experiments/{exp_id}?workflowType=machine_learning"
         assert f"http://127.0.0.1:{pf_port}/runs" in printed
-        deadline = time.monotonic() + 180
-        settings = _get_json(f"http://127.0.0.1:{pf_port}/ui-settings", deadline=deadline)
-        assert settings["api_url"] == f"http://127.0.0.1:{pf_port}/api" and settings["default_ui"] == "v1"
-        assert _get_json(settings["api_url"] + "/flow_runs/filter", {"limit": 5}, deadline) == []
-        found = _get_json(ml_url.split("#")[0] + "api/2.0/mlflow/experiments/search?max_results=10",
-                          deadline=deadline)
-        assert exp_id in [e["experiment_id"] for e in found["experiments"] if e["name"] == "bayesq"]
+        yield env, re.search(r"MLflow runs\s+(\S+)", printed).group(1), f"http://127.0.0.1:{ml_port}", pf_port
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the command stops both servers
         try:
@@ -223,3 +214,102 @@ def test_cli_ui_on_other_ports_serves_advertised_urls(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.ui
+def test_cli_ui_on_other_ports_serves_advertised_urls(tmp_path):
+    """``bayesq ui`` on two non-default ports: the printed MLflow URL opens the runs table of the
+    ``bayesq`` experiment, and the Prefect UI's settings point at its own port's API."""
+    import mlflow
+
+    exp_id = mlflow.tracking.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").create_experiment("bayesq")
+    with _ui(tmp_path) as (env, ml_url, _, pf_port):
+        assert ml_url.endswith(f"/#/experiments/{exp_id}?workflowType=machine_learning")
+        deadline = time.monotonic() + 180
+        settings = _get_json(f"http://127.0.0.1:{pf_port}/ui-settings", deadline=deadline)
+        assert settings["api_url"] == f"http://127.0.0.1:{pf_port}/api" and settings["default_ui"] == "v1"
+        assert _get_json(settings["api_url"] + "/flow_runs/filter", {"limit": 5}, deadline) == []
+        found = _get_json(ml_url.split("#")[0] + "api/2.0/mlflow/experiments/search?max_results=10",
+                          deadline=deadline)
+        assert exp_id in [e["experiment_id"] for e in found["experiments"] if e["name"] == "bayesq"]
+
+
+TINY_PIPELINE = """
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.test_flows import _params, register_tiny
+from flows.finetune import finetune_flow
+from flows.quantize import quantize_flow
+from flows.report import report
+
+register_tiny()
+tmp = Path(sys.argv[1])
+params = _params(tmp)
+cfg = yaml.safe_load(params.read_text())
+cfg.update(methods=["bayesq", "gptq", "rtn-group"], budgets=[3.0])
+params.write_text(yaml.safe_dump(cfg))
+(tmp / "raw").mkdir()
+(tmp / "raw" / "tiny.bin").write_bytes(b"synthetic")
+finetune_flow(params, tmp / "raw", tmp / "models")
+quantize_flow(params, tmp / "raw", tmp / "models", tmp / "results")
+report(tmp / "results" / "results.json", tmp / "models", tmp / "reports")
+"""
+
+
+def _browse(chromium: str, url: str, shot: Path) -> str:
+    """The DOM of ``url`` after its scripts ran (headless Chromium, 20 s of virtual time), and a
+    screenshot of it at ``shot``."""
+    args = [chromium, "--no-sandbox", "--disable-gpu", "--window-size=2400,1400", "--virtual-time-budget=20000"]
+    subprocess.run([*args, f"--screenshot={shot}", url], capture_output=True, timeout=120, check=True)
+    return subprocess.run([*args, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True).stdout
+
+
+@pytest.mark.ui
+def test_ui_walkthrough_in_headless_chromium(tmp_path):
+    """What a person sees after the tiny pipeline ran against ``bayesq ui``'s servers: the MLflow
+    runs table the printed link opens lists the child runs with accuracy and bits columns; a child
+    run's page lists its artifacts; the Prefect flow run shows its named tasks and our log lines.
+    Screenshots: ``$BAYESQ_UI_SHOTS`` (default: the test's temporary folder)."""
+    import os
+    import shutil
+
+    import mlflow
+
+    chromium = shutil.which("chromium-headless-shell") or shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("no headless Chromium: apt-get install chromium-headless-shell")
+    shots = Path(os.environ.get("BAYESQ_UI_SHOTS", tmp_path))
+    shots.mkdir(parents=True, exist_ok=True)
+    root = Path(__file__).resolve().parent.parent
+    with _ui(tmp_path) as (env, _, ml_base, pf_port):
+        api = f"http://127.0.0.1:{pf_port}/api"
+        _get_json(api + "/health", deadline=time.monotonic() + 180)
+        run = subprocess.run([sys.executable, "-c", TINY_PIPELINE, str(tmp_path)], cwd=root, timeout=900,
+                             env={**env, "PREFECT_API_URL": api, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                             text=True)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        from flows.cli import mlflow_runs_url
+
+        table = _browse(chromium, mlflow_runs_url(ml_base, env["MLFLOW_TRACKING_URI"]), shots / "mlflow_runs.png")
+        for name in ("tiny-cnn/bayesq/b3.0/s17", "tiny-cnn/gptq/b3.0/s17", "tiny-cnn/rtn-group/b3.0/s17"):
+            assert name in table, name
+        assert 'col-id="metrics.`accuracy`"' in table and 'col-id="metrics.`avg_bits`"' in table
+
+        client = mlflow.tracking.MlflowClient(env["MLFLOW_TRACKING_URI"])
+        exp = client.get_experiment_by_name("bayesq")
+        child = next(r for r in client.search_runs([exp.experiment_id])
+                     if r.info.run_name == "tiny-cnn/bayesq/b3.0/s17")
+        page = _browse(chromium, f"{ml_base}/#/experiments/{exp.experiment_id}/runs/{child.info.run_id}/artifacts",
+                       shots / "mlflow_child_artifacts.png")
+        assert "layer_bits.json" in page and ">export<" in page
+
+        flow_id = child.data.tags.get("prefect_flow_run_id") or client.get_run(
+            child.data.tags["mlflow.parentRunId"]).data.tags["prefect_flow_run_id"]
+        logs = _browse(chromium, f"http://127.0.0.1:{pf_port}/runs/flow-run/{flow_id}", shots / "prefect_logs.png")
+        assert "[quantize] tiny-cnn bayesq" in logs and "[task] posterior tiny-cnn s17" in logs
+        tasks = _browse(chromium, f"http://127.0.0.1:{pf_port}/runs/flow-run/{flow_id}?tab=Task+Runs",
+                        shots / "prefect_tasks.png")
+        assert "bayesq tiny-cnn b3.0 s17" in tasks and "posterior tiny-cnn s17" in tasks

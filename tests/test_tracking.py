@@ -106,3 +106,20 @@ def test_flow_run_namer_outside_a_run_names_stage_and_commit():
     from flows.tracking import flow_run_namer
 
     assert flow_run_namer("quantize")() == f"quantize-{git_commit()[:7]}"
+
+
+def test_use_experiment_stores_the_runs_view_the_printed_link_opens(tmp_path, monkeypatch):
+    import mlflow
+
+    from flows.cli import mlflow_runs_url
+    from flows.tracking import VIEW_KEY, use_experiment
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    exp_id = use_experiment("bayesq")
+    exp = mlflow.tracking.MlflowClient().get_experiment(exp_id)
+    view = json.loads(exp.tags[f"mlflow.sharedViewState.{VIEW_KEY}"])
+    assert {"metrics.`accuracy`", "metrics.`avg_bits`", "params.`method`"} <= set(view["selectedColumns"])
+    assert exp.artifact_location == (tmp_path / "mlartifacts" / "bayesq").resolve().as_uri()
+    assert mlflow_runs_url("http://h:1", uri) == (f"http://h:1/#/experiments/{exp_id}/runs?"
+                                                 f"viewStateShareKey={VIEW_KEY}&workflowType=machine_learning")
