@@ -102,7 +102,9 @@ def main_table(summary: dict, fp: dict[str, dict], budgets: list[float], records
              "BayesQ's grid selection also scores. "
              "Time: the method's one-time cost in wall seconds (BayesQ: posterior + loss table + "
              "allocation and encoding; GPTQ / AWQ: input statistics + solve; HAWQ: Hessian traces + "
-             "knapsack), mean over budgets, measured in the same run on the same machine.", ""]
+             "knapsack), mean over budgets, measured in the same run on the same machine; each MLflow child "
+             "run logs it as `preprocess_seconds` and the test-set evaluation, not counted here, as "
+             "`eval_seconds`.", ""]
     for model, methods in summary.items():
         seeds = max(v["n_seeds"] for m in methods.values() for v in m.values())
         trained = " (only the new head trained, on the frozen pretrained backbone)" \
