@@ -41,8 +41,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesq.config import Curvature, PosteriorConfig, Prior
-from bayesq.curvature.kfac import KFACFactors, _input_rows, damped, kfac_diagonal, kfac_factors
+from bayesq.curvature.kfac import KFACFactors, damped, kfac_diagonal, kfac_factors
 from bayesq.curvature.lowrank import truncate
+from bayesq.curvature.patches import input_rows
 from bayesq.forward import Batch, batch_size, by_length, logits
 
 BACKOFF = 3.0
@@ -347,7 +348,7 @@ def forward_inputs(
             if isinstance(mod, nn.Linear) and last[0] is inputs[0]:
                 rows = last[1]
             else:
-                rows = _input_rows(mod, inputs[0].detach(), output.shape, widen=False)
+                rows = input_rows(mod, inputs[0].detach(), output.shape, widen=False)
                 last[:] = (inputs[0], rows) if isinstance(mod, nn.Linear) else (None, None)
             on_rows(name, rows)
         return fn

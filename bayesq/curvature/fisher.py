@@ -23,32 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from bayesq.curvature.patches import per_example_grad
 from bayesq.forward import Batch, batch_size, logits
-
-
-def _per_example_grad(mod: nn.Module, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Per-example weight gradients (N, *weight.shape) from input ``a`` and output grad ``g``."""
-    n = a.shape[0]
-    if isinstance(mod, nn.Linear):
-        a = a.reshape(n, -1, a.shape[-1])  # (N, T, in)
-        g = g.reshape(n, -1, g.shape[-1])  # (N, T, out)
-        return torch.einsum("nto,nti->noi", g, a)
-    # Conv2d; subclasses that pad inside forward ("same" padding) are handled by padding the
-    # captured input the same way (left = total // 2), which is a no-op for plain Conv2d.
-    kh, kw = mod.kernel_size
-    (sh, sw), (dh, dw), (ph, pw) = mod.stride, mod.dilation, mod.padding
-    oh, ow = g.shape[-2:]
-    extra_h = (oh - 1) * sh + dh * (kh - 1) + 1 - a.shape[-2] - 2 * ph
-    extra_w = (ow - 1) * sw + dw * (kw - 1) + 1 - a.shape[-1] - 2 * pw
-    if extra_h > 0 or extra_w > 0:
-        eh, ew = max(extra_h, 0), max(extra_w, 0)
-        a = F.pad(a, [ew // 2, ew - ew // 2, eh // 2, eh - eh // 2])
-    cols = F.unfold(a, (kh, kw), dilation=(dh, dw), padding=(ph, pw), stride=(sh, sw))
-    groups = mod.groups
-    cols = cols.reshape(n, groups, -1, cols.shape[-1])  # (N, groups, in/groups*kh*kw, L)
-    g = g.reshape(n, groups, -1, oh * ow)  # (N, groups, out/groups, L)
-    grad = torch.einsum("ngol,ngil->ngoi", g, cols)
-    return grad.reshape(n, *mod.weight.shape)
 
 
 def _squared_grad_sum(
@@ -95,7 +71,7 @@ def _squared_grad_sum(
                         if name in outs:  # a layer unused by this forward has no gradient
                             # square and sum the batch in the model's dtype, accumulate batches in
                             # float64: float32 adds a relative error <= B * 2^-24 per batch of B
-                            grad = _per_example_grad(mod, acts[name], outs.pop(name))
+                            grad = per_example_grad(mod, acts[name], outs.pop(name))
                             total[name] += grad.pow_(2).sum(0).double() / len(passes)
             n_seen += batch_size(batch)
             acts.clear()

@@ -44,10 +44,10 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from bayesq.curvature.patches import input_rows, output_rows
 from bayesq.forward import Batch, batch_size, logits
 
 LOSSES = ("ce", "ce_exact", "mse")
@@ -77,53 +77,9 @@ class KFACFactors:
         return int(self.G.shape[0])
 
 
-def _explicit_padding(mod: nn.Conv2d, a: torch.Tensor, out_hw: tuple[int, int]) -> torch.Tensor:
-    """Apply the conv's own padding to input (N, C, H, W), plus any padding done in forward.
-
-    ``_reversed_padding_repeated_twice`` covers int/tuple padding, ``padding="same"`` and every
-    ``padding_mode``; subclasses that pad inside ``forward`` (TF "same") are reproduced from the
-    output shape, left = total // 2 (as in ``fisher._per_example_grad``).
-    """
-    pad = list(mod._reversed_padding_repeated_twice)
-    if any(pad):
-        mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
-        a = F.pad(a, pad, mode=mode)
-    (kh, kw), (sh, sw), (dh, dw) = mod.kernel_size, mod.stride, mod.dilation
-    extra_h = (out_hw[0] - 1) * sh + dh * (kh - 1) + 1 - a.shape[-2]
-    extra_w = (out_hw[1] - 1) * sw + dw * (kw - 1) + 1 - a.shape[-1]
-    if extra_h > 0 or extra_w > 0:
-        eh, ew = max(extra_h, 0), max(extra_w, 0)
-        a = F.pad(a, [ew // 2, ew - ew // 2, eh // 2, eh - eh // 2])
-    return a
-
-
-def _input_rows(mod: nn.Module, a: torch.Tensor, out_shape: torch.Size, widen: bool = True) -> torch.Tensor:
-    """Layer inputs as rows of the weight's column space: (N, groups, T, d_in), float64 when
-    ``widen`` (else the input's dtype).
-
-    Linear: (N, ..., in) -> (N, 1, T, in).  Conv2d: unfolded patches per group,
-    (N, groups, L, in/groups*kh*kw) with L = out_h*out_w (a transposed view of the unfolded
-    (N, groups, d_in, L) tensor).
-    """
-    n = a.shape[0]
-    if widen:
-        a = a.double()
-    if isinstance(mod, nn.Linear):
-        return a.reshape(n, 1, -1, a.shape[-1])  # (N, 1, T, in)
-    out_hw = (int(out_shape[-2]), int(out_shape[-1]))
-    a = _explicit_padding(mod, a, out_hw)
-    cols = F.unfold(a, mod.kernel_size, dilation=mod.dilation, stride=mod.stride)  # (N, C*kh*kw, L)
-    cols = cols.reshape(n, mod.groups, -1, cols.shape[-1])  # (N, groups, d_in, L)
-    return cols.transpose(2, 3)  # (N, groups, L, d_in)
-
-
 def _output_rows(mod: nn.Module, g: torch.Tensor) -> torch.Tensor:
     """Output gradients as (N, T, d_out) float64 (Conv2d: T = out_h*out_w positions)."""
-    n = g.shape[0]
-    g = g.double()
-    if isinstance(mod, nn.Linear):
-        return g.reshape(n, -1, g.shape[-1])  # (N, T, out)
-    return g.reshape(n, g.shape[1], -1).transpose(1, 2)  # (N, L, out)
+    return output_rows(mod, g.double())
 
 
 def _batch_A(rows: torch.Tensor) -> torch.Tensor:
@@ -255,7 +211,7 @@ def kfac_factors(
                     f"layer '{name}' ran twice in one forward (shared weights); K-FAC here "
                     "supports one call per forward: leave it out of `layers`"
                 )
-            acts[name] = _batch_A(_input_rows(mod, inputs[0].detach(), output.shape))
+            acts[name] = _batch_A(input_rows(mod, inputs[0].detach(), output.shape))
             if output.requires_grad:
                 output.register_hook(grad_hook(name, mod))
         return hook

@@ -1,0 +1,79 @@
+"""Layer inputs as rows of the weight's column space: the one input-unfolding path of every
+curvature estimator (diagonal Fisher, K-FAC, the posterior's per-layer statistics).
+
+A Linear weight ``W`` (out, in) acts on rows ``a_{n,t}`` (in,) at every token ``t``. A Conv2d
+weight (out, in/groups, kh, kw) acts, per group, on unfolded patches: with the input padded as
+the convolution pads it (``padding`` as ints or ``"same"``, every ``padding_mode``: zeros,
+reflect, replicate, circular) and then ``F.unfold`` with the kernel size, dilation and stride,
+each output position ``t`` reads the patch ``a_{n,g,t}`` (in/groups*kh*kw,), flattened in the
+weight's own (channel, kh, kw) order, so ``out_{n,o,t} = W_o . a_{n,g(o),t}``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def explicit_padding(mod: nn.Conv2d, a: torch.Tensor, out_hw: tuple[int, int]) -> torch.Tensor:
+    """Apply the conv's own padding to input (N, C, H, W), plus any padding done in forward.
+
+    ``_reversed_padding_repeated_twice`` covers int/tuple padding, ``padding="same"`` and every
+    ``padding_mode``; subclasses that pad inside ``forward`` (TF "same") are reproduced from the
+    output shape, left = total // 2.
+    """
+    pad = list(mod._reversed_padding_repeated_twice)
+    if any(pad):
+        mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
+        a = F.pad(a, pad, mode=mode)
+    (kh, kw), (sh, sw), (dh, dw) = mod.kernel_size, mod.stride, mod.dilation
+    extra_h = (out_hw[0] - 1) * sh + dh * (kh - 1) + 1 - a.shape[-2]
+    extra_w = (out_hw[1] - 1) * sw + dw * (kw - 1) + 1 - a.shape[-1]
+    if extra_h > 0 or extra_w > 0:
+        eh, ew = max(extra_h, 0), max(extra_w, 0)
+        a = F.pad(a, [ew // 2, ew - ew // 2, eh // 2, eh - eh // 2])
+    return a
+
+
+def input_rows(mod: nn.Module, a: torch.Tensor, out_shape: torch.Size, widen: bool = True) -> torch.Tensor:
+    """Layer inputs as rows of the weight's column space: (N, groups, T, d_in), float64 when
+    ``widen`` (else the input's dtype).
+
+    Linear: (N, ..., in) -> (N, 1, T, in).  Conv2d: unfolded patches per group,
+    (N, groups, L, in/groups*kh*kw) with L = out_h*out_w (a transposed view of the unfolded
+    (N, groups, d_in, L) tensor); ``out_shape``: the layer output's shape (N, out, out_h, out_w).
+    """
+    n = a.shape[0]
+    if widen:
+        a = a.double()
+    if isinstance(mod, nn.Linear):
+        return a.reshape(n, 1, -1, a.shape[-1])  # (N, 1, T, in)
+    out_hw = (int(out_shape[-2]), int(out_shape[-1]))
+    a = explicit_padding(mod, a, out_hw)
+    cols = F.unfold(a, mod.kernel_size, dilation=mod.dilation, stride=mod.stride)  # (N, C*kh*kw, L)
+    cols = cols.reshape(n, mod.groups, -1, cols.shape[-1])  # (N, groups, d_in, L)
+    return cols.transpose(2, 3)  # (N, groups, L, d_in)
+
+
+def output_rows(mod: nn.Module, g: torch.Tensor, groups: bool = False) -> torch.Tensor:
+    """Output gradients as (N, T, d_out) (Conv2d: T = out_h*out_w positions), in ``g``'s dtype;
+    with ``groups``, split by the conv's groups: (N, groups, T, out/groups) (Linear: one group)."""
+    n = g.shape[0]
+    if isinstance(mod, nn.Linear):
+        rows = g.reshape(n, -1, g.shape[-1])  # (N, T, out)
+    else:
+        rows = g.reshape(n, g.shape[1], -1).transpose(1, 2)  # (N, L, out)
+    if not groups:
+        return rows
+    k = getattr(mod, "groups", 1)
+    return rows.reshape(n, rows.shape[1], k, -1).transpose(1, 2)  # (N, groups, T, out/groups)
+
+
+def per_example_grad(mod: nn.Module, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Per-example weight gradients (N, *weight.shape) from the layer's input ``a`` and output
+    gradient ``g``: ``dL_n/dW_{o,i} = sum_t g_{n,t,o} a_{n,g(o),t,i}``, in the inputs' dtype."""
+    rows = input_rows(mod, a, g.shape, widen=False)  # (N, groups, T, d_in)
+    grads = output_rows(mod, g, groups=True)  # (N, groups, T, out/groups)
+    grad = torch.einsum("ngto,ngti->ngoi", grads, rows)
+    return grad.reshape(a.shape[0], *mod.weight.shape)

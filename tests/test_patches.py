@@ -1,0 +1,56 @@
+"""bayesq.curvature.patches: the one input-unfolding path, against the convolution itself and
+against per-example autograd, for every Conv2d configuration."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bayesq.curvature.patches import input_rows, per_example_grad
+from nets import SamePadConv
+
+CONVS = {
+    "zeros": dict(kernel_size=3, padding=1),
+    "reflect": dict(kernel_size=3, padding=1, padding_mode="reflect"),
+    "replicate": dict(kernel_size=3, padding=2, padding_mode="replicate", dilation=2),
+    "circular": dict(kernel_size=3, padding=1, padding_mode="circular", stride=2),
+    "same": dict(kernel_size=3, padding="same", dilation=2),
+    "same-even-kernel": dict(kernel_size=(2, 4), padding="same", padding_mode="reflect"),
+    "groups-stride": dict(kernel_size=3, padding=(1, 0), groups=2, stride=(2, 1)),
+    "depthwise": dict(kernel_size=5, padding=2, groups=4, padding_mode="circular"),
+}
+
+
+def _conv(cfg):
+    torch.manual_seed(0)
+    return nn.Conv2d(4, 6 if cfg.get("groups", 1) != 4 else 4, **cfg).double()
+
+
+@pytest.mark.parametrize("name", [*CONVS, "tf-same"])
+def test_input_rows_reproduce_the_convolution(name):
+    torch.manual_seed(1)
+    conv = SamePadConv(4, 6, 3, stride=2).double() if name == "tf-same" else _conv(CONVS[name])
+    x = torch.randn(2, 4, 9, 8, dtype=torch.float64)
+    out = conv(x)
+    rows = input_rows(conv, x, out.shape)  # (N, groups, L, d_in)
+    w = conv.weight.reshape(conv.groups, conv.out_channels // conv.groups, -1)  # (groups, out/groups, d_in)
+    rebuilt = torch.einsum("ngli,goi->ngol", rows, w).reshape(2, conv.out_channels, *out.shape[-2:])
+    torch.testing.assert_close(rebuilt + conv.bias.view(1, -1, 1, 1), out, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", [*CONVS, "linear-tokens"])
+def test_per_example_grad_vs_autograd(name):
+    torch.manual_seed(2)
+    if name == "linear-tokens":
+        mod, x = nn.Linear(5, 3).double(), torch.randn(3, 4, 5, dtype=torch.float64)
+    else:
+        mod, x = _conv(CONVS[name]), torch.randn(3, 4, 9, 8, dtype=torch.float64)
+    captured = {}
+    mod.register_forward_hook(lambda m, i, o: captured.update(a=i[0].detach(), out=o))
+    out = mod(x)
+    target = torch.randn_like(out)
+    g = torch.autograd.grad((out * target).sum(), captured["out"])[0]
+    fast = per_example_grad(mod, captured["a"], g)
+    for n in range(len(x)):  # the loss is a sum over examples: example n's gradient alone
+        ref = torch.autograd.grad((mod(x[n:n + 1]) * target[n:n + 1]).sum(), mod.weight)[0]
+        torch.testing.assert_close(fast[n], ref, rtol=1e-12, atol=1e-12)
