@@ -185,6 +185,17 @@ def check_finite(layers: dict[str, nn.Module]) -> None:
             )
 
 
+def check_model_finite(model: nn.Module) -> None:
+    """Raise ``ValueError`` naming the first floating parameter or buffer of ``model`` (quantised
+    or not: a BatchNorm weight or running variance poisons every output too) that holds NaN or Inf."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    for name, t in named:
+        if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
+            bad = int((~torch.isfinite(t.detach())).sum())
+            raise ValueError(f"'{name}' has {bad} non-finite value(s) (NaN/Inf): fix or reload the checkpoint "
+                             "before quantising")
+
+
 def checked_layers(
     model: nn.Module, per_layer: Mapping[str, object] | None = None, what: str = "", fix: str = "",
 ) -> dict[str, nn.Module]:

@@ -46,7 +46,7 @@ from torch.nn import functional as F
 
 from bayesq.codebook import LevelTables, UniformGrids
 from bayesq.config import DistillConfig
-from bayesq.forward import Batch, batch_size, logits
+from bayesq.forward import Batch, batch_size, logits, output_logits
 from bayesq.posterior import Posterior
 from bayesq.quantize import QuantizedWeight, first_inputs, quantized_copy
 
@@ -102,7 +102,7 @@ def _forward(model: nn.Module, over: Mapping[str, torch.Tensor], batch: Batch) -
         out = functional_call(model, dict(over), args=(), kwargs=dict(batch), strict=False)
     else:
         out = functional_call(model, dict(over), args=(batch,), strict=False)
-    return out.logits if hasattr(out, "logits") else out
+    return output_logits(out)
 
 
 def _logits_with(model: nn.Module, weights: Mapping[str, torch.Tensor], batch: Batch) -> torch.Tensor:

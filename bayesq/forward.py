@@ -1,13 +1,19 @@
 """How the library calls a model on a calibration batch, whatever the batch looks like.
 
 A batch is either a tensor (images, (B, C, H, W)) or a mapping of tensors passed as keyword
-arguments (tokenised text: ``input_ids``, ``attention_mask``, ...).  Outputs may be a tensor of
-logits or an object with a ``.logits`` attribute (Hugging Face models).
+arguments (tokenised text: ``input_ids``, ``attention_mask``, ...). :func:`model_batches`
+brings what a user passes to that form: an ``(inputs, labels)`` tuple or list gives its first
+element (labels are never read), floating tensors are cast to the model's floating dtype, and
+non-finite values are refused. Outputs may be a tensor of logits, an object with a ``.logits``
+attribute (Hugging Face models), a mapping with a ``"logits"`` entry, or a tuple whose first
+element is the logits (:func:`output_logits`). :func:`kept_state` gives the user's model back
+as it came (modes, ``requires_grad``, ``.grad``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -15,10 +21,89 @@ from torch import nn
 Batch = Any  # torch.Tensor | Mapping[str, torch.Tensor]
 
 
+def output_logits(out: Any) -> torch.Tensor:
+    """The logits in a model's output: a tensor, ``out.logits``, ``out["logits"]`` or ``out[0]``.
+
+    Raises:
+        TypeError: naming the type of ``out`` when it is none of these.
+    """
+    if torch.is_tensor(out):
+        return out
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, Mapping) and "logits" in out:
+        return out["logits"]
+    if isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
+        return out[0]
+    raise TypeError(f"the model returned a {type(out).__name__}; BayesQ reads the logits from a tensor, an object "
+                    "with .logits, a dict with a 'logits' entry or a tuple whose first element is the logits: "
+                    "wrap the model so its forward returns one of these")
+
+
 def logits(model: nn.Module, batch: Batch) -> torch.Tensor:
     """(B, C) logits of ``model`` on ``batch``."""
-    out = model(**batch) if isinstance(batch, Mapping) else model(batch)
-    return out.logits if hasattr(out, "logits") else out
+    return output_logits(model(**batch) if isinstance(batch, Mapping) else model(batch))
+
+
+def _floating_dtype(model: nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def model_batch(batch: Any, dtype: torch.dtype | None = None, where: str = "batch") -> Batch:
+    """One batch as the library passes it to the model: a tensor or a mapping of tensors.
+
+    An ``(inputs, labels, ...)`` tuple or list gives its first element; floating tensors are
+    cast to ``dtype`` (the model's); integer ones (token ids, masks) are kept.
+
+    Raises:
+        ValueError: a floating tensor holds NaN or Inf (naming ``where`` and the key).
+        TypeError: anything but a tensor, a mapping of tensors or such a tuple.
+    """
+    if isinstance(batch, (tuple, list)) and batch:
+        batch = batch[0]
+
+    def one(t: Any, key: str) -> torch.Tensor:
+        if not torch.is_tensor(t):
+            return t
+        if t.is_floating_point():
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{where}{key} holds {int((~torch.isfinite(t)).sum())} NaN/Inf value(s): drop or "
+                                 "clean those inputs before calibrating")
+            if dtype is not None and t.dtype != dtype:
+                t = t.to(dtype)
+        return t
+
+    if isinstance(batch, Mapping):
+        return {k: one(v, f"['{k}']") for k, v in batch.items()}
+    if torch.is_tensor(batch):
+        return one(batch, "")
+    raise TypeError(f"{where} is a {type(batch).__name__}: pass tensors, dicts of tensors (keyword arguments) or "
+                    "(inputs, labels) tuples")
+
+
+def model_batches(model: nn.Module, batches: Iterable[Any] | None, what: str = "calibration") -> list[Batch] | None:
+    """Every batch of ``batches`` through :func:`model_batch` with the model's floating dtype
+    (None stays None)."""
+    if batches is None:
+        return None
+    dtype = _floating_dtype(model)
+    return [model_batch(b, dtype, f"{what} batch {i}") for i, b in enumerate(batches)]
+
+
+@contextmanager
+def kept_state(model: nn.Module) -> Iterator[None]:
+    """Give ``model`` back as it came: every module's train/eval mode, every parameter's
+    ``requires_grad`` and ``.grad`` (the library's passes switch to eval mode and back-propagate)."""
+    modes = {m: m.training for m in model.modules()}
+    params = [(p, p.requires_grad, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+        for p, requires_grad, grad in params:
+            p.requires_grad_(requires_grad)
+            p.grad = grad
 
 
 def batch_size(batch: Batch) -> int:

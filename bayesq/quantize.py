@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
@@ -21,7 +22,7 @@ from bayesq.allocation import (
 )
 from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.bias_correction import BiasCorrection
-from bayesq.blocks import LayerBlocks, check_finite, layer_blocks, quantizable_layers
+from bayesq.blocks import LayerBlocks, check_finite, check_model_finite, layer_blocks, quantizable_layers
 from bayesq.codebook import UniformGrids
 from bayesq.config import (
     AllocationConfig, Allocator, BayesQConfig, CostTerms, Objective, Proxy, QuantConfig, Rounding, Whitening,
@@ -30,7 +31,7 @@ from bayesq.error_feedback import coordinate_descent, damped_metric, error_feedb
 from bayesq.comparison import resolved_choice
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import Book, LossTable, apply_mc_proxy, posterior_table
-from bayesq.forward import Batch, batch_size
+from bayesq.forward import Batch, batch_size, kept_state, model_batches
 from bayesq.posterior import Posterior, fit_posterior as _fit_posterior, input_moments
 from bayesq.refit import refit_scales
 from bayesq.storage import average_bits, budget_bits
@@ -46,6 +47,8 @@ class Allocation:
         n_weights: number of quantised weights.
         budget_bits: the budget the allocator was given.
         expected_loss: the table's total expected loss of this allocation.
+        binding: False when the budget covers every unit at its widest candidate (it did
+            not constrain the allocation; :func:`allocate` warns).
     """
 
     unit_bits: dict[str, tuple[int, ...]]
@@ -53,6 +56,7 @@ class Allocation:
     n_weights: int
     budget_bits: int
     expected_loss: float = float("nan")
+    binding: bool = True
 
     @property
     def average_bits(self) -> float:
@@ -194,6 +198,12 @@ def allocate(table: LossTable, avg_bits: float, cfg: AllocationConfig = Allocati
             f"needs {need / table.n_weights:.4f} bits/weight (lowest bit-width plus scales, zero-points, "
             "tables and headers, at the floors); raise the budget, lower the floors or use a larger group size"
         )
+    widest = float(cost[:, -1].sum()) if regular else float(sum(c[o[-1]] for c, o in zip(cost, order)))
+    binding = widest > budget
+    if not binding:
+        warnings.warn(f"budget of {avg_bits} bits/weight does not bind: every unit at its widest candidate needs "
+                      f"{widest / table.n_weights:.4f} bits/weight, so nothing is traded; lower the budget to compress",
+                      stacklevel=2)
     l_floor = float(loss[:, 0].sum()) if regular else float(sum(r[o[0]] for r, o in zip(loss, order)))
     l_min = float(np.where(valid, loss, np.inf).min(1).sum())
     penalty = cfg.penalty * max(l_floor - l_min, 0.0) / table.n_weights
@@ -228,7 +238,7 @@ def allocate(table: LossTable, avg_bits: float, cfg: AllocationConfig = Allocati
         unit_bits[t.blocks.name] = tuple(int(b) for b in chosen[k:k + n])
         k += n
     total = int(sum(cost[rows, col].tolist()))
-    return Allocation(unit_bits, total, table.n_weights, budget, float(loss[rows, col].sum()))
+    return Allocation(unit_bits, total, table.n_weights, budget, float(loss[rows, col].sum()), binding)
 
 
 def loss_reduction_curve(
@@ -571,10 +581,15 @@ def quantized_copy(
 def fit_posterior(
     model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig, progress: bool = True
 ) -> Posterior:
-    """Label-free posterior of the model's Linear/Conv2d weights (``config.posterior.curvature``)."""
+    """Label-free posterior of the model's Linear/Conv2d weights (``config.posterior.curvature``);
+    batches and errors as :func:`quantize_model`, and ``model`` comes back as it was."""
     layers = quantizable_layers(model)
     check_finite(layers)
-    return _fit_posterior(model, calibration, layers, config.posterior, seed=config.seed, progress=progress)
+    check_model_finite(model)
+    with kept_state(model):
+        model.eval()
+        return _fit_posterior(model, model_batches(model, calibration), layers, config.posterior, seed=config.seed,
+                              progress=progress)
 
 
 def first_inputs(batches: Iterable[Batch], n: int) -> list[Batch]:
@@ -635,8 +650,11 @@ def quantize_model(
 
     Args:
         model: any module built of Linear/Conv2d layers (others stay in floating point);
-            it must return (B, C) logits or an object with ``.logits``.
-        calibration: iterable of unlabelled input batches (tensors or dicts of tensors).
+            it must return (B, C) logits as a tensor, an object with ``.logits``, a dict with
+            ``"logits"`` or a tuple whose first element is the logits.
+        calibration: iterable of input batches: tensors, dicts of tensors (keyword arguments)
+            or ``(inputs, labels)`` tuples (labels are never read); floating inputs are cast to
+            the model's dtype.
         config: budget (average bits per quantised weight, all metadata included), posterior,
             codebook, table, allocation and rounding settings, and the distillation applied at
             budgets up to ``config.distill.max_budget`` (3.5 by default; same codes and bits).
@@ -647,15 +665,27 @@ def quantize_model(
 
     Returns:
         :class:`QuantizationResult` with the quantised copy of the model, the codes and
-        codebooks of every layer, the allocation and its true average bits.
+        codebooks of every layer, the allocation and its true average bits. ``model`` itself
+        comes back as it was (modes, ``requires_grad``, ``.grad``).
+
+    Raises:
+        ValueError: NaN/Inf in a parameter, buffer or calibration input (naming it); an
+            infeasible budget.
+        TypeError: batches or model outputs of a kind the library cannot read (naming it).
     """
+    with kept_state(model):
+        model.eval()  # every pass reads the model as deployed (frozen BatchNorm, no dropout)
+        return _quantize_model(model, calibration, config, posterior, progress, selection)
+
+
+def _quantize_model(model, calibration, config, posterior, progress, selection) -> QuantizationResult:
     layers = quantizable_layers(model)
     check_finite(layers)
+    check_model_finite(model)
     q = config.quant
     blocks = layer_blocks(layers, q.group_size, q.unit_groups, q.unit.value)
-    if (q.needs_data or config.distill.applies(config.budget) or Rounding(q.rounding) == Rounding.ERROR_FEEDBACK
-            or q.selects_grids or q.bias_correction):
-        calibration = list(calibration)  # read twice
+    calibration = model_batches(model, calibration)
+    selection = model_batches(model, selection, "selection")
     if posterior is None:
         posterior = _fit_posterior(model, calibration, layers, config.posterior, seed=config.seed,
                                    progress=progress)

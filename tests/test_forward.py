@@ -87,3 +87,62 @@ def test_empirical_fisher_by_length_vs_original_batches():
     assert n == m == 10
     for k in layers:  # padded positions carry no gradient: the sum over examples is the same
         assert torch.allclose(got[k], want[k], rtol=1e-9, atol=1e-15), k
+
+
+def test_output_logits_reads_every_supported_output_and_names_others():
+    import pytest
+
+    from bayesq.forward import output_logits
+
+    z = torch.randn(2, 3)
+
+    class WithLogits:
+        logits = z
+
+    for out in (z, WithLogits(), {"logits": z, "hidden": None}, (z, "extra"), [z]):
+        assert output_logits(out) is z
+    with pytest.raises(TypeError, match="returned a str.*tensor, an object with .logits"):
+        output_logits("not logits")
+    with pytest.raises(TypeError, match="returned a dict"):
+        output_logits({"scores": z})
+
+
+def test_model_batch_tuples_dtype_and_non_finite():
+    import pytest
+
+    from bayesq.forward import model_batch
+
+    x = torch.randn(2, 3, dtype=torch.float64)
+    got = model_batch((x, torch.tensor([0, 1])), torch.float32)  # (inputs, labels): labels dropped
+    assert got.dtype == torch.float32 and torch.equal(got, x.float())
+    ids = torch.tensor([[1, 2]])
+    d = model_batch({"input_ids": ids, "scale": x}, torch.float32)
+    assert d["input_ids"] is ids and d["scale"].dtype == torch.float32
+    bad = x.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"calibration batch 3\['pixels'\] holds 1 NaN/Inf"):
+        model_batch({"pixels": bad}, None, "calibration batch 3")
+    with pytest.raises(TypeError, match="batch is a str"):
+        model_batch("text")
+
+
+def test_kept_state_restores_modes_requires_grad_and_grads():
+    from torch import nn
+
+    from bayesq.forward import kept_state
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(), nn.Linear(3, 2)).train()
+    model[1].eval()
+    model[2].weight.requires_grad_(False)
+    model(torch.randn(4, 3)).sum().backward()
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    with kept_state(model):
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(4, 3)).sum().backward()
+    assert model.training and model[0].training and not model[1].training
+    assert [p.requires_grad for p in model.parameters()] == [True, True, False, True]
+    for n, p in model.named_parameters():
+        assert (p.grad is None) == (grads[n] is None) and (p.grad is None or torch.equal(p.grad, grads[n]))

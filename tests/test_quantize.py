@@ -99,6 +99,68 @@ def test_quantize_model_nan_weights_raise_naming_layer():
         quantize_model(model, _calibration(), BayesQConfig(quant=CFG), progress=False)
 
 
+class _DictOut(nn.Module):
+    """Returns {"logits": ...} and carries a BatchNorm, like many user models."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _model()
+        self.norm = nn.BatchNorm1d(10)
+
+    def forward(self, x):
+        return {"logits": self.norm(self.body(x))}
+
+
+def test_quantize_model_leaves_the_users_model_as_it_came():
+    """Train mode, frozen and trainable weights and their .grad survive; float64 (inputs,
+    labels) batches and a dict output are read; the quantised copy matches the tensor-batch run."""
+    model = _DictOut().train()
+    model.body[0].weight.requires_grad_(False)
+    model(_calibration(1)[0])["logits"].sum().backward()
+    before = {n: (p.requires_grad, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+    cfg = BayesQConfig(budget=3.0, quant=CFG)
+    labelled = [(b.double(), torch.zeros(len(b), dtype=torch.long)) for b in _calibration()]
+    res = quantize_model(model, labelled, cfg, progress=False)
+    assert model.training and all(m.training for m in model.modules())
+    for n, p in model.named_parameters():
+        assert p.requires_grad == before[n][0]
+        assert (p.grad is None) == (before[n][1] is None) and (p.grad is None or torch.equal(p.grad, before[n][1]))
+    model.eval()
+    again = quantize_model(model, _calibration(), cfg, progress=False)  # the float32 tensor batches themselves
+    assert res.allocation.unit_bits == again.allocation.unit_bits
+
+
+def test_quantize_model_non_finite_inputs_and_buffers_named():
+    bad = _calibration()
+    bad[1][0, 0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="calibration batch 1 holds 1 NaN/Inf"):
+        quantize_model(_model(), bad, BayesQConfig(quant=CFG), progress=False)
+    model = _DictOut().eval()
+    model.norm.running_var[3] = float("nan")
+    with pytest.raises(ValueError, match="'norm.running_var' has 1 non-finite"):
+        quantize_model(model, _calibration(), BayesQConfig(quant=CFG), progress=False)
+
+
+def test_quantize_model_unreadable_output_names_its_type():
+    class Text(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return "label"
+
+    with pytest.raises(TypeError, match="the model returned a str"):
+        quantize_model(Text(), [torch.randn(2, 4)], BayesQConfig(quant=CFG), progress=False)
+
+
+def test_quantize_model_budget_that_does_not_bind_warns_and_says_so():
+    with pytest.warns(UserWarning, match="budget of 9.0 bits/weight does not bind: every unit at its widest"):
+        res = quantize_model(_model(), _calibration(), BayesQConfig(budget=9.0, quant=CFG), progress=False)
+    assert not res.allocation.binding and res.allocation.average_bits < 9.0
+    assert quantize_model(_model(), _calibration(), BayesQConfig(budget=4.0, quant=CFG), progress=False).allocation.binding
+
+
 def test_quantize_model_unsupported_layer_raises():
     model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.Flatten(), nn.Linear(4, 2))
     with pytest.raises(ValueError, match="unsupported layer '0' \\(Conv1d\\)"):
