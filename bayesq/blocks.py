@@ -12,6 +12,7 @@ are then ``unit_groups = groups_per_row``.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -140,16 +141,23 @@ class LayerBlocks:
         raise ValueError(f"unknown allocation unit {unit!r}: choose block, group, channel or tensor")
 
 
+def excluded(name: str, exclude: tuple[str, ...]) -> bool:
+    """Whether module ``name`` matches one of the names or glob patterns in ``exclude``
+    (``fnmatch``: ``*`` also crosses dots, e.g. ``"encoder.layer.0.*"``, ``"*classifier"``)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude)
+
+
 def quantizable_layers(model: nn.Module, exclude: tuple[str, ...] = ()) -> dict[str, nn.Module]:
-    """Linear and Conv2d modules by name, in network order.
+    """Linear and Conv2d modules by name, in network order, but those matching ``exclude``
+    (names or glob patterns, :func:`excluded`).
 
     Raises:
         ValueError: a weight-bearing layer type BayesQ cannot quantise (Conv1d, ConvTranspose,
-            ...) that is not listed in ``exclude``, or no Linear/Conv2d layer at all.
+            ...) that ``exclude`` does not match, or no Linear/Conv2d layer at all.
     """
     layers: dict[str, nn.Module] = {}
     for name, mod in model.named_modules():
-        if name in exclude:
+        if excluded(name, exclude):
             continue
         if isinstance(mod, _UNSUPPORTED):
             raise ValueError(
@@ -161,6 +169,30 @@ def quantizable_layers(model: nn.Module, exclude: tuple[str, ...] = ()) -> dict[
     if not layers:
         raise ValueError("the model has no Linear or Conv2d layer to quantise")
     return layers
+
+
+def unquantized_weights(model: nn.Module, layers: dict[str, nn.Module], exclude: tuple[str, ...] = ()) -> dict[str, str]:
+    """Every floating parameter of ``model`` with two or more dimensions that is not the weight
+    of one of ``layers``, by name, with the reason it stays in floating point. A parameter shared
+    by several modules is listed once (``named_parameters`` order), and not at all when one of
+    them is quantised."""
+    quantized = {id(m.weight) for m in layers.values()}
+    owners: dict[int, tuple[str, nn.Module, str]] = {}
+    for module_name, mod in model.named_modules():
+        for param_name, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), (module_name, mod, param_name))
+    out = {}
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or not p.is_floating_point() or id(p) in quantized:
+            continue
+        module_name, mod, param_name = owners[id(p)]
+        if excluded(module_name, exclude):
+            out[name] = f"excluded ({type(mod).__name__} '{module_name}' matches exclude)"
+        elif isinstance(mod, nn.Embedding):
+            out[name] = "embedding: a table look-up, kept in floating point"
+        else:
+            out[name] = (f"{type(mod).__name__}.{param_name} is not a Linear/Conv2d weight: kept in floating point")
+    return out
 
 
 def layer_blocks(

@@ -22,7 +22,9 @@ from bayesq.allocation import (
 )
 from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.bias_correction import BiasCorrection
-from bayesq.blocks import LayerBlocks, check_finite, check_model_finite, layer_blocks, quantizable_layers
+from bayesq.blocks import (
+    LayerBlocks, check_finite, check_model_finite, layer_blocks, quantizable_layers, unquantized_weights,
+)
 from bayesq.codebook import UniformGrids
 from bayesq.config import (
     AllocationConfig, Allocator, BayesQConfig, CostTerms, Objective, Proxy, QuantConfig, Rounding, Whitening,
@@ -107,7 +109,9 @@ class QuantizationResult:
     the full-precision model on the selection inputs (the calibration inputs when none were
     given; empty when there was one candidate); ``correction`` is the bias correction
     applied to ``model`` (None: ``quant.bias_correction`` off; its ``skipped`` lists the layers
-    whose output shift had nowhere to go).
+    whose output shift had nowhere to go). ``unquantized``: every other floating parameter with
+    two or more dimensions, by name, with the reason it stays in floating point
+    (:func:`bayesq.blocks.unquantized_weights`).
     """
 
     model: nn.Module
@@ -118,10 +122,22 @@ class QuantizationResult:
     encoding: str = ""
     selection_kl: Mapping[str, float] = field(default_factory=dict)
     correction: BiasCorrection | None = None
+    unquantized: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def average_bits(self) -> float:
+        """Bits per quantised weight, everything stored for them counted (the budget's measure)."""
         return self.allocation.average_bits
+
+    @property
+    def average_bits_all(self) -> float:
+        """Bits per weight over every floating parameter with two or more dimensions: the
+        quantised ones as :attr:`average_bits` counts them, the :attr:`unquantized` ones at their
+        storage width (float32: 32)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        kept = [params[n] for n in self.unquantized]
+        bits = self.allocation.total_bits + sum(p.numel() * p.element_size() * 8 for p in kept)
+        return bits / (self.allocation.n_weights + sum(p.numel() for p in kept))
 
 
 # ---- allocation ---------------------------------------------------------------------------------
@@ -645,6 +661,7 @@ def build_table(
 def quantize_model(
     model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig = BayesQConfig(),
     *, posterior: Posterior | None = None, progress: bool = True, selection: Iterable[Batch] | None = None,
+    exclude: Sequence[str] = (),
 ) -> QuantizationResult:
     """BayesQ: posterior -> expected-loss tables -> allocation -> quantised model.
 
@@ -662,6 +679,8 @@ def quantize_model(
         selection: input batches held out of ``calibration`` (e.g. another draw of training
             inputs): the grid candidates are scored on them, which also admits the other range
             search as a candidate (:func:`grid_candidates`); None scores on ``calibration``.
+        exclude: module names or glob patterns (``"classifier"``, ``"encoder.layer.0.*"``) kept in
+            floating point; they are listed in the result's ``unquantized``.
 
     Returns:
         :class:`QuantizationResult` with the quantised copy of the model, the codes and
@@ -675,11 +694,11 @@ def quantize_model(
     """
     with kept_state(model):
         model.eval()  # every pass reads the model as deployed (frozen BatchNorm, no dropout)
-        return _quantize_model(model, calibration, config, posterior, progress, selection)
+        return _quantize_model(model, calibration, config, posterior, progress, selection, tuple(exclude))
 
 
-def _quantize_model(model, calibration, config, posterior, progress, selection) -> QuantizationResult:
-    layers = quantizable_layers(model)
+def _quantize_model(model, calibration, config, posterior, progress, selection, exclude) -> QuantizationResult:
+    layers = quantizable_layers(model, exclude)
     check_finite(layers)
     check_model_finite(model)
     q = config.quant
@@ -708,4 +727,4 @@ def _quantize_model(model, calibration, config, posterior, progress, selection) 
         if correction is not None and not res.biases:  # trained biases already fit the mean
             correction.apply(qmodel, model)
     return QuantizationResult(qmodel, weights, allocation, table, posterior, enc.name, enc.selection_kl,
-                              correction)
+                              correction, unquantized_weights(model, layers, exclude))

@@ -161,6 +161,40 @@ def test_quantize_model_budget_that_does_not_bind_warns_and_says_so():
     assert quantize_model(_model(), _calibration(), BayesQConfig(budget=4.0, quant=CFG), progress=False).allocation.binding
 
 
+class _Mixed(nn.Module):
+    """Embedding, nn.MultiheadAttention (a raw in_proj_weight), two Linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(40, 32)
+        self.attn = nn.MultiheadAttention(32, 2, batch_first=True)
+        self.fc = nn.Linear(32, 64)
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        x, _ = self.attn(x, x, x)
+        return self.head(torch.relu(self.fc(x.mean(1))))
+
+
+def test_quantize_model_exclude_globs_and_every_weight_accounted():
+    model = _Mixed().eval()
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 40, (8, 5), generator=g) for _ in range(3)]
+    res = quantize_model(model, batches, BayesQConfig(budget=3.0, quant=CFG), progress=False, exclude=["attn*"])
+    assert set(res.weights) == {"fc", "head"}
+    assert set(res.unquantized) == {"emb.weight", "attn.in_proj_weight", "attn.out_proj.weight"}
+    assert res.unquantized["emb.weight"].startswith("embedding")
+    assert "matches exclude" in res.unquantized["attn.out_proj.weight"]
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    n_all = sum(p.numel() for p in matrices)
+    fp_bits = 32 * (n_all - res.allocation.n_weights)
+    assert res.allocation.n_weights == model.fc.weight.numel() + model.head.weight.numel()
+    assert res.average_bits_all == pytest.approx((res.allocation.total_bits + fp_bits) / n_all, rel=1e-12)
+    assert res.average_bits <= 3.0 < res.average_bits_all
+
+
 def test_quantize_model_unsupported_layer_raises():
     model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.Flatten(), nn.Linear(4, 2))
     with pytest.raises(ValueError, match="unsupported layer '0' \\(Conv1d\\)"):
