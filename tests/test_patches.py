@@ -3,7 +3,6 @@ against per-example autograd, for every Conv2d configuration."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bayesq.curvature.patches import input_rows, per_example_grad
