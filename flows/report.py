@@ -301,11 +301,12 @@ def paired_table(rows: list[dict], notes: list[str]) -> str:
              f"paired bootstrap over test examples ({RESAMPLES:,} resamples of the example indices, "
              f"generator seed {SEED}, the same indices for both methods); * marks an interval that "
              "excludes 0. It covers test-set sampling only, not the calibration set, fine-tuning or any "
-             "other seed. The fine-tune is pinned (`finetune.seed`, `finetune.threads`), so a rerun on a fresh "
-             "clone on the same kind of machine reproduces these numbers; on a machine with another CPU the "
-             "convolutional model's fine-tune comes out different (the transformer's did not), and another "
-             "fine-tune is another model: how far the differences move with it, beyond these intervals, is "
-             "measured in docs/method.md §22b."]
+             "other seed. The fine-tune is pinned (`finetune.seed`, `finetune.threads`; lite0-fmnist trains "
+             "only a head on its frozen pretrained backbone), so a rerun on a fresh clone reproduces these "
+             "numbers, on another CPU too: MiniLM's fine-tune byte for byte, lite0's to ~5e-9 relative, and "
+             "`bash benchmarks/other_cpu.sh` re-runs the 3.0-bit rows and checks them against these "
+             "intervals. Another fine-tune (another `finetune.seed`) is another model: how far the "
+             "differences move with it, beyond these intervals, is measured in docs/method.md §18d, §22b."]
     seeds = sorted({tuple(r["seeds"]) for r in rows})
     if any(len(s) > 1 for s in seeds):
         lines[-1] += (" Several seeds: each example's values are averaged over the seeds both rows have, "
