@@ -605,11 +605,13 @@ def baseline_result(
 # ---- posterior and table --------------------------------------------------------------------------
 
 def fit_posterior(
-    model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig, progress: bool = True
+    model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig, progress: bool = True,
+    *, exclude: Sequence[str] = (),
 ) -> Posterior:
-    """Label-free posterior of the model's Linear/Conv2d weights (``config.posterior.curvature``);
-    batches and errors as :func:`quantize_model`, and ``model`` comes back as it was."""
-    layers = quantizable_layers(model)
+    """Label-free posterior of the model's Linear/Conv2d weights (``config.posterior.curvature``)
+    but those ``exclude`` matches (names or glob patterns, as :func:`quantize_model`); batches and
+    errors as :func:`quantize_model`, and ``model`` comes back as it was."""
+    layers = quantizable_layers(model, tuple(exclude))
     check_finite(layers)
     check_model_finite(model)
     with kept_state(model):

@@ -5,6 +5,7 @@ from torch import nn
 from nets import AttentionModel
 
 from bayesq import BayesQConfig, QuantConfig, quantize_model
+from bayesq.quantize import fit_posterior
 from bayesq.baselines.rtn import rtn_quantize
 from bayesq.config import DistillConfig, Granularity, replace
 
@@ -187,6 +188,11 @@ def test_quantize_model_exclude_globs_and_every_weight_accounted():
     assert res.allocation.n_weights == model.fc.weight.numel() + model.head.weight.numel()
     assert res.average_bits_all == pytest.approx((res.allocation.total_bits + fp_bits) / n_all, rel=1e-12)
     assert res.average_bits <= 3.0 < res.average_bits_all
+    post = fit_posterior(model, batches, BayesQConfig(quant=CFG), progress=False, exclude=["attn*"])
+    assert set(post.mean) == {"fc", "head"}  # the excluded module never ran as a module: nothing to fit
+    again = quantize_model(model, batches, BayesQConfig(budget=3.0, quant=CFG), progress=False, exclude=["attn*"],
+                           posterior=post)
+    assert all(torch.equal(again.weights[k].dequantize(), res.weights[k].dequantize()) for k in res.weights)
 
 
 def test_quantize_model_unsupported_layer_raises():
