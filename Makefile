@@ -22,7 +22,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[pipeline,dev]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 data: venv

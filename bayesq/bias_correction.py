@@ -33,7 +33,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from bayesq.forward import Batch, logits
+from bayesq.forward import Batch, call
 
 
 def output_shift(w: torch.Tensor, q: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,7 @@ def _readers(model: nn.Module, batch: Batch, layers: Mapping[str, nn.Module]) ->
     model.eval()
     try:
         with torch.no_grad():
-            logits(model, batch)
+            call(model, batch)  # the hooks read the layer outputs
     finally:
         for h in handles:
             h.remove()

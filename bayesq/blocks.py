@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -195,6 +195,19 @@ def unquantized_weights(model: nn.Module, layers: dict[str, nn.Module], exclude:
     return out
 
 
+def kept_matrices(model: nn.Module, quantized: Iterable[str]) -> tuple[int, int]:
+    """(elements, bits as stored) of the floating parameters of ``model`` with two or more
+    dimensions that are not the weight of one of the ``quantized`` modules (names); a parameter
+    shared by several modules counts once, and not at all when one of them is quantised."""
+    modules = dict(model.named_modules())
+    done = {id(modules[name].weight) for name in quantized}
+    n = bits = 0
+    for p in model.parameters():  # each shared parameter once
+        if p.dim() >= 2 and p.is_floating_point() and id(p) not in done:
+            n, bits = n + p.numel(), bits + 8 * p.numel() * p.element_size()
+    return n, bits
+
+
 def layer_blocks(
     layers: dict[str, nn.Module], group_size: int, unit_groups: int, unit: str = "block"
 ) -> list[LayerBlocks]:
@@ -230,11 +243,12 @@ def check_model_finite(model: nn.Module) -> None:
 
 def checked_layers(
     model: nn.Module, per_layer: Mapping[str, object] | None = None, what: str = "", fix: str = "",
+    exclude: Sequence[str] = (),
 ) -> dict[str, nn.Module]:
-    """:func:`quantizable_layers` after :func:`check_finite`; with ``per_layer`` (a baseline's
-    statistics by layer name) also a ``ValueError`` naming the layers it lacks:
-    ``"no <what> for layers [...]: <fix>"``."""
-    layers = quantizable_layers(model)
+    """:func:`quantizable_layers` (those ``exclude`` does not match) after :func:`check_finite`;
+    with ``per_layer`` (a baseline's statistics by layer name) also a ``ValueError`` naming the
+    layers it lacks: ``"no <what> for layers [...]: <fix>"``."""
+    layers = quantizable_layers(model, tuple(exclude))
     check_finite(layers)
     missing = [n for n in layers if per_layer is not None and n not in per_layer]
     if missing:

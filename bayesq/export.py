@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bayesq.blocks import LayerBlocks
+from bayesq.blocks import LayerBlocks, kept_matrices
 from bayesq.codebook import LevelTables, UniformGrids, mulaw_levels
 from bayesq.config import Codebook, QuantConfig
 from bayesq.quantize import QuantizedWeight
@@ -68,6 +68,9 @@ class ExportInfo:
         header_bytes: safetensors header (8-byte length + JSON).
         content_sha256: hash of the tensors and layouts (:func:`content_hash`).
         sha256: sha256 of the file's bytes (``sha256sum``).
+        fp_matrix_weights: elements of the floating parameters with two or more dimensions
+            stored in floating point (embeddings, excluded or unsupported layers; a tied one once).
+        fp_matrix_bits: their bits as stored.
     """
 
     path: str
@@ -79,13 +82,22 @@ class ExportInfo:
     header_bytes: int
     content_sha256: str
     sha256: str
+    fp_matrix_weights: int = 0
+    fp_matrix_bits: int = 0
 
     @property
     def payload_avg_bits(self) -> float:
+        """Bits per quantised weight in the file."""
         return self.payload_bits / self.n_weights
 
+    @property
+    def all_avg_bits(self) -> float:
+        """Bits per weight over every floating parameter with two or more dimensions: the
+        quantised ones as stored, the others at their storage width."""
+        return (self.payload_bits + self.fp_matrix_bits) / (self.n_weights + self.fp_matrix_weights)
+
     def as_dict(self) -> dict:
-        return {**self.__dict__, "payload_avg_bits": self.payload_avg_bits}
+        return {**self.__dict__, "payload_avg_bits": self.payload_avg_bits, "all_avg_bits": self.all_avg_bits}
 
 
 # ---- bit packing --------------------------------------------------------------------------------
@@ -380,15 +392,18 @@ def save_export(
             continue
         tensors[f"fp/{k}"] = v.detach().cpu().clone().contiguous()
         fp_bytes += v.numel() * v.element_size()
+    fp_matrix = kept_matrices(qmodel, weights)
+    n = sum(qw.blocks.numel for qw in weights.values())
     layers_json = json.dumps(layouts, sort_keys=True)
     meta = {"format": FORMAT, "format_version": str(VERSION), "layers": layers_json,
             "architecture": architecture, "content_sha256": content_hash(tensors, layers_json),
-            "accounted_bits": str(int(accounted_bits)), "user": json.dumps(dict(metadata or {}), sort_keys=True)}
+            "accounted_bits": str(int(accounted_bits)), "user": json.dumps(dict(metadata or {}), sort_keys=True),
+            "avg_bits": f"{accounted_bits / n:.6f}",
+            "avg_bits_all": f"{(accounted_bits + fp_matrix[1]) / (n + fp_matrix[0]):.6f}"}
     path = save_tensors(path, tensors, meta)
     size = path.stat().st_size
-    n = sum(qw.blocks.numel for qw in weights.values())
     return ExportInfo(str(path), size, 8 * payload, int(accounted_bits), n, fp_bytes, size - payload - fp_bytes,
-                      meta["content_sha256"], file_sha256(path))
+                      meta["content_sha256"], file_sha256(path), *fp_matrix)
 
 
 @dataclass(frozen=True)

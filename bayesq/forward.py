@@ -40,9 +40,25 @@ def output_logits(out: Any) -> torch.Tensor:
                     "wrap the model so its forward returns one of these")
 
 
+def call(model: nn.Module, batch: Batch) -> Any:
+    """``model``'s output on ``batch`` (a mapping is passed as keyword arguments): a forward pass
+    whose output is not read (the hooks of a statistics pass)."""
+    return model(**batch) if isinstance(batch, Mapping) else model(batch)
+
+
 def logits(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """(B, C) logits of ``model`` on ``batch``."""
-    return output_logits(model(**batch) if isinstance(batch, Mapping) else model(batch))
+    """(B, C) logits of ``model`` on ``batch``.
+
+    Raises:
+        ValueError: logits of another rank, e.g. a language model's (B, T, V), naming the shape.
+    """
+    out = output_logits(call(model, batch))
+    if out.dim() != 2:
+        raise ValueError(f"the model returned logits of shape {tuple(out.shape)}; BayesQ reads one row of class "
+                         "logits per input, (batch, classes): per-token outputs of a language model (batch, "
+                         "tokens, vocabulary) are not supported yet; wrap the model so that it returns one row "
+                         "per input (e.g. a classification head, or the last token's logits)")
+    return out
 
 
 def _floating_dtype(model: nn.Module) -> torch.dtype | None:

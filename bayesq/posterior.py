@@ -44,7 +44,7 @@ from bayesq.config import Curvature, PosteriorConfig, Prior
 from bayesq.curvature.kfac import KFACFactors, damped, kfac_diagonal, kfac_factors
 from bayesq.curvature.lowrank import truncate
 from bayesq.curvature.patches import input_rows
-from bayesq.forward import Batch, batch_size, by_length, logits
+from bayesq.forward import Batch, batch_size, by_length, call
 
 BACKOFF = 3.0
 MAX_BACKOFFS = 8
@@ -359,7 +359,7 @@ def forward_inputs(
     try:
         with torch.no_grad():
             for batch in tqdm(by_length(calibration), desc=desc, disable=not progress, leave=False):
-                logits(model, batch)
+                call(model, batch)  # the hooks read the layer inputs
                 n += batch_size(batch)
                 last[:] = (None, None)
     finally:

@@ -23,7 +23,7 @@ from bayesq.allocation import (
 from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.bias_correction import BiasCorrection
 from bayesq.blocks import (
-    LayerBlocks, check_finite, check_model_finite, layer_blocks, quantizable_layers, unquantized_weights,
+    LayerBlocks, check_finite, check_model_finite, kept_matrices, layer_blocks, quantizable_layers, unquantized_weights,
 )
 from bayesq.codebook import UniformGrids
 from bayesq.config import (
@@ -50,7 +50,8 @@ class Allocation:
         budget_bits: the budget the allocator was given.
         expected_loss: the table's total expected loss of this allocation.
         binding: False when the budget covers every unit at its widest candidate (it did
-            not constrain the allocation; :func:`allocate` warns).
+            not constrain the allocation; :func:`allocate` warns when a unit had more than one
+            candidate, i.e. when something could have been traded).
     """
 
     unit_bits: dict[str, tuple[int, ...]]
@@ -134,10 +135,8 @@ class QuantizationResult:
         """Bits per weight over every floating parameter with two or more dimensions: the
         quantised ones as :attr:`average_bits` counts them, the :attr:`unquantized` ones at their
         storage width (float32: 32)."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        kept = [params[n] for n in self.unquantized]
-        bits = self.allocation.total_bits + sum(p.numel() * p.element_size() * 8 for p in kept)
-        return bits / (self.allocation.n_weights + sum(p.numel() for p in kept))
+        n, bits = kept_matrices(self.model, self.weights)
+        return (self.allocation.total_bits + bits) / (self.allocation.n_weights + n)
 
 
 # ---- allocation ---------------------------------------------------------------------------------
@@ -216,7 +215,7 @@ def allocate(table: LossTable, avg_bits: float, cfg: AllocationConfig = Allocati
         )
     widest = float(cost[:, -1].sum()) if regular else float(sum(c[o[-1]] for c, o in zip(cost, order)))
     binding = widest > budget
-    if not binding:
+    if not binding and widest > need:  # one width per unit (a uniform variant) has nothing to trade
         warnings.warn(f"budget of {avg_bits} bits/weight does not bind: every unit at its widest candidate needs "
                       f"{widest / table.n_weights:.4f} bits/weight, so nothing is traded; lower the budget to compress",
                       stacklevel=2)
@@ -592,14 +591,27 @@ def quantized_copy(
     return qmodel.eval()
 
 
+def baseline_result(
+    model: nn.Module, layers: Mapping[str, nn.Module], weights: dict[str, QuantizedWeight], allocation: Allocation,
+    table: LossTable, exclude: Sequence[str] = (),
+) -> QuantizationResult:
+    """A baseline's :class:`QuantizationResult`: the quantised copy of ``model`` holding
+    ``weights`` (the encodings of ``layers``), and every other weight listed in ``unquantized``
+    with its reason (``exclude``: the patterns the caller left out)."""
+    return QuantizationResult(quantized_copy(model, weights), weights, allocation, table,
+                              unquantized=unquantized_weights(model, dict(layers), tuple(exclude)))
+
+
 # ---- posterior and table --------------------------------------------------------------------------
 
 def fit_posterior(
-    model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig, progress: bool = True
+    model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig, progress: bool = True,
+    *, exclude: Sequence[str] = (),
 ) -> Posterior:
-    """Label-free posterior of the model's Linear/Conv2d weights (``config.posterior.curvature``);
-    batches and errors as :func:`quantize_model`, and ``model`` comes back as it was."""
-    layers = quantizable_layers(model)
+    """Label-free posterior of the model's Linear/Conv2d weights (``config.posterior.curvature``)
+    but those ``exclude`` matches (names or glob patterns, as :func:`quantize_model`); batches and
+    errors as :func:`quantize_model`, and ``model`` comes back as it was."""
+    layers = quantizable_layers(model, tuple(exclude))
     check_finite(layers)
     check_model_finite(model)
     with kept_state(model):

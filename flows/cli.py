@@ -97,8 +97,11 @@ def quantize(
     info = save_export(out, res.model, res.weights, p.quant, res.allocation.total_bits, architecture=model,
                        metadata=meta)
     typer.echo(f"{model} at {budget} bits: {res.average_bits:.4f} bits/weight accounted, "
-               f"{info.payload_avg_bits:.4f} in the file; {info.file_bytes / 1e6:.2f} MB "
+               f"{info.payload_avg_bits:.4f} in the file; {res.average_bits_all:.4f} over all weight matrices "
+               f"({len(res.unquantized)} kept in floating point); {info.file_bytes / 1e6:.2f} MB "
                f"({info.fp_bytes / 1e6:.2f} MB float tensors) -> {out} ({time.perf_counter() - start:.0f} s)")
+    for name, why in res.unquantized.items():
+        typer.echo(f"  floating point: {name} ({why})")
     if res.correction is not None:
         skipped = "".join(f"\n  not corrected: {k} ({why})" for k, why in res.correction.skipped.items())
         typer.echo(f"bias correction: {len(res.correction.targets)} layers' mean outputs restored{skipped}")
@@ -156,7 +159,9 @@ def lineage(file: Path = typer.Argument(..., help="an export (.safetensors)"),
         _fail(str(err))
     rows = {"format": f"{c.metadata['format']} v{c.metadata['format_version']}",
             "content sha256": c.metadata["content_sha256"], "architecture": c.architecture or "-",
-            "accounted bits": c.metadata.get("accounted_bits", "-"), **c.user}
+            "accounted bits": c.metadata.get("accounted_bits", "-"),
+            "avg bits (quantised weights)": c.metadata.get("avg_bits", "-"),
+            "avg bits (all weight matrices)": c.metadata.get("avg_bits_all", "-"), **c.user}
     indices = rows.pop("calibration_indices", None)
     if indices and indices[0].isdigit():
         ids = indices.split(",")

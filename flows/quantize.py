@@ -282,7 +282,8 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     return {
         "model": name, "method": method, "budget": budget, "seed": seed,
         "accuracy": ev["calibration"]["accuracy"], **ev,
-        "avg_bits": allocation.average_bits, "total_bits": allocation.total_bits,
+        "avg_bits": allocation.average_bits, "avg_bits_all": extra["export"]["all_avg_bits"],
+        "total_bits": allocation.total_bits,
         "budget_bits": allocation.budget_bits, "n_weights": allocation.n_weights,
         "quantize_seconds": seconds, "eval_seconds": eval_seconds, "layer_bits": layer_bits, "stats_read": stats_read,
         "reference_read": reference_read, **extra,

@@ -181,7 +181,9 @@ def export_table(records: list[dict]) -> str:
              "bits only by the byte rounding of each packed stream (< 8 bits per stream, three streams "
              "per layer). The fixed overhead the average does not count: the tensors left in floating "
              "point (biases, norms, embeddings; stored as they are) and the safetensors header (JSON "
-             "layouts, bit sets, format version, content hash). Δlogit: largest |logit difference| "
+             "layouts, bit sets, format version, content hash). *All matrices*: bits per weight over every "
+             "floating parameter with two or more dimensions, the quantised ones as in the file and the "
+             "others (embeddings, layers kept in floating point) at their storage width. Δlogit: largest |logit difference| "
              "between the loaded and the in-memory model on 64 test inputs.", ""]
     by_model: dict = defaultdict(list)
     for r in records:
@@ -191,13 +193,14 @@ def export_table(records: list[dict]) -> str:
         seed = min(r["seed"] for r in rs)
         rs = sorted((r for r in rs if r["seed"] == seed), key=lambda r: (r["budget"], r["method"]))
         lines += [f"## {model} (seed {seed}, {rs[0]['n_weights']:,} quantised weights)", "",
-                  "| method | budget | accounted bits/w | payload bits/w | payload − accounted (bits) | "
-                  "file MB | FP tensors MB | header KB | max Δlogit |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| method | budget | accounted bits/w | payload bits/w | all matrices bits/w | "
+                  "payload − accounted (bits) | file MB | FP tensors MB | header KB | max Δlogit |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rs:
             e = r["export"]
             lines.append(f"| {METHOD_LABEL.get(r['method'], r['method'])} | {r['budget']} | {r['avg_bits']:.4f} | "
-                         f"{e['payload_avg_bits']:.4f} | {e['payload_bits'] - e['accounted_bits']} | "
+                         f"{e['payload_avg_bits']:.4f} | {_bits(e.get('all_avg_bits'))} | "
+                         f"{e['payload_bits'] - e['accounted_bits']} | "
                          f"{e['file_bytes'] / 1e6:.3f} | {e['fp_bytes'] / 1e6:.3f} | {e['header_bytes'] / 1e3:.1f} | "
                          f"{e['max_logit_diff']:.1e} |")
         lines.append("")
@@ -207,6 +210,11 @@ def export_table(records: list[dict]) -> str:
 PAIRED_METHODS = ("bayesq", "bayesq-ef", "bayesq-distill", "bayesq-paper")
 PAIRED_BASELINES = ("gptq", "rtn-group")
 PAIRED_METRICS = (("accuracy", "correct", 100.0), ("kl", "kl", 1.0))  # (metric, example array, scale)
+
+
+def _bits(value: float | None) -> str:
+    """``value`` to four decimals, ``-`` for a record written before it was measured."""
+    return "-" if value is None else f"{value:.4f}"
 
 
 def example_file(record: dict, results_dir: Path) -> Path | None:

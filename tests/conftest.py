@@ -30,6 +30,11 @@ def _no_cuda() -> bool:
 if _no_cuda():  # Triton kernels run in its interpreter on CPU; read when a kernel is first defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of several worker processes: one core each
+    import torch
+
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def prefect_harness():

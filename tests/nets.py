@@ -12,6 +12,24 @@ class SamePadConv(nn.Conv2d):
         return F.conv2d(F.pad(x, [0, 1, 0, 1]), self.weight, self.bias, self.stride, 0, 1, self.groups)
 
 
+class AttentionModel(nn.Module):
+    """Embedding, nn.MultiheadAttention (a raw in_proj_weight; out_proj never called as a
+    module), two Linear layers; takes (B, T) token ids below 40."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(40, 32)
+        self.attn = nn.MultiheadAttention(32, 2, batch_first=True)
+        self.fc = nn.Linear(32, 64)
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        x, _ = self.attn(x, x, x)
+        return self.head(torch.relu(self.fc(x.mean(1))))
+
+
 class TokenModel(nn.Module):
     """Per-token Linear, tanh, masked sum-pool, Linear; takes dict batches (input_ids, mask).
 

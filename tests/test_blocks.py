@@ -41,3 +41,15 @@ def test_layer_blocks_with_unit_counts(unit, expect_units):
         assert sizes == [(20, 2)] * 5
     with pytest.raises(ValueError, match="allocation unit"):
         lb.with_unit("layer", 16, 2)
+
+
+def test_kept_matrices_counts_shared_parameters_once():
+    from torch import nn
+
+    from bayesq.blocks import kept_matrices
+
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False), nn.Linear(10, 10))
+    model[1].weight = model[0].weight  # tied (10, 4): the output layer shares the embedding table
+    assert kept_matrices(model, ["2"]) == (40, 40 * 32)  # the tied table once
+    assert kept_matrices(model, ["1", "2"]) == (0, 0)  # quantised in one of its places: not kept
+    assert kept_matrices(model.double(), []) == (140, 140 * 64)

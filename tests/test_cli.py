@@ -52,7 +52,8 @@ def test_cli_quantize_writes_export_and_lineage_reads_it(tiny_models, one_thread
     res = runner.invoke(app, ["quantize", "tiny-cnn", "--budget", "4.0", "--out", str(out), "--params", str(params),
                               "--models", str(tiny_models / "models"), "--raw", str(tiny_models)])
     assert res.exit_code == 0, res.output
-    assert "bits/weight accounted" in res.output and out.is_file()
+    assert "bits/weight accounted" in res.output and "over all weight matrices (0 kept in floating point)" in res.output
+    assert out.is_file()
     assert "bias correction:" in res.output and "layers' mean outputs restored" in res.output
     model = load(out)
     assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 4)
@@ -63,6 +64,10 @@ def test_cli_quantize_writes_export_and_lineage_reads_it(tiny_models, one_thread
                 "dataset_digest", "posterior", "fitted in this run"):
         assert key in res.output, key
     assert "checkpoint" in res.output and ": ok" in res.output
+    avg = {k: line.split()[-1] for line in res.output.splitlines() for k in ("quantised weights", "all weight matrices")
+           if k in line}
+    assert float(avg["quantised weights"]) <= 4.0
+    assert avg["all weight matrices"] == avg["quantised weights"]  # every matrix of the tiny CNN is quantised
     ckpt = tiny_models / "models" / "tiny-cnn" / "model.safetensors"
     ckpt.write_bytes(ckpt.read_bytes() + b" ")  # the checkpoint changed after the export
     res = runner.invoke(app, ["lineage", str(out), "--check"])

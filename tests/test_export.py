@@ -257,6 +257,31 @@ def test_export_embedded_models_round_trip(tmp_path, name, one_thread):
     assert math.isclose(info.payload_avg_bits, res.average_bits, rel_tol=1e-3)
 
 
+def test_save_export_all_avg_bits_vs_result(tmp_path):
+    from safetensors import safe_open
+
+    from bayesq.baselines.rtn import rtn_quantize
+    from nets import AttentionModel
+
+    model = AttentionModel().eval()
+    res = rtn_quantize(model, Granularity.GROUP, 4.0, QuantConfig(group_size=16), exclude=["attn.out_proj"])
+    assert set(res.unquantized) == {"emb.weight", "attn.in_proj_weight", "attn.out_proj.weight"}
+    path = tmp_path / "m.safetensors"
+    info = save_export(path, res.model, res.weights, QuantConfig(group_size=16), res.allocation.total_bits)
+    kept = [model.emb.weight, model.attn.in_proj_weight, model.attn.out_proj.weight]
+    assert info.fp_matrix_weights == sum(p.numel() for p in kept)
+    assert info.fp_matrix_bits == 32 * info.fp_matrix_weights
+    n_all = info.n_weights + info.fp_matrix_weights
+    assert info.all_avg_bits == pytest.approx((info.payload_bits + info.fp_matrix_bits) / n_all, rel=1e-12)
+    # the file's payload exceeds the accounted bits by the byte rounding of its packed streams only
+    assert abs(info.all_avg_bits - res.average_bits_all) <= 8 * 3 * len(res.weights) / n_all
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    assert float(meta["avg_bits_all"]) == pytest.approx(res.average_bits_all, abs=1e-6)
+    assert float(meta["avg_bits"]) == pytest.approx(res.average_bits, abs=1e-6)
+    assert res.average_bits <= 4.0 < 20 < res.average_bits_all
+
+
 _QUANTIZE_SCRIPT = """
 import sys
 import torch

@@ -109,6 +109,7 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
         assert Path(ex["path"]).stat().st_size == ex["file_bytes"]
         assert r["total_bits"] <= ex["payload_bits"] < r["total_bits"] + 8 * 3 * 4  # byte rounding only
         assert ex["max_logit_diff"] == 0.0
+        assert r["avg_bits_all"] == ex["all_avg_bits"] == ex["payload_avg_bits"]  # the tiny CNN: every matrix quantised
     _check_examples(records, results, next(r for r in everything if r["method"] == "fp"))
     assert read_json(results / "results.json") == everything
     # calibration summary on every row; shifted data on the robustness rows at 3.0 bits
@@ -164,6 +165,7 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     assert (reports / "layer_bits_tiny-cnn.png").stat().st_size > 0
     exports_md = (reports / "exports.md").read_text()
     assert "## tiny-cnn" in exports_md and exports_md.count("| BayesQ |") == 2  # both budgets
+    assert "all matrices bits/w" in exports_md and f"| {bq['avg_bits_all']:.4f} |" in exports_md
     metrics = read_json(reports / "metrics.json")
     assert set(metrics["tiny-cnn"]) >= {"fp_accuracy", "bayesq@3.0", "rtn-tensor@4.0"}
     assert "kl_mean" in metrics["tiny-cnn"]["bayesq@3.0"]

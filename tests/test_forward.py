@@ -1,4 +1,6 @@
+import pytest
 import torch
+from torch import nn
 
 from bayesq.baselines.activations import input_stats
 from bayesq.blocks import quantizable_layers
@@ -146,3 +148,10 @@ def test_kept_state_restores_modes_requires_grad_and_grads():
     assert [p.requires_grad for p in model.parameters()] == [True, True, False, True]
     for n, p in model.named_parameters():
         assert (p.grad is None) == (grads[n] is None) and (p.grad is None or torch.equal(p.grad, grads[n]))
+
+
+def test_logits_of_another_rank_name_the_shape():
+    lm = nn.Linear(4, 7)  # applied per token: (B, T, V) logits, as a causal language model returns
+    with pytest.raises(ValueError, match=r"shape \(2, 3, 7\).*language model"):
+        logits(lm, torch.randn(2, 3, 4))
+    assert logits(lm, torch.randn(2, 4)).shape == (2, 7)

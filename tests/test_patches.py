@@ -17,6 +17,10 @@ CONVS = {
     "same-even-kernel": dict(kernel_size=(2, 4), padding="same", padding_mode="reflect"),
     "groups-stride": dict(kernel_size=3, padding=(1, 0), groups=2, stride=(2, 1)),
     "depthwise": dict(kernel_size=5, padding=2, groups=4, padding_mode="circular"),
+    "pointwise": dict(kernel_size=1),
+    "pointwise-groups": dict(kernel_size=1, groups=2),
+    "pointwise-padded": dict(kernel_size=1, padding=1, padding_mode="reflect"),
+    "pointwise-stride": dict(kernel_size=1, stride=2),
 }
 
 
@@ -53,3 +57,16 @@ def test_per_example_grad_vs_autograd(name):
     for n in range(len(x)):  # the loss is a sum over examples: example n's gradient alone
         ref = torch.autograd.grad((mod(x[n:n + 1]) * target[n:n + 1]).sum(), mod.weight)[0]
         torch.testing.assert_close(fast[n], ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["pointwise", "pointwise-groups"])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_input_rows_pointwise_view_vs_unfold(name, layout):
+    import torch.nn.functional as F
+
+    conv = _conv(CONVS[name])
+    x = torch.randn(3, 4, 5, 7, dtype=torch.float64).to(memory_format=layout)
+    rows = input_rows(conv, x, conv(x).shape, widen=False)
+    ref = F.unfold(x, 1).reshape(3, conv.groups, -1, 35).transpose(2, 3)  # the general path's patches
+    assert rows.shape == ref.shape and torch.equal(rows, ref)
+    assert rows.data_ptr() == x.data_ptr()  # no copy

@@ -19,3 +19,29 @@ def test_library_import_loads_no_pipeline_tools():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+PIPELINE_STACK = {"prefect", "prefect-dask", "mlflow", "dvc", "dask", "distributed", "fastapi", "typer"}
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s=<>~!;\[]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_core_dependencies_exclude_the_pipeline_stack_and_cover_library_imports():
+    import tomllib
+    from importlib.metadata import packages_distributions, requires
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {_name(r) for r in project["dependencies"]}
+    assert not core & PIPELINE_STACK
+    assert PIPELINE_STACK <= {_name(r) for r in project["optional-dependencies"]["pipeline"]}
+    allowed = set(core)  # the core pins and what they pull in themselves (pillow, triton, ...)
+    for dist in core:
+        allowed |= {_name(r) for r in requires(dist) or () if "extra ==" not in r}
+    top_level = re.compile(r"^(?:import|from)\s+([A-Za-z_]\w*)", re.M)  # module-level imports only
+    modules = {m for p in (ROOT / "bayesq").rglob("*.py") for m in top_level.findall(p.read_text())}
+    dists = packages_distributions()
+    third_party = {m: {_name(d) for d in dists[m]} for m in modules - {"bayesq"} if m in dists}
+    missing = {m: d for m, d in third_party.items() if not d & allowed}
+    assert not missing, f"bayesq/ imports at module level what only an extra installs: {missing}"

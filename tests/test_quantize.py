@@ -2,7 +2,10 @@ import pytest
 import torch
 from torch import nn
 
+from nets import AttentionModel
+
 from bayesq import BayesQConfig, QuantConfig, quantize_model
+from bayesq.quantize import fit_posterior
 from bayesq.baselines.rtn import rtn_quantize
 from bayesq.config import DistillConfig, Granularity, replace
 
@@ -158,28 +161,20 @@ def test_quantize_model_budget_that_does_not_bind_warns_and_says_so():
     with pytest.warns(UserWarning, match="budget of 9.0 bits/weight does not bind: every unit at its widest"):
         res = quantize_model(_model(), _calibration(), BayesQConfig(budget=9.0, quant=CFG), progress=False)
     assert not res.allocation.binding and res.allocation.average_bits < 9.0
+
+
+def test_rtn_single_width_slack_budget_records_without_warning():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one width per unit (a baseline's uniform variant): nothing to trade
+        res = rtn_quantize(_model(), Granularity.GROUP, 6.0, replace(CFG, bits=(3,)))
+    assert not res.allocation.binding
     assert quantize_model(_model(), _calibration(), BayesQConfig(budget=4.0, quant=CFG), progress=False).allocation.binding
 
 
-class _Mixed(nn.Module):
-    """Embedding, nn.MultiheadAttention (a raw in_proj_weight), two Linear layers."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(40, 32)
-        self.attn = nn.MultiheadAttention(32, 2, batch_first=True)
-        self.fc = nn.Linear(32, 64)
-        self.head = nn.Linear(64, 3)
-
-    def forward(self, ids):
-        x = self.emb(ids)
-        x, _ = self.attn(x, x, x)
-        return self.head(torch.relu(self.fc(x.mean(1))))
-
-
 def test_quantize_model_exclude_globs_and_every_weight_accounted():
-    model = _Mixed().eval()
+    model = AttentionModel().eval()
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 40, (8, 5), generator=g) for _ in range(3)]
     res = quantize_model(model, batches, BayesQConfig(budget=3.0, quant=CFG), progress=False, exclude=["attn*"])
@@ -193,6 +188,11 @@ def test_quantize_model_exclude_globs_and_every_weight_accounted():
     assert res.allocation.n_weights == model.fc.weight.numel() + model.head.weight.numel()
     assert res.average_bits_all == pytest.approx((res.allocation.total_bits + fp_bits) / n_all, rel=1e-12)
     assert res.average_bits <= 3.0 < res.average_bits_all
+    post = fit_posterior(model, batches, BayesQConfig(quant=CFG), progress=False, exclude=["attn*"])
+    assert set(post.mean) == {"fc", "head"}  # the excluded module never ran as a module: nothing to fit
+    again = quantize_model(model, batches, BayesQConfig(budget=3.0, quant=CFG), progress=False, exclude=["attn*"],
+                           posterior=post)
+    assert all(torch.equal(again.weights[k].dequantize(), res.weights[k].dequantize()) for k in res.weights)
 
 
 def test_quantize_model_unsupported_layer_raises():

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nets import TokenModel
+from nets import AttentionModel, TokenModel
 
 from bayesq.baselines.rtn import rtn_quantize
 from bayesq.baselines.select import (
@@ -240,3 +240,53 @@ def test_encoding_config_exports_exactly_the_accounted_bits(tmp_path, variant):
         assert torch.equal(q.dequantize(), res.weights[n].dequantize())
     with pytest.raises(ValueError, match="accounts"):  # CFG's 4-width bit set would add unit headers
         save_export(tmp_path / "bad.safetensors", res.model, res.weights, CFG, res.allocation.total_bits)
+
+
+# ---- every baseline: exclusion and the accounting of every weight -------------------------------
+
+BUDGET = 4.0  # group 16: scales and zero-points alone cost about a bit per weight
+
+
+def _baseline_runs(model, batches, exclude):
+    from bayesq.baselines.aciq import aciq_quantize
+    from bayesq.baselines.awq import awq_quantize, awq_select
+    from bayesq.baselines.gptq import gptq_quantize, gptq_select
+    from bayesq.baselines.hawq import hawq_quantize, hessian_traces
+
+    stats = input_stats(model, batches, quantizable_layers(model, tuple(exclude)))
+    return {
+        "rtn": lambda: rtn_quantize(model, Granularity.GROUP, BUDGET, CFG, exclude=exclude),
+        "aciq": lambda: aciq_quantize(model, BUDGET, CFG, exclude=exclude),
+        "gptq": lambda: gptq_quantize(model, stats, Granularity.GROUP, BUDGET, CFG, exclude=exclude),
+        "gptq_select": lambda: gptq_select(model, stats, batches, BUDGET, CFG, group_sizes=GROUP_SIZES,
+                                           bias_correction=True, exclude=exclude).result,
+        "awq": lambda: awq_quantize(model, stats, BUDGET, CFG, exclude=exclude),
+        "awq_select": lambda: awq_select(model, stats, batches, BUDGET, CFG, group_sizes=GROUP_SIZES,
+                                         exclude=exclude).result,
+        "hawq": lambda: hawq_quantize(model, hessian_traces(model, batches, probes=2, exclude=exclude), BUDGET, CFG,
+                                      exclude=exclude),
+    }
+
+
+@pytest.mark.parametrize("method", ["rtn", "aciq", "gptq", "gptq_select", "awq", "awq_select", "hawq"])
+def test_baselines_exclude_lists_every_other_weight(method):
+    model = AttentionModel().double().eval()
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 40, (8, 5), generator=g) for _ in range(3)]
+    res = _baseline_runs(model, batches, ["attn*"])[method]()
+    assert set(res.weights) == {"fc", "head"}
+    assert set(res.unquantized) == {"emb.weight", "attn.in_proj_weight", "attn.out_proj.weight"}
+    assert "matches exclude" in res.unquantized["attn.out_proj.weight"]
+    n_all = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    fp_bits = 64 * (n_all - res.allocation.n_weights)  # float64 model: 64 bits per kept weight
+    assert res.average_bits_all == pytest.approx((res.allocation.total_bits + fp_bits) / n_all, rel=1e-12)
+    assert res.average_bits <= BUDGET
+    x = batches[0]
+    assert torch.equal(res.model.attn.in_proj_weight, model.attn.in_proj_weight)
+    assert torch.isfinite(res.model(x)).all()
+
+
+def test_input_stats_unseen_layer_names_exclude():
+    model = AttentionModel().double().eval()  # attn.out_proj is never called as a module
+    with pytest.raises(ValueError, match=r"attn\.out_proj.*exclude="):
+        input_stats(model, [torch.randint(0, 40, (4, 5))], quantizable_layers(model))

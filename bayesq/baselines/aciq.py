@@ -16,6 +16,7 @@ zero-point per channel. Fractional budgets: the greedy knapsack over units of ab
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import lru_cache
 
 import torch
@@ -26,7 +27,7 @@ from bayesq.blocks import checked_layers, layer_blocks
 from bayesq.codebook import UniformGrids, grids_from_range
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import rtn_table
-from bayesq.quantize import QuantizationResult, allocate, encode, quantized_copy
+from bayesq.quantize import QuantizationResult, allocate, baseline_result, encode
 
 
 def laplace_clip_mse(alpha: float, bits: int) -> float:
@@ -59,14 +60,15 @@ def aciq_grids(w: torch.Tensor, bits: int, mask: torch.Tensor, scale_bits: int =
 
 def aciq_quantize(
     model: nn.Module, budget: float, cfg: QuantConfig = QuantConfig(),
-    *, granularity: Granularity = Granularity.CHANNEL,
+    *, granularity: Granularity = Granularity.CHANNEL, exclude: Sequence[str] = (),
 ) -> QuantizationResult:
-    """ACIQ at ``budget`` average bits (all metadata counted), one clipped grid per channel."""
-    layers = checked_layers(model)
+    """ACIQ at ``budget`` average bits (all metadata counted), one clipped grid per channel;
+    ``exclude``: module names or glob patterns kept in floating point (the result's ``unquantized``)."""
+    layers = checked_layers(model, exclude=exclude)
     blocks = rtn_blocks(layer_blocks(layers, cfg.group_size, cfg.unit_groups), Granularity(granularity), cfg)
     weights = {n: m.weight for n, m in layers.items()}
     table = rtn_table(weights, blocks, cfg,
                       grids=lambda w, b, mask: aciq_grids(w, b, mask, cfg.scale_bits))
     allocation = allocate(table, budget)
     qweights = encode(table, allocation, weights)
-    return QuantizationResult(quantized_copy(model, qweights), qweights, allocation, table)
+    return baseline_result(model, layers, qweights, allocation, table, exclude)

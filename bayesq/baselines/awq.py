@@ -43,7 +43,7 @@ from bayesq.codebook import minmax_grids
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch
-from bayesq.quantize import QuantizationResult, allocate, encode, quantized_copy
+from bayesq.quantize import QuantizationResult, allocate, baseline_result, encode
 from bayesq.storage import budget_bits
 
 GRID = 20
@@ -133,16 +133,17 @@ def _add_scale_cost(table: LossTable, extra: dict[str, int]) -> LossTable:
 
 def awq_quantize(
     model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(),
-    *, granularity: Granularity = Granularity.GROUP, grid: int = GRID,
+    *, granularity: Granularity = Granularity.GROUP, grid: int = GRID, exclude: Sequence[str] = (),
 ) -> QuantizationResult:
     """AWQ at ``budget`` average bits (codes, grids, headers and the stored scales counted).
 
-    ``grid``: exponents searched, ``alpha = i / grid`` for i < grid.
+    ``grid``: exponents searched, ``alpha = i / grid`` for i < grid. ``exclude``: module names or glob patterns kept in floating point (the result's
+    ``unquantized``; they need no statistics).
 
     Raises:
         ValueError: missing stats, an infeasible budget, non-finite weights.
     """
-    layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model")
+    layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     blocks = baseline_blocks(layers, Granularity(granularity), cfg)
     ref_bits = max((b for b in cfg.bits if b <= budget), default=min(cfg.bits))
     scaled, omega, col_scale, extra = {}, {}, {}, {}
@@ -164,30 +165,35 @@ def awq_quantize(
     allocation = allocate(table, budget)
     qweights = encode(table, allocation, scaled)
     qweights = {n: replace(q, col_scale=col_scale.get(n)) for n, q in qweights.items()}
-    return QuantizationResult(quantized_copy(model, qweights), qweights, allocation, table)
+    return baseline_result(model, layers, qweights, allocation, table, exclude)
 
 
 def awq_candidates(
     model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(), *,
     granularity: Granularity = Granularity.GROUP, group_sizes: Sequence[int] = GROUP_SIZES, grid: int = GRID,
+    exclude: Sequence[str] = (),
 ) -> dict[str, Callable[[], QuantizationResult]]:
     """Budget-feasible AWQ variants, unbuilt: ``mixed`` (:func:`awq_quantize` at ``granularity``)
     when its cheapest allocation fits, and ``uniform-<b>-g<G>`` / ``uniform-<b>-channel`` for
     each width of ``cfg.bits`` with a fitting layout from ``group_sizes`` (scale search at
     that width). The stored scales (:func:`scale_bits_total`) are counted in every variant.
+    ``exclude``: module names or glob patterns kept in floating point (the result's
+    ``unquantized``; they need no statistics).
 
     Raises:
         ValueError: missing stats, or no variant fits the budget (naming the minimum feasible one).
     """
     granularity = Granularity(granularity)
-    layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model")
+    layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     n = sum(m.weight.numel() for m in layers.values())
     extra = scale_bits_total(layers, stats)
     out: dict[str, Callable[[], QuantizationResult]] = {}
     if mixed_min_bits(layers, granularity, cfg, extra) <= budget_bits(budget, n):
-        out["mixed"] = partial(awq_quantize, model, stats, budget, cfg, granularity=granularity, grid=grid)
+        out["mixed"] = partial(awq_quantize, model, stats, budget, cfg, granularity=granularity, grid=grid,
+                               exclude=exclude)
     for v in uniform_variants(layers, budget, cfg, group_sizes, extra):
-        out[v.name] = partial(awq_quantize, model, stats, budget, v.config(cfg), granularity=v.granularity, grid=grid)
+        out[v.name] = partial(awq_quantize, model, stats, budget, v.config(cfg), granularity=v.granularity,
+                              grid=grid, exclude=exclude)
     check_feasible(out, "AWQ", budget, cheapest_bits(layers, granularity, cfg, group_sizes, extra))
     return out
 
@@ -197,6 +203,7 @@ def awq_select(
     cfg: QuantConfig = QuantConfig(), *, granularity: Granularity = Granularity.GROUP,
     group_sizes: Sequence[int] = GROUP_SIZES, grid: int = GRID, bias_correction: bool = False,
     selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
+    exclude: Sequence[str] = (),
 ) -> BaselineChoice:
     """The AWQ variant of :func:`awq_candidates` with the least mean calibration
     ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from); ``bias_correction``:
@@ -208,7 +215,8 @@ def awq_select(
     Raises:
         ValueError: as :func:`awq_candidates`; an empty ``batches``.
     """
-    cands = awq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes, grid=grid)
+    cands = awq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes, grid=grid,
+                           exclude=exclude)
     batches = list(batches)  # read by the correction's target search and by the selection
     correction = stats_correction(model, stats, batches) if bias_correction else None
     return select_best(cands, model, batches if selection is None else selection, correction, reference)

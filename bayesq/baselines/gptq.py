@@ -40,7 +40,7 @@ from bayesq.config import Granularity, QuantConfig, Rounding
 from bayesq.error_feedback import damped_metric
 from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch
-from bayesq.quantize import Allocation, QuantizationResult, allocate, encode, quantized_copy
+from bayesq.quantize import Allocation, QuantizationResult, allocate, baseline_result, encode
 from bayesq.storage import budget_bits
 
 DAMP = 0.01
@@ -72,17 +72,17 @@ def _table(layers: dict[str, nn.Module], stats: dict[str, InputStats], blocks: l
 
 
 def _solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, InputStats], table: LossTable,
-           allocation: Allocation, act_order: bool, damp: float) -> QuantizationResult:
+           allocation: Allocation, act_order: bool, damp: float, exclude: Sequence[str]) -> QuantizationResult:
     """GPTQ's error-feedback codes on the grids of ``allocation``'s bit-widths."""
     metric = {n: damped_hessian(stats[n].H, damp) for n in layers}
     qweights = encode(table, allocation, {n: m.weight for n, m in layers.items()},
                       rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, act_order=act_order)
-    return QuantizationResult(quantized_copy(model, qweights), qweights, allocation, table)
+    return baseline_result(model, layers, qweights, allocation, table, exclude)
 
 
 def gptq_quantize(
     model: nn.Module, stats: dict[str, InputStats], granularity: Granularity, budget: float,
-    cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP,
+    cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP, exclude: Sequence[str] = (),
 ) -> QuantizationResult:
     """GPTQ at ``budget`` average bits (all metadata counted) with channel or group grids.
 
@@ -91,20 +91,22 @@ def gptq_quantize(
         stats: :func:`bayesq.baselines.activations.input_stats` of the model's layers.
         granularity: ``channel`` (one grid per output row) or ``group`` (``cfg.group_size``).
         budget: average bits per quantised weight.
+        exclude: module names or glob patterns kept in floating point (the result's
+            ``unquantized``; they need no statistics).
 
     Raises:
         ValueError: per-tensor granularity (GPTQ uses channel or group grids), missing stats,
             an infeasible budget, non-finite weights.
     """
     granularity = _granularity(granularity)
-    layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model")
+    layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     table = _table(layers, stats, baseline_blocks(layers, granularity, cfg), cfg)
-    return _solve(model, layers, stats, table, allocate(table, budget), act_order, damp)
+    return _solve(model, layers, stats, table, allocate(table, budget), act_order, damp, exclude)
 
 
 def gptq_allocation_quantize(
     model: nn.Module, stats: dict[str, InputStats], unit_bits: Mapping[str, Sequence[int]], budget: float,
-    cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP,
+    cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP, exclude: Sequence[str] = (),
 ) -> QuantizationResult:
     """GPTQ's error-feedback solver on a supplied allocation (e.g. BayesQ's ``Allocation.unit_bits``).
 
@@ -114,35 +116,37 @@ def gptq_allocation_quantize(
 
     Args:
         unit_bits: layer name -> bit-width of each unit, every width in ``cfg.bits``.
+        exclude: as :func:`gptq_quantize`.
 
     Raises:
         ValueError: missing stats, a layer's unit count or a width not matching ``cfg``, a cost
             above the budget, non-finite weights.
     """
-    layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model")
+    layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     table = _table(layers, stats, layer_blocks(layers, cfg.group_size, cfg.unit_groups, cfg.unit.value), cfg)
-    return _solve(model, layers, stats, table, given_allocation(table, unit_bits, budget), act_order, damp)
+    return _solve(model, layers, stats, table, given_allocation(table, unit_bits, budget), act_order, damp, exclude)
 
 
 def gptq_candidates(
     model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(), *,
     granularity: Granularity = Granularity.GROUP, group_sizes: Sequence[int] = GROUP_SIZES,
     allocation: Mapping[str, Sequence[int]] | None = None, act_order: bool = True, damp: float = DAMP,
+    exclude: Sequence[str] = (),
 ) -> dict[str, Callable[[], QuantizationResult]]:
     """Budget-feasible GPTQ variants (module docstring of :mod:`bayesq.baselines.select`), unbuilt.
 
     ``mixed`` (:func:`gptq_quantize` at ``granularity``) when its cheapest allocation fits,
     ``uniform-<b>-g<G>`` / ``uniform-<b>-channel`` for each width of ``cfg.bits`` with a fitting
     layout from ``group_sizes``, and ``allocation`` (:func:`gptq_allocation_quantize`) unless
-    ``allocation`` is None.
+    ``allocation`` is None. ``exclude``: as :func:`gptq_quantize`.
 
     Raises:
         ValueError: missing stats, or no variant fits the budget (naming the minimum feasible one).
     """
     granularity = _granularity(granularity)
-    layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model")
+    layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     n = sum(m.weight.numel() for m in layers.values())
-    opts = dict(act_order=act_order, damp=damp)
+    opts = dict(act_order=act_order, damp=damp, exclude=exclude)
     out: dict[str, Callable[[], QuantizationResult]] = {}
     if mixed_min_bits(layers, granularity, cfg) <= budget_bits(budget, n):
         out["mixed"] = partial(gptq_quantize, model, stats, granularity, budget, cfg, **opts)
@@ -160,6 +164,7 @@ def gptq_select(
     group_sizes: Sequence[int] = GROUP_SIZES, allocation: Mapping[str, Sequence[int]] | None = None,
     act_order: bool = True, damp: float = DAMP, bias_correction: bool = False,
     selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
+    exclude: Sequence[str] = (),
 ) -> BaselineChoice:
     """The GPTQ variant of :func:`gptq_candidates` with the least mean calibration
     ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from); ``bias_correction``:
@@ -172,7 +177,7 @@ def gptq_select(
         ValueError: as :func:`gptq_candidates`; an empty ``batches``.
     """
     cands = gptq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes,
-                            allocation=allocation, act_order=act_order, damp=damp)
+                            allocation=allocation, act_order=act_order, damp=damp, exclude=exclude)
     batches = list(batches)  # read by the correction's target search and by the selection
     correction = stats_correction(model, stats, batches) if bias_correction else None
     return select_best(cands, model, batches if selection is None else selection, correction, reference)

@@ -15,7 +15,7 @@ knapsack on ``Omega`` under the same budget and the same exact storage accountin
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -25,14 +25,16 @@ from bayesq.config import QuantConfig
 from bayesq.curvature.hutchinson import hutchinson_diagonal
 from bayesq.expected_loss import rtn_table
 from bayesq.forward import Batch
-from bayesq.quantize import QuantizationResult, allocate, encode, quantized_copy
+from bayesq.quantize import QuantizationResult, allocate, baseline_result, encode
 
 
 def hessian_traces(
     model: nn.Module, calibration: Iterable[Batch], *, probes: int = 16, seed: int = 0, progress: bool = False,
+    exclude: Sequence[str] = (),
 ) -> dict[str, float]:
-    """Per-layer Hutchinson estimate of ``Tr(H_l)`` (mean over inputs), float, clamped at 0."""
-    layers = quantizable_layers(model)
+    """Per-layer Hutchinson estimate of ``Tr(H_l)`` (mean over inputs), float, clamped at 0, of
+    the layers ``exclude`` (module names or glob patterns) does not match."""
+    layers = quantizable_layers(model, tuple(exclude))
     curv, n = hutchinson_diagonal(model, calibration, layers, probes=probes, curvature="hessian",
                                   seed=seed, progress=progress)
     return {k: max(float(v.sum()) / n, 0.0) for k, v in curv.items()}
@@ -40,13 +42,15 @@ def hessian_traces(
 
 def hawq_quantize(
     model: nn.Module, traces: dict[str, float], budget: float, cfg: QuantConfig = QuantConfig(),
+    *, exclude: Sequence[str] = (),
 ) -> QuantizationResult:
-    """HAWQ-style per-layer bit-widths at ``budget`` average bits (all metadata counted).
+    """HAWQ-style per-layer bit-widths at ``budget`` average bits (all metadata counted);
+    ``exclude``: module names or glob patterns kept in floating point (the result's ``unquantized``).
 
     Raises:
         ValueError: missing traces, an infeasible budget, non-finite weights.
     """
-    layers = checked_layers(model, traces, "Hessian trace", "run hessian_traces on the same model")
+    layers = checked_layers(model, traces, "Hessian trace", "run hessian_traces on the same model", exclude)
     blocks = []
     for n, m in layers.items():
         shape = tuple(m.weight.shape)
@@ -58,4 +62,4 @@ def hawq_quantize(
     table = rtn_table(weights, blocks, cfg, element_weight=omega)
     allocation = allocate(table, budget)
     qweights = encode(table, allocation, weights)
-    return QuantizationResult(quantized_copy(model, qweights), qweights, allocation, table)
+    return baseline_result(model, layers, qweights, allocation, table, exclude)

@@ -7,12 +7,14 @@ weights, whole tensors for per-tensor grids), under the same exact storage accou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import rtn_table
-from bayesq.quantize import QuantizationResult, allocate, encode, quantized_copy
+from bayesq.quantize import QuantizationResult, allocate, baseline_result, encode
 
 
 def rtn_blocks(blocks: list[LayerBlocks], granularity: Granularity, cfg: QuantConfig) -> list[LayerBlocks]:
@@ -26,13 +28,15 @@ def rtn_blocks(blocks: list[LayerBlocks], granularity: Granularity, cfg: QuantCo
 
 
 def rtn_quantize(
-    model: nn.Module, granularity: Granularity, budget: float, cfg: QuantConfig = QuantConfig()
+    model: nn.Module, granularity: Granularity, budget: float, cfg: QuantConfig = QuantConfig(),
+    *, exclude: Sequence[str] = (),
 ) -> QuantizationResult:
-    """RTN at ``budget`` average bits (all metadata counted) with the given scale granularity."""
-    layers = checked_layers(model)
+    """RTN at ``budget`` average bits (all metadata counted) with the given scale granularity;
+    ``exclude``: module names or glob patterns kept in floating point (the result's ``unquantized``)."""
+    layers = checked_layers(model, exclude=exclude)
     blocks = rtn_blocks(layer_blocks(layers, cfg.group_size, cfg.unit_groups), Granularity(granularity), cfg)
     weights = {n: m.weight for n, m in layers.items()}
     table = rtn_table(weights, blocks, cfg)
     allocation = allocate(table, budget)
     qweights = encode(table, allocation, weights)
-    return QuantizationResult(quantized_copy(model, qweights), qweights, allocation, table)
+    return baseline_result(model, layers, qweights, allocation, table, exclude)

@@ -36,13 +36,20 @@ def explicit_padding(mod: nn.Conv2d, a: torch.Tensor, out_hw: tuple[int, int]) -
     return a
 
 
+def _pointwise(mod: nn.Conv2d) -> bool:
+    """A 1x1 convolution with stride 1 and no padding: each patch is one pixel's channels."""
+    return (tuple(mod.kernel_size) == (1, 1) and tuple(mod.stride) == (1, 1)
+            and not any(mod._reversed_padding_repeated_twice))
+
+
 def input_rows(mod: nn.Module, a: torch.Tensor, out_shape: torch.Size, widen: bool = True) -> torch.Tensor:
     """Layer inputs as rows of the weight's column space: (N, groups, T, d_in), float64 when
     ``widen`` (else the input's dtype).
 
     Linear: (N, ..., in) -> (N, 1, T, in).  Conv2d: unfolded patches per group,
     (N, groups, L, in/groups*kh*kw) with L = out_h*out_w (a transposed view of the unfolded
-    (N, groups, d_in, L) tensor); ``out_shape``: the layer output's shape (N, out, out_h, out_w).
+    (N, groups, d_in, L) tensor; a 1x1 convolution with stride 1 and no padding skips the
+    unfolding copy: a view of the input); ``out_shape``: the layer output's shape (N, out, out_h, out_w).
     """
     n = a.shape[0]
     if widen:
@@ -50,6 +57,8 @@ def input_rows(mod: nn.Module, a: torch.Tensor, out_shape: torch.Size, widen: bo
     if isinstance(mod, nn.Linear):
         return a.reshape(n, 1, -1, a.shape[-1])  # (N, 1, T, in)
     out_hw = (int(out_shape[-2]), int(out_shape[-1]))
+    if _pointwise(mod) and tuple(a.shape[-2:]) == out_hw:  # 1x1: the patches are the pixels, a view
+        return a.reshape(n, mod.groups, -1, out_hw[0] * out_hw[1]).transpose(2, 3)
     a = explicit_padding(mod, a, out_hw)
     cols = F.unfold(a, mod.kernel_size, dilation=mod.dilation, stride=mod.stride)  # (N, C*kh*kw, L)
     cols = cols.reshape(n, mod.groups, -1, cols.shape[-1])  # (N, groups, d_in, L)
