@@ -198,14 +198,11 @@ def unquantized_weights(model: nn.Module, layers: dict[str, nn.Module], exclude:
 def kept_matrices(model: nn.Module, quantized: Iterable[str]) -> tuple[int, int]:
     """(elements, bits as stored) of the floating parameters of ``model`` with two or more
     dimensions that are not the weight of one of the ``quantized`` modules (names); a parameter
-    shared by several modules counts once, and not at all when one of them is quantised."""
-    modules = dict(model.named_modules())
-    done = {id(modules[name].weight) for name in quantized}
-    n = bits = 0
-    for p in model.parameters():  # each shared parameter once
-        if p.dim() >= 2 and p.is_floating_point() and id(p) not in done:
-            n, bits = n + p.numel(), bits + 8 * p.numel() * p.element_size()
-    return n, bits
+    shared by several modules counts once, and not at all when one of them is quantised: the
+    parameters :func:`unquantized_weights` lists."""
+    modules, params = dict(model.named_modules()), dict(model.named_parameters())
+    kept = [params[name] for name in unquantized_weights(model, {q: modules[q] for q in quantized})]
+    return sum(p.numel() for p in kept), sum(8 * p.numel() * p.element_size() for p in kept)
 
 
 def layer_blocks(

@@ -23,7 +23,8 @@ from bayesq.allocation import (
 from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.bias_correction import BiasCorrection
 from bayesq.blocks import (
-    LayerBlocks, check_finite, check_model_finite, kept_matrices, layer_blocks, quantizable_layers, unquantized_weights,
+    LayerBlocks, check_finite, check_model_finite, kept_matrices, layer_blocks, quantizable_layers,
+    unquantized_weights,
 )
 from bayesq.codebook import UniformGrids
 from bayesq.config import (

@@ -183,7 +183,8 @@ def export_table(records: list[dict]) -> str:
              "point (biases, norms, embeddings; stored as they are) and the safetensors header (JSON "
              "layouts, bit sets, format version, content hash). *All matrices*: bits per weight over every "
              "floating parameter with two or more dimensions, the quantised ones as in the file and the "
-             "others (embeddings, layers kept in floating point) at their storage width. Δlogit: largest |logit difference| "
+             "others (embeddings, layers kept in floating point) at their storage width. Δlogit: "
+             "largest |logit difference| "
              "between the loaded and the in-memory model on 64 test inputs.", ""]
     by_model: dict = defaultdict(list)
     for r in records:

@@ -94,6 +94,7 @@ def input_stats(
         raise ValueError("empty calibration set: GPTQ / AWQ need at least one calibration batch")
     missing = [k for k in layers if k not in sums]
     if missing:
-        raise ValueError(f"layers {missing[:3]} never ran in the forward pass (a weight used functionally, e.g. nn.MultiheadAttention's out_proj): keep them in floating point with exclude=[...] "
-                         "(names or glob patterns)")
+        raise ValueError(f"layers {missing[:3]} never ran in the forward pass (a weight used functionally, "
+                         "e.g. nn.MultiheadAttention's out_proj): keep them in floating point with "
+                         "exclude=[...] (names or glob patterns)")
     return {k: InputStats(h / n, a / t, n, m / t) for k, (h, a, m, t) in sums.items()}

@@ -137,8 +137,8 @@ def awq_quantize(
 ) -> QuantizationResult:
     """AWQ at ``budget`` average bits (codes, grids, headers and the stored scales counted).
 
-    ``grid``: exponents searched, ``alpha = i / grid`` for i < grid. ``exclude``: module names or glob patterns kept in floating point (the result's
-    ``unquantized``; they need no statistics).
+    ``grid``: exponents searched, ``alpha = i / grid`` for i < grid. ``exclude``: module names or
+    glob patterns kept in floating point (the result's ``unquantized``; they need no statistics).
 
     Raises:
         ValueError: missing stats, an infeasible budget, non-finite weights.
