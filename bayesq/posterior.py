@@ -287,6 +287,9 @@ def fit_kfac_posterior(
                      prior_precision=prior, input_moment=moment)
 
 
+ROWS_IN_PASS = (Curvature.FISHER, Curvature.EMPIRICAL_FISHER)  # curvatures whose pass can report the layer inputs
+
+
 def fit_posterior(
     model: nn.Module,
     calibration: Iterable[Batch],
@@ -295,6 +298,7 @@ def fit_posterior(
     *,
     seed: int = 0,
     progress: bool = True,
+    on_rows: Callable[[str, torch.Tensor], None] | None = None,
 ) -> Posterior:
     """Label-free posterior of ``layers``' weights with the curvature ``cfg.curvature``.
 
@@ -302,12 +306,19 @@ def fit_posterior(
     argmax labels; hutchinson-hessian / -ggn: Rademacher probes (``cfg.probes`` per batch);
     kfac / lowrank: Kronecker factors with EMA ``cfg.kfac_decay``. No dataset labels are read.
     The diagonal estimators read the batches regrouped by length (:func:`bayesq.forward.by_length`).
+    ``on_rows``: with a Fisher curvature (``fisher``, ``empirical-fisher``, :data:`ROWS_IN_PASS`),
+    called with each layer's input rows per batch of the same pass, as
+    :func:`forward_inputs` calls it (so one pass also gives the layer-input statistics); with any
+    other curvature a ValueError.
     """
     from bayesq.curvature.fisher import empirical_fisher_diagonal, fisher_diagonal
     from bayesq.curvature.hutchinson import hutchinson_diagonal
 
     weights = {name: m.weight for name, m in layers.items()}
     curv = Curvature(cfg.curvature)
+    if on_rows is not None and curv not in ROWS_IN_PASS:
+        raise ValueError(f"on_rows needs a Fisher curvature pass ({', '.join(c.value for c in ROWS_IN_PASS)}), not "
+                         f"'{curv.value}': take the layer inputs with forward_inputs instead")
     if curv in (Curvature.KFAC, Curvature.LOWRANK):
         decay = cfg.kfac_decay if cfg.kfac_decay < 1 else None
         factors = kfac_factors(model, calibration, layers, decay=decay, label_samples=cfg.label_samples,
@@ -316,9 +327,9 @@ def fit_posterior(
     calibration = by_length(calibration)  # a sum over examples: the batching is free (K-FAC's EMA is not)
     if curv == Curvature.FISHER:
         fisher, n = fisher_diagonal(model, calibration, layers, label_samples=cfg.label_samples,
-                                    seed=seed, progress=progress)
+                                    seed=seed, progress=progress, on_rows=on_rows)
     elif curv == Curvature.EMPIRICAL_FISHER:
-        fisher, n = empirical_fisher_diagonal(model, calibration, layers, progress=progress)
+        fisher, n = empirical_fisher_diagonal(model, calibration, layers, progress=progress, on_rows=on_rows)
     else:
         kind = "hessian" if curv == Curvature.HUTCHINSON_HESSIAN else "ggn"
         fisher, n = hutchinson_diagonal(model, calibration, layers, probes=cfg.probes, curvature=kind,

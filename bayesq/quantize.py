@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from bayesq.allocation import (
     dp_allocate, greedy_allocate, hw_greedy_allocate, lagrangian_allocate, random_allocate,
 )
-from bayesq.baselines.activations import InputStats, input_stats
+from bayesq.baselines.activations import InputStats, StatsSums, input_stats
 from bayesq.bias_correction import BiasCorrection
 from bayesq.blocks import (
     LayerBlocks, check_finite, check_model_finite, kept_matrices, layer_blocks, quantizable_layers,
@@ -28,14 +28,15 @@ from bayesq.blocks import (
 )
 from bayesq.codebook import UniformGrids
 from bayesq.config import (
-    AllocationConfig, Allocator, BayesQConfig, CostTerms, Objective, Proxy, QuantConfig, Rounding, Whitening,
+    AllocationConfig, Allocator, BayesQConfig, CostTerms, Curvature, Objective, PosteriorConfig, Proxy, QuantConfig,
+    Rounding, Whitening,
 )
 from bayesq.error_feedback import coordinate_descent, damped_metric, error_feedback_groups, feedback_gain
 from bayesq.comparison import resolved_choice
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import Book, LossTable, apply_mc_proxy, posterior_table
 from bayesq.forward import Batch, batch_size, kept_state, model_batches
-from bayesq.posterior import Posterior, fit_posterior as _fit_posterior, input_moments
+from bayesq.posterior import ROWS_IN_PASS, Posterior, fit_posterior as _fit_posterior, input_moments
 from bayesq.refit import refit_scales
 from bayesq.storage import average_bits, budget_bits
 
@@ -621,6 +622,26 @@ def fit_posterior(
                               progress=progress)
 
 
+def posterior_and_stats(
+    model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module], cfg: PosteriorConfig,
+    q: QuantConfig, *, seed: int = 0, progress: bool = True,
+) -> tuple[Posterior, dict[str, InputStats] | None]:
+    """The posterior of ``layers`` and, when :func:`needs_input_stats` says the encoding reads
+    them, the layers' input statistics (else None): taken in the posterior's own pass when its
+    curvature allows (:data:`bayesq.posterior.ROWS_IN_PASS`; the same sums as
+    :func:`bayesq.baselines.activations.input_stats`, one pass fewer), else by one more forward
+    pass. ``calibration``: re-iterable batches in the model's dtype; ``model`` in eval mode."""
+    kfac = Curvature(cfg.curvature) in (Curvature.KFAC, Curvature.LOWRANK)
+    wanted = q.bias_correction or (Rounding(q.rounding) == Rounding.ERROR_FEEDBACK and not kfac)
+    sums = StatsSums() if wanted and Curvature(cfg.curvature) in ROWS_IN_PASS else None
+    posterior = _fit_posterior(model, calibration, layers, cfg, seed=seed, progress=progress, on_rows=sums)
+    if not needs_input_stats(posterior, q):
+        return posterior, None
+    if sums is not None:
+        return posterior, sums.stats(layers, posterior.n_examples)
+    return posterior, _input_stats(posterior, model, calibration, progress)
+
+
 def first_inputs(batches: Iterable[Batch], n: int) -> list[Batch]:
     """The first ``n`` inputs of ``batches``, as batches (the last one cut)."""
     out, seen = [], 0
@@ -719,9 +740,10 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
     calibration = model_batches(model, calibration)
     selection = model_batches(model, selection, "selection")
     if posterior is None:
-        posterior = _fit_posterior(model, calibration, layers, config.posterior, seed=config.seed,
-                                   progress=progress)
-    stats = _input_stats(posterior, model, calibration, progress) if needs_input_stats(posterior, q) else None
+        posterior, stats = posterior_and_stats(model, calibration, layers, config.posterior, q, seed=config.seed,
+                                               progress=progress)
+    else:
+        stats = _input_stats(posterior, model, calibration, progress) if needs_input_stats(posterior, q) else None
     metric = ef_column_metric(posterior, q, model, calibration, progress=progress, stats=stats)
     correction = bias_correction(model, stats, calibration) if q.bias_correction else None
     table = build_table(posterior, blocks, q, seed=config.seed, model=model, calibration=calibration,

@@ -8,10 +8,17 @@ docs/method.md, with the data curvature in K-FAC form ``C ~= G (x) H`` and ``G``
 
     J(a) = sum_r (W_hat_r - W_r)^T H (W_hat_r - W_r)        (H: (groups, d, d) per conv group),
 
-a convex quadratic in the scales ``a`` (groups may straddle rows, which couples them). It is
-minimised by preconditioned gradient steps with an exact line search: the direction is the
-gradient divided by the diagonal of the Hessian in ``a``; the step ``alpha`` minimises ``J``
-along it in closed form, so ``J`` never increases. The scales are then rounded to their stored
+a convex quadratic in the scales ``a``. When each row holds ``k`` whole groups of contiguous
+columns (``d_in`` a multiple of the group size) the rows decouple and each row's k scales solve
+the k x k normal equations ``M_r a_r = b_r`` exactly,
+
+    M_r[g, h] = u_{r,g}^T H_{gh} u_{r,h},   b_r[g] = u_{r,g}^T (H W_r)_g,
+
+built with one pass of products over the column blocks (the cost of two products ``U H``).
+Otherwise (groups straddle rows, which couples them) ``J`` is minimised by preconditioned
+gradient steps with an exact line search: the direction is the gradient divided by the diagonal
+of the Hessian in ``a``; the step ``alpha`` minimises ``J`` along it in closed form, so ``J``
+never increases. The scales are then rounded to their stored
 precision (fp16), and a layer keeps its old scales when the rounded refit is not better.
 """
 
@@ -37,6 +44,47 @@ def layer_cost(W_hat: torch.Tensor, W: torch.Tensor, H: torch.Tensor) -> float:
     return float((metric_apply(R, H) * R).sum())
 
 
+def row_block_solve(W: torch.Tensor, u: torch.Tensor, group: torch.Tensor, scale: torch.Tensor,
+                    H: torch.Tensor) -> torch.Tensor | None:
+    """The exact minimiser of ``J(a)`` when every row holds ``k`` whole groups of contiguous
+    columns (``group[r, j] = r * k + j // (d / k)``), else None.
+
+    Args: as :func:`refit_scales` (float64). A group whose codes are all at the zero point
+    (``u = 0``: ``J`` does not depend on its scale) keeps its scale.
+
+    Returns:
+        (G,) float64 scales (unrounded), or None when the layout does not decouple the rows or a
+        row's normal equations are not positive definite.
+    """
+    out, d = W.shape
+    n = scale.shape[0]
+    if n % out or d % (n // out):
+        return None
+    k = n // out
+    width = d // k
+    if not torch.equal(group, torch.arange(out)[:, None] * k + torch.arange(d)[None] // width):
+        return None
+    Hs = H if H.dim() == 3 else H.unsqueeze(0)
+    per = out // Hs.shape[0]
+    M = torch.empty(out, k, k, dtype=torch.float64)
+    b = torch.empty(out, k, dtype=torch.float64)
+    for c, Hc in enumerate(Hs):  # convolution groups: rows c*per ... (c+1)*per - 1
+        rows = slice(c * per, (c + 1) * per)
+        Uc = u[rows]
+        b[rows] = (metric_apply(W[rows], Hc) * Uc).reshape(per, k, width).sum(-1)
+        for g in range(k):
+            cols = slice(g * width, (g + 1) * width)
+            M[rows, g] = ((Uc[:, cols] @ Hc[cols]) * Uc).reshape(per, k, width).sum(-1)
+    M = 0.5 * (M + M.mT)
+    dead = M.diagonal(dim1=1, dim2=2) <= 0  # (out, k): u = 0 in the group, so its row and column are 0
+    M.diagonal(dim1=1, dim2=2)[dead] = 1.0
+    b[dead] = scale.reshape(out, k)[dead]
+    L, info = torch.linalg.cholesky_ex(M)
+    if bool((info != 0).any()):
+        return None
+    return torch.cholesky_solve(b.unsqueeze(-1), L).reshape(n)
+
+
 def refit_scales(
     W: torch.Tensor, u: torch.Tensor, group: torch.Tensor, scale: torch.Tensor, H: torch.Tensor, *,
     iters: int = 20, scale_bits: int = 16, rtol: float = 1e-9,
@@ -49,7 +97,8 @@ def refit_scales(
         group: (out, d) int64 group index of every weight, in ``[0, len(scale))``.
         scale: (G,) float64 current (stored) scales.
         H: (groups, d, d) or (d, d) float64 SPD column metric.
-        iters: at most this many preconditioned steps ...
+        iters: groups straddling rows (no exact solve, :func:`row_block_solve`): at most this
+            many preconditioned steps ...
         rtol: ... stopping after one that lowers ``J`` by at most ``rtol * J(scale)``.
         scale_bits: 16 (fp16) or 32 (fp32) storage of the scales.
 
@@ -60,6 +109,23 @@ def refit_scales(
     if W.shape != u.shape or W.shape != group.shape:
         raise ValueError(f"W, u and group must share one (out, d) shape; got {tuple(W.shape)}, "
                          f"{tuple(u.shape)}, {tuple(group.shape)}")
+    before = layer_cost(scale[group] * u, W, H)
+    exact = row_block_solve(W, u, group, scale, H)
+    a = exact if exact is not None else _descend(W, u, group, scale, H, iters, rtol, before)
+    dtype = torch.float16 if scale_bits == 16 else torch.float32
+    stored = a.to(dtype).to(torch.float64)
+    stored = torch.where(torch.isfinite(stored) & (stored > 0), stored, scale)  # a scale stays positive
+    after = layer_cost(stored[group] * u, W, H)
+    if not after < before:
+        return scale, before, before
+    return stored, before, after
+
+
+def _descend(W: torch.Tensor, u: torch.Tensor, group: torch.Tensor, scale: torch.Tensor, H: torch.Tensor,
+             iters: int, rtol: float, before: float) -> torch.Tensor:
+    """Preconditioned steepest descent with exact line search on ``J(a)`` from ``scale``
+    (module docstring): at most ``iters`` steps, stopping after one that lowers ``J`` by at most
+    ``rtol * before``. Returns the (G,) float64 scales, unrounded."""
     n = scale.shape[0]
     flat = group.reshape(-1)
     diag = (H if H.dim() == 3 else H.unsqueeze(0)).diagonal(dim1=-2, dim2=-1)  # (groups, d)
@@ -68,7 +134,6 @@ def refit_scales(
     a = scale.clone()
     R = a[group] * u - W
     RH = metric_apply(R, H)  # kept current: R H after a step is RH - alpha * D H (one product per step)
-    before = float((RH * R).sum())
     for _ in range(iters):
         grad = torch.zeros(n, dtype=torch.float64).index_add_(0, flat, (u * RH).reshape(-1))
         step = torch.where(hdiag > 0, grad / hdiag.clamp_min(1e-300), torch.zeros_like(grad))
@@ -82,10 +147,4 @@ def refit_scales(
         a, R, RH = a - alpha * step, R - alpha * D, RH - alpha * HD
         if alpha * slope <= rtol * before:  # converged far below the stored precision of the scales
             break
-    dtype = torch.float16 if scale_bits == 16 else torch.float32
-    stored = a.to(dtype).to(torch.float64)
-    stored = torch.where(torch.isfinite(stored) & (stored > 0), stored, scale)  # a scale stays positive
-    after = layer_cost(stored[group] * u, W, H)
-    if not after < before:
-        return scale, before, before
-    return stored, before, after
+    return a

@@ -1,7 +1,7 @@
 """BayesQ's one-time cost against GPTQ's, side by side in one process, per embedded model.
 
-BayesQ (the library default, distillation off): posterior fit + layer-input statistics (once: the
-error-feedback metric and the bias correction, as ``quantize_model``) + loss
+BayesQ (the library default, distillation off): posterior fit and layer-input statistics (one
+pass, as ``quantize_model``: the error-feedback metric and the bias correction read them) + loss
 table + :func:`bayesq.quantize.encode_best` (its other candidates' tables, every allocation and
 encoding, the KL on the held-out selection inputs that picks one). GPTQ as the pipeline's ``gptq``
 row runs it: layer-input statistics + :func:`bayesq.baselines.gptq.gptq_select` (every variant,
@@ -52,18 +52,17 @@ def load_inputs(model_name: str, seed: int, params_path: Path):
 def bayesq_stages(model, calibration, params, budget: float, seed: int, selection=None) -> tuple[dict, object]:
     """Wall seconds of each BayesQ stage; the kept :class:`~bayesq.quantize.Encoding`."""
     from bayesq.blocks import layer_blocks, quantizable_layers
-    from bayesq.baselines.activations import input_stats
-    from bayesq.quantize import bias_correction, build_table, ef_column_metric, encode_best, fit_posterior
+    from bayesq.quantize import bias_correction, build_table, ef_column_metric, encode_best, posterior_and_stats
     from bayesq.config import BayesQConfig, DistillConfig
 
     cfg = BayesQConfig(budget=budget, posterior=params.posterior, quant=params.quant,
                        allocation=params.allocation, distill=DistillConfig(max_budget=0), seed=seed)
     q, stages = cfg.quant, {}
     blocks = layer_blocks(quantizable_layers(model), q.group_size, q.unit_groups, q.unit.value)
-    with _timed(stages, "posterior"):
-        post = fit_posterior(model, calibration, cfg, progress=False)
-    with _timed(stages, "input stats"):  # once, as quantize_model: the metric and the bias correction
-        stats = input_stats(model, calibration, quantizable_layers(model))
+    with _timed(stages, "posterior + input stats"):  # one pass, as quantize_model: the metric and the bias correction
+        post, stats = posterior_and_stats(model, calibration, quantizable_layers(model), cfg.posterior, q, seed=seed,
+                                          progress=False)
+    with _timed(stages, "metric + bias correction"):
         metric = ef_column_metric(post, q, stats=stats)
         correction = bias_correction(model, stats, calibration) if q.bias_correction else None
     with _timed(stages, "table"):

@@ -6,6 +6,9 @@ Needs the fine-tuned models of the pipeline (``make run`` writes ``models/``) an
 Every figure is measured in the same run on the same calibration batches: first one plain
 forward+backward pass (cross-entropy at the model's argmax labels, the cost unit), then each
 curvature estimator of ``bayesq.quantize.fit_posterior``.  Prints seconds and the ratio.
+Then, on the first calibration batch, the diagonal Fisher's squared per-example gradients summed
+over the batch two ways: all N gradients as one tensor, then squared and summed
+(``per_example_grad``), against ``squared_grad_sum`` (one example at a time for large layers).
 """
 
 from __future__ import annotations
@@ -37,6 +40,30 @@ def forward_backward(model, batches) -> float:
     return time.perf_counter() - start
 
 
+def squares_both_ways(model, batch) -> tuple[float, float, float]:
+    """Seconds of ``sum_n grad_n^2`` over every quantisable layer on one batch, batched (N
+    gradients materialised) and by :func:`squared_grad_sum`; and their largest relative difference."""
+    from bayesq.blocks import quantizable_layers
+    from bayesq.curvature.patches import per_example_grad, squared_grad_sum
+
+    layers, acts, outs = quantizable_layers(model), {}, {}
+    hooks = [m.register_forward_hook(lambda mod, i, o, n=n: (acts.__setitem__(n, i[0].detach()),
+                                                             o.register_hook(lambda g, n=n: outs.__setitem__(n, g))))
+             for n, m in layers.items()]
+    out = logits(model, batch)
+    F.cross_entropy(out, out.argmax(-1), reduction="sum").backward()
+    model.zero_grad(set_to_none=True)
+    for h in hooks:
+        h.remove()
+    start = time.perf_counter()
+    batched = {n: per_example_grad(m, acts[n], outs[n]).pow_(2).sum(0) for n, m in layers.items() if n in outs}
+    mid = time.perf_counter()
+    looped = {n: squared_grad_sum(m, acts[n], outs[n]) for n, m in layers.items() if n in outs}
+    end = time.perf_counter()
+    diff = max(float((batched[n] - looped[n]).abs().max() / batched[n].abs().max().clamp_min(1e-30)) for n in looped)
+    return mid - start, end - mid, diff
+
+
 def main() -> None:
     from bayesq.models.zoo import get_entry
 
@@ -66,6 +93,9 @@ def main() -> None:
             sec = time.perf_counter() - start
             extra = f" (M={a.probes})" if curv.value.startswith("hutchinson") else ""
             print(f"  {curv.value + extra:22s} {sec:8.2f} {sec / unit:10.1f}", flush=True)
+        batched, looped, diff = squares_both_ways(model, batches[0])
+        print(f"  squared per-example gradients, one batch: materialised {batched:.2f} s, squared_grad_sum "
+              f"{looped:.2f} s ({batched / looped:.1f}x); largest relative difference {diff:.1e}")
 
 
 if __name__ == "__main__":

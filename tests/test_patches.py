@@ -70,3 +70,22 @@ def test_input_rows_pointwise_view_vs_unfold(name, layout):
     ref = F.unfold(x, 1).reshape(3, conv.groups, -1, 35).transpose(2, 3)  # the general path's patches
     assert rows.shape == ref.shape and torch.equal(rows, ref)
     assert rows.data_ptr() == x.data_ptr()  # no copy
+
+
+@pytest.mark.parametrize("name", ["groups-stride", "linear-tokens"])
+@pytest.mark.parametrize("limit", [0, 1 << 20])  # one example at a time | all at once
+def test_squared_grad_sum_vs_per_example_grad(name, limit, monkeypatch):
+    import bayesq.curvature.patches as patches
+
+    monkeypatch.setattr(patches, "BATCHED_GRAD_ELEMENTS", limit)
+    torch.manual_seed(3)
+    if name == "linear-tokens":
+        mod, x = nn.Linear(5, 3).double(), torch.randn(3, 4, 5, dtype=torch.float64)
+    else:
+        mod, x = _conv(CONVS[name]), torch.randn(3, 4, 9, 8, dtype=torch.float64)
+    captured = {}
+    mod.register_forward_hook(lambda m, i, o: captured.update(a=i[0].detach(), out=o))
+    out = mod(x)
+    g = torch.autograd.grad((out * torch.randn_like(out)).sum(), captured["out"])[0]
+    ref = per_example_grad(mod, captured["a"], g).pow(2).sum(0)
+    torch.testing.assert_close(patches.squared_grad_sum(mod, captured["a"], g), ref, rtol=1e-12, atol=1e-14)

@@ -551,3 +551,51 @@ def test_quantize_model_channels_last_vs_contiguous():
     for name, qw in plain.weights.items():
         assert torch.equal(qw.codes, last.weights[name].codes), name
         assert torch.allclose(qw.dequantize(), last.weights[name].dequantize(), rtol=0, atol=1e-12), name
+
+
+class _QKV(nn.Module):
+    """Three Linear layers reading one token tensor (q / k / v), a depthwise conv, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1, groups=4, padding_mode="reflect")
+        self.q, self.k, self.v = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(4, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        t = self.conv(x).flatten(2).transpose(1, 2)  # (B, 25, 4) tokens
+        att = torch.softmax(self.q(t) @ self.k(t).transpose(1, 2), -1)
+        return self.head((att @ self.v(t)).mean(1))
+
+
+@pytest.mark.parametrize("curvature", ["fisher", "empirical-fisher", "kfac"])
+def test_posterior_and_stats_vs_posterior_then_statistics_pass(curvature):
+    """One Fisher pass gives the posterior and the same layer-input statistics as
+    input_stats' own forward pass (K-FAC: the second pass is run)."""
+    from bayesq.baselines.activations import input_stats
+    from bayesq.blocks import quantizable_layers
+    from bayesq.config import PosteriorConfig
+    from bayesq.posterior import fit_posterior as fit
+    from bayesq.quantize import posterior_and_stats
+
+    torch.manual_seed(0)
+    model = _QKV().double().eval()
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.randn(6, 4, 5, 5, generator=g, dtype=torch.float64) for _ in range(3)]
+    layers = quantizable_layers(model)
+    cfg = PosteriorConfig(curvature=curvature)
+    post, stats = posterior_and_stats(model, batches, layers, cfg, QuantConfig(), seed=3, progress=False)
+    ref_post = fit(model, batches, layers, cfg, seed=3, progress=False)
+    ref = input_stats(model, batches, layers)
+    assert set(stats) == set(ref) == set(layers)
+    for name in layers:
+        torch.testing.assert_close(post.variance[name], ref_post.variance[name], rtol=0, atol=0)
+        for field in ("H", "abs_mean", "mean"):
+            torch.testing.assert_close(getattr(stats[name], field), getattr(ref[name], field), rtol=1e-12, atol=1e-15)
+        assert stats[name].n == ref[name].n == 18
+    _, none = posterior_and_stats(model, batches, layers, cfg, QuantConfig(bias_correction=False, rounding="nearest"),
+                                  progress=False)
+    assert none is None
+    if curvature != "kfac":
+        with pytest.raises(ValueError, match="on_rows needs a Fisher curvature pass"):
+            fit(model, batches, layers, PosteriorConfig(curvature="hutchinson-ggn"), on_rows=lambda n, r: None)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bayesq.refit import layer_cost, metric_apply, refit_scales
+from bayesq.refit import layer_cost, metric_apply, refit_scales, row_block_solve
 
 F64 = torch.float64
 
@@ -63,3 +63,24 @@ def test_refit_scales_shape_mismatch_raises():
     W, u, group, scale, H = _problem(3)
     with pytest.raises(ValueError, match="one \\(out, d\\) shape"):
         refit_scales(W, u[:, :5], group, scale, H)
+
+
+@pytest.mark.parametrize("conv_groups", [1, 2])
+def test_row_block_solve_vs_exact_least_squares(conv_groups):
+    """Rows holding whole groups: the exact per-row solve, a group with every code at the zero
+    point keeping its scale; straddling groups get None (the iterative path)."""
+    W, u, group, scale, H = _problem(3, out=4, d=48, group_size=16, conv_groups=conv_groups)
+    u[1, 16:32] = 0.0  # row 1's second group: J does not depend on its scale
+    X = torch.zeros(W.numel(), scale.shape[0], dtype=F64)
+    X[torch.arange(W.numel()), group.reshape(-1)] = u.reshape(-1)
+    live = X.abs().sum(0) > 0
+    Hs = H if H.dim() == 3 else H.unsqueeze(0)
+    K = torch.block_diag(*[Hs[r // (W.shape[0] // Hs.shape[0])] for r in range(W.shape[0])])
+    want = scale.clone()
+    want[live] = torch.linalg.solve(X[:, live].T @ K @ X[:, live], X[:, live].T @ K @ W.reshape(-1))
+    got = row_block_solve(W, u, group, scale, H)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    new, before, after = refit_scales(W, u, group, scale, H, scale_bits=32)
+    assert after == pytest.approx(layer_cost(want[group] * u, W, H), rel=1e-6) and after < before
+    W2, u2, group2, scale2, H2 = _problem(4, d=40, group_size=32)
+    assert row_block_solve(W2, u2, group2, scale2, H2) is None

@@ -68,6 +68,43 @@ def batch_sums(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return 0.5 * (h + h.mT), X.abs().sum(1), X.sum(1)
 
 
+class StatsSums:
+    """Per-layer float64 sums of :func:`batch_sums`, fed one batch's rows at a time: the
+    ``on_rows(name, rows)`` callback of a pass over the calibration inputs
+    (:func:`bayesq.posterior.forward_inputs`, or the diagonal Fisher's own pass,
+    :func:`bayesq.posterior.fit_posterior`'s ``on_rows``)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, list] = {}
+        self._last: list = [None, None]  # rows, their sums: q / k / v read the same rows object
+
+    def __call__(self, name: str, rows: torch.Tensor) -> None:
+        """Add one batch's rows (N, groups, T, d_in), in the model's dtype, of layer ``name``."""
+        if self._last[0] is rows:
+            new = self._last[1]
+        else:
+            new = [x.double() for x in batch_sums(rows)] + [rows.shape[0] * rows.shape[2]]
+            self._last[:] = rows, new
+        old = self._sums.get(name)
+        self._sums[name] = new if old is None else [x + y for x, y in zip(old, new)]
+
+    def stats(self, layers: dict[str, nn.Module], n: int) -> dict[str, InputStats]:
+        """:class:`InputStats` of ``layers`` over the ``n`` inputs the rows came from.
+
+        Raises:
+            ValueError: empty calibration set; a layer that never ran.
+        """
+        self._last[:] = None, None
+        if n == 0:
+            raise ValueError("empty calibration set: GPTQ / AWQ need at least one calibration batch")
+        missing = [k for k in layers if k not in self._sums]
+        if missing:
+            raise ValueError(f"layers {missing[:3]} never ran in the forward pass (a weight used functionally, "
+                             "e.g. nn.MultiheadAttention's out_proj): keep them in floating point with "
+                             "exclude=[...] (names or glob patterns)")
+        return {k: InputStats(h / n, a / t, n, m / t) for k, (h, a, m, t) in self._sums.items() if k in layers}
+
+
 def input_stats(
     model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module], *, progress: bool = False,
 ) -> dict[str, InputStats]:
@@ -77,24 +114,6 @@ def input_stats(
     Raises:
         ValueError: empty calibration set.
     """
-    sums: dict[str, list] = {}
-    last: list = [None, None]  # rows, their sums: q / k / v read the same rows object
-
-    def add(name: str, rows: torch.Tensor) -> None:  # rows (N, groups, T, d_in) in the model's dtype
-        if last[0] is rows:
-            new = last[1]
-        else:
-            new = [x.double() for x in batch_sums(rows)] + [rows.shape[0] * rows.shape[2]]
-            last[:] = rows, new
-        old = sums.get(name)
-        sums[name] = new if old is None else [x + y for x, y in zip(old, new)]
-
-    n = forward_inputs(model, calibration, layers, add, progress=progress, desc="layer-input statistics")
-    if n == 0:
-        raise ValueError("empty calibration set: GPTQ / AWQ need at least one calibration batch")
-    missing = [k for k in layers if k not in sums]
-    if missing:
-        raise ValueError(f"layers {missing[:3]} never ran in the forward pass (a weight used functionally, "
-                         "e.g. nn.MultiheadAttention's out_proj): keep them in floating point with "
-                         "exclude=[...] (names or glob patterns)")
-    return {k: InputStats(h / n, a / t, n, m / t) for k, (h, a, m, t) in sums.items()}
+    sums = StatsSums()
+    n = forward_inputs(model, calibration, layers, sums, progress=progress, desc="layer-input statistics")
+    return sums.stats(layers, n)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from bayesq.curvature.patches import per_example_grad
+from bayesq.curvature.patches import input_rows, squared_grad_sum
 from bayesq.forward import Batch, batch_size, logits
 
 
@@ -34,20 +34,29 @@ def _squared_grad_sum(
     labels_for: Callable[[torch.Tensor], list[torch.Tensor]],
     desc: str,
     progress: bool,
+    on_rows: Callable[[str, torch.Tensor], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """``sum_n mean_s g_n(y_s)^2`` per layer, with per-example gradients from hooks.
 
     ``labels_for(out)`` gets a batch's (B, C) logits (detached) and returns the S label
     tensors, each (B,) int64, to back-propagate ``-log p(y_s | x_n, w)`` at; each pass is
-    weighted 1/S.  Returns (name -> float64 tensor shaped like the weight, inputs seen).
+    weighted 1/S.  ``on_rows(name, rows)``: called once per batch and layer with the layer's
+    inputs as :func:`bayesq.curvature.patches.input_rows` (N, groups, T, d_in), as
+    :func:`bayesq.posterior.forward_inputs` calls it (Linear layers reading one tensor get one
+    rows object), so the same pass also gives the layer-input statistics.
+    Returns (name -> float64 tensor shaped like the weight, inputs seen).
     """
+    if on_rows is not None:
+        desc += " + layer-input statistics"
     acts: dict[str, torch.Tensor] = {}
+    shapes: dict[str, torch.Size] = {}
     outs: dict[str, torch.Tensor] = {}
     total = {name: torch.zeros_like(m.weight, dtype=torch.float64) for name, m in layers.items()}
 
     def fwd_hook(name: str):
         def hook(mod, inputs, output):
             acts[name] = inputs[0].detach()
+            shapes[name] = output.shape
             output.register_hook(lambda grad: outs.__setitem__(name, grad.detach()))
         return hook
 
@@ -67,14 +76,21 @@ def _squared_grad_sum(
                     loss = F.cross_entropy(out, y, reduction="sum")
                     model.zero_grad(set_to_none=True)
                     loss.backward(retain_graph=s < len(passes) - 1)
+                    shared: dict = {}
                     for name, mod in layers.items():
+                        if name not in acts:
+                            continue
+                        rows = _rows(mod, acts[name], shapes[name], shared)
+                        if s == 0 and on_rows is not None:
+                            on_rows(name, rows)
                         if name in outs:  # a layer unused by this forward has no gradient
                             # square and sum the batch in the model's dtype, accumulate batches in
                             # float64: float32 adds a relative error <= B * 2^-24 per batch of B
-                            grad = per_example_grad(mod, acts[name], outs.pop(name))
-                            total[name] += grad.pow_(2).sum(0).double() / len(passes)
+                            sq = squared_grad_sum(mod, acts[name], outs.pop(name), rows)
+                            total[name] += sq.double() / len(passes)
             n_seen += batch_size(batch)
             acts.clear()
+            shapes.clear()
     finally:
         for h in handles:
             h.remove()
@@ -89,6 +105,17 @@ def _squared_grad_sum(
     return total, n_seen
 
 
+def _rows(mod: nn.Module, a: torch.Tensor, out_shape: torch.Size, shared: dict) -> torch.Tensor:
+    """The layer's input rows (:func:`input_rows`, unwidened); Linear layers that read one input
+    tensor (q / k / v) get one rows object, kept in ``shared`` for the batch."""
+    if not isinstance(mod, nn.Linear):
+        return input_rows(mod, a, out_shape, widen=False)
+    key = (a.data_ptr(), tuple(a.shape), a.stride())  # detached views of one input share it
+    if key not in shared:
+        shared[key] = input_rows(mod, a, out_shape, widen=False)
+    return shared[key]
+
+
 def fisher_diagonal(
     model: nn.Module,
     batches: Iterable[Batch],
@@ -97,6 +124,7 @@ def fisher_diagonal(
     label_samples: int = 1,
     seed: int = 0,
     progress: bool = True,
+    on_rows: Callable[[str, torch.Tensor], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Sum over inputs of the sampled-label Fisher diagonal of every layer in ``layers``.
 
@@ -106,6 +134,8 @@ def fisher_diagonal(
         layers: name -> Linear/Conv2d module of ``model``.
         label_samples: labels drawn per input from the model's predictive.
         seed: seed of the label sampler.
+        on_rows: called with each layer's input rows per batch (see ``_squared_grad_sum``), e.g.
+            :class:`bayesq.baselines.activations.StatsSums`.
 
     Returns:
         (fisher, n): name -> float64 tensor shaped like the weight holding ``F_sum``; and n,
@@ -120,7 +150,7 @@ def fisher_diagonal(
         probs = torch.softmax(out.double(), -1)  # (B, C)
         return [torch.multinomial(probs, 1, generator=gen).squeeze(1) for _ in range(label_samples)]
 
-    return _squared_grad_sum(model, batches, layers, sampled_labels, "fisher", progress)
+    return _squared_grad_sum(model, batches, layers, sampled_labels, "fisher", progress, on_rows)
 
 
 def _check_labels(y: torch.Tensor, out: torch.Tensor, index: int) -> torch.Tensor:
@@ -145,6 +175,7 @@ def empirical_fisher_diagonal(
     *,
     labels: Iterable[torch.Tensor] | None = None,
     progress: bool = True,
+    on_rows: Callable[[str, torch.Tensor], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Sum over inputs of the empirical Fisher diagonal ``sum_n g_n(y_n)^2``.
 
@@ -152,7 +183,7 @@ def empirical_fisher_diagonal(
     at the model's own argmax prediction ``y_n = argmax_c f(x_n; w)_c`` (label-free).
 
     Args:
-        model, batches, layers: as in ``fisher_diagonal``.
+        model, batches, layers, on_rows: as in ``fisher_diagonal``.
         labels: one (B,) int64 tensor of class indices per batch, aligned with ``batches``.
 
     Returns:
@@ -177,7 +208,7 @@ def empirical_fisher_diagonal(
         return [_check_labels(y, out, count - 1)]
 
     desc = "empirical-fisher"
-    result = _squared_grad_sum(model, batches, layers, given_or_argmax, desc, progress)
+    result = _squared_grad_sum(model, batches, layers, given_or_argmax, desc, progress, on_rows)
     if label_iter is not None and next(label_iter, None) is not None:
         raise ValueError(f"labels has more entries than batches ({count}): "
                          "pass one (B,) label tensor per batch")
