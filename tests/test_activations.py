@@ -94,9 +94,13 @@ def test_input_stats_empty_or_unused_layer_raises():
         input_stats(lin, [torch.randn(2, 3)], {"": lin, "u": unused})
 
 
-def test_batch_sums_float32_vs_float64_reference():
+@pytest.mark.parametrize("layout", ["rows", "patches"])  # (N, groups, T, d) | a transposed view of (N, groups, d, T)
+def test_batch_sums_float32_vs_float64_reference(layout):
     torch.manual_seed(0)  # post-ReLU inputs (all positive: the worst case of a float32 sum), 32 x 1024 rows
-    rows = torch.relu(torch.randn(32, 3, 1024, 9) + 1.0)  # (N, groups, T, d) float32
+    if layout == "rows":
+        rows = torch.relu(torch.randn(32, 3, 1024, 9) + 1.0)  # (N, groups, T, d) float32
+    else:
+        rows = torch.relu(torch.randn(32, 3, 9, 1024) + 1.0).transpose(2, 3)
     H, a, m = batch_sums(rows)
     r = rows.double()
     want = (torch.einsum("ngti,ngtj->gij", r, r), r.abs().sum((0, 2)), r.sum((0, 2)))
