@@ -132,7 +132,7 @@ def test_zoo_flow_dask_two_workers_matches_serial_byte_for_byte(zoo_setup, prefe
             "export"]["sha256"]
 
 
-def test_zoo_flow_killed_and_restarted_redoes_no_finished_task(zoo_setup):
+def test_zoo_flow_killed_and_restarted_redoes_no_finished_task(zoo_setup, prefect_harness):
     """Kill the flow process while one model's posterior task stalls (holding its cache-key lock);
     the restart reuses the finished model's tasks (its export is not rewritten), takes over the
     dead run's lock and completes the other model."""
@@ -178,7 +178,7 @@ def test_zoo_flow_killed_and_restarted_redoes_no_finished_task(zoo_setup):
     assert not result["failures"] and {r["model"] for r in result["records"]} == {"tiny-cnn", "tiny-cnn-b"}
 
 
-def test_zoo_flow_two_concurrent_runs_share_cache_and_mlflow_store(zoo_setup):
+def test_zoo_flow_two_concurrent_runs_share_cache_and_mlflow_store(zoo_setup, prefect_harness):
     """Two zoo flow processes started together against one result cache, one output folder and one
     MLflow store: both finish, both parent runs keep all their child runs, every task's result is
     computed once (the cache-key lock makes the other process wait and read it: the two runs log
