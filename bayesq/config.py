@@ -288,10 +288,11 @@ class QuantConfig:
 
     @property
     def selects_grids(self) -> bool:
-        """Whether :func:`bayesq.quantize.quantize_model` also builds the min/max-grid encoding
-        (no clipping search, no refit; its own table and allocation), and with held-out
-        selection inputs the other range search, keeping min/max unless another has a lower KL
-        to the full-precision model by a resolved margin (:func:`bayesq.quantize.encode_best`)."""
+        """Whether :func:`bayesq.quantize.quantize_model` also builds a second encoding (its own
+        table and allocation): with held-out selection inputs the other range search, else the
+        min/max grids (no clipping search, no refit); the anchor (min/max, else the searched
+        grids) is kept unless the other has a lower KL to the full-precision model by a resolved
+        margin (:func:`bayesq.quantize.grid_candidates`, :func:`bayesq.quantize.encode_best`)."""
         return (self.select_grids and self.rounding == Rounding.ERROR_FEEDBACK
                 and self.codebook == Codebook.UNIFORM and self.min_range_ratio < 1)
 

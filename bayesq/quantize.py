@@ -442,21 +442,27 @@ def encode(
 
 def grid_candidates(q: QuantConfig, held_out: bool = False) -> dict[str, QuantConfig]:
     """The encodings :func:`encode_best` builds: ``q`` itself (``searched`` clipping, or
-    ``minmax`` when ``q.min_range_ratio = 1``) and, when ``q.selects_grids``:
+    ``minmax`` when ``q.min_range_ratio = 1``) and, when ``q.selects_grids``, one other:
 
     * with ``held_out`` (candidates scored on inputs they were not fitted on) and
       ``q.feeds_back_table``, the other range search of the error-feedback table:
       ``searched-plain`` (``feedback_search: false``) when ``q`` searches with the gains, else
       ``searched-gained``. Neither search wins on every model, and only held-out inputs tell
-      which one wins: scored on the calibration inputs, this third candidate was kept where the
-      test KL was worse (docs/method.md, section 18d);
-    * ``minmax``: min/max grids (``min_range_ratio = 1``, GPTQ's) without the scale refit.
+      which one wins: scored on the calibration inputs, this candidate was kept where the test KL
+      was worse (docs/method.md, section 18d);
+    * otherwise ``minmax``: min/max grids (``min_range_ratio = 1``, GPTQ's) without the scale
+      refit. With the other search on held-out inputs min/max is not built: in the default
+      run it never had the lowest selection KL, and where the rule kept it the other search's
+      test KL was the same (docs/method.md, section 18d), while each candidate costs an
+      encoding and a pass over the selection inputs.
     """
     out = {"searched" if q.min_range_ratio < 1 else "minmax": q}
-    if q.selects_grids:
-        if held_out and q.feeds_back_table:
-            other = "searched-plain" if q.feedback_search else "searched-gained"
-            out[other] = replace(q, feedback_search=not q.feedback_search)
+    if not q.selects_grids:
+        return out
+    if held_out and q.feeds_back_table:
+        other = "searched-plain" if q.feedback_search else "searched-gained"
+        out[other] = replace(q, feedback_search=not q.feedback_search)
+    else:
         out["minmax"] = replace(q, min_range_ratio=1.0, refit=False, select_grids=False)
     return out
 
@@ -489,8 +495,9 @@ class Encoding:
             (``selection``, else the calibration inputs; empty: one candidate).
         correction: the bias correction :func:`quantized_copy` applies (None: ``quant.bias_correction`` off).
         selection_margin: candidate name -> 95 % paired-bootstrap interval (low, high) of its mean
-            KL minus the ``minmax`` candidate's on those inputs; a candidate is kept over
-            ``minmax`` only when ``high < 0`` (:func:`bayesq.comparison.resolved_choice`).
+            KL minus the anchor's on those inputs (``minmax`` when built, else ``q``'s own
+            grids); a candidate is kept over the anchor only when ``high < 0``
+            (:func:`bayesq.comparison.resolved_choice`).
     """
 
     name: str
@@ -515,10 +522,11 @@ def encode_best(
     candidates of :func:`grid_candidates` (their tables built here), each scored by its
     per-input ``KL(p_FP || p_Q)`` after its bias correction (``q.bias_correction``) on
     ``selection`` (inputs held out of the fit, e.g.
-    :func:`bayesq.data.calibration.sample_selection_indices`; they also admit the third
-    candidate), else on ``calibration``. The ``minmax`` grids are kept unless another candidate's
-    mean KL is lower by a resolved margin (95 % paired-bootstrap interval of the difference below
-    zero, :func:`bayesq.comparison.resolved_choice`); among those, the least mean KL.
+    :func:`bayesq.data.calibration.sample_selection_indices`; they admit the other range search
+    as the second candidate), else on ``calibration`` (the second candidate: min/max grids). The
+    ``minmax`` grids when built, else ``q``'s own, are kept unless the other candidate's mean KL
+    is lower by a resolved margin (95 % paired-bootstrap interval of the difference below zero,
+    :func:`bayesq.comparison.resolved_choice`).
 
     ``column_metric``: :func:`ef_column_metric` of ``q``; ``correction``: :func:`bias_correction`
     (each computed here when None and needed, from ``stats``: the layers' input statistics

@@ -61,21 +61,23 @@ def _time_ratio(methods: dict, a: str, b: str) -> float | None:
 
 
 _RULE = {"variant": "least KL on the selection inputs",
-         "encoding": "min/max grids unless another candidate's KL on the selection inputs is lower by a resolved "
-                     "margin, its 95 % paired-bootstrap interval against min/max shown"}
+         "encoding": "the anchor (min/max grids when scored on the calibration inputs, the searched grids on "
+                     "held-out inputs) unless the other candidate's KL on the selection inputs is lower by a "
+                     "resolved margin, its 95 % paired-bootstrap interval against the anchor shown"}
 
 
 def variant_lines(records: list[dict], model: str) -> list[str]:
     """Which variant each selecting baseline kept (``variant``: the least KL on the selection
-    inputs), and which grids each BayesQ row kept (``encoding``, when it had candidates: min/max
-    unless another candidate's KL was lower by a resolved margin), at each budget (seed)."""
+    inputs), and which grids each BayesQ row kept (``encoding``, when it had candidates: the
+    anchor unless the other candidate's KL was lower by a resolved margin), at each budget (seed)."""
     kept: dict = defaultdict(list)
     rule: dict = {}
     for r in records:
         kind = "variant" if r.get("variant") else "encoding" if r.get("encoding_kl") else None
         if r["model"] != model or kind is None:
             continue
-        margins = ", ".join(f"{k} − minmax [{lo:+.5f}, {hi:+.5f}]"
+        anchor = next(iter(set(r.get("encoding_kl", {})) - set(r.get("encoding_margin", {}))), "")
+        margins = ", ".join(f"{k} − {anchor} [{lo:+.5f}, {hi:+.5f}]"
                             for k, (lo, hi) in r.get("encoding_margin", {}).items()) if kind == "encoding" else ""
         rule[r["method"]] = _RULE[kind]
         kept[r["method"]].append(f"{r['budget']:.1f} bits: {r[kind]}" + (f" ({margins})" if margins else "")

@@ -381,20 +381,20 @@ def test_grid_candidates_add_minmax_only_to_searched_error_feedback_grids():
     assert list(grid_candidates(QuantConfig(select_grids=False))) == ["searched"]
 
 
-def test_grid_candidates_other_range_search_only_when_scored_held_out():
+def test_grid_candidates_other_range_search_instead_of_minmax_when_scored_held_out():
     from bayesq.quantize import grid_candidates
 
     held = grid_candidates(QuantConfig(), held_out=True)
-    assert list(held) == ["searched", "searched-plain", "minmax"]
+    assert list(held) == ["searched", "searched-plain"]
     assert held["searched-plain"] == replace(QuantConfig(), feedback_search=False)
     plain = grid_candidates(QuantConfig(feedback_search=False), held_out=True)
-    assert list(plain) == ["searched", "searched-gained", "minmax"]
+    assert list(plain) == ["searched", "searched-gained"]
     assert list(grid_candidates(QuantConfig(feedback_table=False), held_out=True)) == ["searched", "minmax"]
     assert list(grid_candidates(QuantConfig(select_grids=False), held_out=True)) == ["searched"]
 
 
 @pytest.mark.parametrize("held_out", [False, True])
-def test_encode_best_keeps_minmax_unless_resolved_vs_building_each_candidate(held_out):
+def test_encode_best_keeps_anchor_unless_resolved_vs_building_each_candidate(held_out):
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.comparison import kl_per_example, paired_difference
     from bayesq.evaluation import predict
@@ -417,7 +417,8 @@ def test_encode_best_keeps_minmax_unless_resolved_vs_building_each_candidate(hel
     scored = selection or batches
     fp, per, codes = predict(model, scored).double(), {}, {}
     cands = grid_candidates(q, held_out=held_out)
-    assert len(cands) == (3 if held_out else 2)
+    anchor = "searched" if held_out else "minmax"  # min/max when built, else q's own grids
+    assert len(cands) == 2 and anchor in cands
     for name, cq in cands.items():
         t = build_table(post, blocks, cq, model=model, calibration=batches, progress=False, column_metric=metric)
         qw = encode(t, allocate(t, 3.0), weights, posterior=post, rounding=cq.rounding, column_metric=metric,
@@ -425,10 +426,10 @@ def test_encode_best_keeps_minmax_unless_resolved_vs_building_each_candidate(hel
         per[name] = kl_per_example(fp, predict(quantized_copy(model, qw, correction), scored).double())
         codes[name] = qw
     kl = {k: float(v.mean()) for k, v in per.items()}
-    # the rule by hand: min/max unless another's paired 95 % interval against it lies below zero
-    margin = {k: paired_difference(v, per["minmax"]) for k, v in per.items() if k != "minmax"}
+    # the rule by hand: the anchor unless the other's paired 95 % interval against it lies below zero
+    margin = {k: paired_difference(v, per[anchor]) for k, v in per.items() if k != anchor}
     admitted = {k: kl[k] for k, d in margin.items() if d.ci_high < 0}
-    want = min(admitted, key=admitted.get) if admitted else "minmax"
+    want = min(admitted, key=admitted.get) if admitted else anchor
     table = build_table(post, blocks, q, model=model, calibration=batches, progress=False, column_metric=metric)
     enc = encode_best(model, post, table, q, 3.0, calibration=batches, column_metric=metric, selection=selection)
     assert dict(enc.selection_kl) == pytest.approx(kl, rel=1e-6)
@@ -505,17 +506,19 @@ def test_encode_best_given_candidate_tables_vs_building_them():
 
     model, batches, held, q, post, blocks, table = _fitted_with_held_out()
     tables = candidate_tables(post, blocks, q, model=model, calibration=batches)
-    assert set(tables) == set(grid_candidates(q, held_out=True)) - {"searched"} == {"searched-plain", "minmax"}
-    for held_out in (None, held):  # without selection inputs only min/max is a second candidate
+    assert set(tables) == set(grid_candidates(q, held_out=True)) - {"searched"} == {"searched-plain"}
+    for held_out in (None, held):  # without selection inputs min/max is the second candidate, built there
         own = encode_best(model, post, table, q, 3.0, calibration=batches, selection=held_out)
         given = encode_best(model, post, table, q, 3.0, calibration=batches, selection=held_out, tables=tables)
         assert given.name == own.name and dict(given.selection_kl) == dict(own.selection_kl)
+        assert set(own.selection_kl) == ({"searched", "minmax"} if held_out is None else {"searched", "searched-plain"})
         for name, qw in own.weights.items():
             assert torch.equal(given.weights[name].codes, qw.codes)
-    # the given tables are the ones allocated from: a swapped pair changes what min/max is scored at
-    swapped = {"minmax": tables["searched-plain"], "searched-plain": tables["minmax"]}
-    other = encode_best(model, post, table, q, 3.0, calibration=batches, selection=held, tables=swapped)
-    assert dict(other.selection_kl) != dict(own.selection_kl)
+    # the given tables are the ones allocated from: the searched table given as the other search's
+    other = encode_best(model, post, table, q, 3.0, calibration=batches, selection=held,
+                        tables={"searched-plain": table})
+    assert other.selection_kl["searched-plain"] == other.selection_kl["searched"]
+    assert own.selection_kl["searched-plain"] != own.selection_kl["searched"]
 
 
 def test_encode_best_selection_without_calibration_names_the_fix():
@@ -537,7 +540,7 @@ def test_quantize_model_progress_names_every_step(capsys):
     quantize_model(_model(), _calibration(), cfg, progress=True, selection=_calibration(2))
     err = capsys.readouterr().err
     steps = ["fisher", "layer-input statistics", "loss table", "encode (error-feedback)",
-             "FP on the selection inputs", "selection KL (searched)", "selection KL (minmax)"]
+             "FP on the selection inputs", "selection KL (searched)", "selection KL (searched-plain)"]
     assert [s for s in steps if s not in err] == []
 
 
