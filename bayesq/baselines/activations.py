@@ -59,20 +59,23 @@ def batch_sums(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
     Rows that are a transposed view of (N, groups, d, T) patches (unfolded convolution inputs)
     take one (d, T) x (T, d) product per example and group, read in place, then a sum over the
-    N examples (2-3x faster on depthwise layers than copying them into one matrix); other rows
+    N examples (2-3x faster on depthwise layers with T >= 64 positions than copying them into one
+    matrix; with fewer positions the many tiny products are slower); other rows
     form one (N*T, d) matrix per group and one batched product. A float32 sum over the batch's
     rows carries a relative error of order (block + N*T / block) * 2^-24 for the GEMM's
     accumulation blocks (docs/method.md, section 18f), or (block + T / block + N) * 2^-24 per
     example first; :func:`input_stats` adds batches in float64.
     """
     g, d = rows.shape[1], rows.shape[3]
-    if rows.mT.is_contiguous() and rows.shape[2] > 1:
+    if rows.mT.is_contiguous() and rows.shape[2] >= 64:  # fewer positions: tiny products, slower
         h = (rows.mT @ rows).sum(0)  # (groups, d, d)
+        absolute, total = rows.abs().sum((0, 2)), rows.sum((0, 2))
     else:
         X = rows.transpose(0, 1).reshape(g, -1, d)  # (groups, N*T, d)
         h = X.mT @ X
+        absolute, total = X.abs().sum(1), X.sum(1)
     # the GEMM sums each triangle in its own order: symmetrise exactly
-    return 0.5 * (h + h.mT), rows.abs().sum((0, 2)), rows.sum((0, 2))
+    return 0.5 * (h + h.mT), absolute, total
 
 
 class StatsSums:
