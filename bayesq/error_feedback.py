@@ -95,12 +95,6 @@ def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
     return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
 
 
-def _quantize(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, m: torch.Tensor):
-    """Nearest level codes (int64) and dequantised values ``s * (code - z)``."""
-    code = torch.clamp(torch.round(w / s + z), torch.zeros_like(m), m).to(torch.int64)
-    return code, s * (code - z)
-
-
 def _check_metric(W: torch.Tensor, H: torch.Tensor, block_size: int) -> torch.Tensor:
     """H as (groups, in, in) float64 on W's device, after the checks both solvers share."""
     if W.dim() != 2 or not W.dtype.is_floating_point:
@@ -155,18 +149,23 @@ def _round_ordered(Wp: torch.Tensor, U: torch.Tensor, s: torch.Tensor, z: torch.
 
     Works on (groups, in, rows) copies, so that each column is contiguous.
     """
-    Wt, s, z, m = (x.transpose(1, 2).contiguous() for x in (Wp, s, z, m))
+    Wt, s, z = (x.transpose(1, 2).contiguous() for x in (Wp, s, z))
+    m = m.transpose(1, 2).to(torch.float64)  # codes are rounded in float64, exact integers
     d = Wt.shape[1]
     codes = torch.empty(Wt.shape, dtype=torch.int64, device=Wt.device)
+    # per-column views, made once (the column loop is bound by per-operation overhead)
+    w_, s_, z_, m_, codes_ = (x.unbind(1) for x in (Wt, s, z, m, codes))
     for i1 in range(0, d, block_size):
         i2 = min(i1 + block_size, d)
         W1, U1 = Wt[:, i1:i2], U[:, i1:i2, i1:i2]  # views: (G, b, rows), (G, b, b)
         err = torch.zeros_like(W1)  # (G, b, rows) scaled errors
-        for j in range(i2 - i1):
-            c, q = _quantize(W1[:, j], s[:, i1 + j], z[:, i1 + j], m[:, i1 + j])
-            codes[:, i1 + j] = c
-            torch.div(W1[:, j] - q, U1[:, j, j, None], out=err[:, j])
-            W1[:, j:].baddbmm_(U1[:, j, j:, None], err[:, j : j + 1], alpha=-1.0)  # -= U1[j, j:]^T err_j
+        err_, pivot = err.unbind(1), U1.diagonal(dim1=1, dim2=2)[:, :, None].unbind(1)  # (G, 1) pivots
+        for k in range(i2 - i1):
+            j = i1 + k
+            c = torch.minimum(torch.addcdiv(z_[j], w_[j], s_[j]).round_().clamp_min_(0), m_[j])  # nearest level
+            codes_[j].copy_(c)
+            torch.div(w_[j] - (c - z_[j]).mul_(s_[j]), pivot[k], out=err_[k])
+            W1[:, k:].baddbmm_(U1[:, k, k:, None], err[:, k : k + 1], alpha=-1.0)  # -= U1[k, k:]^T err_k
         Wt[:, i2:].baddbmm_(U[:, i1:i2, i2:].transpose(1, 2), err, alpha=-1.0)
     return codes.transpose(1, 2)
 
@@ -316,18 +315,22 @@ def coordinate_descent(
     Q = s * (c - z)
     HD = torch.bmm(H, Q - Wt)  # (groups, d, rows): (D H)^T per row, kept current
     inv_hdiag = 1.0 / H.diagonal(dim1=1, dim2=2)[:, :, None]  # (groups, d, 1)
+    # per-column views, made once (the column loop is bound by per-operation overhead)
+    s_, z_, m_, c_, Q_, HD_, ih_ = (x.unbind(1) for x in (s, z, m, c, Q, HD, inv_hdiag))
     for _ in range(passes):
         for i1 in range(0, d, block_size):
             i2 = min(i1 + block_size, d)
             delta = torch.zeros(shape[0], i2 - i1, shape[1], dtype=torch.float64, device=W.device)
+            HD_block, H_block, delta_ = HD[:, i1:i2], H[:, i1:i2], delta.unbind(1)
             for j in range(i1, i2):
                 k = j - i1
-                target = torch.addcmul(Q[:, j], HD[:, j], inv_hdiag[:, j], value=-1.0)
-                cj = torch.minimum(torch.round(target / s[:, j] + z[:, j]).clamp_min_(0), m[:, j])
-                qj = s[:, j] * (cj - z[:, j])
-                torch.sub(qj, Q[:, j], out=delta[:, k])
-                HD[:, i1:i2].baddbmm_(H[:, i1:i2, j : j + 1], delta[:, k : k + 1])  # += H[:, :, j] delta_j^T
-                Q[:, j], c[:, j] = qj, cj
+                target = torch.addcmul(Q_[j], HD_[j], ih_[j], value=-1.0)
+                cj = torch.minimum(torch.addcdiv(z_[j], target, s_[j]).round_().clamp_min_(0), m_[j])
+                qj = (cj - z_[j]).mul_(s_[j])
+                torch.sub(qj, Q_[j], out=delta_[k])
+                HD_block.baddbmm_(H_block[:, :, j : j + 1], delta[:, k : k + 1])  # += H[:, :, j] delta_j^T
+                Q_[j].copy_(qj)
+                c_[j].copy_(cj)
             HD[:, :i1] += torch.bmm(H[:, :i1, i1:i2], delta)
             HD[:, i2:] += torch.bmm(H[:, i2:, i1:i2], delta)
     return c.transpose(1, 2).reshape(W.shape).to(torch.int64)
