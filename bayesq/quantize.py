@@ -311,8 +311,12 @@ def _refit_books(lb: LayerBlocks, W: torch.Tensor, codes: torch.Tensor, zero: to
 def needs_input_stats(posterior: Posterior, q: QuantConfig) -> bool:
     """Whether :func:`encode_best` reads the layers' input statistics: error-feedback rounding
     under a diagonal posterior (its column metric) or ``q.bias_correction`` (the mean inputs)."""
-    diagonal_ef = Rounding(q.rounding) == Rounding.ERROR_FEEDBACK and not posterior.kfac
-    return diagonal_ef or q.bias_correction
+    return _reads_stats(q, bool(posterior.kfac))
+
+
+def _reads_stats(q: QuantConfig, kfac: bool) -> bool:
+    """:func:`needs_input_stats` of a posterior with (``kfac``) or without Kronecker factors."""
+    return q.bias_correction or (Rounding(q.rounding) == Rounding.ERROR_FEEDBACK and not kfac)
 
 
 def ef_column_metric(
@@ -639,9 +643,8 @@ def posterior_and_stats(
     curvature allows (:data:`bayesq.posterior.ROWS_IN_PASS`; the same sums as
     :func:`bayesq.baselines.activations.input_stats`, one pass fewer), else by one more forward
     pass. ``calibration``: re-iterable batches in the model's dtype; ``model`` in eval mode."""
-    kfac = Curvature(cfg.curvature) in (Curvature.KFAC, Curvature.LOWRANK)
-    wanted = q.bias_correction or (Rounding(q.rounding) == Rounding.ERROR_FEEDBACK and not kfac)
-    sums = StatsSums() if wanted and Curvature(cfg.curvature) in ROWS_IN_PASS else None
+    one_pass = Curvature(cfg.curvature) in ROWS_IN_PASS  # diagonal: the posterior has no K-FAC factors
+    sums = StatsSums() if one_pass and _reads_stats(q, kfac=False) else None
     posterior = _fit_posterior(model, calibration, layers, cfg, seed=seed, progress=progress, on_rows=sums)
     if not needs_input_stats(posterior, q):
         return posterior, None

@@ -47,9 +47,14 @@ def squares_both_ways(model, batch) -> tuple[float, float, float]:
     from bayesq.curvature.patches import per_example_grad, squared_grad_sum
 
     layers, acts, outs = quantizable_layers(model), {}, {}
-    hooks = [m.register_forward_hook(lambda mod, i, o, n=n: (acts.__setitem__(n, i[0].detach()),
-                                                             o.register_hook(lambda g, n=n: outs.__setitem__(n, g))))
-             for n, m in layers.items()]
+
+    def capture(name: str):
+        def hook(mod, inputs, output) -> None:  # returns None: the output is left as it is
+            acts[name] = inputs[0].detach()
+            output.register_hook(lambda g: outs.__setitem__(name, g))
+        return hook
+
+    hooks = [m.register_forward_hook(capture(n)) for n, m in layers.items()]
     out = logits(model, batch)
     F.cross_entropy(out, out.argmax(-1), reduction="sum").backward()
     model.zero_grad(set_to_none=True)

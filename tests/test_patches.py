@@ -41,9 +41,10 @@ def test_input_rows_reproduce_the_convolution(name):
     torch.testing.assert_close(rebuilt + conv.bias.view(1, -1, 1, 1), out, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", [*CONVS, "linear-tokens"])
-def test_per_example_grad_vs_autograd(name):
-    torch.manual_seed(2)
+def _layer_grad(name: str, seed: int):
+    """(layer, inputs x, the input its hook saw, loss weights, output gradient) of the loss
+    ``sum(out * target)`` on a float64 layer of ``CONVS`` or a per-token Linear."""
+    torch.manual_seed(seed)
     if name == "linear-tokens":
         mod, x = nn.Linear(5, 3).double(), torch.randn(3, 4, 5, dtype=torch.float64)
     else:
@@ -52,8 +53,13 @@ def test_per_example_grad_vs_autograd(name):
     mod.register_forward_hook(lambda m, i, o: captured.update(a=i[0].detach(), out=o))
     out = mod(x)
     target = torch.randn_like(out)
-    g = torch.autograd.grad((out * target).sum(), captured["out"])[0]
-    fast = per_example_grad(mod, captured["a"], g)
+    return mod, x, captured["a"], target, torch.autograd.grad((out * target).sum(), captured["out"])[0]
+
+
+@pytest.mark.parametrize("name", [*CONVS, "linear-tokens"])
+def test_per_example_grad_vs_autograd(name):
+    mod, x, a, target, g = _layer_grad(name, 2)
+    fast = per_example_grad(mod, a, g)
     for n in range(len(x)):  # the loss is a sum over examples: example n's gradient alone
         ref = torch.autograd.grad((mod(x[n:n + 1]) * target[n:n + 1]).sum(), mod.weight)[0]
         torch.testing.assert_close(fast[n], ref, rtol=1e-12, atol=1e-12)
@@ -78,14 +84,6 @@ def test_squared_grad_sum_vs_per_example_grad(name, limit, monkeypatch):
     import bayesq.curvature.patches as patches
 
     monkeypatch.setattr(patches, "BATCHED_GRAD_ELEMENTS", limit)
-    torch.manual_seed(3)
-    if name == "linear-tokens":
-        mod, x = nn.Linear(5, 3).double(), torch.randn(3, 4, 5, dtype=torch.float64)
-    else:
-        mod, x = _conv(CONVS[name]), torch.randn(3, 4, 9, 8, dtype=torch.float64)
-    captured = {}
-    mod.register_forward_hook(lambda m, i, o: captured.update(a=i[0].detach(), out=o))
-    out = mod(x)
-    g = torch.autograd.grad((out * torch.randn_like(out)).sum(), captured["out"])[0]
-    ref = per_example_grad(mod, captured["a"], g).pow(2).sum(0)
-    torch.testing.assert_close(patches.squared_grad_sum(mod, captured["a"], g), ref, rtol=1e-12, atol=1e-14)
+    mod, _, a, _, g = _layer_grad(name, 3)
+    ref = per_example_grad(mod, a, g).pow(2).sum(0)
+    torch.testing.assert_close(patches.squared_grad_sum(mod, a, g), ref, rtol=1e-12, atol=1e-14)

@@ -23,14 +23,19 @@ def _problem(seed, out=6, d=40, group_size=32, conv_groups=1):
     return W, u, group, scale, H
 
 
-def _exact(W, u, group, n, H):
-    """argmin_a sum_r (a[g] u - w)_r^T H_r (a[g] u - w)_r by one dense solve."""
+def _exact(W, u, group, n, H, keep=None):
+    """argmin_a sum_r (a[g] u - w)_r^T H_r (a[g] u - w)_r by one dense solve; groups whose u is
+    all zero (J does not depend on them) take ``keep``'s value."""
     X = torch.zeros(W.numel(), n, dtype=F64)
     X[torch.arange(W.numel()), group.reshape(-1)] = u.reshape(-1)
     Hs = H if H.dim() == 3 else H.unsqueeze(0)
     per = W.shape[0] // Hs.shape[0]
     K = torch.block_diag(*[Hs[r // per] for r in range(W.shape[0])])
-    return torch.linalg.solve(X.T @ K @ X, X.T @ K @ W.reshape(-1))
+    live = X.abs().sum(0) > 0
+    out = keep.clone() if keep is not None else torch.zeros(n, dtype=F64)
+    X = X[:, live]
+    out[live] = torch.linalg.solve(X.T @ K @ X, X.T @ K @ W.reshape(-1))
+    return out
 
 
 @pytest.mark.parametrize("conv_groups", [1, 2])
@@ -71,13 +76,7 @@ def test_row_block_solve_vs_exact_least_squares(conv_groups):
     point keeping its scale; straddling groups get None (the iterative path)."""
     W, u, group, scale, H = _problem(3, out=4, d=48, group_size=16, conv_groups=conv_groups)
     u[1, 16:32] = 0.0  # row 1's second group: J does not depend on its scale
-    X = torch.zeros(W.numel(), scale.shape[0], dtype=F64)
-    X[torch.arange(W.numel()), group.reshape(-1)] = u.reshape(-1)
-    live = X.abs().sum(0) > 0
-    Hs = H if H.dim() == 3 else H.unsqueeze(0)
-    K = torch.block_diag(*[Hs[r // (W.shape[0] // Hs.shape[0])] for r in range(W.shape[0])])
-    want = scale.clone()
-    want[live] = torch.linalg.solve(X[:, live].T @ K @ X[:, live], X[:, live].T @ K @ W.reshape(-1))
+    want = _exact(W, u, group, scale.shape[0], H, keep=scale)
     got = row_block_solve(W, u, group, scale, H)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     new, before, after = refit_scales(W, u, group, scale, H, scale_bits=32)

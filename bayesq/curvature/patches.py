@@ -97,8 +97,8 @@ def squared_grad_sum(mod: nn.Module, a: torch.Tensor, g: torch.Tensor, rows: tor
 
     When the N per-example gradients hold more than ``BATCHED_GRAD_ELEMENTS`` elements they are
     formed one example at a time and squared into the sum (``addcmul``) instead of as one
-    (N, *weight.shape) tensor, which is written and read twice: memory-bound, 2-3x slower on a
-    1536 x 384 layer with N = 32 (benchmarks/posterior.py). ``rows``: :func:`input_rows` of ``a``
+    (N, *weight.shape) tensor, which is written and read twice: memory-bound, about 2x slower on
+    MiniLM's layers with N = 32 (benchmarks/posterior.py). ``rows``: :func:`input_rows` of ``a``
     (unwidened) when the caller has them.
     """
     if rows is None:
