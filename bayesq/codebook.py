@@ -39,6 +39,7 @@ from scipy.optimize import minimize_scalar
 _SQRT2 = math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+_BATCH_ELEMENTS = 2**18  # weights scored per call when search_range scores several ratios at once
 _CHUNK_ELEMENTS = 1 << 22  # weights x boundaries per evaluation chunk (32 MiB of float64)
 
 
@@ -217,7 +218,7 @@ def minmax_grids(w: torch.Tensor, bits: int, scale_bits: int = 16, ratio: torch.
 
 def search_range(
     wmin: torch.Tensor, wmax: torch.Tensor, bits: int, cost: Callable[[UniformGrids], torch.Tensor], *,
-    iters: int = 20, min_ratio: float = 0.2, scale_bits: int = 16, grid: int = 0,
+    iters: int = 20, min_ratio: float = 0.2, scale_bits: int = 16, grid: int = 0, elements: int = 0,
 ) -> tuple[UniformGrids, torch.Tensor]:
     """Per-row clipping ratio ``rho`` in [min_ratio, 1] of the range ``rho * [min, max]``.
 
@@ -225,7 +226,9 @@ def search_range(
     a candidate, so the result is never worse than RTN's range under ``cost``. With ``grid > 0``
     the ratios ``linspace(min_ratio, 1, grid)`` are scored first and the golden-section search
     (``iters - 2`` steps) runs inside one grid step of the best of them; with ``grid = 0`` it
-    runs on the whole of [min_ratio, 1].
+    runs on the whole of [min_ratio, 1]. ``elements > 0`` (weights per row) says that ``cost``
+    also scores grids with a leading ratio dimension ((R, G) scales -> (R, G) costs, as
+    :func:`grid_sq_error`): the grid's ratios are then scored together, with the same result.
 
     Args:
         wmin, wmax: (G,) float64 smallest / largest real weight of each row.
@@ -235,6 +238,8 @@ def search_range(
     """
     def cost_at(rho: torch.Tensor) -> torch.Tensor:
         return cost(grids_from_range(rho * wmin, rho * wmax, bits, scale_bits))
+
+    batched = elements > 0
 
     one = torch.ones_like(wmin)
     best_cost, best_rho = cost_at(one), one.clone()
@@ -248,9 +253,18 @@ def search_range(
 
     a, b = torch.full_like(wmin, min_ratio), one.clone()
     if grid > 1:
-        for r in torch.linspace(min_ratio, 1.0, grid, dtype=wmin.dtype).tolist()[:-1]:
-            rho = torch.full_like(wmin, r)
-            consider(rho, cost_at(rho))
+        ratios = torch.linspace(min_ratio, 1.0, grid, dtype=wmin.dtype)[:-1]
+        if batched:  # every ratio at once, in chunks of at most _BATCH_ELEMENTS weights
+            per = max(1, _BATCH_ELEMENTS // max(1, wmin.numel() * elements))
+            for part in ratios.split(per):
+                rho = part[:, None].expand(-1, wmin.shape[0])
+                f = cost_at(rho)  # (R, G)
+                for i in range(len(part)):  # in order: ties keep the earlier ratio, as one at a time
+                    consider(rho[i], f[i])
+        else:
+            for r in ratios.tolist():
+                rho = torch.full_like(wmin, r)
+                consider(rho, cost_at(rho))
         step = (1.0 - min_ratio) / (grid - 1)
         a, b = (best_rho - step).clamp_min(min_ratio), (best_rho + step).clamp_max(1.0)
     c = b - _GOLDEN * (b - a)
@@ -303,8 +317,17 @@ def fit_uniform_grids(
 # ---- The deployed objective: weighted squared error of the stored weights ---------------------
 
 def grid_sq_error(w: torch.Tensor, weight: torch.Tensor, grids: UniformGrids) -> torch.Tensor:
-    """(G,) float64 ``sum_i weight_i (Q(w_i) - w_i)^2`` of (G, n) ``w`` under its rows' grids."""
-    return ((grids.dequantize(grids.quantize(w)) - w).pow(2) * weight).sum(1)
+    """(..., G) float64 ``sum_i weight_i (Q(w_i) - w_i)^2`` of (G, n) ``w`` under its rows' grids.
+
+    The grids' ``scale`` / ``zero`` may carry leading dimensions (..., G): several candidate
+    grids per row scored at once (:func:`search_range`'s ratio grid). The same values as
+    ``dequantize(quantize(w))`` (the codes stay integers in float64; a zero scale decodes to 0),
+    without the integer round trip.
+    """
+    s, z = grids.scale[..., None], grids.zero[..., None]
+    q = (torch.round(w / torch.where(s > 0, s, torch.ones_like(s))) + z).clamp_(0, grids.levels - 1)
+    err = q.sub_(z).mul_(s).sub_(w)
+    return (err * err).mul_(weight).sum(-1)
 
 
 def levels_sq_error(w: torch.Tensor, weight: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -331,7 +354,7 @@ def fit_uniform_grids_deployed(
         (grids, (G,) float64 cost ``J``).
     """
     return search_range(w.min(1).values, w.max(1).values, bits, lambda g: grid_sq_error(w, weight, g),
-                        iters=iters, min_ratio=min_ratio, scale_bits=scale_bits, grid=grid)
+                        iters=iters, min_ratio=min_ratio, scale_bits=scale_bits, grid=grid, elements=w.shape[1])
 
 
 def fit_weighted_levels(

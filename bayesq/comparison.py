@@ -9,7 +9,8 @@ method, so differences can be measured example by example:
 * :func:`correct_per_example` -- ``argmax_c z_ic == y_i``;
 * :func:`fidelity_summary` -- mean KL, its standard error ``sd(KL) / sqrt(N)`` and the agreement rate;
 * :func:`resolved_choice` -- which of several candidates scored on the same examples to keep: a
-  reference unless another's paired advantage over it is resolved;
+  reference unless another's paired advantage over it is resolved; :func:`sequential_choice`
+  -- the same rule, scoring in two looks and stopping early for candidates resolved worse;
 * :func:`paired_differences` -- the mean of ``a_i - b_i`` for two methods on the same examples and
   a percentile 95 % interval from a paired bootstrap over examples: resample ``N`` example indices
   with replacement (the same indices for both methods), take the mean difference, repeat
@@ -25,7 +26,7 @@ fine-tuning or any other seed.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -239,3 +240,36 @@ def resolved_choice(losses: Mapping[str, Tensor], reference: str, resamples: int
     diffs = dict(zip(ok, paired_differences(torch.stack([losses[k] for k in ok], 1), ref, resamples, seed, level)))
     admitted = {k: d.diff for k, d in diffs.items() if d.ci_high < 0}
     return (min(admitted, key=admitted.get) if admitted else reference), diffs
+
+
+def sequential_choice(score: Callable[[str, slice], Tensor], names: Sequence[str], reference: str,
+                      first: int, total: int, resamples: int = RESAMPLES, seed: int = SEED,
+                      level: float = 0.95) -> tuple[str, dict[str, PairedDifference], dict[str, Tensor]]:
+    """:func:`resolved_choice` on ``total`` batches of examples, with an early stop for futility.
+
+    ``score(name, part)`` gives candidate ``name``'s (n,) per-example losses on the batches
+    ``part`` (a slice). First every candidate is scored on the batches ``[0, first)``; a candidate
+    resolved *worse* than ``reference`` there (its ``level`` interval above zero) is dropped. If
+    only the reference is left, it is kept and the other batches are never scored. Else the
+    reference and the rest are scored on ``[first, total)`` and :func:`resolved_choice` decides
+    on every batch. A candidate is admitted only by that last interval, so the chance of
+    admitting one that is no better than the reference stays at most ``1 - level``: the early
+    stop only gives up candidates already resolved worse (the price is power, not error rate).
+
+    Returns:
+        (kept name, {other name: its PairedDifference to the reference on the examples it was
+        last compared on}, {name: the per-example losses scored, first look then the rest}).
+    """
+    if reference not in names:
+        raise ValueError(f"reference candidate '{reference}' is not among {sorted(names)}")
+    losses = {n: score(n, slice(0, min(first, total))) for n in names}
+    kept, margins = resolved_choice(losses, reference, resamples, seed, level)
+    if first >= total:
+        return kept, margins, losses
+    alive = [n for n in names if not (n in margins and margins[n].ci_low > 0)]
+    if alive == [reference]:
+        return reference, margins, losses
+    for n in alive:
+        losses[n] = torch.cat([losses[n], score(n, slice(first, total))])
+    kept, final = resolved_choice({n: losses[n] for n in alive}, reference, resamples, seed, level)
+    return kept, {**margins, **final}, losses

@@ -456,6 +456,11 @@ class FinetuneConfig:
     trained, for ``head_epochs`` epochs on the backbone's features (computed once, eval mode).
     Training every weight of a convolutional net amplifies the CPU kernels' last-bit rounding
     into a different model on another CPU; a head on fixed features is the same model there.
+
+    ``length_groups``: for inputs of varying length (sentences), each epoch's shuffled order is
+    cut into chunks of this many mini-batches, each chunk sorted by length before it is cut into
+    mini-batches, and the mini-batches are then shuffled (Hugging Face's ``group_by_length``):
+    batches padded to their longest member then carry little padding. 0: plain shuffled batches.
     """
 
     epochs: int = 1
@@ -468,11 +473,14 @@ class FinetuneConfig:
     threads: int = 2
     frozen_backbone: tuple[str, ...] = ()
     head_epochs: int = 3
+    length_groups: int = 50
 
     def __post_init__(self) -> None:
         s = "finetune"
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
             _fail(s, "threads", self.threads, "must be an integer >= 0 (0: torch's default)")
+        if isinstance(self.length_groups, bool) or not isinstance(self.length_groups, int) or self.length_groups < 0:
+            _fail(s, "length_groups", self.length_groups, "must be an integer >= 0 (0: no grouping by length)")
         if isinstance(self.frozen_backbone, str) or not all(isinstance(m, str) for m in self.frozen_backbone):
             _fail(s, "frozen_backbone", self.frozen_backbone, "must be a list of model names, e.g. [lite0-fmnist]")
         object.__setattr__(self, "frozen_backbone", tuple(self.frozen_backbone))

@@ -32,7 +32,7 @@ from bayesq.config import (
     Rounding, Whitening,
 )
 from bayesq.error_feedback import coordinate_descent, damped_metric, error_feedback_groups, feedback_gain
-from bayesq.comparison import resolved_choice
+from bayesq.comparison import sequential_choice
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import Book, LossTable, apply_mc_proxy, posterior_table
 from bayesq.forward import Batch, batch_size, kept_state, model_batches
@@ -354,7 +354,7 @@ def _input_stats(posterior: Posterior, model: nn.Module | None, calibration: Ite
         raise ValueError("error-feedback rounding with a diagonal posterior and bias correction need the model and "
                          "calibration batches (the layers' input second moments and means)")
     layers = {name: model.get_submodule(name) for name in posterior.mean}
-    return input_stats(model, calibration, layers, progress=progress)
+    return input_stats(model, calibration, layers, progress=progress, abs_mean=False)
 
 
 def _stats_of(stats: Mapping[str, InputStats], posterior: Posterior) -> dict[str, InputStats]:
@@ -502,6 +502,8 @@ class Encoding:
             KL minus the anchor's on those inputs (``minmax`` when built, else ``q``'s own
             grids); a candidate is kept over the anchor only when ``high < 0``
             (:func:`bayesq.comparison.resolved_choice`).
+        selection_inputs: candidate name -> the inputs it was scored on (all of them, or the
+            first look's when it was resolved worse there: :func:`selection_looks`).
     """
 
     name: str
@@ -512,6 +514,22 @@ class Encoding:
     selection_kl: Mapping[str, float]
     correction: BiasCorrection | None = None
     selection_margin: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    selection_inputs: Mapping[str, int] = field(default_factory=dict)
+
+
+SELECTION_FIRST_LOOK = 0.25  # share of the scored inputs in the selection's first look ...
+SELECTION_LOOK_MIN = 256  # ... and at least this many, else one look on every input
+
+
+def selection_looks(batches: Sequence[Batch]) -> int:
+    """Batches in the first look of :func:`bayesq.comparison.sequential_choice` over ``batches``:
+    the fewest that hold ``max(SELECTION_LOOK_MIN, SELECTION_FIRST_LOOK * N)`` of the N inputs;
+    all of them (one look) when that is more than half."""
+    sizes = [batch_size(b) for b in batches]
+    need = max(SELECTION_LOOK_MIN, SELECTION_FIRST_LOOK * sum(sizes))
+    if 2 * need > sum(sizes):
+        return len(sizes)
+    return int(np.searchsorted(np.cumsum(sizes), need)) + 1
 
 
 def encode_best(
@@ -530,7 +548,9 @@ def encode_best(
     as the second candidate), else on ``calibration`` (the second candidate: min/max grids). The
     ``minmax`` grids when built, else ``q``'s own, are kept unless the other candidate's mean KL
     is lower by a resolved margin (95 % paired-bootstrap interval of the difference below zero,
-    :func:`bayesq.comparison.resolved_choice`).
+    :func:`bayesq.comparison.resolved_choice`), scored in two looks
+    (:func:`bayesq.comparison.sequential_choice`, :func:`selection_looks`): a candidate resolved
+    worse than the anchor on the first quarter of the inputs is not scored on the rest.
 
     ``column_metric``: :func:`ef_column_metric` of ``q``; ``correction``: :func:`bias_correction`
     (each computed here when None and needed, from ``stats``: the layers' input statistics
@@ -565,9 +585,7 @@ def encode_best(
     if column_metric is None:
         column_metric = ef_column_metric(posterior, q)  # the K-FAC posterior's, or None
     blocks = [t.blocks for t in table.layers]
-    built, kls = {}, {}
-    if len(cands) > 1 and reference is None:
-        reference = reference_log_probs(model, scored, "FP on the selection inputs" if progress else None)
+    built, scoring = {}, {}
     given = {**(tables or {}), **{k: table for k, cq in cands.items() if cq is q}}
     missing = {k: v for k, v in cands.items() if k not in given}
     if missing:
@@ -581,12 +599,25 @@ def encode_best(
                     progress=progress)
         built[name] = (cq, t, allocation, qw)
         if len(cands) > 1:
-            kls[name] = kl_per_input(reference, quantized_copy(model, qw, correction), scored,
-                                     f"selection KL ({name})" if progress else None)
-    kept, margins = resolved_choice(kls, "minmax" if "minmax" in kls else next(iter(cands))) if kls else (
-        next(iter(cands)), {})
+            scoring[name] = quantized_copy(model, qw, correction)
+    if len(cands) == 1:
+        return Encoding(next(iter(cands)), *built[next(iter(cands))], {}, correction)
+    fp = {}  # the FP log-probabilities of each look's batches
+
+    def score(name: str, part: slice) -> torch.Tensor:
+        key = (part.start, part.stop)
+        if key not in fp:
+            fp[key] = (reference[part] if reference is not None else
+                       reference_log_probs(model, scored[part], "FP on the selection inputs" if progress else None))
+        return kl_per_input(fp[key], scoring[name], scored[part], f"selection KL ({name})" if progress else None)
+
+    anchor = "minmax" if "minmax" in cands else next(iter(cands))
+    if reference is not None and len(reference) != len(scored):
+        raise ValueError(f"reference has {len(reference)} batches of log-probabilities for {len(scored)} input "
+                         "batches: pass reference_log_probs of the same batches, in the same order")
+    kept, margins, kls = sequential_choice(score, list(cands), anchor, selection_looks(scored), len(scored))
     return Encoding(kept, *built[kept], {k: float(v.mean()) for k, v in kls.items()}, correction,
-                    {k: (d.ci_low, d.ci_high) for k, d in margins.items()})
+                    {k: (d.ci_low, d.ci_high) for k, d in margins.items()}, {k: len(v) for k, v in kls.items()})
 
 
 def quantized_copy(
@@ -644,7 +675,7 @@ def posterior_and_stats(
     :func:`bayesq.baselines.activations.input_stats`, one pass fewer), else by one more forward
     pass. ``calibration``: re-iterable batches in the model's dtype; ``model`` in eval mode."""
     one_pass = Curvature(cfg.curvature) in ROWS_IN_PASS  # diagonal: the posterior has no K-FAC factors
-    sums = StatsSums() if one_pass and _reads_stats(q, kfac=False) else None
+    sums = StatsSums(abs_mean=False) if one_pass and _reads_stats(q, kfac=False) else None
     posterior = _fit_posterior(model, calibration, layers, cfg, seed=seed, progress=progress, on_rows=sums)
     if not needs_input_stats(posterior, q):
         return posterior, None

@@ -82,7 +82,7 @@ def gptq_stages(model, calibration, params, budget: float, allocation, selection
 
     stages = {}
     with _timed(stages, "input stats"):
-        stats = input_stats(model, calibration, quantizable_layers(model))
+        stats = input_stats(model, calibration, quantizable_layers(model), abs_mean=False)  # GPTQ reads H only
     with _timed(stages, "solve+select"):
         choice = gptq_select(model, stats, calibration, budget, params.quant,
                              group_sizes=params.baselines.group_sizes, allocation=allocation,

@@ -58,12 +58,24 @@ def calibration_indices(entry, splits, calibration, seed: int):
 
 
 def calibration_batches(entry, splits, data, calibration, seed: int):
-    """Unlabelled calibration batches drawn from the training inputs with ``seed``: (indices, batches)."""
-    from bayesq.models.zoo import _take
+    """Unlabelled calibration batches drawn from the training inputs with ``seed``: (indices
+    (sorted), batches). Inputs of varying length (sentences) are batched with others of similar
+    length, the batches in a seeded random order (:func:`bayesq.models.zoo.minibatches`): a random
+    draw in batches of 32 is about half padding, which every pass would compute and which the
+    layer-input statistics would count as inputs. Images keep the order of ``indices``."""
+    import math
+
+    import torch
+
+    from bayesq.models.zoo import _take, minibatches
 
     idx = calibration_indices(entry, splits, calibration, seed)
     inputs = _take(splits.train_inputs, idx)
-    return idx, entry.batches(inputs, calibration.batch_size, data)
+    lengths, n, size = entry.lengths(inputs), len(idx), calibration.batch_size
+    if lengths is not None:
+        order = torch.cat(minibatches(torch.arange(n), size, lengths, math.ceil(n / size), seed))
+        inputs = _take(inputs, order)
+    return idx, entry.batches(inputs, size, data)
 
 
 def selection_batches(entry, splits, data, calibration, seed: int):

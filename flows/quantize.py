@@ -236,6 +236,7 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
         reference_read = bool(reference_file) and selection is not None and bool(enc.selection_kl)
         extra = {"encoding": enc.name, "encoding_kl": dict(enc.selection_kl),
                  "encoding_margin": {k: list(v) for k, v in enc.selection_margin.items()},
+                 "encoding_inputs": dict(enc.selection_inputs),
                  "unit_bits": {k: list(v) for k, v in allocation.unit_bits.items()}}
         if enc.correction is not None:
             extra |= {"bias_corrected": len(enc.correction.targets), "bias_skipped": dict(enc.correction.skipped)}

@@ -73,7 +73,7 @@ def test_input_stats_shared_input_computed_once_vs_explicit_sums(monkeypatch):
     batches = _batches((4, 7, 5), 2)
     calls = []
     sums = activations.batch_sums
-    monkeypatch.setattr(activations, "batch_sums", lambda rows: calls.append(rows.shape) or sums(rows))
+    monkeypatch.setattr(activations, "batch_sums", lambda rows, *a: calls.append(rows.shape) or sums(rows, *a))
     st = input_stats(model, batches, {n: getattr(model, n) for n in "qkvo"})
     assert len(calls) == 2 * len(batches)  # one for q / k / v, one for o, per batch
     X = torch.cat([b.reshape(-1, 5) for b in batches])
@@ -83,6 +83,21 @@ def test_input_stats_shared_input_computed_once_vs_explicit_sums(monkeypatch):
         torch.testing.assert_close(st[name].H[0], X.T @ X / 8, rtol=1e-12, atol=0)
         torch.testing.assert_close(st[name].abs_mean[0], X.abs().mean(0), rtol=1e-12, atol=0)
     torch.testing.assert_close(st["o"].H[0], Y.T @ Y / 8, rtol=1e-12, atol=0)
+
+
+def test_input_stats_without_abs_mean_same_moments_and_awq_says_so():
+    from bayesq.baselines.awq import channel_magnitude
+
+    torch.manual_seed(4)
+    model = _QKV().double()
+    batches = _batches((4, 7, 5), 2)
+    layers = {n: getattr(model, n) for n in "qkvo"}
+    full, lean = input_stats(model, batches, layers), input_stats(model, batches, layers, abs_mean=False)
+    for name in layers:
+        assert torch.equal(full[name].H, lean[name].H) and torch.equal(full[name].mean, lean[name].mean)
+        assert lean[name].abs_mean is None
+    with pytest.raises(ValueError, match="abs_mean=True"):
+        channel_magnitude(lean["q"], 1)
 
 
 def test_input_stats_empty_or_unused_layer_raises():

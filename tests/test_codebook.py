@@ -177,6 +177,36 @@ def test_fit_uniform_grids_deployed_vs_dense_ratio_grid(bits):
     assert cost.sum() <= dense.min(0).values.sum() * 1.005
 
 
+def test_grid_sq_error_vs_quantize_dequantize_with_zero_scale_and_ratio_batch():
+    w, weight = _weighted_rows(7, rows=6, n=16)
+    w[2] = 0.0  # an all-zero row: scale 0, every level 0
+    grids = minmax_grids(w, 3)
+    assert grids.scale[2] == 0
+    ref = ((grids.dequantize(grids.quantize(w)) - w).pow(2) * weight).sum(1)
+    assert torch.equal(grid_sq_error(w, weight, grids), ref)
+    lo, hi = w.min(1).values, w.max(1).values
+    ratios = torch.tensor([0.3, 0.7, 1.0], dtype=torch.float64)[:, None]
+    stacked = grid_sq_error(w, weight, grids_from_range(ratios * lo, ratios * hi, 3))  # (3, rows)
+    for i, r in enumerate(ratios[:, 0].tolist()):
+        assert torch.equal(stacked[i], grid_sq_error(w, weight, grids_from_range(r * lo, r * hi, 3)))
+
+
+@pytest.mark.parametrize("chunk", [2**18, 64 * 5])  # all ratios in one call | five per call
+def test_search_range_batched_ratios_vs_one_at_a_time(monkeypatch, chunk):
+    import bayesq.codebook as codebook
+
+    monkeypatch.setattr(codebook, "_BATCH_ELEMENTS", chunk)
+    w, weight = _weighted_rows(8, rows=30, n=64)
+    w[:, 10:20] = 0.0  # flat costs over ratios on some rows exercise the tie rule (earlier ratio kept)
+    w[5] = 0.0
+    lo, hi = w.min(1).values, w.max(1).values
+    cost = lambda g: grid_sq_error(w, weight, g)  # noqa: E731
+    one = search_range(lo, hi, 3, cost, iters=12, min_ratio=0.2, grid=20)
+    many = search_range(lo, hi, 3, cost, iters=12, min_ratio=0.2, grid=20, elements=w.shape[1])
+    assert torch.equal(one[0].scale, many[0].scale) and torch.equal(one[0].zero, many[0].zero)
+    assert torch.equal(one[1], many[1])
+
+
 def _dp_levels_cost(x: np.ndarray, wt: np.ndarray, k: int) -> float:
     """Optimal weighted k-means cost on a line: the best contiguous partition of sorted x (DP)."""
     order = np.argsort(x)

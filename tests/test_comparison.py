@@ -186,3 +186,58 @@ def test_resolved_choice_non_finite_and_degenerate_cases():
     assert resolved_choice({"ref": b, "y": b.clone()}, "ref")[0] == "ref"  # a tie keeps the reference
     with pytest.raises(ValueError, match="reference candidate 'minmax' is not among"):
         resolved_choice({"ref": a}, "minmax")
+
+
+def _scored(losses: dict, batch: int, calls: list):
+    """score(name, part) over batches of ``batch`` examples of ``losses``, logging each call."""
+    def score(name, part):
+        calls.append((name, part.start, part.stop))
+        return losses[name][part.start * batch: part.stop * batch]
+    return score
+
+
+def test_sequential_choice_stops_only_for_candidates_resolved_worse():
+    from bayesq.comparison import resolved_choice, sequential_choice
+
+    g = torch.Generator().manual_seed(5)
+    ref = torch.rand(800, generator=g, dtype=torch.float64)
+    noise = 0.2 * torch.randn(800, generator=g, dtype=torch.float64)
+    worse, better, close = ref + 0.1 + noise, ref - 0.1 + noise, ref - 0.002 + noise
+    # one candidate resolved worse on the first 2 of 8 batches: the rest is never scored
+    calls = []
+    kept, margins, losses = sequential_choice(_scored({"ref": ref, "worse": worse}, 100, calls),
+                                              ["ref", "worse"], "ref", 2, 8)
+    assert kept == "ref" and calls == [("ref", 0, 2), ("worse", 0, 2)]
+    assert margins["worse"].ci_low > 0 and margins["worse"].n == 200 and len(losses["worse"]) == 200
+    # a better one goes on to every example and the decision is resolved_choice's on all of them
+    cands = {"ref": ref, "worse": worse, "better": better, "close": close}
+    calls = []
+    kept, margins, losses = sequential_choice(_scored(cands, 100, calls), list(cands), "ref", 2, 8)
+    assert ("worse", 2, 8) not in calls and ("better", 2, 8) in calls and ("close", 2, 8) in calls
+    want, want_margins = resolved_choice({k: cands[k] for k in ("ref", "better", "close")}, "ref")
+    assert kept == want == "better" and margins["better"].n == 800 and margins["worse"].n == 200
+    for k in ("better", "close"):
+        assert torch.equal(losses[k], cands[k])
+        assert margins[k].ci_high == pytest.approx(want_margins[k].ci_high, rel=1e-12)
+    # one look (first >= total) is resolved_choice itself
+    kept, margins, _ = sequential_choice(_scored(cands, 100, []), list(cands), "ref", 8, 8)
+    assert (kept, {k: d.ci_high for k, d in margins.items()}) == (
+        resolved_choice(cands, "ref")[0], {k: d.ci_high for k, d in resolved_choice(cands, "ref")[1].items()})
+    with pytest.raises(ValueError, match="reference candidate 'x' is not among"):
+        sequential_choice(_scored(cands, 100, []), list(cands), "x", 2, 8)
+
+
+def test_sequential_choice_admits_no_worse_candidate_more_often_than_level():
+    """Under the null (the candidate no better than the reference), the two-look rule admits it in
+    at most about 5 % of draws, as the one-look rule does (Monte Carlo, 200 draws)."""
+    from bayesq.comparison import sequential_choice
+
+    g = torch.Generator().manual_seed(11)
+    admitted = 0
+    for _ in range(200):
+        ref = torch.rand(400, generator=g, dtype=torch.float64)
+        same = ref + 0.3 * torch.randn(400, generator=g, dtype=torch.float64)
+        kept, _, _ = sequential_choice(_scored({"ref": ref, "same": same}, 50, []), ["ref", "same"], "ref", 2, 8,
+                                       resamples=200)
+        admitted += kept == "same"
+    assert admitted / 200 < 0.05 + 3 * math.sqrt(0.05 * 0.95 / 200)

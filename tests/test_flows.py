@@ -645,6 +645,36 @@ def test_selection_batches_of_sentences_in_padding_order():
     assert len(got) == 100 and [len(s) for s in got] == sorted(len(s) for s in got)
 
 
+def test_calibration_batches_of_sentences_grouped_by_length_images_in_draw_order(tiny_entry):
+    from bayesq.config import CalibrationConfig
+    from bayesq.models.zoo import MiniLMSentiment, Splits, get_entry
+    from flows.prepare import calibration_batches, calibration_indices
+
+    class Words(MiniLMSentiment):  # batches of sentences without a tokenizer: the lists themselves
+        def batches(self, inputs, batch_size, data):
+            return [list(inputs[i:i + batch_size]) for i in range(0, len(inputs), batch_size)]
+
+    g = torch.Generator().manual_seed(1)
+    train = [f"{i}:" + "x" * int(n) for i, n in enumerate(torch.randint(1, 60, (200,), generator=g))]
+    splits = Splits(train, torch.zeros(200, dtype=torch.int64), train[:4], torch.zeros(4, dtype=torch.int64))
+    cal = CalibrationConfig(sentences=64, batch_size=8)
+    idx, batches = calibration_batches(Words(), splits, DataConfig(), cal, 17)
+    assert torch.equal(idx, calibration_indices(Words(), splits, cal, 17))  # the draw, sorted
+    assert sorted(s for b in batches for s in b) == sorted(train[i] for i in idx.tolist())  # each input once
+    lengths = [[len(s) for s in b] for b in batches]
+    assert all(x == sorted(x) for x in lengths)  # each batch: inputs of similar length ...
+    assert sorted(x[-1] for x in lengths) == [x[-1] for x in sorted(lengths)]  # ... slices of the sorted draw
+    assert [x[-1] for x in lengths] != sorted(x[-1] for x in lengths)  # in a shuffled batch order
+    padded = sum(len(b) * max(x) for b, x in zip(batches, lengths))
+    assert padded < 0.75 * sum(min(8, 64 - i) * max(len(train[j]) for j in idx[i:i + 8].tolist())
+                               for i in range(0, 64, 8))  # less padding than batches in draw order
+    entry = get_entry("tiny-cnn")  # images: the draw's order
+    img_splits = entry.load_splits(DataConfig(), Path("unused"))
+    idx, batches = calibration_batches(entry, img_splits, DataConfig(), CalibrationConfig(images=32, batch_size=8), 3)
+    want = entry.batches(img_splits.train_inputs[idx], 8, DataConfig())
+    assert len(batches) == len(want) and all(torch.equal(a, b) for a, b in zip(batches, want))
+
+
 def test_selection_batches_draw_the_configured_size_and_fit_inputs_ignore_it(tiny_entry):
     from bayesq.config import CalibrationConfig, replace
     from bayesq.models.zoo import get_entry

@@ -265,6 +265,34 @@ def test_finetune_config_bad_threads_names_field(value) -> None:
         FinetuneConfig(threads=value)
 
 
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_finetune_config_bad_length_groups_names_field(value) -> None:
+    with pytest.raises(ValueError, match="finetune.length_groups"):
+        FinetuneConfig(length_groups=value)
+
+
+def test_minibatches_by_length_cover_each_input_once_with_less_padding() -> None:
+    g = torch.Generator().manual_seed(0)
+    n, bs = 1000, 32
+    lengths = torch.randint(1, 200, (n,), generator=g) ** 2 // 200  # skewed, like sentence lengths
+    order = torch.randperm(n, generator=g)
+    plain = zoo.minibatches(order, bs)
+    grouped = zoo.minibatches(order, bs, lengths, groups=10, seed=5)
+    assert [b.tolist() for b in plain] == [b.tolist() for b in order.split(bs)]
+    assert sorted(torch.cat(grouped).tolist()) == list(range(n)) and len(grouped) == len(plain)
+    assert all(len(b) == bs for b in grouped[:-1] if len(b) != n % bs)
+    padded = lambda batches: sum(len(b) * int(lengths[b].max()) for b in batches)  # noqa: E731
+    assert padded(grouped) < 0.7 * padded(plain)
+    for c, chunk in enumerate(order.split(10 * bs)):  # each batch: a length-sorted slice of one chunk
+        inside = [b for b in grouped if set(b.tolist()) <= set(chunk.tolist())]
+        assert sorted(torch.cat(inside).tolist()) == sorted(chunk.tolist())
+        for b in inside:
+            assert torch.equal(lengths[b], lengths[b].sort().values)
+    again = zoo.minibatches(order, bs, lengths, groups=10, seed=5)
+    assert all(torch.equal(x, y) for x, y in zip(grouped, again))
+    assert [b.tolist() for b in zoo.minibatches(order, bs, lengths, groups=0)] == [b.tolist() for b in plain]
+
+
 # ---------------------------------------------------------------- image entry
 
 

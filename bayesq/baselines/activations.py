@@ -33,13 +33,14 @@ class InputStats:
 
     Attributes:
         H: (groups, d_in, d_in) float64 mean over inputs of ``sum_t a a^T``.
-        abs_mean: (groups, d_in) float64 mean of ``|a|`` over inputs and positions.
+        abs_mean: (groups, d_in) float64 mean of ``|a|`` over inputs and positions (AWQ's
+            activation scale); None when not taken (``input_stats(..., abs_mean=False)``).
         n: calibration inputs seen.
         mean: (groups, d_in) float64 mean of ``a`` over inputs and positions (bias correction).
     """
 
     H: torch.Tensor
-    abs_mean: torch.Tensor
+    abs_mean: torch.Tensor | None
     n: int
     mean: torch.Tensor | None = None
 
@@ -53,9 +54,9 @@ class InputStats:
         return self.H.diagonal(dim1=1, dim2=2).repeat_interleave(per, dim=0)
 
 
-def batch_sums(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One batch's ``sum a a^T`` (groups, d, d), ``sum |a|`` and ``sum a`` (groups, d) over
-    examples and positions, in the dtype of ``rows`` (N, groups, T, d).
+def batch_sums(rows: torch.Tensor, absolute: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """One batch's ``sum a a^T`` (groups, d, d), ``sum |a|`` (None unless ``absolute``) and
+    ``sum a`` (groups, d) over examples and positions, in the dtype of ``rows`` (N, groups, T, d).
 
     Rows that are a transposed view of (N, groups, d, T) patches (unfolded convolution inputs)
     take one (d, T) x (T, d) product per example and group, read in place, then a sum over the
@@ -69,22 +70,24 @@ def batch_sums(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     g, d = rows.shape[1], rows.shape[3]
     if rows.mT.is_contiguous() and rows.shape[2] >= 64:  # fewer positions: tiny products, slower
         h = (rows.mT @ rows).sum(0)  # (groups, d, d)
-        absolute, total = rows.abs().sum((0, 2)), rows.sum((0, 2))
+        magnitude, total = rows.abs().sum((0, 2)) if absolute else None, rows.sum((0, 2))
     else:
         X = rows.transpose(0, 1).reshape(g, -1, d)  # (groups, N*T, d)
         h = X.mT @ X
-        absolute, total = X.abs().sum(1), X.sum(1)
+        magnitude, total = X.abs().sum(1) if absolute else None, X.sum(1)
     # the GEMM sums each triangle in its own order: symmetrise exactly
-    return 0.5 * (h + h.mT), absolute, total
+    return 0.5 * (h + h.mT), magnitude, total
 
 
 class StatsSums:
     """Per-layer float64 sums of :func:`batch_sums`, fed one batch's rows at a time: the
     ``on_rows(name, rows)`` callback of a pass over the calibration inputs
     (:func:`bayesq.posterior.forward_inputs`, or the diagonal Fisher's own pass,
-    :func:`bayesq.posterior.fit_posterior`'s ``on_rows``)."""
+    :func:`bayesq.posterior.fit_posterior`'s ``on_rows``). ``abs_mean``: also sum ``|a|``
+    (AWQ's activation scale; BayesQ and GPTQ do not read it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, abs_mean: bool = True) -> None:
+        self.abs_mean = abs_mean
         self._sums: dict[str, list] = {}
         self._last: list = [None, None]  # rows, their sums: q / k / v read the same rows object
 
@@ -93,10 +96,11 @@ class StatsSums:
         if self._last[0] is rows:
             new = self._last[1]
         else:
-            new = [x.double() for x in batch_sums(rows)] + [rows.shape[0] * rows.shape[2]]
+            new = [None if x is None else x.double() for x in batch_sums(rows, self.abs_mean)]
+            new.append(rows.shape[0] * rows.shape[2])
             self._last[:] = rows, new
         old = self._sums.get(name)
-        self._sums[name] = new if old is None else [x + y for x, y in zip(old, new)]
+        self._sums[name] = new if old is None else [None if x is None else x + y for x, y in zip(old, new)]
 
     def stats(self, layers: dict[str, nn.Module], n: int) -> dict[str, InputStats]:
         """:class:`InputStats` of ``layers`` over the ``n`` inputs the rows came from.
@@ -112,18 +116,20 @@ class StatsSums:
             raise ValueError(f"layers {missing[:3]} never ran in the forward pass (a weight used functionally, "
                              "e.g. nn.MultiheadAttention's out_proj): keep them in floating point with "
                              "exclude=[...] (names or glob patterns)")
-        return {k: InputStats(h / n, a / t, n, m / t) for k, (h, a, m, t) in self._sums.items() if k in layers}
+        return {k: InputStats(h / n, None if a is None else a / t, n, m / t)
+                for k, (h, a, m, t) in self._sums.items() if k in layers}
 
 
 def input_stats(
     model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module], *, progress: bool = False,
+    abs_mean: bool = True,
 ) -> dict[str, InputStats]:
     """:class:`InputStats` of every layer in ``layers`` from one forward pass (eval mode, no grad;
-    ``progress``: a bar over the batches).
+    ``progress``: a bar over the batches; ``abs_mean``: also AWQ's mean magnitudes).
 
     Raises:
         ValueError: empty calibration set.
     """
-    sums = StatsSums()
+    sums = StatsSums(abs_mean)
     n = forward_inputs(model, calibration, layers, sums, progress=progress, desc="layer-input statistics")
     return sums.stats(layers, n)

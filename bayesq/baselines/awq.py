@@ -55,6 +55,9 @@ MAX_SCALE_BITS = 0.25
 
 def channel_magnitude(stats: InputStats, kernel: int) -> torch.Tensor:
     """(groups, c_in) float64 mean |a| per input channel (patch columns are channel-major)."""
+    if stats.abs_mean is None:
+        raise ValueError("AWQ reads the layers' mean input magnitudes, but these statistics were taken without "
+                         "them: compute them with input_stats(..., abs_mean=True) (the default)")
     g, d = stats.abs_mean.shape
     return stats.abs_mean.reshape(g, d // kernel, kernel).mean(-1)  # (groups, c_in, k) -> mean over k
 

@@ -135,11 +135,17 @@ class ZooEntry(abc.ABC):
         """Training epochs: ``cfg.epochs`` (fine-tuning a pretrained model)."""
         return cfg.epochs
 
+    def lengths(self, inputs: Any) -> Tensor | None:
+        """(N,) int64 size of each input that sets its batch's padded length (None: inputs of one
+        shape, e.g. images)."""
+        return None
+
     def padding_order(self, inputs: Any) -> Tensor:
         """(N,) int64 order of ``inputs`` in which :meth:`batches` wastes least padding; inputs
         of one shape (images): their own order. Used where the order of inputs does not matter
         (forward-only scoring of a held-out draw)."""
-        return torch.arange(len(inputs))
+        lengths = self.lengths(inputs)
+        return torch.arange(len(inputs)) if lengths is None else lengths.argsort(stable=True)
 
     def finetune(
         self, model: nn.Module, splits: Splits, data: DataConfig, cfg: FinetuneConfig
@@ -149,8 +155,9 @@ class ZooEntry(abc.ABC):
         Every parameter, ``self.epochs(cfg)`` epochs, mini-batches preprocessed on the fly; or, for
         a model listed in ``cfg.frozen_backbone``, only the head ``self.head``, ``cfg.head_epochs``
         epochs on the features it reads (one pass of the model in eval mode, :meth:`head_inputs`).
-        Each epoch is a fresh seeded shuffle (``cfg.seed``) in mini-batches of ``cfg.batch_size``,
-        on ``cfg.threads`` torch threads (0: as set). The global RNG state and thread count are
+        Each epoch is a fresh seeded shuffle (``cfg.seed``) in mini-batches of ``cfg.batch_size``
+        (inputs of varying :meth:`lengths`, all weights trained: grouped by length,
+        :func:`minibatches` with ``cfg.length_groups``), on ``cfg.threads`` torch threads (0: as set). The global RNG state and thread count are
         restored afterwards.
 
         Returns:
@@ -186,10 +193,11 @@ class ZooEntry(abc.ABC):
             bar = tqdm(total=epochs * math.ceil(n / cfg.batch_size), desc=f"finetune {self.name}"
                        + (" (head)" if frozen else ""), unit="batch", disable=None)
             running = None
+            lengths = None if frozen or not cfg.length_groups else self.lengths(splits.train_inputs)
             for epoch in range(epochs):
                 order = seeded_permutation(n, cfg.seed * 1000003 + epoch)
-                for start in range(0, n, cfg.batch_size):
-                    loss = loss_of(order[start:start + cfg.batch_size])
+                for idx in minibatches(order, cfg.batch_size, lengths, cfg.length_groups, cfg.seed * 1000003 + epoch):
+                    loss = loss_of(idx)
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     opt.step()
@@ -225,6 +233,23 @@ class ZooEntry(abc.ABC):
         finally:
             hook.remove()
         return torch.cat(seen)
+
+
+def minibatches(order: Tensor, batch_size: int, lengths: Tensor | None = None, groups: int = 0,
+                seed: int = 0) -> list[Tensor]:
+    """Mini-batches (int64 index tensors) of the shuffled ``order`` (N,).
+
+    Without ``lengths`` (or ``groups = 0``): consecutive slices of ``order``. With them: ``order``
+    cut into chunks of ``groups * batch_size``, each chunk sorted by ``lengths`` (stable) and cut
+    into mini-batches, then every mini-batch in a random order (generator seeded with ``seed``):
+    each input still appears once per epoch, and a batch padded to its longest member carries
+    little padding.
+    """
+    if lengths is None or not groups:
+        return list(order.split(batch_size))
+    chunks = [c[lengths[c].argsort(stable=True)] for c in order.split(groups * batch_size)]
+    out = [b for c in chunks for b in c.split(batch_size)]
+    return [out[i] for i in seeded_permutation(len(out), seed + 1).tolist()]
 
 
 @contextlib.contextmanager
@@ -454,10 +479,10 @@ class MiniLMSentiment(ZooEntry):
             _take(sentences, train_idx), labels[train_idx], _take(sentences, test_idx), labels[test_idx]
         )
 
-    def padding_order(self, inputs: Sequence[str]) -> Tensor:
-        """Sentences by length in characters (stable): batches padded to their longest member
-        then carry little padding (a random draw in batches of 32 is about half padding)."""
-        return torch.tensor([len(s) for s in inputs], dtype=torch.int64).argsort(stable=True)
+    def lengths(self, inputs: Sequence[str]) -> Tensor:
+        """Length in characters of each sentence: sorted by it, batches padded to their longest
+        member carry little padding (a random draw in batches of 32 is about half padding)."""
+        return torch.tensor([len(s) for s in inputs], dtype=torch.int64)
 
     def batches(self, inputs: Sequence[str], batch_size: int, data: DataConfig) -> list[dict[str, Tensor]]:
         """Tokenize into dicts of int64 (B, L) ``input_ids``/``attention_mask``/``token_type_ids``.
