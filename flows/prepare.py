@@ -59,23 +59,21 @@ def calibration_indices(entry, splits, calibration, seed: int):
 
 def calibration_batches(entry, splits, data, calibration, seed: int):
     """Unlabelled calibration batches drawn from the training inputs with ``seed``: (indices
-    (sorted), batches). Inputs of varying length (sentences) are batched with others of similar
-    length, the batches in a seeded random order (:func:`bayesq.models.zoo.minibatches`): a random
-    draw in batches of 32 is about half padding, which every pass would compute and which the
-    layer-input statistics would count as inputs. Images keep the order of ``indices``."""
-    import math
-
-    import torch
-
-    from bayesq.models.zoo import _take, minibatches
+    (sorted), batches). Tokenised sentences are regrouped by length
+    (:func:`bayesq.forward.by_length`: a random draw in batches of 32 is about half padding, which
+    every pass would compute), the batches then in a seeded random order (K-FAC's running
+    average and the distillation read them in order). Images keep the order of ``indices``."""
+    from bayesq.data.sentiment import seeded_permutation
+    from bayesq.forward import by_length
+    from bayesq.models.zoo import _take
 
     idx = calibration_indices(entry, splits, calibration, seed)
     inputs = _take(splits.train_inputs, idx)
-    lengths, n, size = entry.lengths(inputs), len(idx), calibration.batch_size
-    if lengths is not None:
-        order = torch.cat(minibatches(torch.arange(n), size, lengths, math.ceil(n / size), seed))
-        inputs = _take(inputs, order)
-    return idx, entry.batches(inputs, size, data)
+    batches = entry.batches(inputs, calibration.batch_size, data)
+    if entry.lengths(inputs) is None:
+        return idx, batches
+    grouped = by_length(batches)
+    return idx, [grouped[i] for i in seeded_permutation(len(grouped), seed).tolist()]
 
 
 def selection_batches(entry, splits, data, calibration, seed: int):

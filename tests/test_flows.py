@@ -650,24 +650,32 @@ def test_calibration_batches_of_sentences_grouped_by_length_images_in_draw_order
     from bayesq.models.zoo import MiniLMSentiment, Splits, get_entry
     from flows.prepare import calibration_batches, calibration_indices
 
-    class Words(MiniLMSentiment):  # batches of sentences without a tokenizer: the lists themselves
+    class Tokens(MiniLMSentiment):  # "sentence" i of n tokens: input_ids [i, ..., i], right-padded with 0
         def batches(self, inputs, batch_size, data):
-            return [list(inputs[i:i + batch_size]) for i in range(0, len(inputs), batch_size)]
+            out = []
+            for k in range(0, len(inputs), batch_size):
+                part = inputs[k:k + batch_size]
+                width = max(len(s) for s in part)
+                mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in part])
+                ids = torch.tensor([int(s.split(":")[0]) for s in part])[:, None] * mask
+                out.append({"input_ids": ids, "attention_mask": mask})
+            return out
 
     g = torch.Generator().manual_seed(1)
     train = [f"{i}:" + "x" * int(n) for i, n in enumerate(torch.randint(1, 60, (200,), generator=g))]
     splits = Splits(train, torch.zeros(200, dtype=torch.int64), train[:4], torch.zeros(4, dtype=torch.int64))
     cal = CalibrationConfig(sentences=64, batch_size=8)
-    idx, batches = calibration_batches(Words(), splits, DataConfig(), cal, 17)
-    assert torch.equal(idx, calibration_indices(Words(), splits, cal, 17))  # the draw, sorted
-    assert sorted(s for b in batches for s in b) == sorted(train[i] for i in idx.tolist())  # each input once
-    lengths = [[len(s) for s in b] for b in batches]
-    assert all(x == sorted(x) for x in lengths)  # each batch: inputs of similar length ...
+    idx, batches = calibration_batches(Tokens(), splits, DataConfig(), cal, 17)
+    assert torch.equal(idx, calibration_indices(Tokens(), splits, cal, 17))  # the draw, sorted
+    seen = [int(i) for b in batches for i in b["input_ids"][:, 0]]
+    assert sorted(seen) == sorted(idx.tolist())  # each input once
+    lengths = [b["attention_mask"].sum(1).tolist() for b in batches]
+    assert all(x == sorted(x) for x in lengths)  # batches of similar length, cut to their longest ...
+    assert all(b["attention_mask"].shape[1] == max(x) for b, x in zip(batches, lengths))
     assert sorted(x[-1] for x in lengths) == [x[-1] for x in sorted(lengths)]  # ... slices of the sorted draw
     assert [x[-1] for x in lengths] != sorted(x[-1] for x in lengths)  # in a shuffled batch order
-    padded = sum(len(b) * max(x) for b, x in zip(batches, lengths))
-    assert padded < 0.75 * sum(min(8, 64 - i) * max(len(train[j]) for j in idx[i:i + 8].tolist())
-                               for i in range(0, 64, 8))  # less padding than batches in draw order
+    drawn = Tokens().batches([train[i] for i in idx.tolist()], 8, DataConfig())
+    assert sum(b["attention_mask"].numel() for b in batches) < 0.75 * sum(b["attention_mask"].numel() for b in drawn)
     entry = get_entry("tiny-cnn")  # images: the draw's order
     img_splits = entry.load_splits(DataConfig(), Path("unused"))
     idx, batches = calibration_batches(entry, img_splits, DataConfig(), CalibrationConfig(images=32, batch_size=8), 3)
