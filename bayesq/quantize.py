@@ -502,8 +502,9 @@ class Encoding:
             KL minus the anchor's on those inputs (``minmax`` when built, else ``q``'s own
             grids); a candidate is kept over the anchor only when ``high < 0``
             (:func:`bayesq.comparison.resolved_choice`).
-        selection_inputs: candidate name -> the inputs it was scored on (all of them, or the
-            first look's when it was resolved worse there: :func:`selection_looks`).
+        selection_inputs: candidate name -> the inputs it was scored on: the first look's
+            (:func:`selection_looks`) for a candidate resolved worse than the anchor there, and
+            for the anchor too when no other was left; else all of them.
     """
 
     name: str

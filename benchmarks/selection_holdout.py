@@ -16,7 +16,9 @@ and, on each of these sets, which candidate two rules keep there, with each pair
 against the rule's anchor: min/max unless another's KL is lower by a resolved margin (the rule
 when scored on the calibration inputs, between the searched and the min/max grids), and
 ``encode_best``'s rule on held-out inputs (the searched grids unless the other range search is
-lower by a resolved margin; min/max is not built there).
+lower by a resolved margin; min/max is not built there), scored in ``encode_best``'s two looks
+(``comparison.sequential_choice``: the other search is not scored past the first quarter when it
+is resolved worse there).
 
     python benchmarks/selection_holdout.py [--model lite0-fmnist] [--budget 3.0] [--seed 17] [--holdout-seed 99]
                                            [--held-size N]
@@ -42,11 +44,12 @@ def main() -> None:
     from bayesq.baselines.activations import input_stats
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.config import replace
-    from bayesq.comparison import resolved_choice
+    from bayesq.comparison import resolved_choice, sequential_choice
+    from bayesq.forward import batch_size
     from bayesq.evaluation import kl_per_input, reference_log_probs
     from bayesq.quantize import (
         allocate, bias_correction, build_table, ef_column_metric, encode, fit_posterior, grid_candidates,
-        quantized_copy,
+        quantized_copy, selection_looks,
     )
 
     p, q = c.params, c.params.quant
@@ -87,8 +90,16 @@ def main() -> None:
             "searched", other)
     for title, (anchor, *rest) in rules.items():
         print(f"kept on each set by the rule '{title}':")
-        for k in sets:
-            kept, margins = resolved_choice({n: per[n][k] for n in (anchor, *rest)}, anchor)
+        for k, b in sets.items():
+            if anchor == "minmax":
+                kept, margins = resolved_choice({n: per[n][k] for n in (anchor, *rest)}, anchor)
+            else:  # encode_best's two looks over the set's batches
+                starts = [0]
+                for x in b:
+                    starts.append(starts[-1] + batch_size(x))
+                kept, margins, _ = sequential_choice(
+                    lambda n, part, k=k, starts=starts: per[n][k][starts[part.start]:starts[part.stop]],
+                    (anchor, *rest), anchor, selection_looks(b), len(b))
             print(f"  {k:12s} {kept:30s} " + "  ".join(f"{n} [{d.ci_low:+.5f}, {d.ci_high:+.5f}]"
                                                       for n, d in margins.items()), flush=True)
 

@@ -63,8 +63,9 @@ def _time_ratio(methods: dict, a: str, b: str) -> float | None:
 _RULE = {"variant": "least KL on the selection inputs",
          "encoding": "the anchor (min/max grids when scored on the calibration inputs, the searched grids on "
                      "held-out inputs) unless the other candidate's KL on the selection inputs is lower by a "
-                     "resolved margin, its 95 % paired-bootstrap interval against the anchor shown (on the first "
-                     "look's inputs when it was resolved worse there and not scored further)"}
+                     "resolved margin, its 95 % paired-bootstrap interval against the anchor shown with the inputs it "
+                     "was scored on (a quarter of them when it was resolved worse there and not scored "
+                     "further)"}
 
 
 def variant_lines(records: list[dict], model: str) -> list[str]:
@@ -80,7 +81,7 @@ def variant_lines(records: list[dict], model: str) -> list[str]:
         anchor = next(iter(set(r.get("encoding_kl", {})) - set(r.get("encoding_margin", {}))), "")
         seen = r.get("encoding_inputs", {})
         margins = ", ".join(f"{k} − {anchor} [{lo:+.5f}, {hi:+.5f}]"
-                            + (f" on the first {seen[k]} inputs" if seen.get(k, 0) < seen.get(anchor, 0) else "")
+                            + (f" on {seen[k]} inputs" if k in seen else "")
                             for k, (lo, hi) in r.get("encoding_margin", {}).items()) if kind == "encoding" else ""
         rule[r["method"]] = _RULE[kind]
         kept[r["method"]].append(f"{r['budget']:.1f} bits: {r[kind]}" + (f" ({margins})" if margins else "")

@@ -131,7 +131,11 @@ def test_variant_lines_name_baseline_variants_and_bayesq_grids():
     records = [
         {"model": "m", "method": "gptq", "budget": 3.0, "seed": 1, "variant": "allocation+bc"},
         {"model": "m", "method": "bayesq", "budget": 3.0, "seed": 1, "encoding": "minmax",
-         "encoding_kl": {"searched": 0.2, "minmax": 0.1}, "encoding_margin": {"searched": [0.05, 0.15]}},
+         "encoding_kl": {"searched": 0.2, "minmax": 0.1}, "encoding_margin": {"searched": [0.05, 0.15]},
+         "encoding_inputs": {"minmax": 2000, "searched": 2000}},
+        {"model": "m", "method": "bayesq", "budget": 3.5, "seed": 1, "encoding": "searched",  # first look only
+         "encoding_kl": {"searched": 0.1, "searched-plain": 0.2}, "encoding_margin": {"searched-plain": [0.02, 0.2]},
+         "encoding_inputs": {"searched": 500, "searched-plain": 500}},
         {"model": "m", "method": "bayesq", "budget": 4.0, "seed": 1, "encoding": "searched",  # held out
          "encoding_kl": {"searched": 0.1, "searched-plain": 0.1}, "encoding_margin": {"searched-plain": [-0.01, 0.01]}},
         {"model": "m", "method": "bayesq-paper", "budget": 3.0, "seed": 1, "encoding": "searched",
@@ -142,6 +146,7 @@ def test_variant_lines_name_baseline_variants_and_bayesq_grids():
     assert len(lines) == 2
     assert lines[0].startswith("GPTQ") and lines[0].endswith("3.0 bits: allocation+bc.")
     assert "least KL on the selection inputs" in lines[0]
-    assert "3.0 bits: minmax (searched − minmax [+0.05000, +0.15000])" in lines[1]
+    assert "3.0 bits: minmax (searched − minmax [+0.05000, +0.15000] on 2000 inputs)" in lines[1]
+    assert "3.5 bits: searched (searched-plain − searched [+0.02000, +0.20000] on 500 inputs)" in lines[1]
     assert "4.0 bits: searched (searched-plain − searched [-0.01000, +0.01000])." in lines[1]
     assert "unless the other candidate's KL on the selection inputs is lower by a resolved margin" in lines[1]
