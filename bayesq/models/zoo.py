@@ -157,8 +157,8 @@ class ZooEntry(abc.ABC):
         epochs on the features it reads (one pass of the model in eval mode, :meth:`head_inputs`).
         Each epoch is a fresh seeded shuffle (``cfg.seed``) in mini-batches of ``cfg.batch_size``
         (inputs of varying :meth:`lengths`, all weights trained: grouped by length,
-        :func:`minibatches` with ``cfg.length_groups``), on ``cfg.threads`` torch threads (0: as set). The global RNG state and thread count are
-        restored afterwards.
+        :func:`minibatches` with ``cfg.length_groups``), on ``cfg.threads`` torch threads (0: as
+        set). The global RNG state and thread count are restored afterwards.
 
         Returns:
             ``model`` itself, trained in place, in eval mode.
