@@ -6,8 +6,8 @@ import torch
 from scipy import integrate, stats
 
 from bayesq.codebook import (
-    dequantize, fit_uniform_grids, grid_cost, grids_from_range, lloyd_max_gaussian, minmax_grids,
-    optimal_uniform_range, quantize, search_range, uniform_gaussian_mse,
+    SMOOTH_MAX_STEP, dequantize, fit_uniform_grids, grid_cost, grid_cost_chunked, grid_cost_fast, grids_from_range,
+    lloyd_max_gaussian, minmax_grids, optimal_uniform_range, quantize, search_range, uniform_gaussian_mse,
 )
 
 
@@ -80,6 +80,27 @@ def test_grid_cost_small_sigma_is_whitened_rounding_error():
     sigma = torch.tensor([[1e-5]], dtype=torch.float64)
     got = grid_cost(mu, sigma, torch.tensor([-0.2], dtype=torch.float64), torch.tensor([0.1], dtype=torch.float64), 4)
     assert got.item() == pytest.approx(1 + ((0.0 - 0.013) / 1e-5) ** 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("levels", [4, 8, 16, 256])
+def test_grid_cost_fast_vs_boundary_sum(levels):
+    # the Euler-Maclaurin path (sigma >> step) and the boundary sum (the rest) against grid_cost:
+    # weights inside the range, clipped beyond both ends, sigma from far below to far above the
+    # step; one row with a zero step
+    gen = torch.Generator().manual_seed(3)
+    mu = torch.randn(6, 64, generator=gen, dtype=torch.float64) * 0.05
+    mu[:, :4] = torch.tensor([0.4, -0.4, 3.0, -2.0], dtype=torch.float64)  # beyond the grid
+    sigma = 10.0 ** (torch.rand(6, 64, generator=gen, dtype=torch.float64) * 6 - 4)  # 1e-4 .. 1e2
+    lo = mu[:, 4:].min(1).values * 0.8
+    step = (mu[:, 4:].max(1).values * 0.8 - lo) / (levels - 1)
+    step[5] = 0.0
+    smooth = step[:, None] <= SMOOTH_MAX_STEP * sigma
+    assert 0.2 < smooth.double().mean() < 0.8  # both paths are exercised
+    want = grid_cost(mu, sigma, lo, step, levels)
+    got = grid_cost_fast(mu, sigma, lo, step, levels)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-13)
+    mask = (torch.rand(6, 64, generator=gen) > 0.2).double()
+    assert torch.allclose(grid_cost_chunked(mu, sigma, lo, step, levels, mask), (want * mask).sum(1), rtol=1e-12)
 
 
 def test_grids_from_range_scale_is_fp16_and_zero_in_range():
