@@ -81,8 +81,9 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
     it as a candidate; ``baselines.bias_correction`` adds each variant's bias-corrected form;
     ``stats_file``: their layer-input statistics, computed here when None; ``reference_file``: the FP
     log-probabilities on the selection draw, :func:`flows.prepare.reference_task`, computed here when
-    None); the fields are ``variant`` (its name), ``variant_kl`` and
-    ``variant_bits`` (candidate -> calibration KL / true average bits). Without ``select`` they
+    None); the fields are ``variant`` (its name), ``variant_kl``, ``variant_bits`` and
+    ``variant_inputs`` (candidate -> calibration KL / true average bits / inputs the KL is a mean
+    over: fewer for a candidate dropped after the first look). Without ``select`` they
     name the ``mixed`` rule; other baselines add no fields.
     """
     from bayesq.baselines.activations import input_stats
@@ -106,7 +107,7 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
     if not baselines.select:
         res = (gptq_quantize(model, stats, Granularity.GROUP, budget, quant, **gptq) if method == Method.GPTQ
                else awq_quantize(model, stats, budget, quant, grid=baselines.awq_grid))
-        return res, {"variant": "mixed", "variant_kl": {}, "variant_bits": {}}
+        return res, {"variant": "mixed", "variant_kl": {}, "variant_bits": {}, "variant_inputs": {}}
     selection = selection_batches(entry, splits, data, calibration, seed)
     reference = load_reference(Path(reference_file)) if reference_file and selection is not None else None
     if method == Method.GPTQ:
@@ -118,7 +119,8 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
                             grid=baselines.awq_grid, bias_correction=baselines.bias_correction,
                             selection=selection, reference=reference)
     return choice.result, {"variant": choice.variant, "variant_kl": dict(choice.kl),
-                           "variant_bits": dict(choice.avg_bits), "reference_read": reference is not None}
+                           "variant_bits": dict(choice.avg_bits), "variant_inputs": dict(choice.inputs),
+                           "reference_read": reference is not None}
 
 
 def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: str | None, seed: int,

@@ -12,15 +12,16 @@ from nets import AttentionModel, TokenModel
 
 from bayesq.baselines.rtn import rtn_quantize
 from bayesq.baselines.select import (
-    UniformVariant, check_feasible, encoding_config, given_allocation, layouts, mean_kl, reference_log_probs,
+    UniformVariant, check_feasible, encoding_config, given_allocation, layouts,
     select_best, stats_correction, uniform_bits, uniform_variants,
 )
 from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.blocks import quantizable_layers
 from bayesq.config import BaselinesConfig, Granularity, QuantConfig, load_params
+from bayesq.evaluation import mean_kl, reference_log_probs
 from bayesq.expected_loss import LossTable
 from bayesq.export import read_export, save_export
-from bayesq.quantize import Allocation, QuantizationResult
+from bayesq.quantize import Allocation, QuantizationResult, selection_looks
 from bayesq.storage import grid_bits
 
 CFG = QuantConfig(group_size=16, unit_groups=2)
@@ -100,6 +101,24 @@ def test_select_best_returns_least_calibration_kl():
     assert choice.variant == min(want, key=want.get)
     assert choice.result.average_bits == choice.avg_bits[choice.variant] <= budgets[choice.variant]
     assert explicit_kl(model, choice.result.model, batches) == pytest.approx(want[choice.variant], rel=1e-9)
+
+
+def test_select_best_drops_resolved_worse_after_first_look_vs_scoring_all():
+    # 1,024 inputs: a first look of 256; b3.3 is far worse than b8 and is dropped there, b8 again
+    # (the same encoding: not resolved worse) is scored on every input and loses the tie
+    model, batches = _model(), _batches(n=128)
+    budgets = {"b8": 8.0, "b3.3": 3.3, "b8-again": 8.0}
+    cands = {k: (lambda b=b: rtn_quantize(model, Granularity.GROUP, b, CFG)) for k, b in budgets.items()}
+    choice = select_best(cands, model, batches)
+    first = selection_looks(batches)
+    assert 0 < first < len(batches)
+    full = {k: explicit_kl(model, build().model, batches) for k, build in cands.items()}
+    assert choice.inputs == {"b8": 1024, "b3.3": 8 * first, "b8-again": 1024}
+    assert choice.kl["b3.3"] == pytest.approx(explicit_kl(model, cands["b3.3"]().model, batches[:first]), rel=1e-9)
+    assert full["b3.3"] > full["b8"]
+    for k in ("b8", "b8-again"):
+        assert choice.kl[k] == pytest.approx(full[k], rel=1e-9, abs=1e-15)
+    assert choice.variant == "b8"
 
 
 def test_select_best_given_reference_vs_its_own_fp_pass():

@@ -135,10 +135,10 @@ def gptq_candidates(
 ) -> dict[str, Callable[[], QuantizationResult]]:
     """Budget-feasible GPTQ variants (module docstring of :mod:`bayesq.baselines.select`), unbuilt.
 
-    ``mixed`` (:func:`gptq_quantize` at ``granularity``) when its cheapest allocation fits,
+    ``allocation`` (:func:`gptq_allocation_quantize`) unless ``allocation`` is None, ``mixed``
+    (:func:`gptq_quantize` at ``granularity``) when its cheapest allocation fits and
     ``uniform-<b>-g<G>`` / ``uniform-<b>-channel`` for each width of ``cfg.bits`` with a fitting
-    layout from ``group_sizes``, and ``allocation`` (:func:`gptq_allocation_quantize`) unless
-    ``allocation`` is None. ``exclude``: as :func:`gptq_quantize`.
+    layout from ``group_sizes``, in that order. ``exclude``: as :func:`gptq_quantize`.
 
     Raises:
         ValueError: missing stats, or no variant fits the budget (naming the minimum feasible one).
@@ -148,12 +148,12 @@ def gptq_candidates(
     n = sum(m.weight.numel() for m in layers.values())
     opts = dict(act_order=act_order, damp=damp, exclude=exclude)
     out: dict[str, Callable[[], QuantizationResult]] = {}
+    if allocation is not None:  # first: usually the best, so the selection drops the others early
+        out["allocation"] = partial(gptq_allocation_quantize, model, stats, allocation, budget, cfg, **opts)
     if mixed_min_bits(layers, granularity, cfg) <= budget_bits(budget, n):
         out["mixed"] = partial(gptq_quantize, model, stats, granularity, budget, cfg, **opts)
     for v in uniform_variants(layers, budget, cfg, group_sizes):
         out[v.name] = partial(gptq_quantize, model, stats, v.granularity, budget, v.config(cfg), **opts)
-    if allocation is not None:
-        out["allocation"] = partial(gptq_allocation_quantize, model, stats, allocation, budget, cfg, **opts)
     check_feasible(out, "GPTQ", budget, cheapest_bits(layers, granularity, cfg, group_sizes))
     return out
 

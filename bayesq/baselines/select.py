@@ -22,14 +22,16 @@ it, so a baseline at its strongest is offered it too.
 
 Selection: the variant with the least mean ``KL(p_FP(y|x) || p_Q(y|x))`` over the calibration
 inputs (the inputs the method's statistics come from; never the test set). Ties keep the first
-candidate in the order given (a variant before its ``+bc`` form); a NaN KL never wins.
+candidate in the order given (a variant before its ``+bc`` form); a NaN KL never wins. Scoring
+runs in two looks: a candidate resolved worse than the best so far on the first quarter of the
+inputs is not scored on the rest (:func:`select_best`).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -40,10 +42,11 @@ from bayesq.baselines.rtn import rtn_blocks
 from bayesq.bias_correction import BiasCorrection
 from bayesq.blocks import LayerBlocks, layer_blocks
 from bayesq.config import Granularity, QuantConfig
-from bayesq.evaluation import mean_kl, reference_log_probs
+from bayesq.comparison import paired_difference
+from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch
-from bayesq.quantize import Allocation, QuantizationResult
+from bayesq.quantize import Allocation, QuantizationResult, selection_looks
 from bayesq.storage import budget_bits, unit_cost_bits
 
 #: Candidate group sizes of the uniform variants (per-output-channel grids are always tried last).
@@ -60,12 +63,15 @@ class BaselineChoice:
             ``+bc`` appended when the bias-corrected form won).
         kl: candidate name -> mean calibration ``KL(p_FP || p_Q)`` (nats per example).
         avg_bits: candidate name -> true average bits per quantised weight.
+        inputs: candidate name -> inputs its ``kl`` is the mean over (fewer than all for one
+            dropped after the first look of :func:`select_best`).
     """
 
     result: QuantizationResult
     variant: str
     kl: dict[str, float]
     avg_bits: dict[str, float]
+    inputs: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -250,6 +256,14 @@ def select_best(
 ) -> BaselineChoice:
     """Build every candidate in turn and keep the one with the least mean calibration KL.
 
+    Each candidate is scored in two looks (:func:`bayesq.quantize.selection_looks`): on the first
+    look's inputs, a candidate whose per-input KL is resolved *worse* than the best one so far
+    (the 95 % paired-bootstrap interval of the difference above zero,
+    :func:`bayesq.comparison.paired_difference`) is dropped unscored on the rest; its ``kl`` is
+    then its mean on the first look (``inputs`` says on how many). The others are scored on every
+    input and the least mean wins, as with one look: a dropped candidate would have had to beat
+    the best one on the rest by more than it was resolved to lose on the first look.
+
     Args:
         candidates: variant name -> builder of its :class:`QuantizationResult` (called once,
             in order; only the best result so far is kept in memory).
@@ -271,14 +285,32 @@ def select_best(
     if not batches:
         raise ValueError("empty calibration set: the selection scores candidates on calibration (or held-out) inputs")
     reference = reference_log_probs(model, batches) if reference is None else reference
-    kl, bits, best, best_kl = {}, {}, None, math.inf
+    first = selection_looks(batches)
+    kl, bits, inputs = {}, {}, {}
+    best, best_kl, best_losses = None, math.inf, None
     for name, build in candidates.items():
         res = build()
         forms = [(name, res)] + ([(f"{name}+bc", corrected(res, model, correction))] if correction else [])
         for label, r in forms:
-            kl[label] = mean_kl(reference, r.model, batches)
             bits[label] = r.average_bits
+            losses = kl_per_input(reference[:first], r.model, batches[:first])
+            if first < len(batches) and best_losses is not None and _resolved_worse(losses, best_losses[:len(losses)]):
+                kl[label], inputs[label] = float(losses.mean()), len(losses)
+                continue
+            if first < len(batches):
+                losses = torch.cat([losses, kl_per_input(reference[first:], r.model, batches[first:])])
+            kl[label], inputs[label] = float(losses.mean()), len(losses)
             score = math.inf if math.isnan(kl[label]) else kl[label]
             if best is None or score < best_kl:
-                best, best_kl = (label, r), score
-    return BaselineChoice(best[1], best[0], kl, bits)
+                best, best_kl, best_losses = (label, r), score, losses
+    return BaselineChoice(best[1], best[0], kl, bits, inputs)
+
+
+def _resolved_worse(losses: torch.Tensor, best: torch.Tensor) -> bool:
+    """Whether ``losses`` is resolved above ``best`` on the same inputs (a non-finite loss counts
+    as worse once ``best`` is finite)."""
+    if not bool(torch.isfinite(best).all()):
+        return False
+    if not bool(torch.isfinite(losses).all()):
+        return True
+    return paired_difference(losses, best).ci_low > 0
