@@ -18,6 +18,9 @@ from flows.common import CACHE, code_version, digest
 from flows.finetune import load_model
 from flows.timings import plain_call
 
+# curvatures whose posterior is the saved curvature diagonal under a prior (reprior_task can refit it)
+DIAGONAL = (Curvature.FISHER, Curvature.EMPIRICAL_FISHER, Curvature.HUTCHINSON_HESSIAN, Curvature.HUTCHINSON_GGN)
+
 # sources the preparation tasks do not run (a new file elsewhere is included by default)
 PREP_EXCLUDE = ("bayesq/export.py", "bayesq/qlayers.py", "bayesq/kernels", "flows/quantize.py", "flows/ablate.py",
                 "flows/report.py", "flows/robustness_report.py", "flows/cli.py", "flows/zoo.py", "flows/lineage.py",
@@ -104,10 +107,6 @@ def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_
     calibration indices (which inputs were used); it is written byte-deterministically, so
     ``sha256`` (returned) identifies the posterior across runs.
     """
-    import torch
-
-    from bayesq.tensorfile import file_sha256, save_tensors
-
     from bayesq.config import BayesQConfig
     from bayesq.models.zoo import get_entry
     from bayesq.quantize import fit_posterior
@@ -119,7 +118,48 @@ def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_
     start = time.perf_counter()
     post = fit_posterior(model, batches, BayesQConfig(posterior=posterior, seed=seed))
     seconds = time.perf_counter() - start
-    path = Path(out) / f"{name}_s{seed}{'_' + tag if tag else ''}.safetensors"
+    return _saved_posterior(post, idx, posterior, seed, Path(out) / f"{name}_s{seed}{'_' + tag if tag else ''}.safetensors",
+                            seconds)
+
+
+@task(cache_policy=CACHE, persist_result=True, task_run_name="posterior {name} s{seed} {tag}")
+def reprior_task(name: str, model_file: str, model_digest: str, base_file: str, base_sha256: str, posterior,
+                 seed: int, out: str, code: str, tag: str) -> dict:
+    """:func:`posterior_task`'s record for a diagonal posterior that differs from the one saved at
+    ``base_file`` (keyed by ``base_sha256``) only in its prior (``posterior.prior`` / ``damping``):
+    the base's curvature under the new prior (:func:`bayesq.posterior.fit_diagonal_posterior`),
+    no calibration pass (``seconds`` counts only the refit)."""
+    from safetensors import safe_open
+
+    from bayesq.blocks import quantizable_layers
+    from bayesq.models.zoo import get_entry
+    from bayesq.posterior import fit_diagonal_posterior
+
+    model = load_model(get_entry(name), Path(model_file))
+    layers = quantizable_layers(model)
+    start = time.perf_counter()
+    with safe_open(base_file, "pt") as f:
+        meta, keys = f.metadata(), set(f.keys())
+        if meta["curvature"] != posterior.curvature.value or any(k.startswith("kfac_A/") for k in keys):
+            raise ValueError(f"{base_file} holds a '{meta['curvature']}' posterior; re-fitting its prior needs a "
+                             f"diagonal '{posterior.curvature.value}' one: use posterior_task")
+        n = int(meta["n_examples"])
+        scale = posterior.n_data / n if posterior.n_data else 1.0  # the saved curvature is scaled by it
+        curvature = {k: f.get_tensor(f"curvature/{k}").double() / scale for k in layers}
+        idx = f.get_tensor("calibration_indices")
+    post = fit_diagonal_posterior(curvature, n, {k: m.weight for k, m in layers.items()}, posterior,
+                                  indefinite=posterior.curvature.value.startswith("hutchinson"))
+    seconds = time.perf_counter() - start
+    return _saved_posterior(post, idx, posterior, seed, Path(out) / f"{name}_s{seed}_{tag}.safetensors", seconds)
+
+
+def _saved_posterior(post, idx, posterior, seed: int, path: Path, seconds: float) -> dict:
+    """Write ``post`` (and the calibration indices ``idx``) byte-deterministically to ``path``;
+    the record :func:`posterior_task` returns."""
+    import torch
+
+    from bayesq.tensorfile import file_sha256, save_tensors
+
     tensors = {f"variance/{k}": v.float().contiguous() for k, v in post.variance.items()}
     tensors.update({f"curvature/{k}": v.float().contiguous() for k, v in post.curvature.items()})
     tensors.update({f"prior_precision/{k}": torch.tensor([v], dtype=torch.float64)
@@ -359,14 +399,23 @@ def _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call=
     return post, tab, f"{digest(Path(post['path']))}:{quant}:{params.calibration}", quant
 
 
-def _paper_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call=plain_call):
+def _paper_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call=plain_call, base=None,
+                base_cfg=None):
     """Posterior and table of the ``bayesq-paper`` row, the paper-literal configuration: the
     prior precision fixed at ``posterior.damping``, the ``draws`` objective, nearest rounding, no
-    bias correction."""
+    bias correction. ``base`` (:func:`posterior_task`'s record of the ``base_cfg`` posterior): when
+    that is a diagonal posterior differing only in its prior, its curvature is re-used
+    (:func:`reprior_task`) instead of a second calibration pass."""
     posterior, quant = method_settings(params, Method.BAYESQ_PAPER)
     cal = fit_inputs(params.calibration)
-    post = call(f"posterior (fixed prior) {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src),
-                sdig, params.data, cal, posterior, seed, str(Path(out) / "posterior"), code, tag="paper")
+    if base is not None and replace(base_cfg, prior=posterior.prior, damping=posterior.damping) == posterior \
+            and Curvature(posterior.curvature) in DIAGONAL:  # the base's curvature under the fixed prior
+        post = call(f"posterior (fixed prior) {name} s{seed}", reprior_task, name, str(model_file), mdig,
+                    base["path"], base["sha256"], posterior, seed, str(Path(out) / "posterior"), code, "paper")
+        post = {**post, "seconds": post["seconds"] + base["seconds"]}  # it needs the base's curvature pass
+    else:
+        post = call(f"posterior (fixed prior) {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src),
+                    sdig, params.data, cal, posterior, seed, str(Path(out) / "posterior"), code, tag="paper")
     tab = call(f"table (bayesq-paper) {name} s{seed}", table_task, name, str(model_file), mdig, post["path"],
                digest(Path(post["path"])), str(src), sdig, params.data, cal, quant, seed,
                str(Path(out) / "tables"), code, tag="paper")
@@ -396,7 +445,8 @@ def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str
     if Method.BAYESQ_EF in params.methods:
         prep[Method.BAYESQ_EF] = _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call)
     if Method.BAYESQ_PAPER in params.methods:
-        prep[Method.BAYESQ_PAPER] = _paper_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call)
+        prep[Method.BAYESQ_PAPER] = _paper_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call,
+                                                base=post, base_cfg=params.posterior)
     hawq = None
     if Method.HAWQ in params.methods:
         hawq = call(f"hawq traces {name} s{seed}", hawq_traces_task, name, str(model_file), mdig, str(src), sdig,

@@ -586,6 +586,28 @@ def test_reference_task_round_trip_vs_reference_log_probs(tmp_path, tiny_entry):
     assert shared_cost({"stats_read": False, "reference_read": False}, stats, rec) == {}
 
 
+def test_reprior_task_vs_posterior_task_fit_with_that_prior(tmp_path, tiny_entry):
+    from safetensors import safe_open
+
+    from bayesq.config import Method, replace
+    from flows.prepare import method_settings, posterior_task, reprior_task
+
+    params, entry, model_file, src, args = _tiny_task_inputs(tmp_path)
+    base = posterior_task.fn(*args, params.calibration, params.posterior, 17, str(tmp_path / "post"), "c")
+    fixed, _ = method_settings(params, Method.BAYESQ_PAPER)
+    want = posterior_task.fn(*args, params.calibration, fixed, 17, str(tmp_path / "want"), "c", tag="paper")
+    got = reprior_task.fn(*args[:3], base["path"], base["sha256"], fixed, 17, str(tmp_path / "got"), "c", "paper")
+    assert got["prior"] == "fixed" and got["prior_precision"] == want["prior_precision"]
+    with safe_open(got["path"], "pt") as g, safe_open(want["path"], "pt") as w:
+        assert set(g.keys()) == set(w.keys())
+        for k in w.keys():  # the base's curvature is saved in float32: variances agree to its rounding
+            assert torch.allclose(g.get_tensor(k).double(), w.get_tensor(k).double(), rtol=1e-6, atol=0), k
+    with pytest.raises(ValueError, match="posterior_task"):  # a K-FAC base has no diagonal to refit
+        kfac = posterior_task.fn(*args, params.calibration, replace(params.posterior, curvature="kfac"), 17,
+                                 str(tmp_path / "kfac"), "c", tag="kfac")
+        reprior_task.fn(*args[:3], kfac["path"], kfac["sha256"], fixed, 17, str(tmp_path / "k"), "c", "paper")
+
+
 def test_table_task_candidate_tables_vs_building_each(tmp_path, tiny_entry):
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.quantize import build_table, grid_candidates
