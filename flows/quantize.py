@@ -14,7 +14,8 @@ allocation and encoding; GPTQ / AWQ: statistics and selection-draw passes + solv
 one child run per (model, method, seed, budget), logged from the flow body so cache hits are
 logged too.  Every quantised model is written in the export format (``bayesq.export``) to
 ``<out>/exports/`` and evaluated after loading it back from there.  Writes
-``<out>/results.json``, ``<out>/posterior/``, ``<out>/tables/``, ``<out>/stats/``, ``<out>/reference/`` and ``<out>/exports/``.
+``<out>/results.json``, ``<out>/posterior/``, ``<out>/tables/``, ``<out>/stats/``, ``<out>/reference/``,
+``<out>/encodings/`` (the ``bayesq`` rows' encodings, where ``bayesq-distill`` starts from) and ``<out>/exports/``.
 """
 
 from __future__ import annotations
@@ -143,6 +144,26 @@ def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: 
                        stats=stats, selection=selection, reference=reference, tables=tables), post, stats is not None
 
 
+def save_encoding(path: Path, enc, read: dict) -> dict:
+    """Write a BayesQ row's :class:`bayesq.quantize.Encoding` and what it read (``stats_read``,
+    ``reference_read``, ``seconds``) to ``path`` (torch pickle); ``{"encoding_file", "encoding_sha256"}``."""
+    import torch
+
+    from bayesq.tensorfile import file_sha256
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"encoding": enc, "read": read}, path)
+    return {"encoding_file": str(path), "encoding_sha256": file_sha256(path)}
+
+
+def load_encoding(path: Path) -> tuple:
+    """(Encoding, what it read) saved by :func:`save_encoding` (a file this pipeline wrote)."""
+    import torch
+
+    saved = torch.load(path, weights_only=False)
+    return saved["encoding"], saved["read"]
+
+
 def posterior_record(name: str, seed: int, method: str, post: dict) -> dict:
     """What ``posteriors.json`` keeps of one posterior task: the fitted prior per layer and the
     prior-dominated share (see :func:`flows.prepare.posterior_summary`)."""
@@ -189,7 +210,8 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
                        examples_dir: str | None = None, fp_logits: str | None = None,
                        stats_file: str | None = None, stats_sha256: str = "",
                        reference_file: str | None = None, reference_sha256: str = "",
-                       tables: dict | None = None) -> dict:
+                       tables: dict | None = None, encodings_dir: str | None = None,
+                       encoding_file: str | None = None, encoding_sha256: str = "") -> dict:
     """Quantise with one method at one budget, write the export, load it back and evaluate the
     loaded model on the test split (and under shift).
 
@@ -211,6 +233,11 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     the FP log-probabilities on the selection draw, read instead of computed by every selecting row.
     ``tables`` (BayesQ rows): the other grid candidates' tables, derived from the same posterior
     and configuration as ``table`` (so, like it, keyed by ``table_key``), built here when None.
+    ``encodings_dir`` (BayesQ rows): the encoding is also saved there (:func:`save_encoding`; the
+    record names it, ``encoding_file`` / ``encoding_sha256``); ``encoding_file`` (keyed by
+    ``encoding_sha256``): such a saved encoding of the same posterior, table and settings, used
+    instead of encoding again (``bayesq-distill`` starts from the ``bayesq`` row's; its record's
+    ``encoding_seconds`` is that encoding's time).
     Its header holds the row's lineage: ``lineage`` (the invocation's params and commit,
     :func:`flows.lineage.export_lineage`; not part of the cache key, so a cache hit keeps the
     file and the lineage of the run that wrote it) and the inputs (:func:`flows.lineage.input_lineage`).
@@ -232,11 +259,21 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     if Method(method) in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER):
         batches = list(calibration_batches(entry, splits, data, calibration, seed)[1]) if calibration else None
         selection = selection_batches(entry, splits, data, calibration, seed) if calibration else None
-        enc, post, stats_read = _bayesq(model, table, budget, allocation_cfg, quant, posterior_file, seed, batches,
-                                        stats_file, selection, reference_file, tables)
+        if encoding_file:  # the bayesq row's encoding: same posterior, table and settings
+            enc, read = load_encoding(Path(encoding_file))
+            post = load_posterior(model, Path(posterior_file)) if posterior_file else None
+            stats_read, reference_read = read["stats_read"], read["reference_read"]
+            extra["encoding_seconds"] = read["seconds"]
+        else:
+            enc, post, stats_read = _bayesq(model, table, budget, allocation_cfg, quant, posterior_file, seed, batches,
+                                            stats_file, selection, reference_file, tables)
+            reference_read = bool(reference_file) and selection is not None and bool(enc.selection_kl)
+            if encodings_dir:
+                path = Path(encodings_dir) / f"{name}_{method}_b{budget}_s{seed}.pt"
+                extra |= save_encoding(path, enc, {"stats_read": stats_read, "reference_read": reference_read,
+                                                   "seconds": time.perf_counter() - start})
         qweights, allocation, quant = enc.weights, enc.allocation, enc.quant
-        reference_read = bool(reference_file) and selection is not None and bool(enc.selection_kl)
-        extra = {"encoding": enc.name, "encoding_kl": dict(enc.selection_kl),
+        extra |= {"encoding": enc.name, "encoding_kl": dict(enc.selection_kl),
                  "encoding_margin": {k: list(v) for k, v in enc.selection_margin.items()},
                  "encoding_inputs": dict(enc.selection_inputs),
                  "unit_bits": {k: list(v) for k, v in allocation.unit_bits.items()}}
@@ -328,6 +365,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                 say(f"[quantize] {name} seed {seed}: posterior {post['seconds']:.1f}s, table {tab['seconds']:.1f}s")
                 log_files(parent.info.run_id, sorted(Path(out, "tables").glob(f"{name}_s{seed}*.parquet")), "tables")
                 kept = {}  # budget -> the unit bit-widths the bayesq row kept
+                shared_encoding = {}  # budget -> the bayesq row's saved encoding
                 for budget in params.budgets:
                     for method in params.methods:
                         # baselines read no BayesQ posterior or table (and are not keyed on them)
@@ -345,13 +383,18 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                                   export_dir=str(Path(out) / "exports"), lineage=lineage,
                                   allocation=given, stats_file=stats["path"], stats_sha256=stats["sha256"],
                                   reference_file=ref.get("path"), reference_sha256=ref.get("sha256", ""),
-                                  tables=p_tab and p_tab.get("tables"))
+                                  tables=p_tab and p_tab.get("tables"),
+                                  encodings_dir=str(Path(out) / "encodings") if method == Method.BAYESQ else None,
+                                  **(shared_encoding.get(budget, {}) if method == Method.BAYESQ_DISTILL else {}))
                         unit_bits = r.get("unit_bits")
                         r = {k: v for k, v in r.items() if k != "unit_bits"}
                         if method == Method.BAYESQ:  # the allocation BayesQ kept: GPTQ's allocation variant
                             kept[budget] = unit_bits
+                            if r.get("encoding_file") and Path(r["encoding_file"]).exists():  # distillation's start
+                                shared_encoding[budget] = {k: r[k] for k in ("encoding_file", "encoding_sha256")}
                         shared = shared_cost(r, stats, ref)
-                        r = {**r, **shared, "preprocess_seconds": r["quantize_seconds"] + sum(shared.values())}
+                        own = r["quantize_seconds"] + r.get("encoding_seconds", 0.0)  # + the bayesq row's encoding
+                        r = {**r, **shared, "preprocess_seconds": own + sum(shared.values())}
                         corruption = mean_corruption_error(r["ood"], fp["ood"])
                         if corruption:
                             r = {**r, "corruption": corruption}

@@ -127,6 +127,11 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     plain = {r["budget"]: r for r in records if r["method"] == "bayesq"}
     assert distilled[4.0]["accuracy"] == plain[4.0]["accuracy"]  # above distill.max_budget: the same model
     assert distilled[3.0]["avg_bits"] == plain[3.0]["avg_bits"]  # same codes, same bits
+    for b in (3.0, 4.0):  # distillation starts from the bayesq row's saved encoding, counted in its one-time cost
+        assert Path(plain[b]["encoding_file"]).exists() and "encoding_file" not in distilled[b]
+        assert distilled[b]["encoding_seconds"] > 0 and distilled[b]["layer_bits"] == plain[b]["layer_bits"]
+        assert distilled[b]["encoding"] == plain[b]["encoding"]
+        assert distilled[b]["preprocess_seconds"] >= distilled[b]["quantize_seconds"] + distilled[b]["encoding_seconds"]
     table = pd.read_parquet(results / "tables" / "tiny-cnn_s17.parquet")
     assert list(table.columns) == ["layer", "unit", "bits", "loss", "cost_bits", "se"]
     assert sorted(table.bits.unique()) == [2, 3, 4, 8]
