@@ -100,6 +100,33 @@ def _scalars(p: Tensor, labels: Tensor, n_bins: int, repeats: int, seed: int) ->
     return out
 
 
+def _example_values(p: Tensor, labels: Tensor) -> Tensor:
+    """(N, 5) float64 per-example columns every :func:`_scalars` metric but the random-bin ones is
+    a function of: top-1 confidence, correct (0/1), NLL of the label, label in the top 5 (0/1;
+    0 when C <= 5) and the predicted class."""
+    conf, pred = p.max(1)
+    top5 = ((torch.topk(p, 5, dim=1).indices == labels[:, None]).any(1) if p.shape[1] > 5
+            else torch.zeros_like(conf, dtype=torch.bool))
+    return torch.stack([conf, (pred == labels).double(), metrics.nll(p, labels), top5.double(), pred.double()], 1)
+
+
+def _example_scalars(values: Tensor, labels: Tensor, n_classes: int, n_bins: int) -> dict[str, float]:
+    """:func:`_scalars` without random bins, from :func:`_example_values` rows (the same numbers;
+    no (N, C) pass, so a bootstrap resample costs O(N log N))."""
+    conf, correct, loss, top5, pred = values.T.contiguous()  # contiguous columns: the sums of _scalars
+    out = {"accuracy": float(correct.mean()), "nll": float(loss.mean()),
+           "worst5": metrics.least_confident_accuracy(conf, correct, 0.05),
+           "worst10": metrics.least_confident_accuracy(conf, correct, 0.10),
+           "cvar90": metrics.cvar(loss, 0.90), "cvar95": metrics.cvar(loss, 0.95)}
+    if n_classes > 5:
+        out["top5"] = float(top5.mean())
+    if n_classes == 2:
+        out["f1"] = metrics.f1_binary(pred.long(), labels)
+    out.update(zip(("ece", "mce"), metrics.bin_errors(conf, correct,
+                                                      torch.linspace(0, 1, n_bins + 1, dtype=torch.float64))))
+    return out
+
+
 def bootstrap_se(p: Tensor, labels: Tensor, fn, resamples: int = SE_RESAMPLES, seed: int = 0) -> dict[str, float]:
     """Bootstrap standard error over examples of every float ``fn(p, labels)`` returns.
 
@@ -108,7 +135,7 @@ def bootstrap_se(p: Tensor, labels: Tensor, fn, resamples: int = SE_RESAMPLES, s
     (n - 1 denominator) of its ``resamples`` values.
 
     Args:
-        p: (N, C) probabilities; labels: (N,) int64.
+        p: (N, ...) per-example rows (e.g. (N, C) probabilities); labels: (N,) int64.
         fn: ``(p, labels) -> {name: float}``.
     """
     if resamples < 2:
@@ -147,7 +174,8 @@ def prediction_summary(logit: Tensor, labels: Tensor, n_bins: int = 15, repeats:
     out: dict = _scalars(p, labels, n_bins, repeats, seed)
     # the random-bin metrics vary over bin edges too (``*_random_sd``); resampling those inside
     # every bootstrap draw would cost ``repeats`` times more, so they get no test-sampling SE
-    out["se"] = bootstrap_se(p, labels, lambda p_, y: _scalars(p_, y, n_bins, 0, seed), resamples, seed)
+    out["se"] = bootstrap_se(_example_values(p, labels), labels,
+                             lambda v, y: _example_scalars(v, y, p.shape[1], n_bins), resamples, seed)
     conf, pred = p.max(1)
     count, acc, cf = metrics.reliability_bins(conf, (pred == labels).double(),
                                               torch.linspace(0, 1, n_bins + 1, dtype=torch.float64))

@@ -227,6 +227,14 @@ def reliability_bins(confidence: Tensor, correct: Tensor, edges: Tensor) -> tupl
     return count, acc, conf
 
 
+def bin_errors(confidence: Tensor, correct: Tensor, edges: Tensor) -> tuple[float, float]:
+    """(ECE, MCE) of (N,) float64 top-1 ``confidence`` and 0/1 ``correct`` over the bins ``edges``
+    (:func:`reliability_bins`; the formulas of :func:`calibration_error`)."""
+    count, acc, cf = reliability_bins(confidence, correct, edges)
+    gap = (acc - cf).abs()
+    return float((count.double() / count.sum() * gap).sum()), float(gap[count > 0].max())
+
+
 def calibration_error(
     probs: Any, labels: Any, n_bins: int = 15, *, repeats: int = 0, seed: int = 0,
 ) -> dict[str, float]:
@@ -248,9 +256,7 @@ def calibration_error(
     correct = (pred == y).double()
 
     def errors(edges: Tensor) -> tuple[float, float]:
-        count, acc, cf = reliability_bins(conf, correct, edges)
-        gap = (acc - cf).abs()
-        return float((count.double() / count.sum() * gap).sum()), float(gap[count > 0].max())
+        return bin_errors(conf, correct, edges)
 
     out = dict(zip(("ece", "mce"), errors(torch.linspace(0, 1, n_bins + 1, dtype=torch.float64))))
     if repeats:
@@ -273,9 +279,15 @@ def worst_k_accuracy(probs: Any, labels: Any, k: float = 0.10) -> float:
     if not 0 < k <= 1:
         raise ValueError(f"k={k} must be a fraction in (0, 1]")
     conf, pred = p.max(1)
-    m = max(1, math.ceil(k * p.shape[0] - 1e-9))
-    low = torch.argsort(conf, stable=True)[:m]
-    return float((pred[low] == y[low]).double().mean())
+    return least_confident_accuracy(conf, (pred == y).double(), k)
+
+
+def least_confident_accuracy(confidence: Tensor, correct: Tensor, k: float) -> float:
+    """Mean of (N,) 0/1 ``correct`` over the ``ceil(k N)`` smallest ``confidence`` (stable order):
+    :func:`worst_k_accuracy` from per-example values."""
+    m = max(1, math.ceil(k * confidence.shape[0] - 1e-9))
+    low = torch.argsort(confidence, stable=True)[:m]
+    return float(correct[low].mean())
 
 
 def cvar(losses: Any, alpha: float = 0.95) -> float:

@@ -227,6 +227,21 @@ def test_prediction_summary_se_every_test_sampling_metric():
     assert all(v >= 0 for v in out["se"].values()) and out["se"]["nll"] > 0 and out["se"]["ece"] > 0
 
 
+@pytest.mark.parametrize("classes", [2, 8])
+def test_prediction_summary_se_from_example_values_vs_resampling_probabilities(classes):
+    # the SEs come from per-example values; the same resamples of the (N, C) probabilities
+    # through every metric function give the same numbers
+    from bayesq.evaluation import _scalars
+
+    g = torch.Generator().manual_seed(4)
+    logit = (2.0 * torch.randn(400, classes, generator=g, dtype=torch.float64)).round(decimals=1)  # ties in confidence
+    labels = torch.randint(0, classes, (400,), generator=g)
+    got = prediction_summary(logit, labels, n_bins=10, resamples=40, seed=3)["se"]
+    p = torch.softmax(logit, -1)
+    want = bootstrap_se(p, labels, lambda p_, y: _scalars(p_, y, 10, 0, 3), resamples=40, seed=3)
+    assert got == want
+
+
 def test_prediction_summary_random_bins_seeded():
     g = torch.Generator().manual_seed(7)
     logit = torch.randn(30, 3, generator=g, dtype=torch.float64)
