@@ -80,26 +80,34 @@ class QuantConv2d(_Packed):
     """A Conv2d (or subclass: static "same" padding, ...) whose weight is decoded from packed codes
     and then convolved by the original module's own forward (dequantise-then-conv)."""
 
-    def __init__(self, pw: PackedWeight, conv: nn.Conv2d, backend: str = "auto") -> None:
+    def __init__(self, pw: PackedWeight, conv: nn.Conv2d, backend: str = "auto",
+                 memory_format: torch.memory_format = torch.contiguous_format) -> None:
         super().__init__(pw, None, backend)
         self.weight_shape = tuple(conv.weight.shape)
         del conv.weight  # the float weight is not kept; forward sets the decoded one
         self.conv = conv
+        self.memory_format = memory_format  # of the decoded 4-D weight (channels_last: the conv runs NHWC)
+        self._conv_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._reference(x.device):
-            w = self.weight_dense()
+            if self._conv_weight is None or self._dense is None:
+                self._conv_weight = self.weight_dense().reshape(self.weight_shape).contiguous(
+                    memory_format=self.memory_format)
+            w = self._conv_weight
         else:
-            w = dequantize(self.packed(), x.dtype, self.backend)
-        self.conv.weight = w.reshape(self.weight_shape).to(x.dtype)  # a plain tensor attribute
+            w = dequantize(self.packed(), x.dtype, self.backend).reshape(self.weight_shape)
+        self.conv.weight = w.to(x.dtype)  # a plain tensor attribute
         return self.conv(x)
 
     def extra_repr(self) -> str:
         return f"weight={self.weight_shape}, mode={self.packed().mode}"
 
 
-def replace_quantized(model: nn.Module, weights: dict, backend: str = "auto") -> nn.Module:
-    """Swap each named Linear / Conv2d of ``model`` for its quantised module (in place)."""
+def replace_quantized(model: nn.Module, weights: dict, backend: str = "auto",
+                      memory_format: torch.memory_format = torch.contiguous_format) -> nn.Module:
+    """Swap each named Linear / Conv2d of ``model`` for its quantised module (in place);
+    ``memory_format``: that of the convolutions' decoded weights (:class:`QuantConv2d`)."""
     for name, qw in weights.items():
         mod = model.get_submodule(name)
         parent_name, _, child = name.rpartition(".")
@@ -110,7 +118,7 @@ def replace_quantized(model: nn.Module, weights: dict, backend: str = "auto") ->
         if isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward:
             new = QuantLinear(pack_weight(qw), mod.bias, backend)
         elif isinstance(mod, nn.Conv2d):
-            new = QuantConv2d(pack_weight(qw), mod, backend)
+            new = QuantConv2d(pack_weight(qw), mod, backend, memory_format)
         else:
             raise ValueError(f"layer '{name}' is a {type(mod).__name__}; BayesQ runs quantised nn.Linear "
                              "(plain forward) and nn.Conv2d layers")

@@ -307,7 +307,7 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
             **(lineage or {}), **input_lineage(model_file, raw, raw_digest, posterior_file, used)}
     path = Path(export_dir) / f"{name}_{method}_b{budget}_s{seed}.safetensors"
     export = save_export(path, qmodel, qweights, quant, allocation.total_bits, architecture=name, metadata=meta)
-    loaded = load_export(path)
+    loaded = load_export(path, memory_format=entry.memory_format)  # as load_model loads the FP model
     extra["export"] = {**export.as_dict(), "max_logit_diff": _logit_diff(entry, qmodel, loaded, splits, data)}
     examples = Path(examples_dir) if examples_dir else Path(export_dir).parent / "examples"
     start = time.perf_counter()

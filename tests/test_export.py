@@ -93,6 +93,21 @@ def test_export_round_trip_codebooks(tmp_path, codebook):
     assert isinstance(model[0], QuantConv2d) and isinstance(model[4], QuantLinear)
 
 
+def test_load_channels_last_vs_contiguous(tmp_path):
+    # channels_last decodes each convolution's weight once into NHWC order: the same outputs up
+    # to the convolution's summation order, and the decoded weight is kept in that format
+    res, quant = _quantized("uniform")
+    path = tmp_path / "m.safetensors"
+    save_export(path, res.model, res.weights, quant, res.allocation.total_bits)
+    plain, last = load(path, skeleton=_net()), load(path, skeleton=_net(), memory_format=torch.channels_last)
+    x = _x(7)
+    with torch.no_grad():
+        want, got = plain(x), last(x)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert last[0].conv.weight.is_contiguous(memory_format=torch.channels_last) and not last[0].conv.weight.is_contiguous()
+    assert plain[0].conv.weight.is_contiguous()
+
+
 def test_export_round_trip_vq(tmp_path):
     res, quant = _quantized("vq", budget=6.0, unit="tensor", vq_dim=2, bits=(2, 3, 4))
     _check_round_trip(res, quant, tmp_path / "vq.safetensors")
