@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_load_params_repository_file_is_valid():
     params = load_params(yaml.safe_load((ROOT / "params.yaml").read_text()))
     assert params.profile == "quick" and params.seeds == (17,)
-    assert params.budgets == (3.0, 3.5, 4.0)
+    assert params.budgets == (3.0,)  # the quick profile's one budget
     assert params.quant.bits == (2, 3, 4, 8) and params.quant.group_size == 64
     assert (params.calibration.images, params.calibration.sentences) == (500, 1000)
 
@@ -20,7 +20,8 @@ def test_load_params_full_profile_overrides():
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["profile"] = "full"
     params = load_params(raw)
-    assert params.seeds == (17, 29, 43)
+    assert params.seeds == (17, 29, 43) and params.budgets == (3.0, 3.5, 4.0)
+    assert params.distill.samples == 8 and params.baselines.hawq_probes == 2
     assert params.quant.group_size == 64  # untouched keys keep their base value
 
 

@@ -78,25 +78,20 @@ class KFACFactors:
 
 
 def _output_rows(mod: nn.Module, g: torch.Tensor) -> torch.Tensor:
-    """Output gradients as (N, T, d_out) in the model's dtype (Conv2d: T = out_h*out_w positions)."""
-    return output_rows(mod, g)
+    """Output gradients as (N, T, d_out) float64 (Conv2d: T = out_h*out_w positions)."""
+    return output_rows(mod, g.double())
 
 
 def _batch_A(rows: torch.Tensor) -> torch.Tensor:
-    """A_b = mean over examples and groups of sum_t a a^T; rows (N, groups, T, d_in).
-
-    The Gram product runs in the rows' dtype (a float32 model: float32, relative error about
-    ``sqrt(N T) * 6e-8``, as GPTQ's Hessian) and is returned in float64, the precision of the
-    running average and of everything downstream."""
+    """A_b = mean over examples and groups of sum_t a a^T; rows (N, groups, T, d_in)."""
     n, groups = rows.shape[:2]
-    return torch.einsum("ngti,ngtj->ij", rows, rows).double() / (n * groups)
+    return torch.einsum("ngti,ngtj->ij", rows, rows) / (n * groups)
 
 
 def _batch_G(rows: torch.Tensor) -> torch.Tensor:
-    """G_b contribution = mean over examples of (1/T) sum_t g g^T; rows (N, T, d_out); the
-    product in the rows' dtype, returned in float64 (as :func:`_batch_A`)."""
+    """G_b contribution = mean over examples of (1/T) sum_t g g^T; rows (N, T, d_out)."""
     n, t = rows.shape[:2]
-    return torch.einsum("nto,ntp->op", rows, rows).double() / (n * t)
+    return torch.einsum("nto,ntp->op", rows, rows) / (n * t)
 
 
 def _grad_directions(
@@ -217,7 +212,7 @@ def kfac_factors(
                     f"layer '{name}' ran twice in one forward (shared weights); K-FAC here "
                     "supports one call per forward: leave it out of `layers`"
                 )
-            acts[name] = _batch_A(input_rows(mod, inputs[0].detach(), output.shape, widen=False))
+            acts[name] = _batch_A(input_rows(mod, inputs[0].detach(), output.shape))
             if output.requires_grad:
                 output.register_hook(grad_hook(name, mod))
         return hook

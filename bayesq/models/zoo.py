@@ -189,7 +189,7 @@ class ZooEntry(abc.ABC):
                     (batch,) = self.batches(_take(splits.train_inputs, idx), len(idx), data)
                     return F.cross_entropy(logits(model, batch), labels[idx])
 
-            opt = torch.optim.AdamW(params, lr=self.learning_rate(cfg), weight_decay=cfg.weight_decay)
+            opt = torch.optim.AdamW(params, lr=self.learning_rate(cfg), weight_decay=cfg.weight_decay, fused=True)
             bar = tqdm(total=epochs * math.ceil(n / cfg.batch_size), desc=f"finetune {self.name}"
                        + (" (head)" if frozen else ""), unit="batch", disable=None)
             running = None
