@@ -132,8 +132,8 @@ def _grid_cost_smooth(mu: torch.Tensor, sigma: torch.Tensor, lo: torch.Tensor, s
     k_star = torch.where(step > 0, torch.round((mu - lo) / safe), torch.zeros_like(mu)).clamp(0, levels - 1)
     c = (lo + k_star * step - mu) / sigma
     d = step / sigma
-    e2 = d * d / 24
-    e4 = 7 * e2 * e2 * 24 * 24 / 5760
+    d2 = d * d
+    e2, e4 = d2 / 24, 7 * d2 * d2 / 5760  # the Euler-Maclaurin coefficients
     top, bottom = c + (levels - 1 - k_star) * d, c - k_star * d  # (hi - mu) / sigma, (lo - mu) / sigma
     p_c, p_top, p_bottom = _pdf(c), _pdf(top), _pdf(bottom)
     q_top, q_bottom = _upper_tail(top), _upper_tail(bottom)

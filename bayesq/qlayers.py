@@ -89,9 +89,13 @@ class QuantConv2d(_Packed):
         self.memory_format = memory_format  # of the decoded 4-D weight (channels_last: the conv runs NHWC)
         self._conv_weight: torch.Tensor | None = None
 
+    def _apply(self, fn, recurse=True):
+        self._conv_weight = None
+        return super()._apply(fn, recurse)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._reference(x.device):
-            if self._conv_weight is None or self._dense is None:
+            if self._conv_weight is None:  # decoded once (dropped by .to / .half / ...)
                 self._conv_weight = self.weight_dense().reshape(self.weight_shape).contiguous(
                     memory_format=self.memory_format)
             w = self._conv_weight

@@ -258,13 +258,13 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     extra = {}
     if Method(method) in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER):
         batches = list(calibration_batches(entry, splits, data, calibration, seed)[1]) if calibration else None
-        selection = selection_batches(entry, splits, data, calibration, seed) if calibration else None
         if encoding_file:  # the bayesq row's encoding: same posterior, table and settings
             enc, read = load_encoding(Path(encoding_file))
             post = load_posterior(model, Path(posterior_file)) if posterior_file else None
             stats_read, reference_read = read["stats_read"], read["reference_read"]
             extra["encoding_seconds"] = read["seconds"]
         else:
+            selection = selection_batches(entry, splits, data, calibration, seed) if calibration else None
             enc, post, stats_read = _bayesq(model, table, budget, allocation_cfg, quant, posterior_file, seed, batches,
                                             stats_file, selection, reference_file, tables)
             reference_read = bool(reference_file) and selection is not None and bool(enc.selection_kl)
