@@ -134,11 +134,28 @@ def evaluate_model(entry, model, splits, data, raw: Path, rob, ood: bool, seed: 
 
 def _evaluate(entry, model, splits, data, raw: Path, rob, ood: bool, seed: int):
     """(:func:`evaluate_model`'s summary, (N, C) float32 test logits)."""
-    from bayesq.evaluation import predict, prediction_summary
+    from bayesq.evaluation import prediction_summary
 
-    logit = predict(model, entry.batches(splits.test_inputs, 64, data))
+    logit = _predict_in_padding_order(entry, model, splits.test_inputs, data)
     summary = prediction_summary(logit, splits.test_labels, rob.ece_bins, rob.random_bin_repeats, seed)
     return {"calibration": summary, "ood": ood_eval(entry, model, splits, data, raw, rob) if ood else None}, logit
+
+
+def _predict_in_padding_order(entry, model, inputs, data, batch_size: int = 64):
+    """(N, C) logits of ``inputs`` in their own order, computed in :meth:`ZooEntry.padding_order`
+    (sentences by length: less padding per batch; padding is masked, so each row is as in any order)."""
+    import torch
+
+    from bayesq.evaluation import predict
+    from bayesq.models.zoo import _take
+
+    if entry.lengths(inputs) is None:  # inputs of one shape: nothing to gain
+        return predict(model, entry.batches(inputs, batch_size, data))
+    order = entry.padding_order(inputs)
+    ordered = predict(model, entry.batches(_take(inputs, order), batch_size, data))
+    logit = torch.empty_like(ordered)
+    logit[order] = ordered
+    return logit
 
 
 @task(cache_policy=CACHE, persist_result=True, task_run_name="FP evaluation {name}")

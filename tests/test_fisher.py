@@ -108,3 +108,12 @@ def test_fisher_diagonal_restores_model_state():
     assert model.training
     assert not any(p.requires_grad for p in model.parameters())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_fisher_diagonal_leaves_existing_grads_and_forms_no_weight_grad():
+    model = _cnn()
+    head = model[-1]
+    head.weight.grad = torch.full_like(head.weight, 7.0)  # the user's own gradient
+    fisher_diagonal(model, [torch.randn(2, 2, 6, 6, dtype=torch.float64)], quantizable_layers(model), progress=False)
+    assert torch.equal(head.weight.grad, torch.full_like(head.weight, 7.0))
+    assert all(p.grad is None for p in model.parameters() if p is not head.weight)

@@ -766,3 +766,26 @@ def test_load_model_image_entry_channels_last_vs_saved_model(tmp_path):
     x = torch.randn(4, 3, 64, 64)
     with torch.no_grad():
         assert torch.allclose(model(x), saved(x), rtol=0, atol=1e-4)
+
+
+def test_predict_in_padding_order_vs_input_order():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from bayesq.evaluation import predict
+    from bayesq.models.zoo import MiniLMSentiment
+    from flows.robustness import _predict_in_padding_order
+
+    entry = MiniLMSentiment()
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=entry.tokenizer.vocab_size, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, num_labels=2)).double().eval()
+    words = ["good", "bad", "a", "film", "plot", "the", "really", "not"]
+    g = torch.Generator().manual_seed(1)
+    sentences = [" ".join(words[i] for i in torch.randint(0, 8, (int(n),), generator=g))
+                 for n in torch.randint(1, 30, (40,), generator=g)]
+    data = DataConfig(text_max_length=64)
+    got = _predict_in_padding_order(entry, model, sentences, data, batch_size=8)
+    want = predict(model, entry.batches(sentences, 8, data))  # input order: batches padded to a random longest
+    assert not torch.equal(entry.padding_order(sentences), torch.arange(40))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -232,3 +232,12 @@ def test_kfac_restores_model_state_and_unused_layer_is_zero():
     assert all(p.grad is None for p in model.parameters())
     assert out["unused"].A.shape == (5, 5) and not out["unused"].A.any() and not out["unused"].G.any()
     assert out["0"].A.any() and out["0"].G.any()
+
+
+def test_kfac_leaves_existing_grads_and_forms_no_weight_grad():
+    model = WithUnused().double()
+    first = model.net[0]
+    first.weight.grad = torch.full_like(first.weight, 7.0)  # the user's own gradient
+    kfac_factors(model, [torch.randn(2, 3, dtype=torch.float64)], {"0": first, "2": model.net[2]}, progress=False)
+    assert torch.equal(first.weight.grad, torch.full_like(first.weight, 7.0))
+    assert all(p.grad is None for p in model.parameters() if p is not first.weight)

@@ -49,15 +49,13 @@ def _squared_grad_sum(
     if on_rows is not None:
         desc += " + layer-input statistics"
     acts: dict[str, torch.Tensor] = {}
-    shapes: dict[str, torch.Size] = {}
-    outs: dict[str, torch.Tensor] = {}
+    outputs: dict[str, torch.Tensor] = {}
     total = {name: torch.zeros_like(m.weight, dtype=torch.float64) for name, m in layers.items()}
 
     def fwd_hook(name: str):
         def hook(mod, inputs, output):
             acts[name] = inputs[0].detach()
-            shapes[name] = output.shape
-            output.register_hook(lambda grad: outs.__setitem__(name, grad.detach()))
+            outputs[name] = output
         return hook
 
     handles = [m.register_forward_hook(fwd_hook(n)) for n, m in layers.items()]
@@ -72,31 +70,33 @@ def _squared_grad_sum(
             with torch.enable_grad():  # also when called under torch.no_grad()
                 out = logits(model, batch)
                 passes = labels_for(out.detach())
+                names = [n for n, o in outputs.items() if o.requires_grad]
                 for s, y in enumerate(passes):
                     loss = F.cross_entropy(out, y, reduction="sum")
-                    model.zero_grad(set_to_none=True)
-                    loss.backward(retain_graph=s < len(passes) - 1)
+                    # gradients of the layer outputs only: no weight gradient is formed
+                    grads = torch.autograd.grad(loss, [outputs[n] for n in names], allow_unused=True,
+                                                retain_graph=s < len(passes) - 1) if names else ()
+                    outs = {n: g for n, g in zip(names, grads) if g is not None}
                     shared: dict = {}
                     for name, mod in layers.items():
                         if name not in acts:
                             continue
-                        rows = _rows(mod, acts[name], shapes[name], shared)
+                        rows = _rows(mod, acts[name], outputs[name].shape, shared)
                         if s == 0 and on_rows is not None:
                             on_rows(name, rows)
-                        if name in outs:  # a layer unused by this forward has no gradient
+                        if name in outs:  # a layer whose output does not reach the loss has no gradient
                             # square and sum the batch in the model's dtype, accumulate batches in
                             # float64: float32 adds a relative error <= B * 2^-24 per batch of B
                             sq = squared_grad_sum(mod, acts[name], outs.pop(name), rows)
                             total[name] += sq.double() / len(passes)
             n_seen += batch_size(batch)
             acts.clear()
-            shapes.clear()
+            outputs.clear()
     finally:
         for h in handles:
             h.remove()
         for n, m in layers.items():
             m.weight.requires_grad_(needs_grad[n])
-        model.zero_grad(set_to_none=True)
         model.train(was_training)
     if n_seen == 0:
         raise ValueError(

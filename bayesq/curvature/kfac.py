@@ -196,14 +196,9 @@ def kfac_factors(
     _validate(loss, decay, label_samples, layers)
     gen = torch.Generator().manual_seed(seed)
     acts: dict[str, torch.Tensor] = {}
+    outputs: dict[str, torch.Tensor] = {}
     grads: dict[str, torch.Tensor] = {}
     accs = {name: _Accumulator(decay) for name in layers}
-    wt = [1.0]  # weight of the direction being back-propagated (read by the hooks)
-
-    def grad_hook(name: str, mod: nn.Module):
-        def hook(g):
-            grads[name] = grads.get(name, 0.0) + wt[0] * _batch_G(_output_rows(mod, g.detach()))
-        return hook
 
     def fwd_hook(name: str):
         def hook(mod, inputs, output):
@@ -214,14 +209,13 @@ def kfac_factors(
                 )
             acts[name] = _batch_A(input_rows(mod, inputs[0].detach(), output.shape))
             if output.requires_grad:
-                output.register_hook(grad_hook(name, mod))
+                outputs[name] = output
         return hook
 
     handles = [m.register_forward_hook(fwd_hook(n)) for n, m in layers.items()]
     needs_grad = {n: m.weight.requires_grad for n, m in layers.items()}
     for m in layers.values():
         m.weight.requires_grad_(True)
-    weights = [m.weight for m in layers.values()]
     was_training = model.training
     model.eval()
     n_seen = 0
@@ -229,10 +223,14 @@ def kfac_factors(
         for batch in tqdm(batches, desc="kfac", disable=not progress, leave=False):
             out = logits(model, batch)
             dirs = list(_grad_directions(out, loss, label_samples, gen))
+            names = list(outputs)
             for k, (v, w) in enumerate(dirs):
-                wt[0] = w
-                torch.autograd.grad(out, weights, grad_outputs=v, retain_graph=k < len(dirs) - 1,
-                                    allow_unused=True)
+                # gradients of the layer outputs only: no weight gradient is formed
+                gs = torch.autograd.grad(out, [outputs[n] for n in names], grad_outputs=v,
+                                         retain_graph=k < len(dirs) - 1, allow_unused=True) if names else ()
+                for name, g in zip(names, gs):
+                    if g is not None:
+                        grads[name] = grads.get(name, 0.0) + w * _batch_G(_output_rows(layers[name], g))
             n_b = batch_size(batch)
             for name, A_b in acts.items():
                 G_b = grads.get(name)
@@ -242,6 +240,7 @@ def kfac_factors(
                 accs[name].update(A_b, G_b, n_b)
             n_seen += n_b
             acts.clear()
+            outputs.clear()
             grads.clear()
     finally:
         for h in handles:
