@@ -110,14 +110,15 @@ def quantize(
 @app.command()
 def report(results: Path = typer.Option(ROOT / "results" / "results.json", help="the quantize stage's results"),
            models: Path = typer.Option(ROOT / "models", help="fine-tuned models (their fp.json)"),
-           out: Path = typer.Option(ROOT / "reports", help="folder for the tables and figures")) -> None:
-    """Write the reports (main table, exports, calibration / robustness, figures) from results."""
+           out: Path = typer.Option(ROOT / "reports", help="folder for the tables and figures"),
+           summary: Path = typer.Option(ROOT / "docs" / "results.md", help="the one-page results summary")) -> None:
+    """Write the reports (main table, exports, calibration / robustness, figures) and the results summary."""
     from flows.report import report as write_report
 
     if not results.is_file():
         _fail(f"no results at {results}: run `bayesq run` first")
-    write_report(results, models, out)
-    typer.echo(f"reports written to {out}")
+    write_report(results, models, out, summary)
+    typer.echo(f"reports written to {out}, the summary to {summary}")
 
 
 def _flat(prefix: str, obj) -> dict[str, str]:

@@ -6,7 +6,8 @@ Writes ``main_table.md`` (with every row's KL to the FP model and agreement, and
 comparisons of the BayesQ rows with GPTQ and RTN per-group on the same test examples),
 ``paired.json`` (those comparisons), ``exports.md`` (file sizes next to the accounted bits),
 ``posterior.md`` (the fitted prior precisions and prior-dominated share per model, from
-``posteriors.json`` next to the results), ``frontier_<model>.png`` and ``metrics.json``.
+``posteriors.json`` next to the results), ``frontier_<model>.png`` and ``metrics.json``; with
+``--summary docs/results.md`` also the one-page summary the README links to (:func:`results_summary`).
 """
 
 from __future__ import annotations
@@ -398,7 +399,64 @@ def posterior_table(posteriors: list[dict]) -> str:
     return "\n".join(lines + detail + [""])
 
 
-def report(results: Path, models: Path, out: Path) -> None:
+def results_summary(summary: dict, fp: dict[str, dict], paired: list[dict], timings: list[dict] | None,
+                    records: list[dict], run_name: str | None = None) -> str:
+    """Markdown for ``docs/results.md``: per model and budget, BayesQ's KL to the FP model next to
+    GPTQ's and the paired differences to GPTQ and RTN per group (from ``paired``, the rows of
+    :func:`paired_comparisons`), accuracy of every method, the one-time cost ratio and the quantize
+    stage's wall time (``timings``); ``run_name``: the quantize stage's MLflow parent run
+    (``quantize-<profile>-<commit7>-<time>``). Every number comes from the run's files."""
+    cell = {(r["model"], r["budget"], r["method"], r["baseline"], r["metric"]): r for r in paired}
+    seeds = sorted({r["seed"] for r in records})
+    lines = ["# Results", "",
+             "Written by the report stage (`python -m flows.report`, run by `make run`) from `results/results.json`: "
+             "do not edit by hand. Full tables in [`reports/`](../reports/main_table.md); what each method and "
+             "number means in [`method.md`](method.md).", "",
+             f"Models: {', '.join(summary)}; seeds: {', '.join(map(str, seeds))}; "
+             f"{len(records)} rows" + (f"; MLflow run `{run_name}` (profile and commit in its name)." if run_name
+                                       else "."), "",
+             "## BayesQ against the strongest GPTQ and RTN per group, paired on the same test examples", "",
+             "KL(p_FP ‖ p_Q) in nats (mean over test examples; negative Δ: BayesQ is closer to the FP model) and "
+             "top-1 accuracy in points; brackets: 95 % paired-bootstrap interval over test examples, * when it "
+             "excludes 0.", "",
+             "| model | bits | BayesQ KL | GPTQ KL | BayesQ − GPTQ: KL | BayesQ − GPTQ: accuracy "
+             "| BayesQ − RTN per group: KL |", "|---|---|---|---|---|---|---|"]
+    for model, methods in summary.items():
+        for budget in sorted(methods.get("bayesq", {})):
+            kl = {m: methods.get(m, {}).get(budget, {}).get("kl_mean") for m in ("bayesq", "gptq")}
+            diffs = [cell.get((model, budget, "bayesq", base, metric)) for base, metric in
+                     (("gptq", "kl"), ("gptq", "accuracy"), ("rtn-group", "kl"))]
+            fmts = ("+.3g", "+.2f", "+.3g")
+            lines.append(f"| {model} | {budget:.1f} | " + " | ".join("–" if v is None else f"{v:.3g}" for v in kl.values())
+                         + " | " + " | ".join("–" if d is None else _ci(d, f) for d, f in zip(diffs, fmts)) + " |")
+    lines += ["", "## Accuracy (%) and true average bits", ""]
+    for model, methods in summary.items():
+        budgets = sorted({b for per in methods.values() for b in per})
+        lines += [f"### {model}", "", f"FP: {100 * fp[model]['fp_accuracy']:.2f} % on {fp[model]['n_test']:,} test "
+                  "examples.", "", "| method | " + " | ".join(f"{b:.1f} bits" for b in budgets) + " |",
+                  "|---|" + "---|" * len(budgets)]
+        for method, label in METHOD_LABEL.items():
+            if method in methods:
+                lines.append(f"| {label} | " + " | ".join(
+                    "–" if b not in methods[method] else
+                    f"{100 * methods[method][b]['accuracy']:.2f} ({methods[method][b]['avg_bits']:.3f} b)"
+                    for b in budgets) + " |")
+        ratio = _time_ratio(methods, "bayesq", "gptq")
+        if ratio is not None:
+            lines += ["", f"One-time cost, BayesQ / GPTQ (wall seconds in this run, mean over budgets): {ratio:.2f}×."]
+        lines.append("")
+    if timings:
+        computed = [t for t in timings if not t["cached"]]
+        slowest = sorted(timings, key=lambda t: -t["seconds"])[:5]
+        lines += ["## Time", "",
+                  f"Quantize stage: {len(timings)} task calls, {sum(t['seconds'] for t in timings) / 60:.1f} min "
+                  f"({len(computed)} computed, {len(timings) - len(computed)} cache hits). Slowest: "
+                  + "; ".join(f"{t['task']} {t['seconds']:.0f} s" for t in slowest)
+                  + ". Every task: [`reports/timings.md`](../reports/timings.md).", ""]
+    return "\n".join(lines)
+
+
+def report(results: Path, models: Path, out: Path, summary_file: Path | None = None) -> None:
     from flows.robustness_report import robustness_report
 
     everything = read_json(results)
@@ -414,9 +472,15 @@ def report(results: Path, models: Path, out: Path) -> None:
     (out / "exports.md").write_text(export_table(records))
     posteriors = Path(results).parent / "posteriors.json"
     (out / "posterior.md").write_text(posterior_table(read_json(posteriors) if posteriors.exists() else []))
-    timings = Path(results).parent / "timings.json"
-    (out / "timings.md").write_text(timings_markdown(read_json(timings)) if timings.exists() else
+    timings_file = Path(results).parent / "timings.json"
+    timings = read_json(timings_file) if timings_file.exists() else None
+    (out / "timings.md").write_text(timings_markdown(timings) if timings else
                                     "# Quantize stage: wall time per task\n\nNo `timings.json` next to the results.\n")
+    if summary_file is not None:
+        Path(summary_file).parent.mkdir(parents=True, exist_ok=True)
+        run_file = Path(results).parent / "mlflow_run.json"
+        run_name = read_json(run_file).get("run_name") if run_file.exists() else None
+        Path(summary_file).write_text(results_summary(summary, fp, paired, timings, records, run_name))
     for model, methods in summary.items():
         frontier_plot(model, methods, fp[model]["fp_accuracy"], out / f"frontier_{model}.png", fp[model]["n_test"])
     robustness_report(everything, out)
@@ -606,11 +670,12 @@ def main() -> None:
     p.add_argument("--models", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--ablations", type=Path, help="ablations.json: write <out>/ablations.md only")
+    p.add_argument("--summary", type=Path, help="also write the results summary here (docs/results.md)")
     a = p.parse_args()
     if a.ablations:
         ablation_report(a.ablations, a.models, a.out / "ablations.md")
     elif a.results:
-        report(a.results, a.models, a.out)
+        report(a.results, a.models, a.out, a.summary)
     else:
         p.error("pass --results (main table) or --ablations (ablation table)")
 

@@ -1,4 +1,4 @@
-"""Sharing artifacts through a DVC remote (a local folder here; S3 / SSH in the README): a stage's
+"""Sharing artifacts through a DVC remote (a local folder here; S3 / SSH in docs/operations.md): a stage's
 export is pushed, deleted with the cache, pulled back byte for byte, and the md5 the lineage tags
 record (``dvc.<stage>.out.<path>``) names the object in the remote."""
 

@@ -150,3 +150,26 @@ def test_variant_lines_name_baseline_variants_and_bayesq_grids():
     assert "3.5 bits: searched (searched-plain − searched [+0.02000, +0.20000] on 500 inputs)" in lines[1]
     assert "4.0 bits: searched (searched-plain − searched [-0.01000, +0.01000])." in lines[1]
     assert "unless the other candidate's KL on the selection inputs is lower by a resolved margin" in lines[1]
+
+
+def test_results_summary_numbers_vs_paired_json_and_records(tmp_path):
+    from flows.report import report
+
+    results, models, _ = _folder(tmp_path)
+    write_json(results / "timings.json", [{"task": "posterior m s17", "seconds": 90.0, "cached": False},
+                                          {"task": "bayesq m b3.0 s17", "seconds": 30.0, "cached": True}])
+    write_json(results / "mlflow_run.json", {"run_id": "x", "run_name": "quantize-quick-abc1234-20261127-0100",
+                                             "experiment_id": "1"})
+    report(results / "results.json", models, tmp_path / "reports", tmp_path / "docs" / "results.md")
+    text = (tmp_path / "docs" / "results.md").read_text()
+    paired = read_json(tmp_path / "reports" / "paired.json")
+    records = {(r["method"], r["budget"]): r for r in read_json(results / "results.json") if r["method"] != "fp"}
+    for budget in (3.0, 4.0):
+        kl = next(r for r in paired if r["budget"] == budget and r["method"] == "bayesq" and r["baseline"] == "gptq"
+                  and r["metric"] == "kl")
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"| m | {budget:.1f} |"))
+        assert f"{records[('bayesq', budget)]['kl_mean']:.3g}" in line
+        assert f"{kl['diff']:+.3g} [{kl['ci_low']:+.3g}, {kl['ci_high']:+.3g}]" in line
+        assert f"{100 * records[('gptq', budget)]['accuracy']:.2f} ({records[('gptq', budget)]['avg_bits']:.3f} b)" in text
+    assert "quantize-quick-abc1234-20261127-0100" in text
+    assert "2 task calls, 2.0 min (1 computed, 1 cache hits)" in text and "posterior m s17 90 s" in text
