@@ -46,9 +46,9 @@ from torch.nn import functional as F
 
 from bayesq.codebook import LevelTables, UniformGrids
 from bayesq.config import DistillConfig
-from bayesq.forward import Batch, batch_size, logits, output_logits
+from bayesq.forward import Batch, batch_size, first_inputs, logits, output_logits
 from bayesq.posterior import Posterior
-from bayesq.quantize import QuantizedWeight, first_inputs, quantized_copy
+from bayesq.result import QuantizedWeight, quantized_copy
 
 SCALE_GRID = tuple(2.0**-k for k in range(0, 17))  # candidate tempering factors s, largest first
 
@@ -125,7 +125,7 @@ def split_calibration(batches: Sequence[Batch], holdout: float, seed: int = 0) -
     [1, N - 1]) of a permutation drawn from ``torch.Generator().manual_seed(seed)`` are held out.
     Every batch is cut into its fit rows and its held-out rows (order kept, empty parts dropped),
     so tensor batches stay tensors of the same trailing shape and dict batches keep their keys
-    (all values indexed along dim 0, as :func:`bayesq.quantize.first_inputs` slices them).
+    (all values indexed along dim 0, as :func:`bayesq.forward.first_inputs` slices them).
 
     Returns:
         ``(fit, held)``: two lists of batches of the input's kind; together they hold every
@@ -158,7 +158,7 @@ def split_calibration(batches: Sequence[Batch], holdout: float, seed: int = 0) -
 def _encoding(model: nn.Module, weights: Mapping[str, QuantizedWeight],
               biases: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Parameter overrides running an encoding: dequantised weights and biases, cast to the layers'
-    dtype and device (the values :func:`bayesq.quantize.quantized_copy` / :func:`apply_distilled` store)."""
+    dtype and device (the values :func:`bayesq.result.quantized_copy` / :func:`apply_distilled` store)."""
     over = {}
     for n, qw in weights.items():
         w = model.get_submodule(n).weight

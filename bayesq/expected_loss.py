@@ -41,9 +41,10 @@ from bayesq.blocks import LayerBlocks
 from bayesq.codebook import (
     LevelTables, UniformGrids, compile_to_uniform, fit_lloyd_levels, fit_uniform_grids,
     fit_uniform_grids_deployed, fit_weighted_levels, grid_cost_chunked, grid_sq_error, grids_from_range,
-    levels_cost_chunked, levels_sq_error, minmax_grids, mulaw_levels, optimal_uniform_range, quantize_levels,
+    levels_cost_chunked, levels_sq_error, minmax_grids, mulaw_levels, optimal_uniform_range,
 )
 from bayesq.config import Codebook, CostTerms, Objective, QuantConfig, Whitening
+from bayesq.monte_carlo import MCEstimate, kfac_quadratic, mc_layer_output_loss, mc_logit_kl
 from bayesq.posterior import Posterior
 from bayesq.storage import header_bits, lut_unit_cost_bits, mulaw_unit_cost_bits, unit_cost_bits, vq_cost_bits
 from bayesq.vq import MAX_CODEBOOK, VQBook, fit_vq, vq_assign
@@ -471,8 +472,6 @@ def apply_mc_proxy(
     posterior's damped K-FAC factors (``monte_carlo.mc_layer_output_loss``). Draws are shared by
     every candidate of a layer (common random numbers) and come in antithetic pairs.
     """
-    from bayesq.monte_carlo import MCEstimate, kfac_quadratic, mc_layer_output_loss, mc_logit_kl
-
     layers = list(table.layers)
     for i in tqdm(top_layers(table, cfg.mc_top_fraction), desc=f"mc-{kind}", disable=not progress, leave=False):
         t = layers[i]

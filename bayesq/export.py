@@ -32,24 +32,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-import numpy as np
 import torch
 from torch import nn
 
 from bayesq.blocks import LayerBlocks, kept_matrices
 from bayesq.codebook import LevelTables, UniformGrids, mulaw_levels
 from bayesq.config import Codebook, QuantConfig
-from bayesq.quantize import QuantizedWeight
+from bayesq.models.zoo import get_entry
+from bayesq.packing import ExportError, offsets_of, pack_bits, real_codes, unpack_bits
+from bayesq.qlayers import replace_quantized
+from bayesq.result import QuantizedWeight
 from bayesq.storage import header_bits
 from bayesq.vq import VQBook
 from bayesq.tensorfile import file_sha256, save_tensors
 
 FORMAT = "bayesq-packed"
 VERSION = 1
-
-
-class ExportError(ValueError):
-    """A file that is not a readable BayesQ export (truncated, corrupted, other version)."""
 
 
 @dataclass(frozen=True)
@@ -100,60 +98,6 @@ class ExportInfo:
         return {**self.__dict__, "payload_avg_bits": self.payload_avg_bits, "all_avg_bits": self.all_avg_bits}
 
 
-# ---- bit packing --------------------------------------------------------------------------------
-
-def pack_bits(values: torch.Tensor, widths: torch.Tensor | int) -> np.ndarray:
-    """Pack (n,) non-negative int64 ``values`` of ``widths`` bits each into ceil(sum w / 8) bytes.
-
-    ``values[i] < 2**widths[i] <= 2**32``; returns a uint8 array (layout: module docstring).
-    """
-    values = values.reshape(-1).to(torch.int64)
-    widths = torch.as_tensor(widths, dtype=torch.int64).expand(values.shape).reshape(-1)
-    if bool((widths < 0).any()) or bool((widths > 32).any()):
-        raise ValueError("bit widths must lie in [0, 32]")
-    if bool((values < 0).any()) or bool((values >= (1 << widths)).any()):
-        raise ValueError("a value does not fit its bit width")
-    end = torch.cumsum(widths, 0)
-    total = int(end[-1]) if end.numel() else 0
-    off = end - widths  # (n,) first bit of each value
-    words = torch.zeros(total // 32 + 2, dtype=torch.int64)
-    sh = off & 31
-    words.index_add_(0, off >> 5, (values << sh) & 0xFFFFFFFF)  # fields never overlap: add == or
-    words.index_add_(0, (off >> 5) + 1, values >> (32 - sh))
-    raw = words.numpy().astype("<u4").view(np.uint8)
-    return raw[: (total + 7) // 8].copy()
-
-
-def words_of(data: np.ndarray | bytes) -> torch.Tensor:
-    """Stream bytes -> int64 tensor of its 32-bit little-endian words, plus one zero word of
-    slack (a field that ends in the last word reads the next one)."""
-    buf = np.frombuffer(bytes(data), dtype=np.uint8)
-    pad = (-buf.size) % 4 + 4
-    words = np.concatenate([buf, np.zeros(pad, np.uint8)]).view("<u4")
-    return torch.from_numpy(words.astype(np.int64))
-
-
-def unpack_bits(data: np.ndarray | bytes | torch.Tensor, offsets: torch.Tensor, widths: torch.Tensor | int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits` at given bit ``offsets``: (n,) int64 values.
-
-    ``data``: the stream's bytes, or its words from :func:`words_of`.
-    """
-    words = data if isinstance(data, torch.Tensor) else words_of(data)
-    offsets = offsets.to(torch.int64)
-    widths = torch.as_tensor(widths, dtype=torch.int64).expand(offsets.shape)
-    idx = offsets >> 5
-    if offsets.numel() and int((offsets + widths).max()) > 32 * (words.numel() - 1):
-        raise ExportError("a packed stream is shorter than its layout says: the file is truncated or corrupted")
-    both = words[idx] | (words[idx + 1] << 32)  # wraps for high words; bits below 64 are intact
-    return (both >> (offsets & 31)) & ((1 << widths) - 1)
-
-
-def offsets_of(widths: torch.Tensor) -> torch.Tensor:
-    """(n,) int64 first bit of each field of a stream with (n,) ``widths``."""
-    widths = widths.to(torch.int64)
-    return torch.cumsum(widths, 0) - widths
-
-
 # ---- layer <-> tensors ----------------------------------------------------------------------------
 
 def _kind(book, codebook: Codebook) -> str:
@@ -175,12 +119,6 @@ def _group_fields(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
             sizes = (sizes + book.dim - 1) // book.dim
             per_field[qw.group_bits == b] = b * book.dim
     return sizes, per_field
-
-
-def real_codes(qw: QuantizedWeight, sizes: torch.Tensor) -> torch.Tensor:
-    """The codes of the real (unpadded) fields, group by group: (sum sizes,) int64."""
-    mask = torch.arange(qw.codes.shape[1])[None, :] < sizes[:, None]  # (G, width)
-    return qw.codes[mask]
 
 
 def _stored(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -475,14 +413,10 @@ def load(path: str | Path, skeleton: nn.Module | None = None,
     Raises:
         ExportError: see :func:`read_export`; also a skeleton that does not match the file.
     """
-    from bayesq.qlayers import replace_quantized
-
     contents = read_export(path)
     if skeleton is None:
         if not contents.architecture:
             raise ExportError(f"{path} names no architecture: pass skeleton= (a module of the same architecture)")
-        from bayesq.models.zoo import get_entry
-
         skeleton = get_entry(contents.architecture).build(pretrained=False)
     model = skeleton
     expected = {k for k in model.state_dict() if not (k.endswith(".weight") and k[:-7] in contents.weights)}

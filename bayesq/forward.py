@@ -162,3 +162,15 @@ def by_length(batches: Iterable[Batch]) -> list[Batch]:
         longest = int(every["attention_mask"][idx].sum(1).max())
         out.append({k: v[idx][:, :longest] if k in keys else v[idx] for k, v in every.items()})
     return out
+
+
+def first_inputs(batches: Iterable[Batch], n: int) -> list[Batch]:
+    """The first ``n`` inputs of ``batches``, as batches (the last one cut)."""
+    out, seen = [], 0
+    for batch in batches:
+        if seen >= n:
+            break
+        k = min(batch_size(batch), n - seen)
+        out.append({key: v[:k] for key, v in batch.items()} if isinstance(batch, Mapping) else batch[:k])
+        seen += k
+    return out

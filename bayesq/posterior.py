@@ -41,6 +41,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesq.config import Curvature, PosteriorConfig, Prior
+from bayesq.curvature.fisher import empirical_fisher_diagonal, fisher_diagonal
+from bayesq.curvature.hutchinson import hutchinson_diagonal
 from bayesq.curvature.kfac import KFACFactors, damped, kfac_diagonal, kfac_factors
 from bayesq.curvature.lowrank import truncate
 from bayesq.curvature.patches import input_rows
@@ -311,9 +313,6 @@ def fit_posterior(
     :func:`forward_inputs` calls it (so one pass also gives the layer-input statistics); with any
     other curvature a ValueError.
     """
-    from bayesq.curvature.fisher import empirical_fisher_diagonal, fisher_diagonal
-    from bayesq.curvature.hutchinson import hutchinson_diagonal
-
     weights = {name: m.weight for name, m in layers.items()}
     curv = Curvature(cfg.curvature)
     if on_rows is not None and curv not in ROWS_IN_PASS:

@@ -56,7 +56,8 @@ METHOD_SOURCES = {
     Method.ACIQ: ("bayesq/baselines/aciq.py",),
     Method.BAYESQ_DISTILL: ("bayesq/distill.py",),
 }
-NOT_IN_ROWS = ("flows/ablate.py", "flows/report.py", "flows/robustness_report.py", "flows/cli.py", "flows/zoo.py")
+NOT_IN_ROWS = ("flows/ablate.py", "flows/report.py", "flows/robustness_report.py", "flows/labels.py", "flows/cli.py",
+               "flows/zoo.py")
 
 
 def row_excluded(method: Method) -> tuple[str, ...]:
@@ -246,7 +247,7 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     from bayesq.config import RobustnessConfig
     from bayesq.export import load as load_export, save_export
     from bayesq.models.zoo import get_entry
-    from bayesq.quantize import quantized_copy
+    from bayesq.result import quantized_copy
     from flows.lineage import input_lineage
     from flows.prepare import calibration_indices
     from flows.robustness import evaluate_model

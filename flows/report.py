@@ -18,15 +18,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from flows.common import read_json, write_json
+from flows.labels import METHOD_LABEL, layer_kind
+from flows.robustness_report import robustness_report
 from flows.timings import timings_markdown
 from flows.tracking import log_reports
-
-METHOD_LABEL = {"bayesq": "BayesQ", "bayesq-distill": "BayesQ + distillation", "bayesq-ef": "BayesQ (K-FAC)",
-                "bayesq-paper": "BayesQ (paper-literal)",
-                "gptq": "GPTQ (best variant, act-order)",
-                "awq": "AWQ (g64)", "hawq": "HAWQ-style (per layer)", "aciq": "ACIQ (per channel)",
-                "rtn-tensor": "RTN per-tensor", "rtn-channel": "RTN per-channel", "rtn-group": "RTN per-group (g64)"}
-
 
 FIDELITY_KEYS = ("kl_mean", "kl_se", "agreement")  # absent from records written before per-example evaluation
 
@@ -457,8 +452,6 @@ def results_summary(summary: dict, fp: dict[str, dict], paired: list[dict], timi
 
 
 def report(results: Path, models: Path, out: Path, summary_file: Path | None = None) -> None:
-    from flows.robustness_report import robustness_report
-
     everything = read_json(results)
     records = [r for r in everything if r["method"] != "fp"]  # FP rows: the robustness reference
     summary = summarise(records)
@@ -494,25 +487,6 @@ def report(results: Path, models: Path, out: Path, summary_file: Path | None = N
     write_json(out / "metrics.json", metrics)
     written = sorted(p for p in out.iterdir() if p.is_file() and p.name != "ablations.md")  # that one: the ablate run's
     log_reports(Path(results).parent / "mlflow_run.json", written)
-
-
-LAYER_KINDS = (  # (substring of the module name, kind) -- first match wins
-    ("attention.self.query", "attention q/k/v"), ("attention.self.key", "attention q/k/v"),
-    ("attention.self.value", "attention q/k/v"), ("attention.output", "attention out"),
-    ("intermediate", "FFN in"), ("output.dense", "FFN out"), ("pooler", "pooler"),
-    ("classifier", "classifier"), ("_conv_stem", "stem conv"), ("_expand_conv", "expand 1x1"),
-    ("_depthwise_conv", "depthwise 3x3/5x5"), ("_project_conv", "project 1x1"),
-    ("_conv_head", "head 1x1"), ("_fc", "classifier"), ("downsample", "downsample 1x1"),
-    ("conv1", "3x3 conv"), ("conv2", "3x3 conv"), ("fc", "classifier"),
-)
-
-
-def layer_kind(name: str) -> str:
-    """Coarse layer family of a module name (for the per-layer bit summary)."""
-    for key, kind in LAYER_KINDS:
-        if key in name:
-            return kind
-    return name.rsplit(".", 1)[-1]
 
 
 def _overhead(r: dict) -> float:

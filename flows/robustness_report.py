@@ -12,7 +12,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from flows.report import METHOD_LABEL, layer_kind
+from flows.labels import METHOD_LABEL, layer_kind
 
 LABEL = {"fp": "FP (32-bit)", **METHOD_LABEL}
 CAL_COLUMNS = (("accuracy", "accuracy", 100), ("ece", "ECE", 100), ("ece_random", "ECE (random bins)", 100),

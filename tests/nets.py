@@ -54,7 +54,7 @@ def random_quantized(shape, group_size, unit_groups=1, bit_choices=(2, 3, 4, 8),
 
     from bayesq.blocks import LayerBlocks
     from bayesq.codebook import LevelTables, UniformGrids
-    from bayesq.quantize import QuantizedWeight
+    from bayesq.result import QuantizedWeight
 
     g = torch.Generator().manual_seed(seed)
     lb = LayerBlocks("w", tuple(shape), group_size, unit_groups, row_aligned)

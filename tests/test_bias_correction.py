@@ -7,7 +7,8 @@ from bayesq.baselines.activations import input_stats
 from bayesq.bias_correction import BiasCorrection, output_shift
 from bayesq.blocks import quantizable_layers
 from bayesq.config import BayesQConfig, DistillConfig, QuantConfig
-from bayesq.quantize import bias_correction, quantize_model, quantized_copy
+from bayesq.quantize import bias_correction, quantize_model
+from bayesq.result import quantized_copy
 
 
 def _rounded(w: torch.Tensor, step: float = 0.25) -> torch.Tensor:

@@ -17,7 +17,7 @@ from bayesq.distill import (
     teacher_probs, tempering_scale,
 )
 from bayesq.posterior import Posterior
-from bayesq.quantize import quantized_copy
+from bayesq.result import quantized_copy
 from nets import TokenModel
 
 OFF = DistillConfig(max_budget=0)

@@ -1,4 +1,4 @@
-"""Export format: bit packing vs a bit-string reference, exact accounting of the file, round
+"""Export format: exact accounting of the file, round
 trips (codes, codebooks, logits) for every codebook and layout, and clear errors on bad files."""
 
 import functools
@@ -14,9 +14,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from bayesq.config import BayesQConfig, Codebook, Granularity, QuantConfig
-from bayesq.export import (
-    ExportError, FORMAT, load, pack_bits, read_export, save_export, unpack_bits, offsets_of,
-)
+from bayesq.export import ExportError, FORMAT, load, read_export, save_export
 from bayesq.qlayers import QuantConv2d, QuantLinear
 from bayesq.quantize import quantize_model
 
@@ -29,33 +27,6 @@ def _net():
 
 def _x(n=24):
     return torch.randn(n, 3, 8, 8, generator=torch.Generator().manual_seed(1))
-
-
-def _bitstring_pack(values, widths) -> bytes:
-    """Reference: '0'/'1' characters, least significant bit first, cut into bytes."""
-    bits = "".join(format(v, f"0{w}b")[::-1] if w else "" for v, w in zip(values, widths))
-    bits += "0" * (-len(bits) % 8)
-    return bytes(int(bits[i:i + 8][::-1], 2) for i in range(0, len(bits), 8))
-
-
-def test_pack_bits_vs_bitstring_reference():
-    g = torch.Generator().manual_seed(0)
-    widths = torch.tensor([2, 3, 4, 8] * 50 + [1, 5, 16, 32, 0, 7])[torch.randperm(206, generator=g)]
-    values = (torch.rand(206, generator=g, dtype=torch.float64) * (2.0 ** widths)).floor().long()
-    packed = pack_bits(values, widths)
-    assert packed.tobytes() == _bitstring_pack(values.tolist(), widths.tolist())
-    assert torch.equal(unpack_bits(packed, offsets_of(widths), widths), values)
-
-
-def test_pack_bits_three_bit_is_dense():
-    """8 three-bit codes are 3 bytes, not 4 (no padding to nibbles)."""
-    assert pack_bits(torch.arange(8), 3).nbytes == 3
-    assert pack_bits(torch.arange(8), 3).tobytes() == _bitstring_pack(list(range(8)), [3] * 8)
-
-
-def test_pack_bits_rejects_values_wider_than_their_width():
-    with pytest.raises(ValueError, match="does not fit its bit width"):
-        pack_bits(torch.tensor([4]), 2)
 
 
 @functools.lru_cache(maxsize=None)

@@ -45,3 +45,63 @@ def test_core_dependencies_exclude_the_pipeline_stack_and_cover_library_imports(
     third_party = {m: {_name(d) for d in dists[m]} for m in modules - {"bayesq"} if m in dists}
     missing = {m: d for m, d in third_party.items() if not d & allowed}
     assert not missing, f"bayesq/ imports at module level what only an extra installs: {missing}"
+
+
+def _project_imports() -> dict[str, set[str]]:
+    """Module -> the project modules it imports anywhere in its source (module level or inside a
+    function); ``from pkg import sub`` counts the submodule, not the package."""
+    import ast
+
+    mods = {}
+    for path in list((ROOT / "bayesq").rglob("*.py")) + list((ROOT / "flows").rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = path
+
+    def owner(dotted: str) -> str | None:
+        while dotted and dotted not in mods:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    graph = {}
+    for name, path in mods.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods]
+                edges |= {owner(t) for t in (subs or [node.module])}
+            elif isinstance(node, ast.Import):
+                edges |= {owner(a.name) for a in node.names}
+        graph[name] = {t for t in edges if t and t != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (depth-first search), or None."""
+    state, stack = {}, []
+
+    def visit(v):
+        state[v] = "open"
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if state.get(w) == "open":
+                return stack[stack.index(w):] + [w]
+            if w not in state and (found := visit(w)):
+                return found
+        state[v] = "done"
+        stack.pop()
+        return None
+
+    for v in sorted(graph):
+        if v not in state and (found := visit(v)):
+            return found
+    return None
+
+
+def test_import_graph_has_no_loops():
+    cycle = _cycle(_project_imports())
+    assert cycle is None, f"import loop: {' -> '.join(cycle)} (move what both need to a module below them)"
+
+
+def test_cycle_finder_vs_hand_made_graphs():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]

@@ -21,7 +21,8 @@ from bayesq.config import BaselinesConfig, Granularity, QuantConfig, load_params
 from bayesq.evaluation import mean_kl, reference_log_probs
 from bayesq.expected_loss import LossTable
 from bayesq.export import read_export, save_export
-from bayesq.quantize import Allocation, QuantizationResult, selection_looks
+from bayesq.quantize import selection_looks
+from bayesq.result import Allocation, QuantizationResult
 from bayesq.storage import grid_bits
 
 CFG = QuantConfig(group_size=16, unit_groups=2)

@@ -27,7 +27,8 @@ from bayesq.blocks import checked_layers, layer_blocks
 from bayesq.codebook import UniformGrids, grids_from_range
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import rtn_table
-from bayesq.quantize import QuantizationResult, allocate, baseline_result, encode
+from bayesq.quantize import allocate, encode
+from bayesq.result import QuantizationResult, baseline_result
 
 
 def laplace_clip_mse(alpha: float, bits: int) -> float:

@@ -43,7 +43,8 @@ from bayesq.codebook import minmax_grids
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch
-from bayesq.quantize import QuantizationResult, allocate, baseline_result, encode
+from bayesq.quantize import allocate, encode
+from bayesq.result import QuantizationResult, baseline_result
 from bayesq.storage import budget_bits
 
 GRID = 20

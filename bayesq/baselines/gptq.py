@@ -40,7 +40,8 @@ from bayesq.config import Granularity, QuantConfig, Rounding
 from bayesq.error_feedback import damped_metric
 from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch
-from bayesq.quantize import Allocation, QuantizationResult, allocate, baseline_result, encode
+from bayesq.quantize import allocate, encode
+from bayesq.result import Allocation, QuantizationResult, baseline_result
 from bayesq.storage import budget_bits
 
 DAMP = 0.01

@@ -25,7 +25,8 @@ from bayesq.config import QuantConfig
 from bayesq.curvature.hutchinson import hutchinson_diagonal
 from bayesq.expected_loss import rtn_table
 from bayesq.forward import Batch
-from bayesq.quantize import QuantizationResult, allocate, baseline_result, encode
+from bayesq.quantize import allocate, encode
+from bayesq.result import QuantizationResult, baseline_result
 
 
 def hessian_traces(

@@ -14,7 +14,8 @@ from torch import nn
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import rtn_table
-from bayesq.quantize import QuantizationResult, allocate, baseline_result, encode
+from bayesq.quantize import allocate, encode
+from bayesq.result import QuantizationResult, baseline_result
 
 
 def rtn_blocks(blocks: list[LayerBlocks], granularity: Granularity, cfg: QuantConfig) -> list[LayerBlocks]:

@@ -46,7 +46,8 @@ from bayesq.comparison import paired_difference
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch
-from bayesq.quantize import Allocation, QuantizationResult, selection_looks
+from bayesq.quantize import selection_looks
+from bayesq.result import Allocation, QuantizationResult
 from bayesq.storage import budget_bits, unit_cost_bits
 
 #: Candidate group sizes of the uniform variants (per-output-channel grids are always tried last).

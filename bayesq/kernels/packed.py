@@ -1,4 +1,4 @@
-"""The in-memory layout the kernels read, built from a :class:`bayesq.quantize.QuantizedWeight`.
+"""The in-memory layout the kernels read, built from a :class:`bayesq.result.QuantizedWeight`.
 
 A weight W (N outputs x K inputs; Conv2d: K = in/groups * kh * kw) is cut into groups as in
 ``bayesq.blocks``: element (n, k) belongs to group
@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from bayesq.codebook import LevelTables, UniformGrids
+from bayesq.packing import pack_bits, real_codes, words_of
+from bayesq.vq import VQBook
 
 
 @dataclass(frozen=True)
@@ -86,16 +88,11 @@ class PackedWeight:
 
 
 def _int32_words(stream: np.ndarray) -> torch.Tensor:
-    from bayesq.export import words_of
-
     return torch.from_numpy(words_of(stream).numpy().astype("<u4").view("<i4"))
 
 
 def pack_weight(qw) -> PackedWeight:
-    """:class:`PackedWeight` of a :class:`bayesq.quantize.QuantizedWeight` (codes repacked)."""
-    from bayesq.export import pack_bits, real_codes
-    from bayesq.vq import VQBook
-
+    """:class:`PackedWeight` of a :class:`bayesq.result.QuantizedWeight` (codes repacked)."""
     lb = qw.blocks
     n, k = lb.shape[0], lb.numel // lb.shape[0]
     gpr = lb.groups_per_row if lb.row_aligned else 0

@@ -1,0 +1,148 @@
+"""What a quantisation produces: the allocation, each layer's encoding, the result, and the
+quantised copy of the model assembled from the encodings alone.
+
+These value types sit below every method (BayesQ, the baselines, distillation), so each of them
+imports this module and none imports another method's module for them.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from bayesq.bias_correction import BiasCorrection
+from bayesq.blocks import LayerBlocks, kept_matrices, unquantized_weights
+from bayesq.expected_loss import Book, LossTable
+from bayesq.posterior import Posterior
+from bayesq.storage import average_bits
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Chosen bit-width of every unit and the exact storage it implies.
+
+    Attributes:
+        unit_bits: layer name -> (U,) bit-width per unit.
+        total_bits: exact bits of payload, scales, zero-points, LUTs and headers.
+        n_weights: number of quantised weights.
+        budget_bits: the budget the allocator was given.
+        expected_loss: the table's total expected loss of this allocation.
+        binding: False when the budget covers every unit at its widest candidate (it did
+            not constrain the allocation; :func:`allocate` warns when a unit had more than one
+            candidate, i.e. when something could have been traded).
+    """
+
+    unit_bits: dict[str, tuple[int, ...]]
+    total_bits: int
+    n_weights: int
+    budget_bits: int
+    expected_loss: float = float("nan")
+    binding: bool = True
+
+    @property
+    def average_bits(self) -> float:
+        return average_bits(self.total_bits, self.n_weights)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """Deployable encoding of one weight.
+
+    Attributes:
+        blocks: group / unit layout.
+        group_bits: (G,) int64 bit-width of each group.
+        codes: (G, group_size) int64 codes (padding of the last group included); VQ layers
+            hold (G, group_size / vq_dim) codeword indices.
+        books: bit-width -> codebook of the groups at that width, rows in group order
+            (``UniformGrids``: ``scale * (code - zero)``; ``LevelTables``: ``levels[row, code]``).
+        col_scale: optional (groups, d_in) float64 stored per-input-channel scale s (AWQ): the
+            codes encode ``W * s`` and the layer uses ``W_hat[o, j] = decoded[o, j] / s[g(o), j]``.
+    """
+
+    blocks: LayerBlocks
+    group_bits: torch.Tensor
+    codes: torch.Tensor
+    books: Mapping[int, Book]
+    col_scale: torch.Tensor | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        """Weight of ``blocks.shape`` (float64) from the codes, codebooks (and col_scale) only."""
+        w = torch.zeros(self.codes.shape[0], self.blocks.group_size, dtype=torch.float64)
+        for b, book in self.books.items():
+            sel = self.group_bits == b
+            w[sel] = book.dequantize(self.codes[sel])
+        w = self.blocks.from_groups(w)
+        if self.col_scale is None:
+            return w
+        n_out = self.blocks.shape[0]
+        s = self.col_scale.repeat_interleave(n_out // self.col_scale.shape[0], dim=0)  # (out, d_in)
+        return (w.reshape(n_out, -1) / s).reshape(self.blocks.shape)
+
+
+@dataclass(frozen=True)
+class QuantizationResult:
+    """What :func:`quantize_model` returns.
+
+    ``encoding`` names the grids kept (``searched``, ``searched-plain``, ``searched-gained`` or
+    ``minmax``, :func:`grid_candidates`); ``selection_kl`` maps every candidate built to its KL to
+    the full-precision model on the selection inputs (the calibration inputs when none were
+    given; empty when there was one candidate); ``correction`` is the bias correction
+    applied to ``model`` (None: ``quant.bias_correction`` off; its ``skipped`` lists the layers
+    whose output shift had nowhere to go). ``unquantized``: every other floating parameter with
+    two or more dimensions, by name, with the reason it stays in floating point
+    (:func:`bayesq.blocks.unquantized_weights`).
+    """
+
+    model: nn.Module
+    weights: dict[str, QuantizedWeight]
+    allocation: Allocation
+    table: LossTable
+    posterior: Posterior | None = None
+    encoding: str = ""
+    selection_kl: Mapping[str, float] = field(default_factory=dict)
+    correction: BiasCorrection | None = None
+    unquantized: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def average_bits(self) -> float:
+        """Bits per quantised weight, everything stored for them counted (the budget's measure)."""
+        return self.allocation.average_bits
+
+    @property
+    def average_bits_all(self) -> float:
+        """Bits per weight over every floating parameter with two or more dimensions: the
+        quantised ones as :attr:`average_bits` counts them, the :attr:`unquantized` ones at their
+        storage width (float32: 32)."""
+        n, bits = kept_matrices(self.model, self.weights)
+        return (self.allocation.total_bits + bits) / (self.allocation.n_weights + n)
+
+
+def quantized_copy(
+    model: nn.Module, weights: dict[str, QuantizedWeight], correction: BiasCorrection | None = None,
+) -> nn.Module:
+    """Deep copy of ``model`` whose quantised layers hold the dequantised weights, then (given
+    ``correction``) each layer's mean output shift moved back into its bias or BatchNorm."""
+    qmodel = copy.deepcopy(model)
+    modules = dict(qmodel.named_modules())
+    with torch.no_grad():
+        for name, qw in weights.items():
+            mod = modules[name]
+            mod.weight.copy_(qw.dequantize().to(mod.weight.dtype))
+    if correction is not None:
+        correction.apply(qmodel, model)
+    return qmodel.eval()
+
+
+def baseline_result(
+    model: nn.Module, layers: Mapping[str, nn.Module], weights: dict[str, QuantizedWeight], allocation: Allocation,
+    table: LossTable, exclude: Sequence[str] = (),
+) -> QuantizationResult:
+    """A baseline's :class:`QuantizationResult`: the quantised copy of ``model`` holding
+    ``weights`` (the encodings of ``layers``), and every other weight listed in ``unquantized``
+    with its reason (``exclude``: the patterns the caller left out)."""
+    return QuantizationResult(quantized_copy(model, weights), weights, allocation, table,
+                              unquantized=unquantized_weights(model, dict(layers), tuple(exclude)))
