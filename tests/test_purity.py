@@ -105,3 +105,11 @@ def test_import_graph_has_no_loops():
 def test_cycle_finder_vs_hand_made_graphs():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_repository_refers_to_nothing_outside_it():
+    tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT, check=True).stdout.split()
+    texts = [p for p in tracked if p.endswith((".py", ".md", ".yaml", ".toml", ".cfg", ".sh")) or p == "Makefile"]
+    outside = re.compile(r"\.\./shared|DESIGN\.md")
+    bad = [p for p in texts if (ROOT / p).exists() and outside.search((ROOT / p).read_text(errors="ignore"))]
+    assert not bad, f"these files refer to files outside the repository: {bad}"
