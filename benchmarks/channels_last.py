@@ -28,6 +28,9 @@ def timed_logits(model, batches, repeats: int = 3) -> tuple[float, torch.Tensor]
 
 
 def main() -> None:
+    from flows.settings import apply_defaults
+
+    apply_defaults()  # the pipeline's environment, before Prefect / Hugging Face are imported
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="lite0-fmnist")
     ap.add_argument("--images", type=int, default=512)

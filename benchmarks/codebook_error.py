@@ -86,6 +86,9 @@ def deployed_error(model_name: str, budget: float, posterior: Path, codebooks: l
 
 
 def main() -> None:
+    from flows.settings import apply_defaults
+
+    apply_defaults()  # the pipeline's environment, before Prefect / Hugging Face are imported
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="lite0-fmnist")
     p.add_argument("--budget", type=float, default=3.0)

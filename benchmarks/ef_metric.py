@@ -19,6 +19,9 @@ from embedded import case
 
 
 def main() -> None:
+    from flows.settings import apply_defaults
+
+    apply_defaults()  # the pipeline's environment, before Prefect / Hugging Face are imported
     c = case(__doc__.splitlines()[0])
     from bayesq.baselines.activations import input_stats
     from bayesq.baselines.gptq import damped_hessian

@@ -58,6 +58,9 @@ def case(description: str) -> Case:
     p.add_argument("--raw", type=Path, default=Path("data/raw"), help="folder of the raw data")
     a = p.parse_args()
 
+    from flows.settings import apply_defaults
+
+    apply_defaults()  # the pipeline's environment, before Prefect / Hugging Face are imported
     from bayesq.models.zoo import get_entry
     from flows.common import read_params
     from flows.finetune import load_model, raw_path

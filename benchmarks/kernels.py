@@ -316,6 +316,9 @@ def cpu_check(seed: int) -> list[dict]:
 
 
 def main() -> None:
+    from flows.settings import apply_defaults
+
+    apply_defaults()  # the pipeline's environment, before Prefect / Hugging Face are imported
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="shapes 4096x4096 and 768x3072, bits 3 and 4")
     p.add_argument("--out", type=Path, help="write all figures to this JSON file")

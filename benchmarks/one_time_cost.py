@@ -92,6 +92,9 @@ def gptq_stages(model, calibration, params, budget: float, allocation, selection
 
 
 def main() -> None:
+    from flows.settings import apply_defaults
+
+    apply_defaults()  # the pipeline's environment, before Prefect / Hugging Face are imported
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="lite0-fmnist,minilm-sentiment")
     ap.add_argument("--budget", type=float, default=3.0)

@@ -30,9 +30,9 @@ yaml.safe_dump(p, open(f"{out}/params.yaml", "w"), sort_keys=False)
 PY
 if [ "${SWITCH_ISA:-1}" = 1 ]; then export ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX MKL_CBWR=COMPATIBLE; fi
 export PREFECT_HOME="$DIR/prefect" PREFECT_LOCAL_STORAGE_PATH="$DIR/prefect/results" MLFLOW_TRACKING_URI="sqlite:///$DIR/mlflow.db"
-"$PY" -m flows.finetune --params "$DIR/params.yaml" --raw data/raw --out "$DIR/models" > "$DIR/log.txt" 2>&1
-"$PY" -m flows.quantize --params "$DIR/params.yaml" --raw data/raw --models "$DIR/models" --out "$DIR/results" >> "$DIR/log.txt" 2>&1
-"$PY" -m flows.report --results "$DIR/results/results.json" --models "$DIR/models" --out "$DIR/reports" >> "$DIR/log.txt" 2>&1
+"$PY" -m flows finetune --params "$DIR/params.yaml" --raw data/raw --out "$DIR/models" > "$DIR/log.txt" 2>&1
+"$PY" -m flows quantize --params "$DIR/params.yaml" --raw data/raw --models "$DIR/models" --out "$DIR/results" >> "$DIR/log.txt" 2>&1
+"$PY" -m flows report --results "$DIR/results/results.json" --models "$DIR/models" --out "$DIR/reports" >> "$DIR/log.txt" 2>&1
 unset ATEN_CPU_CAPABILITY ONEDNN_MAX_CPU_ISA MKL_CBWR
 "$PY" - "$MODEL" "$DIR" <<'PY'
 import json, sys

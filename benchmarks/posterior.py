@@ -24,9 +24,13 @@ import torch.nn.functional as F
 from bayesq.config import BayesQConfig, Curvature, PosteriorConfig, replace
 from bayesq.forward import logits
 from bayesq.quantize import fit_posterior
-from flows.common import read_params
-from flows.finetune import load_model, raw_path
-from flows.prepare import calibration_batches
+from flows.settings import apply_defaults
+
+apply_defaults()  # the pipeline's environment, before Prefect / Hugging Face are imported
+
+from flows.common import read_params  # noqa: E402
+from flows.finetune import load_model, raw_path  # noqa: E402
+from flows.prepare import calibration_batches  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """DVC stage `ablate`: BayesQ with one component switched per row, on the embedded models.
 
-    python -m flows.ablate --params params.yaml --raw data/raw --models models --out results-ablations
+    python -m flows ablate --params params.yaml --raw data/raw --models models --out results-ablations
 
 Rows come from ``ablations.rows`` in ``params.yaml`` (``{group: {label: {section.key: value}}}``),
 each the main parameters with its overrides applied (validated on load); a row may also name

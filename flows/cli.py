@@ -21,9 +21,16 @@ from typing import Optional
 import typer
 
 from flows import ROOT
+from flows.settings import apply_defaults
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="BayesQ: posterior-guided post-training quantisation (pipeline, models, reports).")
+
+
+@app.callback()
+def _environment() -> None:
+    # before any command imports Prefect or MLflow (their imports below are lazy)
+    apply_defaults()
 
 
 def _fail(message: str) -> None:
@@ -36,7 +43,7 @@ def run(profile: str = typer.Option("quick", help="params.yaml profile: quick (o
     """Run the whole pipeline (fetch data, then `dvc repro`: finetune -> quantize -> report)."""
     if profile not in ("quick", "full"):
         _fail(f"--profile must be quick or full, got {profile!r}")
-    steps = [[sys.executable, "-m", "flows.fetch", "--out", "data/raw"],
+    steps = [[sys.executable, "-m", "flows", "fetch", "--out", "data/raw"],
              ["dvc", "repro", "report"] if profile == "quick" else
              ["dvc", "exp", "run", "-S", f"profile={profile}", "report"]]
     for cmd in steps:

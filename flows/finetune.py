@@ -1,6 +1,6 @@
 """DVC stage `finetune`: fine-tune every embedded model and record its full-precision accuracy.
 
-    python -m flows.finetune --params params.yaml --raw data/raw --out models
+    python -m flows finetune --params params.yaml --raw data/raw --out models
 
 Writes ``<out>/<model>/model.safetensors`` and ``<out>/<model>/fp.json``.
 """

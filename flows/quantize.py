@@ -1,6 +1,6 @@
 """DVC stage `quantize`: posterior, loss tables, BayesQ and the baselines at every budget, evaluation.
 
-    python -m flows.quantize --params params.yaml --raw data/raw --models models --out results
+    python -m flows quantize --params params.yaml --raw data/raw --models models --out results
 
 Per (model, seed): a cached posterior task (calibration inputs drawn from the training split
 with the seed, labels never used) and a cached loss-table task (also written as Parquet), a
@@ -57,7 +57,7 @@ METHOD_SOURCES = {
     Method.BAYESQ_DISTILL: ("bayesq/distill.py",),
 }
 NOT_IN_ROWS = ("flows/ablate.py", "flows/report.py", "flows/robustness_report.py", "flows/labels.py", "flows/cli.py",
-               "flows/zoo.py")
+               "flows/zoo.py", "flows/settings.py", "flows/__main__.py")
 
 
 def row_excluded(method: Method) -> tuple[str, ...]:

@@ -1,6 +1,6 @@
 """DVC stage `report`: main table, accuracy-bit frontiers and DVC metrics from the results.
 
-    python -m flows.report --results results/results.json --models models --out reports
+    python -m flows report --results results/results.json --models models --out reports
 
 Writes ``main_table.md`` (with every row's KL to the FP model and agreement, and the paired
 comparisons of the BayesQ rows with GPTQ and RTN per-group on the same test examples),
@@ -404,7 +404,7 @@ def results_summary(summary: dict, fp: dict[str, dict], paired: list[dict], timi
     cell = {(r["model"], r["budget"], r["method"], r["baseline"], r["metric"]): r for r in paired}
     seeds = sorted({r["seed"] for r in records})
     lines = ["# Results", "",
-             "Written by the report stage (`python -m flows.report`, run by `make run`) from `results/results.json`: "
+             "Written by the report stage (`python -m flows report`, run by `make run`) from `results/results.json`: "
              "do not edit by hand. Full tables in [`reports/`](../reports/main_table.md); what each method and "
              "number means in [`method.md`](method.md).", "",
              f"Models: {', '.join(summary)}; seeds: {', '.join(map(str, seeds))}; "

@@ -20,7 +20,7 @@ One place decides how a run looks to a person browsing MLflow or Prefect:
   :func:`runs_table_url` links to it (``bayesq ui`` prints it).
 * **Prefect**: flow runs are named by :func:`flow_run_namer` (stage, profile, commit); tasks carry
   ``task_run_name`` templates (model, method, budget, seed). :func:`say` prints a progress line
-  and sends it to the current flow or task run's log, which the Prefect UI shows (``flows/__init__``
+  and sends it to the current flow or task run's log, which the Prefect UI shows (``flows.settings``
   lets INFO through to the API and keeps the console at WARNING, so nothing is printed twice).
 """
 

@@ -1,7 +1,7 @@
 """Zoo flow: recompress every model of a zoo file at each of its budgets, on Prefect's thread
 pool or on a Dask cluster; served on a schedule by ``bayesq zoo serve --cron``.
 
-    python -m flows.zoo --zoo zoo.yaml --params params.yaml --out results-zoo [--dask [ADDRESS]]
+    python -m flows zoo --zoo zoo.yaml --params params.yaml --out results-zoo [--dask [ADDRESS]]
 
 A zoo file lists the models::
 

@@ -13,12 +13,9 @@ _TMP = Path(tempfile.mkdtemp(prefix="bayesq-tests-"))
 os.environ["PREFECT_HOME"] = str(_TMP / "prefect")
 os.environ["PREFECT_LOCAL_STORAGE_PATH"] = str(_TMP / "prefect" / "results")
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_TMP / 'mlflow.db'}"
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("DO_NOT_TRACK", "true")
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+from flows.settings import apply_defaults  # noqa: E402
+
+apply_defaults()  # the pipeline's other settings (offline, quiet), as its entry points set them
 
 
 def _no_cuda() -> bool:

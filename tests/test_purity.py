@@ -1,3 +1,4 @@
+import os
 import re
 import subprocess
 import sys
@@ -113,3 +114,26 @@ def test_repository_refers_to_nothing_outside_it():
     outside = re.compile(r"\.\./shared|DESIGN\.md")
     bad = [p for p in texts if (ROOT / p).exists() and outside.search((ROOT / p).read_text(errors="ignore"))]
     assert not bad, f"these files refer to files outside the repository: {bad}"
+
+
+def test_importing_the_pipeline_sets_no_environment_variable():
+    code = (
+        "import os; before = dict(os.environ);"
+        "import flows, flows.common, flows.quantize, flows.report, flows.zoo, flows.cli, flows.settings;"
+        "added = sorted(set(os.environ) - set(before)); changed = sorted(k for k in before if os.environ.get(k) != before[k]);"
+        "print(added, changed)"
+    )
+    from flows.settings import defaults
+
+    env = {k: v for k, v in os.environ.items() if k not in defaults()}  # as a user's shell would have it
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[] []"
+
+
+def test_apply_defaults_keeps_the_callers_values():
+    from flows.settings import apply_defaults, defaults
+
+    env = {"MLFLOW_TRACKING_URI": "http://team-server:5000"}
+    added = apply_defaults(env, root=Path("/repo"))
+    assert env["MLFLOW_TRACKING_URI"] == "http://team-server:5000" and "MLFLOW_TRACKING_URI" not in added
+    assert env["PREFECT_HOME"] == str(Path("/repo") / ".prefect") and set(env) == set(defaults())
