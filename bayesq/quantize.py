@@ -26,17 +26,17 @@ from bayesq.blocks import (
     unquantized_weights,
 )
 from bayesq.codebook import UniformGrids
+from bayesq.comparison import sequential_choice
 from bayesq.config import (
     AllocationConfig, Allocator, BayesQConfig, CostTerms, Curvature, Objective, PosteriorConfig, Proxy, QuantConfig,
     Rounding, Whitening,
 )
+from bayesq.distill import apply_distilled, distill
 from bayesq.error_feedback import coordinate_descent, damped_metric, error_feedback_groups, feedback_gain
-from bayesq.comparison import sequential_choice
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import Book, LossTable, apply_mc_proxy, posterior_table
 from bayesq.forward import Batch, batch_size, first_inputs, kept_state, model_batches
 from bayesq.posterior import ROWS_IN_PASS, Posterior, fit_posterior as _fit_posterior, input_moments
-from bayesq.distill import apply_distilled, distill
 from bayesq.refit import refit_scales
 from bayesq.result import Allocation, QuantizationResult, QuantizedWeight, quantized_copy
 from bayesq.storage import budget_bits

@@ -110,7 +110,7 @@ def test_fisher_diagonal_restores_model_state():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_fisher_diagonal_leaves_existing_grads_and_forms_no_weight_grad():
+def test_fisher_diagonal_leaves_existing_grads_and_sets_no_other():
     model = _cnn()
     head = model[-1]
     head.weight.grad = torch.full_like(head.weight, 7.0)  # the user's own gradient

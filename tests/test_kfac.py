@@ -234,7 +234,7 @@ def test_kfac_restores_model_state_and_unused_layer_is_zero():
     assert out["0"].A.any() and out["0"].G.any()
 
 
-def test_kfac_leaves_existing_grads_and_forms_no_weight_grad():
+def test_kfac_leaves_existing_grads_and_sets_no_other():
     model = WithUnused().double()
     first = model.net[0]
     first.weight.grad = torch.full_like(first.weight, 7.0)  # the user's own gradient

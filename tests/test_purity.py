@@ -1,3 +1,4 @@
+import ast
 import os
 import re
 import subprocess
@@ -51,8 +52,6 @@ def test_core_dependencies_exclude_the_pipeline_stack_and_cover_library_imports(
 def _project_imports() -> dict[str, set[str]]:
     """Module -> the project modules it imports anywhere in its source (module level or inside a
     function); ``from pkg import sub`` counts the submodule, not the package."""
-    import ast
-
     mods = {}
     for path in list((ROOT / "bayesq").rglob("*.py")) + list((ROOT / "flows").rglob("*.py")):
         name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
