@@ -26,6 +26,10 @@ rounded to its nearest level.)
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
+
 import torch
 
 
@@ -93,6 +97,41 @@ def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
             "H + 0.01 * H.diagonal().mean() * I"
         )
     return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+
+
+_FACTORS: ContextVar[dict | None] = ContextVar("error_feedback_factors", default=None)
+
+
+@contextmanager
+def shared_factors() -> Iterator[None]:
+    """Within it, :func:`error_feedback_groups` and :func:`feedback_gain` factor each metric
+    tensor once per column order (the same ``U``, bit for bit): the table's gains and the
+    rounding of every grid candidate read one factor per layer. The factors are memoised on the
+    tensor object (its in-place version checked) and dropped on exit (of the outermost, when
+    nested)."""
+    if _FACTORS.get() is not None:
+        yield
+        return
+    token = _FACTORS.set({})
+    try:
+        yield
+    finally:
+        _FACTORS.reset(token)
+
+
+def _ordered_factor(H: torch.Tensor, Hg: torch.Tensor, act_order: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm, U): :func:`_solver_order`'s column order of ``Hg`` (H as (groups, d, d) float64)
+    and :func:`_inverse_cholesky` of the permuted metric; memoised on ``H`` inside
+    :func:`shared_factors`."""
+    memo = _FACTORS.get()
+    key = (id(H), H._version, bool(act_order), Hg.device)
+    if memo is not None and key in memo and memo[key][0] is H:
+        return memo[key][1]
+    perm, Hp = _solver_order(Hg, act_order)
+    factor = perm, _inverse_cholesky(Hp)
+    if memo is not None:
+        memo[key] = (H, factor)  # holds H: its id is not reused while the entry lives
+    return factor
 
 
 def _check_metric(W: torch.Tensor, H: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -241,13 +280,13 @@ def error_feedback_groups(
     Hg = _check_metric(W, H, block_size)
     groups, (n_out, d) = Hg.shape[0], W.shape
     scale, zero, maxq = _validate_grid(W, scale, zero, maxq)
-    perm, Hp = _solver_order(Hg, act_order)
+    perm, U = _ordered_factor(H, Hg, act_order)
     rows = perm[:, None, :].expand(groups, n_out // groups, d)  # (G, rows, d) column index per element
 
     def permuted(x: torch.Tensor) -> torch.Tensor:
         return torch.gather(x.reshape(groups, -1, d), 2, rows)
 
-    codes = _round_ordered(permuted(W.to(torch.float64)).clone(), _inverse_cholesky(Hp),
+    codes = _round_ordered(permuted(W.to(torch.float64)).clone(), U,
                            permuted(scale), permuted(zero), permuted(maxq), block_size)
     return torch.empty_like(codes).scatter_(2, rows, codes).reshape(n_out, d)
 
@@ -271,9 +310,10 @@ def feedback_gain(H: torch.Tensor, act_order: bool = False) -> torch.Tensor:
         float64 gains shaped like ``diag H``: (groups, d) or (d,), in the original column order.
     """
     batched = H.dim() == 3
-    perm, Hp = _solver_order((H if batched else H.unsqueeze(0)).double(), act_order)
-    U = _inverse_cholesky(Hp)  # (G, d, d)
-    r_perm = 1.0 / (U.diagonal(dim1=1, dim2=2) ** 2 * Hp.diagonal(dim1=1, dim2=2))  # r_j in solver order
+    Hg = (H if batched else H.unsqueeze(0)).double()
+    perm, U = _ordered_factor(H, Hg, act_order)  # U: (G, d, d)
+    hp = torch.gather(Hg.diagonal(dim1=1, dim2=2), 1, perm)  # diag of the permuted metric
+    r_perm = 1.0 / (U.diagonal(dim1=1, dim2=2) ** 2 * hp)  # r_j in solver order
     out = torch.empty_like(r_perm).scatter_(1, perm, r_perm)
     return out if batched else out[0]
 

@@ -7,6 +7,7 @@ zero-points, or look-up tables), never from the float weights.
 from __future__ import annotations
 
 import fnmatch
+import math
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
@@ -32,7 +33,9 @@ from bayesq.config import (
     Rounding, Whitening,
 )
 from bayesq.distill import apply_distilled, distill
-from bayesq.error_feedback import coordinate_descent, damped_metric, error_feedback_groups, feedback_gain
+from bayesq.error_feedback import (
+    coordinate_descent, damped_metric, error_feedback_groups, feedback_gain, shared_factors,
+)
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import Book, LossTable, apply_mc_proxy, posterior_table
 from bayesq.forward import Batch, batch_size, first_inputs, kept_state, model_batches
@@ -423,14 +426,24 @@ SELECTION_FIRST_LOOK = 0.25  # share of the scored inputs in the selection's fir
 SELECTION_LOOK_MIN = 256  # ... and at least this many, else one look on every input
 
 
+def first_look_inputs(n: int, batch: int = 1) -> int:
+    """Inputs in the first look of a selection over ``n`` inputs in batches of ``batch`` (the
+    last may be shorter): ``max(SELECTION_LOOK_MIN, SELECTION_FIRST_LOOK * n)`` rounded up to
+    whole batches, or all ``n`` (one look) when that is more than half. Batches meant for a
+    selection should draw these inputs at random from the ``n`` (padding order only inside each
+    look), so that the early stop sees a sample of all of them."""
+    need = max(SELECTION_LOOK_MIN, SELECTION_FIRST_LOOK * n)
+    return n if 2 * need > n else min(n, math.ceil(need / batch) * batch)
+
+
 def selection_looks(batches: Sequence[Batch]) -> int:
     """Batches in the first look of :func:`bayesq.comparison.sequential_choice` over ``batches``:
     the fewest that hold ``max(SELECTION_LOOK_MIN, SELECTION_FIRST_LOOK * N)`` of the N inputs;
-    all of them (one look) when that is more than half."""
+    all of them (one look) when that is more than half (:func:`first_look_inputs`)."""
     sizes = [batch_size(b) for b in batches]
-    need = max(SELECTION_LOOK_MIN, SELECTION_FIRST_LOOK * sum(sizes))
-    if 2 * need > sum(sizes):
+    if first_look_inputs(sum(sizes)) == sum(sizes):
         return len(sizes)
+    need = max(SELECTION_LOOK_MIN, SELECTION_FIRST_LOOK * sum(sizes))
     return int(np.searchsorted(np.cumsum(sizes), need)) + 1
 
 
@@ -462,6 +475,13 @@ def encode_best(
     other candidates' tables by name (:func:`candidate_tables`; they do not depend on the
     budget, so a caller encoding several budgets builds them once); those absent are built here.
     """
+    with shared_factors():  # the other candidates' gains and every rounding: one factor per layer
+        return _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calibration, column_metric,
+                            correction, progress, stats, selection, reference, tables)
+
+
+def _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calibration, column_metric, correction,
+                 progress, stats, selection, reference, tables) -> Encoding:
     layers = {t.blocks.name: model.get_submodule(t.blocks.name) for t in table.layers}
     weights = {n: m.weight for n, m in layers.items()}
     selection = list(selection) if selection is not None else None
@@ -651,11 +671,12 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
         stats = _input_stats(posterior, model, calibration, progress) if needs_input_stats(posterior, q) else None
     metric = ef_column_metric(posterior, q, model, calibration, progress=progress, stats=stats)
     correction = bias_correction(model, stats, calibration) if q.bias_correction else None
-    table = build_table(posterior, blocks, q, seed=config.seed, model=model, calibration=calibration,
-                        progress=progress, column_metric=metric)
-    enc = encode_best(model, posterior, table, q, config.budget, config.allocation, seed=config.seed,
-                      calibration=calibration, column_metric=metric, correction=correction, progress=progress,
-                      selection=selection)
+    with shared_factors():  # the table's gains and each candidate's rounding: one factor per layer
+        table = build_table(posterior, blocks, q, seed=config.seed, model=model, calibration=calibration,
+                            progress=progress, column_metric=metric)
+        enc = encode_best(model, posterior, table, q, config.budget, config.allocation, seed=config.seed,
+                          calibration=calibration, column_metric=metric, correction=correction, progress=progress,
+                          selection=selection)
     weights, allocation, table = enc.weights, enc.allocation, enc.table
     qmodel = quantized_copy(model, weights, correction)
     if config.distill.applies(config.budget):

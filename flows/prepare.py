@@ -14,6 +14,9 @@ from pathlib import Path
 from prefect import task
 
 from bayesq.config import Curvature, Method, Objective, Prior, Rounding, replace
+from bayesq.forward import by_length
+from bayesq.models.zoo import _take
+from bayesq.quantize import first_look_inputs
 from flows.common import CACHE, code_version, digest
 from flows.finetune import load_model
 from flows.timings import plain_call
@@ -67,8 +70,6 @@ def calibration_batches(entry, splits, data, calibration, seed: int):
     every pass would compute), the batches then in a seeded random order (K-FAC's running
     average and the distillation read them in order). Images keep the order of ``indices``."""
     from bayesq.data.sentiment import seeded_permutation
-    from bayesq.forward import by_length
-    from bayesq.models.zoo import _take
 
     idx = calibration_indices(entry, splits, calibration, seed)
     inputs = _take(splits.train_inputs, idx)
@@ -87,15 +88,17 @@ def selection_batches(entry, splits, data, calibration, seed: int):
     when the pool runs out); None scores on the calibration inputs themselves."""
     from bayesq.config import SelectionInputs
     from bayesq.data.calibration import sample_selection_indices
-    from bayesq.models.zoo import _take
 
     if SelectionInputs(calibration.selection) != SelectionInputs.HELD_OUT:
         return None
     n_total = len(splits.train_labels)
     n_cal, n_sel = _sizes(entry, calibration, n_total)
     inputs = _take(splits.train_inputs, sample_selection_indices(n_total, n_cal, seed, n_sel))
-    inputs = _take(inputs, entry.padding_order(inputs))  # scored input by input: the order is free
-    return list(entry.batches(inputs, calibration.batch_size, data))
+    batches = list(entry.batches(inputs, calibration.batch_size, data))
+    # the first look (bayesq.quantize.selection_looks) is the draw's first inputs, a random sample;
+    # inside each look the sentences are regrouped by length (scored input by input, the order is free)
+    first = -(-first_look_inputs(len(inputs), calibration.batch_size) // calibration.batch_size)
+    return by_length(batches[:first]) + by_length(batches[first:])
 
 
 @task(cache_policy=CACHE, persist_result=True, task_run_name="posterior {name} s{seed} {tag}")

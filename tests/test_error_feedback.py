@@ -3,7 +3,10 @@ import torch
 
 import itertools
 
-from bayesq.error_feedback import coordinate_descent, error_feedback_groups, error_feedback_round, feedback_gain
+import bayesq.error_feedback as ef
+from bayesq.error_feedback import (
+    coordinate_descent, error_feedback_groups, error_feedback_round, feedback_gain, shared_factors,
+)
 
 
 def _correlated_H(d, gen, n=None, damp=1e-3):
@@ -213,6 +216,34 @@ def test_feedback_gain_vs_schur_complement(act_order):
             torch.testing.assert_close(got[g, j], schur / H[g, j, j], rtol=1e-10, atol=0)
     torch.testing.assert_close(feedback_gain(H[0], act_order=act_order), got[0], rtol=0, atol=0)
     assert float(got.max()) <= 1 + 1e-12 and float(got.min()) > 0
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_shared_factors_factor_each_metric_once_with_the_same_results(monkeypatch, act_order):
+    """Inside shared_factors the gains and two roundings of one metric factor it once, and give
+    the same numbers bit for bit; an in-place change of the metric, another order or leaving the
+    scope factors again."""
+    W, H, scale, zero, maxq = _problem(11, 6, 9, 3)
+    plain = (feedback_gain(H, act_order=act_order), error_feedback_groups(W, H, scale, zero, maxq, act_order=act_order))
+    calls = []
+    real = ef._inverse_cholesky
+    monkeypatch.setattr(ef, "_inverse_cholesky", lambda M: calls.append(1) or real(M))
+    with shared_factors():
+        with shared_factors():  # nested: the outer memo serves
+            gain = feedback_gain(H, act_order=act_order)
+        codes = [error_feedback_groups(W, H, scale, zero, maxq, act_order=act_order) for _ in range(2)]
+        assert len(calls) == 1
+        feedback_gain(H, act_order=not act_order)
+        assert len(calls) == 2
+        H.mul_(2.0)  # in place: a new version, a new factor
+        torch.testing.assert_close(feedback_gain(H, act_order=act_order), gain, rtol=1e-12, atol=0)
+        assert len(calls) == 3
+    torch.testing.assert_close(gain, plain[0], rtol=0, atol=0)
+    for c in codes:
+        assert torch.equal(c, plain[1])
+    feedback_gain(H, act_order=act_order)
+    feedback_gain(H, act_order=act_order)
+    assert len(calls) == 5  # outside the scope: nothing memoised
 
 
 def test_feedback_gain_predicts_error_feedback_cost_vs_simulation():

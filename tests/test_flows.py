@@ -654,30 +654,12 @@ def test_table_task_reading_stats_file_vs_own_statistics_pass(tmp_path, tiny_ent
         table_task.fn(*head, str(tmp_path / "t3"), "c", stats_file=stats["path"], stats_sha256="x")
 
 
-def test_selection_batches_of_sentences_in_padding_order():
-    from bayesq.config import CalibrationConfig
-    from bayesq.models.zoo import MiniLMSentiment, Splits
+def _token_entry():
+    """MiniLMSentiment whose "sentence" ``"i:xxx"`` of n characters is n tokens: input_ids [i, ..., i],
+    right-padded with 0 (no tokenizer)."""
+    from bayesq.models.zoo import MiniLMSentiment
 
-    class Words(MiniLMSentiment):  # batches of sentences without a tokenizer: the lists themselves
-        def batches(self, inputs, batch_size, data):
-            return [list(inputs[i:i + batch_size]) for i in range(0, len(inputs), batch_size)]
-
-    from flows.prepare import selection_batches
-
-    g = torch.Generator().manual_seed(0)
-    train = ["x" * int(n) for n in torch.randint(1, 60, (200,), generator=g)]
-    splits = Splits(train, torch.zeros(200, dtype=torch.int64), train[:4], torch.zeros(4, dtype=torch.int64))
-    cal = CalibrationConfig(sentences=50, batch_size=8, selection_sentences=100)
-    got = [s for b in selection_batches(Words(), splits, DataConfig(), cal, 17) for s in b]
-    assert len(got) == 100 and [len(s) for s in got] == sorted(len(s) for s in got)
-
-
-def test_calibration_batches_of_sentences_grouped_by_length_images_in_draw_order(tiny_entry):
-    from bayesq.config import CalibrationConfig
-    from bayesq.models.zoo import MiniLMSentiment, Splits, get_entry
-    from flows.prepare import calibration_batches, calibration_indices
-
-    class Tokens(MiniLMSentiment):  # "sentence" i of n tokens: input_ids [i, ..., i], right-padded with 0
+    class Tokens(MiniLMSentiment):
         def batches(self, inputs, batch_size, data):
             out = []
             for k in range(0, len(inputs), batch_size):
@@ -687,6 +669,42 @@ def test_calibration_batches_of_sentences_grouped_by_length_images_in_draw_order
                 ids = torch.tensor([int(s.split(":")[0]) for s in part])[:, None] * mask
                 out.append({"input_ids": ids, "attention_mask": mask})
             return out
+
+    return Tokens()
+
+
+def test_selection_batches_first_look_a_random_draw_each_look_by_length():
+    """The first look's inputs are the draw's first ones (not the shortest sentences), each look
+    regrouped by token length, every input once."""
+    from bayesq.config import CalibrationConfig
+    from bayesq.data.calibration import sample_selection_indices
+    from bayesq.models.zoo import Splits
+    from bayesq.quantize import selection_looks
+    from flows.prepare import selection_batches
+
+    g = torch.Generator().manual_seed(0)
+    train = [f"{i}:" + "x" * int(n) for i, n in enumerate(torch.randint(1, 60, (900,), generator=g))]
+    splits = Splits(train, torch.zeros(900, dtype=torch.int64), train[:4], torch.zeros(4, dtype=torch.int64))
+    cal = CalibrationConfig(sentences=50, batch_size=32, selection_sentences=600)
+    batches = selection_batches(_token_entry(), splits, DataConfig(), cal, 17)
+    first = selection_looks(batches)
+    assert first == 8  # max(256, 600 / 4) inputs in whole batches of 32
+    drawn = sample_selection_indices(900, 50, 17, 600).tolist()
+    ids = [[int(i) for i in b["input_ids"][:, 0]] for b in batches]
+    assert sorted(i for b in ids[:first] for i in b) == sorted(drawn[:256])
+    assert sorted(i for b in ids for i in b) == sorted(drawn)
+    for look in (batches[:first], batches[first:]):
+        lengths = [n for b in look for n in b["attention_mask"].sum(1).tolist()]
+        assert lengths == sorted(lengths)
+    assert max(len(train[i]) for i in drawn[:256]) > 55  # the first look holds long sentences too
+
+
+def test_calibration_batches_of_sentences_grouped_by_length_images_in_draw_order(tiny_entry):
+    from bayesq.config import CalibrationConfig
+    from bayesq.models.zoo import Splits, get_entry
+    from flows.prepare import calibration_batches, calibration_indices
+
+    Tokens = type(_token_entry())
 
     g = torch.Generator().manual_seed(1)
     train = [f"{i}:" + "x" * int(n) for i, n in enumerate(torch.randint(1, 60, (200,), generator=g))]
