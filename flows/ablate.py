@@ -20,18 +20,31 @@ from pathlib import Path
 from prefect import flow
 
 from bayesq.config import Method, ablation_params
+from bayesq.models.zoo import get_entry
 from bayesq.quantize import loss_reduction_curve
 from flows.common import code_version, digest, parser, read_params, write_json
 from flows.finetune import raw_path
 from flows.prepare import (
-    config_tag, fit_inputs, posterior_task, prep_code, reference_task, shared_cost, stats_task, table_task,
+    config_tag,
+    fit_inputs,
+    posterior_task,
+    prep_code,
+    reference_task,
+    shared_cost,
+    stats_task,
+    table_task,
 )
 from flows.quantize import quantize_eval_task
 from flows.robustness import fp_eval_task
 from flows.tracking import (
-    flow_run_namer, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say, write_run_file,
+    flow_run_namer,
+    log_row_artifacts,
+    mlflow_child,
+    mlflow_parent,
+    row_params,
+    say,
+    write_run_file,
 )
-
 
 ROW_METHODS = (Method.BAYESQ, Method.BAYESQ_DISTILL)  # what a row's optional ``method`` key may name
 
@@ -62,7 +75,6 @@ def ablation_rows(params) -> list[tuple[str, str, dict, object]]:
 
 @flow(name="bayesq-ablate", flow_run_name=flow_run_namer("ablate"))
 def ablate_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list[dict]:
-    from bayesq.models.zoo import get_entry
 
     params = read_params(params_path)
     rows = ablation_rows(params)

@@ -16,13 +16,13 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from bayesq.config import Params, load_params
 from flows import ROOT
+from flows.locks import locked as with_locks
 
 
 def locked(policy):
     """``policy`` with serialisable isolation: the run computing a cache key holds a lock file on
     it (:mod:`flows.locks`; stale when its process died), so a concurrent run sharing the result
     store waits and then reads the result instead of computing it again or reading half of it."""
-    from flows.locks import locked as with_locks
 
     return with_locks(policy, Path(os.environ.get("PREFECT_LOCAL_STORAGE_PATH", ROOT / ".prefect" / "results")) / "locks")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from prefect import flow, task
 
+from bayesq.models.zoo import evaluate, get_entry
 from flows.common import CACHE, code_version, digest, parser, read_params, write_json
 
 
@@ -35,7 +36,6 @@ def finetune_one(name: str, raw: str, raw_digest: str, data, cfg, out: str, code
     """Fine-tune one model, save it, evaluate it in full precision; returns its FP metrics."""
     from safetensors.torch import save_model
 
-    from bayesq.models.zoo import evaluate, get_entry
 
     entry = get_entry(name)
     splits = entry.load_splits(data, Path(raw))
@@ -55,7 +55,6 @@ def finetune_one(name: str, raw: str, raw_digest: str, data, cfg, out: str, code
 
 @flow(name="bayesq-finetune")
 def finetune_flow(params_path: Path, raw: Path, out: Path) -> list[dict]:
-    from bayesq.models.zoo import get_entry
 
     params = read_params(params_path)
     for name in params.finetune.frozen_backbone:

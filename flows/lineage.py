@@ -23,7 +23,9 @@ from typing import Any
 
 import yaml
 
+from bayesq.tensorfile import file_sha256
 from flows import ROOT
+from flows.common import digest
 
 # params sections that shape a quantised model (stored in every export)
 EXPORT_SECTIONS = ("data", "calibration", "posterior", "quant", "allocation", "distill", "baselines")
@@ -75,7 +77,6 @@ def dvc_lock_tags(lock: Path = ROOT / "dvc.lock") -> dict[str, str]:
 
 def run_tags(params_path: Path | None = None) -> dict[str, str]:
     """Tags of one flow invocation (MLflow parent run)."""
-    from flows.common import digest
 
     tags = {"git_commit": git_commit(), "git_dirty": str(git_dirty()).lower(), **dvc_lock_tags()}
     if params_path is not None and Path(params_path).is_file():
@@ -107,7 +108,6 @@ def input_lineage(model_file: str, raw: str, raw_digest: str, posterior_file: st
     process's torch intra-op threads (float reductions, hence the bytes, follow their number)."""
     import torch
 
-    from bayesq.tensorfile import file_sha256
 
     meta = {"checkpoint": _rel(model_file), "checkpoint_sha256": file_sha256(model_file), "dataset": _rel(raw),
             "dataset_digest": raw_digest, "posterior": "none (this method fits no posterior)",

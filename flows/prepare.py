@@ -13,10 +13,29 @@ from pathlib import Path
 
 from prefect import task
 
-from bayesq.config import Curvature, Method, Objective, Prior, Rounding, replace
+from bayesq.baselines.activations import InputStats, input_stats
+from bayesq.baselines.hawq import hessian_traces
+from bayesq.blocks import layer_blocks, quantizable_layers
+from bayesq.config import (
+    BayesQConfig,
+    CalibrationConfig,
+    Curvature,
+    Method,
+    Objective,
+    Prior,
+    Rounding,
+    SelectionInputs,
+    replace,
+)
+from bayesq.curvature.kfac import KFACFactors
+from bayesq.data.calibration import sample_calibration_indices, sample_selection_indices
+from bayesq.data.sentiment import seeded_permutation
+from bayesq.evaluation import reference_log_probs
 from bayesq.forward import by_length
-from bayesq.models.zoo import _take
-from bayesq.quantize import first_look_inputs
+from bayesq.models.zoo import _take, get_entry
+from bayesq.posterior import Posterior, fit_diagonal_posterior
+from bayesq.quantize import build_table, candidate_tables, ef_column_metric, first_look_inputs, fit_posterior
+from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import CACHE, code_version, digest
 from flows.finetune import load_model
 from flows.timings import plain_call
@@ -48,7 +67,6 @@ def fit_inputs(calibration):
     """``calibration`` as the fitting tasks (posterior, tables, statistics, traces) see it: the
     settings of the selection draw, which they never read, at their defaults, so a run that only
     changes how choices are scored reuses their cached results."""
-    from bayesq.config import CalibrationConfig
 
     d = CalibrationConfig()
     return replace(calibration, selection=d.selection, selection_images=d.selection_images,
@@ -57,7 +75,6 @@ def fit_inputs(calibration):
 
 def calibration_indices(entry, splits, calibration, seed: int):
     """(n_cal,) int64 indices into the training split of the seed's calibration inputs."""
-    from bayesq.data.calibration import sample_calibration_indices
 
     n_total = len(splits.train_labels)
     return sample_calibration_indices(n_total, _sizes(entry, calibration, n_total)[0], seed)
@@ -69,7 +86,6 @@ def calibration_batches(entry, splits, data, calibration, seed: int):
     (:func:`bayesq.forward.by_length`: a random draw in batches of 32 is about half padding, which
     every pass would compute), the batches then in a seeded random order (K-FAC's running
     average and the distillation read them in order). Images keep the order of ``indices``."""
-    from bayesq.data.sentiment import seeded_permutation
 
     idx = calibration_indices(entry, splits, calibration, seed)
     inputs = _take(splits.train_inputs, idx)
@@ -86,8 +102,6 @@ def selection_batches(entry, splits, data, calibration, seed: int):
     draw of ``calibration.selection_images`` / ``selection_sentences`` training inputs, disjoint
     from the calibration draw (:func:`bayesq.data.calibration.sample_selection_indices`; fewer
     when the pool runs out); None scores on the calibration inputs themselves."""
-    from bayesq.config import SelectionInputs
-    from bayesq.data.calibration import sample_selection_indices
 
     if SelectionInputs(calibration.selection) != SelectionInputs.HELD_OUT:
         return None
@@ -110,9 +124,6 @@ def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_
     calibration indices (which inputs were used); it is written byte-deterministically, so
     ``sha256`` (returned) identifies the posterior across runs.
     """
-    from bayesq.config import BayesQConfig
-    from bayesq.models.zoo import get_entry
-    from bayesq.quantize import fit_posterior
 
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))
@@ -134,9 +145,6 @@ def reprior_task(name: str, model_file: str, model_digest: str, base_file: str, 
     no calibration pass (``seconds`` counts only the refit)."""
     from safetensors import safe_open
 
-    from bayesq.blocks import quantizable_layers
-    from bayesq.models.zoo import get_entry
-    from bayesq.posterior import fit_diagonal_posterior
 
     model = load_model(get_entry(name), Path(model_file))
     layers = quantizable_layers(model)
@@ -161,7 +169,6 @@ def _saved_posterior(post, idx, posterior, seed: int, path: Path, seconds: float
     the record :func:`posterior_task` returns."""
     import torch
 
-    from bayesq.tensorfile import file_sha256, save_tensors
 
     tensors = {f"variance/{k}": v.float().contiguous() for k, v in post.variance.items()}
     tensors.update({f"curvature/{k}": v.float().contiguous() for k, v in post.curvature.items()})
@@ -189,9 +196,6 @@ def load_posterior(model, path: Path):
     """The :class:`bayesq.posterior.Posterior` saved by ``posterior_task`` (means from ``model``)."""
     from safetensors import safe_open
 
-    from bayesq.blocks import quantizable_layers
-    from bayesq.curvature.kfac import KFACFactors
-    from bayesq.posterior import Posterior
 
     layers = quantizable_layers(model)
     with safe_open(str(path), "pt") as f:
@@ -216,10 +220,6 @@ def stats_task(name: str, model_file: str, model_digest: str, raw: str, raw_dige
     ``<out>/<model>_s<seed>.safetensors``: one pass read by every row that needs them (GPTQ and
     AWQ; BayesQ's error-feedback metric and bias correction), instead of one pass per row.
     Returns ``{"path", "sha256", "seconds"}``."""
-    from bayesq.baselines.activations import input_stats
-    from bayesq.blocks import quantizable_layers
-    from bayesq.models.zoo import get_entry
-    from bayesq.tensorfile import file_sha256, save_tensors
 
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))
@@ -245,9 +245,6 @@ def reference_task(name: str, model_file: str, model_digest: str, raw: str, raw_
     pass read by every row that scores a selection on the draw (BayesQ's grids, GPTQ's and AWQ's
     variants) instead of one per row. Returns ``{"path", "sha256", "seconds"}``, or ``{}`` when
     selections are scored on the calibration inputs (``calibration.selection: calibration``)."""
-    from bayesq.evaluation import reference_log_probs
-    from bayesq.models.zoo import get_entry
-    from bayesq.tensorfile import file_sha256, save_tensors
 
     entry = get_entry(name)
     batches = selection_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
@@ -284,7 +281,6 @@ def load_stats(path: Path) -> dict:
     """The layer name -> :class:`bayesq.baselines.activations.InputStats` saved by ``stats_task``."""
     from safetensors import safe_open
 
-    from bayesq.baselines.activations import InputStats
 
     with safe_open(str(path), "pt") as f:
         n = int(f.metadata()["n"])
@@ -305,9 +301,6 @@ def table_task(name: str, model_file: str, model_digest: str, posterior_file: st
     metric is read from it (the rows count that pass) instead of a statistics pass here."""
     import pandas as pd
 
-    from bayesq.blocks import layer_blocks, quantizable_layers
-    from bayesq.models.zoo import get_entry
-    from bayesq.quantize import build_table, candidate_tables, ef_column_metric
 
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))
@@ -340,9 +333,6 @@ def layer_table_task(name: str, model_file: str, model_digest: str, posterior_fi
     layers of a model can be built in parallel; only for tables that read no calibration data
     (``not quant.needs_data``: the Monte Carlo proxies pick layers across the whole table, and
     the error-feedback gains and PCA metric read the calibration inputs)."""
-    from bayesq.blocks import layer_blocks
-    from bayesq.models.zoo import get_entry
-    from bayesq.quantize import build_table
 
     if quant.needs_data:
         raise ValueError(f"quant.whitening = '{quant.whitening.value}' / quant.proxy = '{quant.proxy.value}' / "
@@ -365,8 +355,6 @@ def config_tag(*configs) -> str:
 def hawq_traces_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
                      data, calibration, probes: int, seed: int, code: str) -> dict:
     """HAWQ's per-layer Hutchinson Hessian traces on the seed's calibration set (timed)."""
-    from bayesq.baselines.hawq import hessian_traces
-    from bayesq.models.zoo import get_entry
 
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))

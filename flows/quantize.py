@@ -26,18 +26,49 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from bayesq.config import Granularity, Method
+from bayesq.baselines.aciq import aciq_quantize
+from bayesq.baselines.activations import input_stats
+from bayesq.baselines.awq import awq_quantize, awq_select
+from bayesq.baselines.gptq import gptq_quantize, gptq_select
+from bayesq.baselines.hawq import hawq_quantize
+from bayesq.baselines.rtn import rtn_quantize
+from bayesq.baselines.select import encoding_config
+from bayesq.blocks import quantizable_layers
+from bayesq.config import Granularity, Method, RobustnessConfig
+from bayesq.distill import apply_distilled, distill as run_distill
+from bayesq.evaluation import predict
+from bayesq.export import load as load_export, save_export
+from bayesq.models.zoo import _take, get_entry
+from bayesq.quantize import allocate, encode_best, needs_input_stats
+from bayesq.result import quantized_copy
+from bayesq.tensorfile import file_sha256
 from flows.common import code_version, digest, locked, parser, read_params, write_json
 from flows.finetune import load_model, raw_path
-from flows.lineage import artifact_tags, export_lineage
+from flows.lineage import artifact_tags, export_lineage, input_lineage
 from flows.prepare import (
-    calibration_batches, load_posterior, load_reference, load_stats, method_settings, prep_code, prepare,
-    reference_task, selection_batches, shared_cost,
+    calibration_batches,
+    calibration_indices,
+    load_posterior,
+    load_reference,
+    load_stats,
+    method_settings,
+    prep_code,
+    prepare,
+    reference_task,
+    selection_batches,
+    shared_cost,
 )
-from flows.robustness import fp_eval_task, mean_corruption_error, tracked_metrics
+from flows.robustness import evaluate_model, fp_eval_task, mean_corruption_error, tracked_metrics
 from flows.timings import TaskClock
 from flows.tracking import (
-    child_run_name, flow_run_namer, log_files, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say,
+    child_run_name,
+    flow_run_namer,
+    log_files,
+    log_row_artifacts,
+    mlflow_child,
+    mlflow_parent,
+    row_params,
+    say,
     write_run_file,
 )
 
@@ -88,13 +119,6 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
     over: fewer for a candidate dropped after the first look). Without ``select`` they
     name the ``mixed`` rule; other baselines add no fields.
     """
-    from bayesq.baselines.activations import input_stats
-    from bayesq.baselines.aciq import aciq_quantize
-    from bayesq.baselines.awq import awq_quantize, awq_select
-    from bayesq.baselines.gptq import gptq_quantize, gptq_select
-    from bayesq.baselines.hawq import hawq_quantize
-    from bayesq.baselines.rtn import rtn_quantize
-    from bayesq.blocks import quantizable_layers
 
     if method in _RTN:
         return rtn_quantize(model, _RTN[method], budget, quant), {}
@@ -136,7 +160,6 @@ def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: 
     ``stats_file`` when given, else computed from the batches; ``reference_file``: the FP
     log-probabilities on ``selection``, computed here when None; ``tables``: the other grid
     candidates' tables, built here when None)."""
-    from bayesq.quantize import encode_best, needs_input_stats
 
     post = load_posterior(model, Path(posterior_file)) if posterior_file else None
     stats = load_stats(Path(stats_file)) if stats_file and needs_input_stats(post, quant) else None
@@ -150,7 +173,6 @@ def save_encoding(path: Path, enc, read: dict) -> dict:
     ``reference_read``, ``seconds``) to ``path`` (torch pickle); ``{"encoding_file", "encoding_sha256"}``."""
     import torch
 
-    from bayesq.tensorfile import file_sha256
 
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"encoding": enc, "read": read}, path)
@@ -177,7 +199,6 @@ def bayesq_unit_bits(prep: dict, params, budget: float, seed: int) -> dict | Non
     cached table, or None when that row is not run; GPTQ's selection tries it as a variant.
     Used when GPTQ runs before the ``bayesq`` row (``methods`` order); otherwise GPTQ gets the
     allocation the row kept (its grid selection may keep the min/max grids' allocation)."""
-    from bayesq.quantize import allocate
 
     if Method.BAYESQ not in prep:
         return None
@@ -189,8 +210,6 @@ def _logit_diff(entry, qmodel, loaded, splits, data) -> float:
     """Largest |logit difference| between the in-memory and the loaded model on the first test batch."""
     import torch
 
-    from bayesq.evaluation import predict
-    from bayesq.models.zoo import _take
 
     batch = entry.batches(_take(splits.test_inputs, torch.arange(min(64, len(splits.test_labels)))), 64, data)
     with torch.no_grad():
@@ -243,14 +262,6 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     :func:`flows.lineage.export_lineage`; not part of the cache key, so a cache hit keeps the
     file and the lineage of the run that wrote it) and the inputs (:func:`flows.lineage.input_lineage`).
     """
-    from bayesq.baselines.select import encoding_config
-    from bayesq.config import RobustnessConfig
-    from bayesq.export import load as load_export, save_export
-    from bayesq.models.zoo import get_entry
-    from bayesq.result import quantized_copy
-    from flows.lineage import input_lineage
-    from flows.prepare import calibration_indices
-    from flows.robustness import evaluate_model
 
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))
@@ -282,7 +293,6 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
             extra |= {"bias_corrected": len(enc.correction.targets), "bias_skipped": dict(enc.correction.skipped)}
         qmodel = quantized_copy(model, qweights, enc.correction)
         if Method(method) == Method.BAYESQ_DISTILL and distill.applies(budget):
-            from bayesq.distill import apply_distilled, distill as run_distill
 
             res = run_distill(model, qweights, post, batches, distill, scale_bits=quant.scale_bits,
                               lut_bits=quant.lut_bits, seed=seed)
@@ -333,7 +343,6 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
 
 @flow(name="bayesq-quantize", flow_run_name=flow_run_namer("quantize"))
 def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list[dict]:
-    from bayesq.models.zoo import get_entry
 
     params = read_params(params_path)
     code = code_version()

@@ -17,6 +17,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from bayesq.comparison import RESAMPLES, SEED, paired_differences
 from flows.common import read_json, write_json
 from flows.labels import METHOD_LABEL, layer_kind
 from flows.robustness_report import robustness_report
@@ -259,7 +260,6 @@ def paired_comparisons(records: list[dict], results_dir: Path, resamples: int | 
     """
     import torch
 
-    from bayesq.comparison import RESAMPLES, SEED, paired_differences
 
     examples: dict = defaultdict(dict)  # (model, budget, method) -> {seed: arrays}
     missing = []
@@ -303,7 +303,6 @@ def _ci(row: dict, fmt: str) -> str:
 
 def paired_table(rows: list[dict], notes: list[str]) -> str:
     """Markdown: the paired comparisons, one line per (model, budget, method, baseline)."""
-    from bayesq.comparison import RESAMPLES, SEED
 
     lines = ["## Paired comparisons on the same test examples", "",
              "Δ = method − baseline, both scored on the same test examples. Accuracy in points "
@@ -502,7 +501,6 @@ def ablation_deltas(records: list[dict], base: tuple[str, str], budget: float, r
     Rows or bases without a per-example file are left out."""
     import torch
 
-    from bayesq.comparison import RESAMPLES, SEED, paired_differences
 
     files = {(r["model"], r["group"], r["row"]): example_file(r, Path("."))
              for r in records if r["budget"] == budget}

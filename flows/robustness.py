@@ -16,7 +16,15 @@ from pathlib import Path
 
 from prefect import task
 
+from bayesq.comparison import agreement_per_example, correct_per_example, fidelity_summary, kl_per_example
+from bayesq.corruptions import corrupt, corruption_errors_to_mce
+from bayesq.data.sentiment import binary_labels, load_vader_domain, seeded_permutation
+from bayesq.evaluation import predict, prediction_summary
+from bayesq.metrics import calibration_error, topk_accuracy
+from bayesq.models.zoo import _take, get_entry
+from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import CACHE
+from flows.finetune import load_model
 
 CORRUPTION_SEED = 0  # every model sees the same corrupted images
 EXAMPLES = "examples"  # per-example files under the results folder
@@ -24,7 +32,6 @@ DOMAIN_SEED = 0
 
 
 def _accuracy_ece(logit, labels, rob) -> dict:
-    from bayesq.metrics import calibration_error, topk_accuracy
 
     p = logit.double().softmax(-1)
     return {"accuracy": topk_accuracy(p, labels), "ece": calibration_error(p, labels, rob.ece_bins)["ece"]}
@@ -34,7 +41,6 @@ def domain_split(raw: Path, domain: str, n: int):
     """First ``n`` labelled sentences of ``domain`` (seeded order), sorted by length for batching."""
     import torch
 
-    from bayesq.data.sentiment import binary_labels, load_vader_domain, seeded_permutation
 
     sentences, labels = binary_labels(load_vader_domain(Path(raw), domain))
     idx = seeded_permutation(len(sentences), DOMAIN_SEED)[:n].tolist()
@@ -45,8 +51,6 @@ def domain_split(raw: Path, domain: str, n: int):
 def ood_eval(entry, model, splits, data, raw: Path, rob) -> dict:
     """Accuracy and ECE under shift: ``{"corruptions": {name: {severity: {...}}}, "clean": {...}}``
     for image entries, ``{"domains": {domain: {...}}}`` for text entries."""
-    from bayesq.corruptions import corrupt
-    from bayesq.evaluation import predict
 
     if entry.task == "image":
         images = splits.test_inputs[: rob.corruption_examples]
@@ -74,7 +78,6 @@ def fp_logits_file(examples: Path, model: str) -> Path:
 
 def save_fp_logits(path: Path, logit, labels, model: str) -> str:
     """Write ``logits`` ((N, C) float32) and ``labels`` ((N,) int64) to ``path``; their sha256."""
-    from bayesq.tensorfile import file_sha256, save_tensors
 
     save_tensors(path, {"logits": logit.float().contiguous(), "labels": labels.long().contiguous()},
                  {"model": model})
@@ -98,8 +101,6 @@ def example_scores(logit, labels, fp_file: Path, examples: Path, model: str) -> 
     """
     import torch
 
-    from bayesq.comparison import agreement_per_example, correct_per_example, fidelity_summary, kl_per_example
-    from bayesq.tensorfile import file_sha256, save_tensors
 
     if not Path(fp_file).exists():
         print(f"[evaluate] no FP logits at {fp_file}: no KL / agreement for {Path(examples).stem}", flush=True)
@@ -134,7 +135,6 @@ def evaluate_model(entry, model, splits, data, raw: Path, rob, ood: bool, seed: 
 
 def _evaluate(entry, model, splits, data, raw: Path, rob, ood: bool, seed: int):
     """(:func:`evaluate_model`'s summary, (N, C) float32 test logits)."""
-    from bayesq.evaluation import prediction_summary
 
     logit = _predict_in_padding_order(entry, model, splits.test_inputs, data)
     summary = prediction_summary(logit, splits.test_labels, rob.ece_bins, rob.random_bin_repeats, seed)
@@ -146,8 +146,6 @@ def _predict_in_padding_order(entry, model, inputs, data, batch_size: int = 64):
     (sentences by length: less padding per batch; padding is masked, so each row is as in any order)."""
     import torch
 
-    from bayesq.evaluation import predict
-    from bayesq.models.zoo import _take
 
     if entry.lengths(inputs) is None:  # inputs of one shape: nothing to gain
         return predict(model, entry.batches(inputs, batch_size, data))
@@ -166,8 +164,6 @@ def fp_eval_task(name: str, model_file: str, model_digest: str, raw: str, raw_di
     With ``out`` (the results folder) its test logits are written to
     ``fp_logits_file(<out>/examples, name)``; the record names it (``logits_file``, ``logits_sha256``).
     """
-    from bayesq.models.zoo import get_entry
-    from flows.finetune import load_model
 
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))
@@ -183,7 +179,6 @@ def fp_eval_task(name: str, model_file: str, model_digest: str, raw: str, raw_di
 def mean_corruption_error(ood: dict, fp_ood: dict) -> dict | None:
     """``{"mce": mCE, "ce": {corruption: CE}, "undefined": [...]}`` of an image row against the FP
     row (corruptions on which the FP model makes no error have no CE and are left out), else None."""
-    from bayesq.corruptions import corruption_errors_to_mce
 
     if not ood or "corruptions" not in ood or not fp_ood:
         return None

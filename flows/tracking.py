@@ -36,7 +36,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from bayesq.config import Method
 from flows import ROOT
+from flows.common import mlflow_store_lock, read_json, read_params, write_json
+from flows.lineage import _rel, git_commit, run_tags
 
 EXPORT_ARTIFACT_MAX_BYTES = 8 * 2**20
 
@@ -97,7 +100,6 @@ def use_experiment(name: str) -> str:
     returns its id."""
     import mlflow
 
-    from flows.common import mlflow_store_lock
 
     with mlflow_store_lock():  # creating the store's schema or the experiment races between processes
         found = mlflow.get_experiment_by_name(name)
@@ -143,7 +145,6 @@ def row_params(params, method, posterior=None, quant=None) -> dict[str, str]:
     """A row's effective configuration, flattened: the sections it reads, with the method's own
     ``posterior`` / ``quant`` settings where they differ from params.yaml's (``bayesq-ef``,
     ``bayesq-paper``, ablation rows)."""
-    from bayesq.config import Method
 
     method = Method(method)
     sections = {"data": params.data, "quant": quant or params.quant}
@@ -181,7 +182,6 @@ def mlflow_parent(experiment: str, stage: str, profile: str, tags: dict[str, str
     Prefect flow run; the flow run is tagged ``mlflow:<run id>``."""
     import mlflow
 
-    from flows.lineage import run_tags
 
     use_experiment(experiment)
     lineage = run_tags(params_path)
@@ -238,7 +238,6 @@ def log_row_artifacts(client, run_id: str, record: dict) -> None:
     md5 and :func:`dvc_cache_path`)."""
     import hashlib
 
-    from flows.lineage import _rel
 
     client.log_dict(run_id, record.get("layer_bits", {}), "layer_bits.json")
     path = Path(record["export"]["path"])
@@ -269,8 +268,6 @@ def flow_run_namer(stage: str) -> Callable[[], str]:
     def name() -> str:
         from prefect.runtime import flow_run
 
-        from flows.common import read_params
-        from flows.lineage import git_commit
 
         path = (flow_run.parameters or {}).get("params_path")
         profile = f"-{read_params(Path(path)).profile}" if path and Path(path).is_file() else ""
@@ -282,7 +279,6 @@ def flow_run_namer(stage: str) -> Callable[[], str]:
 def write_run_file(out: Path, run) -> None:
     """``<out>/mlflow_run.json``: the parent run that wrote ``out`` (the report stage logs its
     files there, :func:`log_reports`)."""
-    from flows.common import write_json
 
     write_json(Path(out) / "mlflow_run.json", {"run_id": run.info.run_id, "run_name": run.info.run_name,
                                                "experiment_id": run.info.experiment_id})
@@ -295,7 +291,6 @@ def log_reports(run_file: Path, files: list[Path], folder: str = "reports") -> s
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from flows.common import read_json
 
     if not Path(run_file).is_file():
         say(f"[report] no {run_file}: reports not logged to MLflow")

@@ -35,9 +35,22 @@ import yaml
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from bayesq.blocks import quantizable_layers
+from bayesq.expected_loss import LossTable
+from bayesq.models.zoo import get_entry
 from flows.common import code_version, digest, parser, read_params, write_json
+from flows.finetune import load_model, raw_path
+from flows.lineage import artifact_tags, export_lineage
+from flows.prepare import layer_table_task, posterior_task, prep_code, table_task
+from flows.quantize import quantize_eval_task
 from flows.tracking import (
-    child_run_name, flow_run_namer, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say,
+    child_run_name,
+    flow_run_namer,
+    log_row_artifacts,
+    mlflow_child,
+    mlflow_parent,
+    row_params,
+    say,
 )
 
 
@@ -90,7 +103,6 @@ def read_zoo(path: Path) -> tuple[ZooModel, ...]:
 
 def resolve_entry(m: ZooModel):
     """The zoo entry of ``m`` (running its loader first when it has one)."""
-    from bayesq.models.zoo import get_entry
 
     if m.loader != "zoo":
         module, _, attr = m.loader.partition(":")
@@ -100,7 +112,6 @@ def resolve_entry(m: ZooModel):
 
 def _inputs(m: ZooModel, models: str, raw: str) -> tuple[Path, Path]:
     """The checkpoint and dataset of ``m`` (clear errors when missing)."""
-    from flows.finetune import raw_path
 
     entry = resolve_entry(m)
     ckpt = Path(m.checkpoint) if m.checkpoint else Path(models) / m.name / "model.safetensors"
@@ -128,7 +139,6 @@ def pin_threads(threads: int | None) -> None:
 
 @task(cache_policy=NO_CACHE, task_run_name="zoo posterior {m.name}")
 def posterior(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, params, out: str, threads: int | None) -> dict:
-    from flows.prepare import posterior_task, prep_code
 
     pin_threads(threads)
     resolve_entry(m)
@@ -138,7 +148,6 @@ def posterior(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, params, ou
 
 @task(cache_policy=NO_CACHE, task_run_name="zoo table {m.name} {layer}")
 def layer_table(m: ZooModel, ckpt: str, mdig: str, post: dict, layer: str, params, threads: int | None):
-    from flows.prepare import layer_table_task, prep_code
 
     pin_threads(threads)
     resolve_entry(m)
@@ -148,7 +157,6 @@ def layer_table(m: ZooModel, ckpt: str, mdig: str, post: dict, layer: str, param
 @task(cache_policy=NO_CACHE, task_run_name="zoo table {m.name}")
 def whole_table(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post: dict, params, out: str,
                 threads: int | None):
-    from flows.prepare import prep_code, table_task
 
     pin_threads(threads)
     resolve_entry(m)
@@ -159,7 +167,6 @@ def whole_table(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post: di
 @task(cache_policy=NO_CACHE, task_run_name="zoo merge tables")
 def merge_tables(parts: list):
     """The per-layer tables (network order) as one LossTable."""
-    from bayesq.expected_loss import LossTable
 
     return LossTable(tuple(parts))
 
@@ -168,7 +175,6 @@ def merge_tables(parts: list):
 def quantize_budget(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post: dict, table, params, out: str,
                     code: str, lineage: dict, threads: int | None, budget: float) -> dict:
     """BayesQ (distilled up to ``distill.max_budget``) at one budget: export, load back, evaluate."""
-    from flows.quantize import quantize_eval_task
 
     pin_threads(threads)
     resolve_entry(m)
@@ -187,8 +193,6 @@ def submit_model(m: ZooModel, params, raw: str, models: str, out: str, code: str
     """Submit one model's task graph: posterior -> one table task per layer (or one for the whole
     model when the table reads calibration data) -> merge -> one quantise task per budget.
     Returns the budgets' futures; raises at once when the model's inputs are missing."""
-    from bayesq.blocks import quantizable_layers
-    from flows.finetune import load_model
 
     ckpt, src = _inputs(m, models, raw)
     mdig, sdig = digest(ckpt), digest(src)
@@ -233,7 +237,6 @@ def zoo_flow_body(zoo: Path, params_path: Path, raw: Path, models: Path, out: Pa
     """Submit every model's tasks, gather records and failures, log them to MLflow (one parent
     run, one child per model and budget) and write ``zoo_results.json``. ``threads``: torch
     intra-op threads per task (None: the process's own setting; see :func:`pin_threads`)."""
-    from flows.lineage import artifact_tags, export_lineage
 
     params = read_params(params_path)
     code, lineage = code_version(), export_lineage(params)
