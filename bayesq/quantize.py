@@ -29,10 +29,10 @@ from bayesq.blocks import (
 from bayesq.codebook import UniformGrids
 from bayesq.comparison import sequential_choice
 from bayesq.config import (
-    AllocationConfig, Allocator, BayesQConfig, CostTerms, Curvature, Objective, PosteriorConfig, Proxy, QuantConfig,
-    Rounding, Whitening,
+    AllocationConfig, Allocator, BayesQConfig, CostTerms, Curvature, DistillConfig, Objective, PosteriorConfig, Proxy,
+    QuantConfig, Rounding, Whitening,
 )
-from bayesq.distill import apply_distilled, distill
+from bayesq.distill import DistillResult, apply_distilled, distill
 from bayesq.error_feedback import (
     coordinate_descent, damped_metric, error_feedback_groups, feedback_gain, shared_factors,
 )
@@ -677,14 +677,30 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
         enc = encode_best(model, posterior, table, q, config.budget, config.allocation, seed=config.seed,
                           calibration=calibration, column_metric=metric, correction=correction, progress=progress,
                           selection=selection)
-    weights, allocation, table = enc.weights, enc.allocation, enc.table
-    qmodel = quantized_copy(model, weights, correction)
-    if config.distill.applies(config.budget):
-
-        res = distill(model, weights, posterior, calibration, config.distill, scale_bits=q.scale_bits,
-                      lut_bits=q.lut_bits, seed=config.seed)
-        weights, qmodel = res.weights, apply_distilled(model, res)
-        if correction is not None and not res.biases:  # trained biases already fit the mean
-            correction.apply(qmodel, model)
-    return QuantizationResult(qmodel, weights, allocation, table, posterior, enc.name, enc.selection_kl,
+    qmodel, weights, _ = assemble(model, enc, posterior, calibration, config.distill, config.budget, config.seed)
+    return QuantizationResult(qmodel, weights, enc.allocation, enc.table, posterior, enc.name, enc.selection_kl,
                               correction, unquantized_weights(model, layers, exclude))
+
+
+def assemble(
+    model: nn.Module, enc: Encoding, posterior: Posterior | None, calibration: Sequence[Batch] | None,
+    distill_cfg: DistillConfig | None, budget: float, seed: int = 0,
+) -> tuple[nn.Module, dict[str, QuantizedWeight], DistillResult | None]:
+    """The last stage: the model running ``enc`` (a copy; its bias correction applied), its
+    scales distilled to the posterior teacher first when ``distill_cfg.applies(budget)``
+    (:func:`bayesq.distill.distill` on ``calibration``; the correction is then applied only if
+    distillation trained no bias, which already fits the mean).
+
+    Returns:
+        (quantised model, the encoded layers it runs, the :class:`DistillResult` or None).
+    """
+    if distill_cfg is None or not distill_cfg.applies(budget):
+        return quantized_copy(model, enc.weights, enc.correction), enc.weights, None
+    if posterior is None or calibration is None:
+        raise ValueError("distillation needs the posterior (its teacher) and calibration batches")
+    res = distill(model, enc.weights, posterior, calibration, distill_cfg, scale_bits=enc.quant.scale_bits,
+                  lut_bits=enc.quant.lut_bits, seed=seed)
+    qmodel = apply_distilled(model, res)
+    if enc.correction is not None and not res.biases:
+        enc.correction.apply(qmodel, model)
+    return qmodel, res.weights, res

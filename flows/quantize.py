@@ -35,12 +35,10 @@ from bayesq.baselines.rtn import rtn_quantize
 from bayesq.baselines.select import encoding_config
 from bayesq.blocks import quantizable_layers
 from bayesq.config import Granularity, Method, RobustnessConfig
-from bayesq.distill import apply_distilled, distill as run_distill
 from bayesq.evaluation import predict
 from bayesq.export import load as load_export, save_export
 from bayesq.models.zoo import _take, get_entry
-from bayesq.quantize import allocate, encode_best, needs_input_stats
-from bayesq.result import quantized_copy
+from bayesq.quantize import allocate, assemble, encode_best, needs_input_stats
 from bayesq.tensorfile import file_sha256
 from flows.common import code_version, digest, locked, parser, read_params, write_json
 from flows.finetune import load_model, raw_path
@@ -291,14 +289,9 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
                  "unit_bits": {k: list(v) for k, v in allocation.unit_bits.items()}}
         if enc.correction is not None:
             extra |= {"bias_corrected": len(enc.correction.targets), "bias_skipped": dict(enc.correction.skipped)}
-        qmodel = quantized_copy(model, qweights, enc.correction)
-        if Method(method) == Method.BAYESQ_DISTILL and distill.applies(budget):
-
-            res = run_distill(model, qweights, post, batches, distill, scale_bits=quant.scale_bits,
-                              lut_bits=quant.lut_bits, seed=seed)
-            qweights, qmodel = res.weights, apply_distilled(model, res)
-            if enc.correction is not None and not res.biases:  # as bayesq.quantize.quantize_model
-                enc.correction.apply(qmodel, model)
+        qmodel, qweights, res = assemble(model, enc, post, batches,
+                                         distill if Method(method) == Method.BAYESQ_DISTILL else None, budget, seed)
+        if res is not None:
             extra |= {"distill_seconds": res.seconds, "distill_sample_scale": res.sample_scale,
                      "distill_teacher_agreement": res.teacher_agreement,
                      "distill_loss_first": res.loss_first, "distill_loss_last": res.loss_last,

@@ -610,3 +610,28 @@ def test_posterior_and_stats_vs_posterior_then_statistics_pass(curvature):
     if curvature != "kfac":
         with pytest.raises(ValueError, match="on_rows needs a Fisher curvature pass"):
             fit(model, batches, layers, PosteriorConfig(curvature="hutchinson-ggn"), on_rows=lambda n, r: None)
+
+
+def test_library_stages_in_order_vs_quantize_model():
+    """fit_posterior -> build_table -> encode_best -> assemble, called one by one (as the
+    pipeline's cached tasks do), give quantize_model's model and codes."""
+    from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.quantize import assemble, build_table, encode_best, fit_posterior
+
+    model, batches = _model(), _calibration()
+    q = QuantConfig(group_size=32, unit_groups=8)
+    cfg = BayesQConfig(budget=3.0, quant=q, distill=DistillConfig(max_budget=0))
+    whole = quantize_model(model, batches, cfg, progress=False)
+    post = fit_posterior(model, batches, cfg, progress=False)
+    table = build_table(post, layer_blocks(quantizable_layers(model), 32, 8), q, model=model, calibration=batches,
+                        progress=False)
+    enc = encode_best(model, post, table, q, 3.0, calibration=batches)
+    qmodel, weights, distilled = assemble(model, enc, post, batches, cfg.distill, 3.0)
+    assert distilled is None and enc.name == whole.encoding
+    for name, qw in whole.weights.items():
+        assert torch.equal(weights[name].codes, qw.codes)
+    x = batches[0]
+    with torch.no_grad():
+        torch.testing.assert_close(qmodel(x), whole.model(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="distillation needs the posterior"):
+        assemble(model, enc, None, batches, DistillConfig(), 3.0)
