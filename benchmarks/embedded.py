@@ -19,7 +19,7 @@ class Case:
     model_name: str
     budget: float
     seed: int
-    params: Any  # bayesq.config.Params
+    params: Any  # flows.params.Params
     model: Any  # torch.nn.Module, eval mode
     calibration: list  # the seed's calibration batches (labels never used)
     test: list  # test batches

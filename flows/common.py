@@ -14,9 +14,9 @@ from typing import Any, Iterator
 import yaml
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from bayesq.config import Params, load_params
 from flows import ROOT
 from flows.locks import locked as with_locks
+from flows.params import Params, load_params
 
 
 def locked(policy):

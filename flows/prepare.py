@@ -18,13 +18,11 @@ from bayesq.baselines.hawq import hessian_traces
 from bayesq.blocks import layer_blocks, quantizable_layers
 from bayesq.config import (
     BayesQConfig,
-    CalibrationConfig,
     Curvature,
     Method,
     Objective,
     Prior,
     Rounding,
-    SelectionInputs,
     replace,
 )
 from bayesq.curvature.kfac import KFACFactors
@@ -38,6 +36,7 @@ from bayesq.quantize import build_table, candidate_tables, ef_column_metric, fir
 from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import CACHE, code_version, digest
 from flows.finetune import load_model
+from flows.params import CalibrationConfig, SelectionInputs
 from flows.timings import plain_call
 
 # curvatures whose posterior is the saved curvature diagonal under a prior (reprior_task can refit it)

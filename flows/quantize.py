@@ -34,7 +34,7 @@ from bayesq.baselines.hawq import hawq_quantize
 from bayesq.baselines.rtn import rtn_quantize
 from bayesq.baselines.select import encoding_config
 from bayesq.blocks import quantizable_layers
-from bayesq.config import Granularity, Method, RobustnessConfig
+from bayesq.config import Granularity, Method
 from bayesq.evaluation import predict
 from bayesq.export import load as load_export, save_export
 from bayesq.models.zoo import _take, get_entry
@@ -43,6 +43,7 @@ from bayesq.tensorfile import file_sha256
 from flows.common import code_version, digest, locked, parser, read_params, write_json
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage, input_lineage
+from flows.params import RobustnessConfig
 from flows.prepare import (
     calibration_batches,
     calibration_indices,

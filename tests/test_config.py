@@ -1,9 +1,16 @@
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
-from bayesq.config import BayesQConfig, PosteriorConfig, QuantConfig, from_mapping, load_params
+from bayesq.config import (
+    AllocationConfig, AllocationUnit, BayesQConfig, Codebook, DistillConfig, Method, PosteriorConfig, Proxy,
+    QuantConfig, Rounding, ascending, from_mapping, setting, validate, within,
+)
+from bayesq.corruptions import CORRUPTIONS
+from flows.params import CalibrationConfig, RobustnessConfig, SelectionInputs, load_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,15 +91,11 @@ def test_baselines_config_bad_value_names_field(key, value, match):
 
 
 def test_params_yaml_loads_with_every_method():
-    from bayesq.config import Method
-
     p = load_params(yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text()))
     assert set(p.methods) == set(Method) and p.baselines.hawq_probes >= 1
 
 
 def test_from_mapping_removed_key_names_the_replacement():
-    from bayesq.config import CalibrationConfig
-
     with pytest.raises(ValueError, match=r"calibration.fisher_scale was removed: .*posterior.n_data"):
         from_mapping(CalibrationConfig, {"images": 10, "fisher_scale": "train"}, "calibration")
 
@@ -105,8 +108,6 @@ def test_quant_config_rejects_unknown_objective_and_cost_terms():
 
 
 def test_calibration_selection_parses_and_names_the_choices():
-    from bayesq.config import CalibrationConfig, SelectionInputs
-
     assert CalibrationConfig().selection == SelectionInputs.HELD_OUT
     assert from_mapping(CalibrationConfig, {"selection": "calibration"}, "calibration").selection == "calibration"
     with pytest.raises(ValueError, match=r"calibration\.selection.*held-out.*calibration"):
@@ -115,3 +116,101 @@ def test_calibration_selection_parses_and_names_the_choices():
     for key in ("selection_images", "selection_sentences"):
         with pytest.raises(ValueError, match=rf"calibration\.{key}"):
             from_mapping(CalibrationConfig, {key: 0}, "calibration")
+
+
+# ---- the declarative validator (bayesq.config.validate) --------------------------------------------
+
+def _raises(exact: str):
+    return pytest.raises(ValueError, match="^" + re.escape(exact) + "$")
+
+
+def test_validate_coerces_enum_fields_from_their_strings():
+    q = QuantConfig(codebook="lloyd", rounding="nearest", unit="tensor")
+    assert (q.codebook, q.rounding, q.unit) == (Codebook.LLOYD, Rounding.NEAREST, AllocationUnit.TENSOR)
+    assert type(q.codebook) is Codebook
+    assert from_mapping(QuantConfig, {"proxy": "mc-kl"}, "quant").proxy is Proxy.MC_KL
+    r = RobustnessConfig(methods=["gptq", "awq"])  # tuple[Method, ...]: each member
+    assert r.methods == (Method.GPTQ, Method.AWQ)
+
+
+def test_validate_bad_enum_value_names_field_and_choices():
+    with _raises("quant.codebook = 'lloyds': choose from "
+                 "['uniform', 'uniform-fixed', 'lloyd', 'lloyd-uniform', 'mulaw', 'vq']"):
+        QuantConfig(codebook="lloyds")
+    with pytest.raises(ValueError, match=r"^robustness\.methods = \('gptq', 'magic'\): choose from \['bayesq', "):
+        RobustnessConfig(methods=("gptq", "magic"))
+
+
+@pytest.mark.parametrize("cls, key, section", [
+    (PosteriorConfig, "auto_damping", "posterior"), (QuantConfig, "refit", "quant"),
+    (AllocationConfig, "latency", "allocation"), (DistillConfig, "accept", "distill"),
+])
+def test_validate_bool_field_given_one_fails(cls, key, section):
+    with _raises(f"{section}.{key} = 1: must be true or false"):
+        cls(**{key: 1})
+
+
+def test_validate_range_rules_name_field_value_and_why():
+    with _raises("posterior.kfac_decay = 1.5: EMA decay must be in (0, 1]"):
+        PosteriorConfig(kfac_decay=1.5)
+    assert PosteriorConfig(kfac_decay=1.0).kfac_decay == 1.0  # the closed end
+    with _raises("allocation.hw_tolerance = 1.0: must be in [0, 1)"):
+        AllocationConfig(hw_tolerance=1.0)
+    assert AllocationConfig(hw_tolerance=0.0).hw_tolerance == 0.0
+    with _raises("posterior.probes = 0: must be >= 1 (Rademacher probes per batch)"):
+        PosteriorConfig(probes=0)
+    with _raises("posterior.damping = nan: must be > 0 (it is the prior precision)"):
+        PosteriorConfig(damping=float("nan"))
+    with _raises("quant.group_size = '64': must be >= 1"):  # a string where a number belongs
+        QuantConfig(group_size="64")
+    with _raises("quant.cd_passes = True: must be an integer >= 0 (0: error-feedback codes as they are)"):
+        QuantConfig(cd_passes=True)
+    with _raises("quant.vq_dim = 3: choose 2, 4 or 8 weights per vector"):
+        QuantConfig(vq_dim=3)
+    with _raises("robustness.corruptions = ['snow_storm']: choose from " + str(list(CORRUPTIONS))):
+        RobustnessConfig(corruptions=("fog", "snow_storm"))  # the offending members only
+
+
+def test_validate_converts_valid_values():
+    assert QuantConfig(bits=[2.0, 4]).bits == (2, 4)
+    assert RobustnessConfig(budgets=[3]).budgets == (3.0,)
+    floors = {"fc*": 4}
+    assert AllocationConfig(floors=floors).floors == floors and AllocationConfig(floors=floors).floors is not floors
+
+
+def test_validate_cross_field_rules_name_field():
+    with _raises("quant.rounding = 'error-feedback': error feedback needs uniform grids; codebook is 'lloyd': "
+                 "set quant.rounding: nearest"):
+        QuantConfig(codebook="lloyd")
+    with _raises("posterior.var_min = 1.0: need 0 < var_min < var_max = 0.5"):
+        PosteriorConfig(var_min=1.0, var_max=0.5)
+    with _raises("allocation.latency = True: latency-aware density works with allocator greedy, not 'dp'"):
+        AllocationConfig(latency=True, allocator="dp")
+    with _raises("quant.proxy = 'mc-output': the layer-output proxy needs K-FAC factors: "
+                 "set posterior.curvature: kfac or lowrank"):
+        BayesQConfig(quant=QuantConfig(proxy="mc-output"))
+
+
+@dataclass(frozen=True)
+class _Toy:
+    ratio: float = setting(0.5, within("(0, 1]", "a share"))
+    mode: Rounding = Rounding.NEAREST
+    flag: bool = False
+    sizes: tuple[int, ...] = setting((1, 2), ascending("[1, 2]"), convert=tuple)
+
+    def __post_init__(self) -> None:
+        validate(self, "toy", lambda: [(self.flag or self.ratio < 1, "toy.ratio", self.ratio, "1 needs flag")])
+
+
+def test_validate_on_a_hand_made_dataclass():
+    assert _Toy(mode="error-feedback", sizes=[1, 3]) == _Toy(mode=Rounding.ERROR_FEEDBACK, sizes=(1, 3))
+    for kwargs, message in [
+        ({"ratio": 0}, "toy.ratio = 0: must be in (0, 1] (a share)"),
+        ({"mode": "round"}, "toy.mode = 'round': choose from ['nearest', 'error-feedback']"),
+        ({"flag": "yes"}, "toy.flag = 'yes': must be true or false"),
+        ({"sizes": [2, 2]}, "toy.sizes = [2, 2]: must be strictly ascending, e.g. [1, 2]"),
+        ({"ratio": 1.0}, "toy.ratio = 1.0: 1 needs flag"),
+    ]:
+        with _raises(message):
+            _Toy(**kwargs)
+    assert _Toy(ratio=1.0, flag=True).ratio == 1.0

@@ -11,13 +11,14 @@ from torch import nn
 import bayesq.distill as D
 from bayesq import BayesQConfig, QuantConfig, quantize_model
 from bayesq.codebook import LevelTables, UniformGrids
-from bayesq.config import DistillConfig, load_params
+from bayesq.config import DistillConfig
 from bayesq.distill import (
     SCALE_GRID, _Trainable, apply_distilled, distill, predictive_kl, sample_agreement, split_calibration,
     teacher_probs, tempering_scale,
 )
 from bayesq.posterior import Posterior
 from bayesq.result import quantized_copy
+from flows.params import load_params
 from nets import TokenModel
 
 OFF = DistillConfig(max_budget=0)

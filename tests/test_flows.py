@@ -7,8 +7,8 @@ import torch
 import yaml
 from torch import nn
 
-from bayesq.config import DataConfig, FinetuneConfig
 from bayesq.corruptions import CORRUPTIONS
+from bayesq.models.config import DataConfig, FinetuneConfig
 from bayesq.models.zoo import Splits, ZooEntry, register, unregister
 
 
@@ -319,7 +319,7 @@ def test_read_params_misspelled_key_is_clear(tmp_path):
 
 
 def test_params_yaml_ablation_rows_validate_in_every_profile():
-    from bayesq.config import load_params
+    from flows.params import load_params
     from flows.ablate import ablation_rows
 
     raw = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
@@ -676,7 +676,7 @@ def _token_entry():
 def test_selection_batches_first_look_a_random_draw_each_look_by_length():
     """The first look's inputs are the draw's first ones (not the shortest sentences), each look
     regrouped by token length, every input once."""
-    from bayesq.config import CalibrationConfig
+    from flows.params import CalibrationConfig
     from bayesq.data.calibration import sample_selection_indices
     from bayesq.models.zoo import Splits
     from bayesq.quantize import selection_looks
@@ -700,7 +700,7 @@ def test_selection_batches_first_look_a_random_draw_each_look_by_length():
 
 
 def test_calibration_batches_of_sentences_grouped_by_length_images_in_draw_order(tiny_entry):
-    from bayesq.config import CalibrationConfig
+    from flows.params import CalibrationConfig
     from bayesq.models.zoo import Splits, get_entry
     from flows.prepare import calibration_batches, calibration_indices
 
@@ -729,7 +729,8 @@ def test_calibration_batches_of_sentences_grouped_by_length_images_in_draw_order
 
 
 def test_selection_batches_draw_the_configured_size_and_fit_inputs_ignore_it(tiny_entry):
-    from bayesq.config import CalibrationConfig, replace
+    from bayesq.config import replace
+    from flows.params import CalibrationConfig
     from bayesq.models.zoo import get_entry
     from flows.prepare import fit_inputs, selection_batches
 
@@ -749,7 +750,7 @@ def test_selection_batches_draw_the_configured_size_and_fit_inputs_ignore_it(tin
 def test_ablation_row_label_at_the_limit_survives_dvc_lock_and_longer_is_refused():
     from dvc.utils.serialize import dumps_yaml
 
-    from bayesq.config import MAX_ROW_LABEL, AblationConfig
+    from flows.params import MAX_ROW_LABEL, AblationConfig
 
     def lock_round_trip(label: str) -> bool:  # nested as deep as params.yaml's full profile puts a row in dvc.lock
         lock = {"stages": {"ablate": {"params": {"params.yaml": {"profiles": {"full": {"ablations": {

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bayesq.config import DataConfig
 from bayesq.metrics import f1_binary
 from bayesq.models import zoo
+from bayesq.models.config import DataConfig
 from bayesq.models.glue import BertGLUE, predictions, read_glue_tsv
 from bayesq.models.real import register_real
 from bayesq.models.zoo import evaluate, get_entry

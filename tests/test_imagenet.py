@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from bayesq.config import DataConfig
 from bayesq.metrics import accuracy
+from bayesq.models.config import DataConfig
 from bayesq.models.imagenet import ResNet50ImageNet, holdout_split
 from bayesq.models.real import predictions
 from bayesq.models.zoo import IMAGENET_MEAN, IMAGENET_STD, evaluate

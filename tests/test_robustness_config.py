@@ -1,9 +1,10 @@
-"""RobustnessConfig (bayesq/config.py) and the robustness / distill sections of params.yaml."""
+"""RobustnessConfig (flows/params.py) and the robustness / distill sections of params.yaml."""
 
 import pytest
 
-from bayesq.config import DistillConfig, Method, RobustnessConfig, load_params
+from bayesq.config import DistillConfig, Method
 from bayesq.corruptions import CORRUPTIONS
+from flows.params import RobustnessConfig, load_params
 
 
 def test_robustness_config_defaults_valid():

@@ -17,13 +17,14 @@ from bayesq.baselines.select import (
 )
 from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.blocks import quantizable_layers
-from bayesq.config import BaselinesConfig, Granularity, QuantConfig, load_params
+from bayesq.config import Granularity, QuantConfig
 from bayesq.evaluation import mean_kl, reference_log_probs
 from bayesq.expected_loss import LossTable
 from bayesq.export import read_export, save_export
 from bayesq.quantize import selection_looks
 from bayesq.result import Allocation, QuantizationResult
 from bayesq.storage import grid_bits
+from flows.params import BaselinesConfig, load_params
 
 CFG = QuantConfig(group_size=16, unit_groups=2)
 GROUP_SIZES = (8, 16, 32, 64)

@@ -7,7 +7,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bayesq.config import Curvature, Method, Rounding, load_params
+from bayesq.config import Curvature, Method, Rounding
+from flows.params import load_params
 from flows.prepare import method_settings
 from flows.tracking import (
     artifact_root, child_run_name, dvc_cache_path, flatten, parent_run_name, row_params,

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bayesq.config import DataConfig, FinetuneConfig
 from bayesq.data.fashion_mnist import FILES
 from bayesq.models import zoo
+from bayesq.models.config import DataConfig, FinetuneConfig
 from bayesq.models.zoo import (
     IMAGENET_MEAN,
     IMAGENET_STD,

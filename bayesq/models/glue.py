@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bayesq.config import DataConfig, FinetuneConfig
 from bayesq.data.sentiment import seeded_permutation
 from bayesq.forward import logits
 from bayesq.metrics import glue_metrics, glue_task
+from bayesq.models.config import DataConfig, FinetuneConfig
 from bayesq.models.zoo import BUILD_SEED, Splits, ZooEntry
 
 log = logging.getLogger(__name__)

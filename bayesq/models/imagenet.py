@@ -23,8 +23,8 @@ from urllib.parse import urlparse
 import torch
 from torch import Tensor, nn
 
-from bayesq.config import DataConfig, FinetuneConfig
 from bayesq.data.sentiment import seeded_permutation
+from bayesq.models.config import DataConfig, FinetuneConfig
 from bayesq.models.zoo import BUILD_SEED, IMAGENET_MEAN, IMAGENET_STD, Splits, ZooEntry
 
 STATE_DICT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors")

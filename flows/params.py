@@ -1,0 +1,254 @@
+"""The pipeline's parameter schema: the whole of ``params.yaml`` (profiles, the embedded models'
+data and fine-tuning, calibration, the method sections, baselines, robustness, ablations).
+
+The method sections (``posterior``, ``quant``, ``allocation``, ``distill``) are the library's
+configs (:mod:`bayesq.config`), ``data`` and ``finetune`` the embedded models' harness settings
+(:mod:`bayesq.models.config`); the sections only the pipeline reads are defined here, validated
+the same declarative way (:func:`bayesq.config.validate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any, ClassVar, Iterator, Mapping
+
+from bayesq.config import (
+    AllocationConfig, BayesQConfig, DistillConfig, Method, PosteriorConfig, QuantConfig, Relation, ascending,
+    at_least, each_of, from_mapping, integer, rule, setting, validate, within,
+)
+from bayesq.corruptions import CORRUPTIONS
+from bayesq.data.sentiment import DOMAIN_FILES
+from bayesq.models.config import DataConfig, FinetuneConfig
+
+OOD_TEXT_DOMAINS = tuple(d for d in DOMAIN_FILES if d != "movie")  # the in-domain training source is no test
+
+
+class SelectionInputs(str, Enum):
+    """Which inputs score the choices among candidates fitted on the calibration inputs (BayesQ's
+    grids, GPTQ's / AWQ's variants)."""
+
+    HELD_OUT = "held-out"  # another draw of training inputs, disjoint from the calibration draw
+    CALIBRATION = "calibration"  # the calibration inputs themselves (ablation)
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """Unlabelled calibration set sizes (labels are never used), batch size, and the inputs
+    that score selections among fitted candidates (``selection``: ``held-out``, a second draw of
+    ``selection_images`` / ``selection_sentences`` training inputs disjoint from the calibration
+    draw; or the calibration inputs).
+
+    The Laplace data size N is ``posterior.n_data`` (one definition for the library and the
+    pipeline); the key ``fisher_scale`` that set it here before is rejected with that hint.
+    """
+
+    removed_keys: ClassVar[Mapping[str, str]] = {  # keys of earlier versions: what to do instead
+        "fisher_scale": "the Laplace data size N is posterior.n_data alone (0 = the calibration set size); "
+                        "delete this key",
+    }
+
+    images: int = setting(500, at_least(1))
+    sentences: int = setting(1000, at_least(1))
+    batch_size: int = setting(32, at_least(1))
+    selection: SelectionInputs = SelectionInputs.HELD_OUT
+    selection_images: int = setting(2000, at_least(1))
+    selection_sentences: int = setting(2000, at_least(1))
+
+    def __post_init__(self) -> None:
+        validate(self, "calibration")
+
+
+@dataclass(frozen=True)
+class BaselinesConfig:
+    """Settings of the baselines that have their own knobs (``baselines`` in params.yaml).
+
+    ``select``: GPTQ and AWQ are the variant with the least calibration KL among their own mixed
+    rule, uniform bit-widths at the smallest group size of ``group_sizes`` (then per-channel)
+    that fits the budget, and (GPTQ) a supplied allocation (:mod:`bayesq.baselines.select`);
+    false: their own mixed rule only (an ablation). ``bias_correction`` (with ``select``): each
+    variant is also offered with BayesQ's bias correction (``<variant>+bc``), so the baselines
+    get every free improvement BayesQ's default uses.
+    """
+
+    gptq_damp: float = setting(0.01, within("(0, 1)", "GPTQ uses 0.01"))  # dampening, fraction of mean(diag H)
+    gptq_act_order: bool = True  # columns by decreasing diag(H)
+    awq_grid: int = setting(20, integer(1))  # alpha in {0, 1/grid, ..., (grid-1)/grid}
+    hawq_probes: int = setting(2, integer(1))  # Rademacher probes per calibration batch for the Hessian traces
+    select: bool = True  # GPTQ / AWQ: best budget-feasible variant on the calibration KL
+    group_sizes: tuple[int, ...] = setting(  # uniform variants' group sizes (per-channel last)
+        (32, 64, 128, 256),
+        rule(lambda g: isinstance(g, (tuple, list)) and len(g) > 0
+             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in g),
+             "need a non-empty list of integer group sizes >= 1, e.g. [32, 64, 128, 256]"),
+        ascending("[32, 64, 128, 256]"), convert=tuple)
+    bias_correction: bool = True  # GPTQ / AWQ selection: each variant also with bias correction
+
+    def __post_init__(self) -> None:
+        validate(self, "baselines")
+
+
+@dataclass(frozen=True)
+class RobustnessConfig:
+    """Calibration and out-of-domain evaluation (``robustness`` in params.yaml).
+
+    Every (method, budget) row gets accuracy, ECE / MCE (``ece_bins`` equal-width bins, and
+    ``random_bin_repeats`` sets of random bin edges), worst-k% accuracy and CVaR on the test
+    split; rows of ``methods`` at ``budgets`` (plus the FP model) are also evaluated on
+    ``corruptions`` x ``severities`` of the first ``corruption_examples`` test images, and text
+    models on the ``text_domains`` of the sentiment archive (``domain_examples`` each).
+    """
+
+    ece_bins: int = setting(15, integer(1))
+    random_bin_repeats: int = setting(20, integer(1))
+    budgets: tuple[float, ...] = setting((3.0,), convert=lambda v: tuple(float(b) for b in v))
+    methods: tuple[Method, ...] = (Method.BAYESQ, Method.BAYESQ_DISTILL, Method.BAYESQ_EF, Method.GPTQ,
+                                   Method.AWQ, Method.RTN_GROUP)
+    corruptions: tuple[str, ...] = setting(("gaussian_noise", "shot_noise", "impulse_noise", "gaussian_blur",
+                                            "defocus_blur", "fog", "brightness", "contrast", "pixelate",
+                                            "jpeg_compression"), each_of(CORRUPTIONS))
+    severities: tuple[int, ...] = setting(
+        (1, 2, 3, 4, 5),
+        rule(lambda v: all(isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= 5 for s in v),
+             "severities are integers 1..5"))
+    corruption_examples: int = setting(500, integer(1))
+    text_domains: tuple[str, ...] = setting(("tweets", "amazon", "nyt"), each_of(OOD_TEXT_DOMAINS))
+    domain_examples: int = setting(1000, integer(1))
+
+    def __post_init__(self) -> None:
+        validate(self, "robustness")
+
+
+MAX_ROW_LABEL = 60  # an ablation row's label: nested 18 columns deep in dvc.lock, wrapped past column 80
+
+_POSITIVE_BUDGETS = rule(lambda v: all(b > 0 for b in v), "list positive average bit budgets")
+
+
+@dataclass(frozen=True)
+class AblationConfig:
+    """Ablation grid: ``rows[group][label]`` maps dotted keys (``quant.codebook``) to values.
+
+    Each row is BayesQ with the main parameters overridden by its mapping; rows are validated
+    by :func:`ablation_params`, so a typo in a key or value fails on load.
+    """
+
+    models: tuple[str, ...] = setting((), convert=tuple)
+    budgets: tuple[float, ...] = setting((3.0, 3.5), _POSITIVE_BUDGETS, convert=lambda v: tuple(float(b) for b in v))
+    rows: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate(self, "ablations", self._relations)
+
+    def _relations(self) -> Iterator[Relation]:
+        for group, rows in self.rows.items():
+            yield (isinstance(rows, Mapping) and len(rows) > 0, f"ablations.rows.{group}", rows,
+                   "map row labels to {dotted.key: value}")
+            for label, over in rows.items():
+                where = f"ablations.rows.{group}.{label}"
+                yield isinstance(over, Mapping), where, over, "need a mapping {dotted.key: value}"
+                yield (len(str(label)) <= MAX_ROW_LABEL, where, over,
+                       f"row labels are at most {MAX_ROW_LABEL} characters: DVC copies params.yaml into "
+                       "dvc.lock with an 80-column YAML writer that breaks a longer key across lines, and then "
+                       "cannot read its own lock; shorten the label")
+
+
+@dataclass(frozen=True)
+class Params:
+    """The whole of ``params.yaml`` after the selected profile's overrides are applied."""
+
+    profile: str = "quick"
+    models: tuple[str, ...] = setting(("lite0-fmnist", "minilm-sentiment"), rule(len, "list at least one model"))
+    seeds: tuple[int, ...] = setting((17,), rule(len, "list at least one seed"))
+    budgets: tuple[float, ...] = setting((3.0, 3.5, 4.0), rule(len, "list positive average bit budgets"),
+                                         _POSITIVE_BUDGETS)
+    methods: tuple[Method, ...] = tuple(Method)
+    data: DataConfig = field(default_factory=DataConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    posterior: PosteriorConfig = field(default_factory=PosteriorConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    allocation: AllocationConfig = field(default_factory=AllocationConfig)
+    baselines: BaselinesConfig = field(default_factory=BaselinesConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    robustness: RobustnessConfig = field(default_factory=RobustnessConfig)
+    ablations: AblationConfig = field(default_factory=AblationConfig)
+
+    def __post_init__(self) -> None:
+        validate(self, "params")
+        self.bayesq(self.budgets[0], self.seeds[0])  # cross-section checks (e.g. rounding vs curvature)
+
+    def bayesq(self, budget: float, seed: int) -> BayesQConfig:
+        return BayesQConfig(budget=budget, posterior=self.posterior, quant=self.quant,
+                            allocation=self.allocation, distill=self.distill, seed=seed)
+
+
+_SECTIONS = {
+    "data": DataConfig, "finetune": FinetuneConfig, "calibration": CalibrationConfig,
+    "posterior": PosteriorConfig, "quant": QuantConfig, "allocation": AllocationConfig,
+    "baselines": BaselinesConfig, "distill": DistillConfig, "robustness": RobustnessConfig,
+    "ablations": AblationConfig,
+}
+_LISTS = ("models", "seeds", "budgets", "methods")
+
+
+def _merge(base: dict, over: Mapping[str, Any], where: str) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value, f"{where}.{key}")
+        else:
+            out[key] = value
+    return out
+
+
+def load_params(raw: Mapping[str, Any]) -> Params:
+    """Validate a parsed ``params.yaml`` and apply ``profiles[profile]`` on top of it.
+
+    Raises:
+        ValueError: unknown top-level or section key (with a suggestion), unknown profile, or
+            an invalid value (naming ``section.field``).
+    """
+    raw = dict(raw)
+    profiles = raw.pop("profiles", {}) or {}
+    profile = raw.get("profile", "quick")
+    if profile not in profiles and profiles:
+        raise ValueError(f"profile = {profile!r}: unknown profile; defined: {', '.join(profiles)}")
+    merged = _merge(raw, profiles.get(profile, {}) or {}, f"profiles.{profile}")
+    top = {"profile", *_LISTS, *_SECTIONS}
+    for key in merged:
+        if key not in top:
+            close = difflib.get_close_matches(key, list(top), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ValueError(f"params: unknown key '{key}'{hint}; valid keys: {', '.join(sorted(top))}")
+    kwargs: dict[str, Any] = {k: tuple(merged[k]) for k in _LISTS if k in merged}
+    kwargs["profile"] = profile
+    for name, cls in _SECTIONS.items():
+        kwargs[name] = from_mapping(cls, merged.get(name), name)
+    return Params(**kwargs)
+
+
+def ablation_params(params: Params, overrides: Mapping[str, Any], where: str = "ablation") -> Params:
+    """``params`` with dotted ``section.key`` overrides applied and validated.
+
+    Raises:
+        ValueError: unknown section or key (with a suggestion) or an invalid value, naming
+            ``where`` (the ablation row) and the key.
+    """
+    changes: dict[str, dict[str, Any]] = {}
+    for dotted, value in overrides.items():
+        section, _, key = str(dotted).partition(".")
+        if section not in _SECTIONS or section == "ablations" or not key:
+            close = difflib.get_close_matches(section, [k for k in _SECTIONS if k != "ablations"], n=1)
+            hint = f" (did you mean '{close[0]}.{key}'?)" if close else ""
+            raise ValueError(f"{where}: '{dotted}' is not a 'section.key' of params.yaml{hint}")
+        changes.setdefault(section, {})[key] = value
+    kwargs = {}
+    for section, over in changes.items():
+        base = {f.name: getattr(getattr(params, section), f.name) for f in fields(_SECTIONS[section])}
+        try:
+            kwargs[section] = from_mapping(_SECTIONS[section], {**base, **over}, section)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+    return dataclasses.replace(params, **kwargs)
