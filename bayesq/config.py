@@ -118,22 +118,6 @@ class Proxy(str, Enum):
     MC_OUTPUT = "mc-output"  # Monte Carlo K-FAC layer-output error on the most sensitive layers
 
 
-class Method(str, Enum):
-    """Quantization methods the pipeline knows."""
-
-    BAYESQ = "bayesq"
-    BAYESQ_EF = "bayesq-ef"  # K-FAC posterior (error feedback in its input factor)
-    BAYESQ_DISTILL = "bayesq-distill"  # BayesQ + posterior-predictive distillation (budget <= distill.max_budget)
-    BAYESQ_PAPER = "bayesq-paper"  # the paper-literal configuration: fixed prior, draws objective, nearest rounding
-    RTN_TENSOR = "rtn-tensor"
-    RTN_CHANNEL = "rtn-channel"
-    RTN_GROUP = "rtn-group"
-    GPTQ = "gptq"
-    AWQ = "awq"
-    HAWQ = "hawq"
-    ACIQ = "aciq"
-
-
 # ---- declarative validation -----------------------------------------------------------------------
 
 

@@ -39,6 +39,7 @@ from bayesq.error_feedback import (
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import Book, LossTable, apply_mc_proxy, posterior_table
 from bayesq.forward import Batch, batch_size, first_inputs, kept_state, model_batches
+from bayesq.methods import Inputs, Outcome, register
 from bayesq.posterior import ROWS_IN_PASS, Posterior, fit_posterior as _fit_posterior, input_moments
 from bayesq.refit import refit_scales
 from bayesq.result import Allocation, QuantizationResult, QuantizedWeight, quantized_copy
@@ -680,6 +681,15 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
     qmodel, weights, _ = assemble(model, enc, posterior, calibration, config.distill, config.budget, config.seed)
     return QuantizationResult(qmodel, weights, enc.allocation, enc.table, posterior, enc.name, enc.selection_kl,
                               correction, unquantized_weights(model, layers, exclude))
+
+
+@register(BayesQConfig)
+def bayesq_method(model: nn.Module, config: BayesQConfig, budget: float, inputs: Inputs) -> Outcome:
+    """:func:`quantize_model` at ``budget`` (``config.budget`` is replaced) on the calibration and
+    selection batches; ``details``: the grids kept (``encoding``) and each candidate's selection KL."""
+    res = quantize_model(model, inputs.need_calibration("BayesQ"), replace(config, budget=budget),
+                         selection=inputs.selection, exclude=tuple(inputs.exclude))
+    return Outcome(res, {"encoding": res.encoding, "encoding_kl": dict(res.selection_kl)})
 
 
 def assemble(

@@ -19,12 +19,11 @@ from pathlib import Path
 
 from prefect import flow
 
-from bayesq.config import Method
 from bayesq.models.zoo import get_entry
 from bayesq.quantize import loss_reduction_curve
 from flows.common import code_version, digest, parser, read_params, write_json
 from flows.finetune import raw_path
-from flows.params import ablation_params
+from flows.params import Method, ablation_params
 from flows.prepare import (
     config_tag,
     fit_inputs,

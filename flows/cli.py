@@ -65,16 +65,25 @@ def quantize(
     distill: bool = typer.Option(False, help="distil scales at budgets up to distill.max_budget, kept only if the "
                                              "held-out KL drops (off by default: like the pipeline's bayesq row; "
                                              "on the embedded models the check rejected it at every budget)"),
+    method: str = typer.Option("bayesq", help="bayesq, or a baseline: gptq, awq, hawq, aciq, rtn-tensor, "
+                                              "rtn-channel, rtn-group (settings from params.yaml's baselines)"),
 ) -> None:
-    """Quantise one model with BayesQ and write its export, without DVC or Prefect."""
+    """Quantise one model with BayesQ (or a baseline) and write its export, without DVC or Prefect."""
+    from bayesq.baselines.select import encoding_config
     from bayesq.config import BayesQConfig, replace
+    from flows.params import Method
     from bayesq.export import save_export
+    from bayesq.methods import Inputs, quantize_with
     from bayesq.models.zoo import get_entry
-    from bayesq.quantize import quantize_model
     from flows.common import code_version, digest, read_params
     from flows.finetune import load_model, raw_path
     from flows.lineage import export_lineage, input_lineage
     from flows.prepare import calibration_batches, selection_batches
+    from flows.quantize import BASELINE_CONFIGS
+
+    choices = ["bayesq"] + [m.value for m in BASELINE_CONFIGS]
+    if method not in choices:
+        _fail(f"--method {method}: choose one of {', '.join(choices)}")
 
     try:
         p = read_params(params)
@@ -89,19 +98,27 @@ def quantize(
     splits = entry.load_splits(p.data, raw_path(entry, raw))
     idx, batches = calibration_batches(entry, splits, p.data, p.calibration, seed)
     d = p.distill if distill else replace(p.distill, max_budget=0.0)
-    cfg = BayesQConfig(budget=budget, posterior=p.posterior, quant=p.quant, allocation=p.allocation, distill=d,
-                       seed=seed)
+    if method == "bayesq":
+        cfg = BayesQConfig(budget=budget, posterior=p.posterior, quant=p.quant, allocation=p.allocation, distill=d,
+                           seed=seed)
+        label = "bayesq-distill" if d.applies(budget) else "bayesq"
+    else:
+        cfg, label = BASELINE_CONFIGS[Method(method)](p.quant, p.baselines, seed), method
     start = time.perf_counter()
     try:
-        res = quantize_model(net, batches, cfg, selection=selection_batches(entry, splits, p.data, p.calibration, seed))
+        done = quantize_with(net, cfg, budget, Inputs(calibration=batches, selection=selection_batches(
+            entry, splits, p.data, p.calibration, seed)))
     except ValueError as err:
         _fail(str(err))
+    res = done.result
+    quant = p.quant if method == "bayesq" else encoding_config(res, p.quant)  # a variant's bit set
     src = raw_path(entry, raw)
-    meta = {"model": model, "method": "bayesq-distill" if d.applies(budget) else "bayesq", "budget": str(budget),
+    meta = {"model": model, "method": label, "budget": str(budget),
             "seed": str(seed), "code_version": code_version(), "params_file": str(params), **export_lineage(p),
             **input_lineage(str(model_file), str(src), digest(src), None, idx),
-            "posterior": f"fitted in this run, not saved ({p.posterior.curvature.value}; settings in params)"}
-    info = save_export(out, res.model, res.weights, p.quant, res.allocation.total_bits, architecture=model,
+            **({"posterior": f"fitted in this run, not saved ({p.posterior.curvature.value}; settings in params)"}
+               if method == "bayesq" else {})}
+    info = save_export(out, res.model, res.weights, quant, res.allocation.total_bits, architecture=model,
                        metadata=meta)
     typer.echo(f"{model} at {budget} bits: {res.average_bits:.4f} bits/weight accounted, "
                f"{info.payload_avg_bits:.4f} in the file; {res.average_bits_all:.4f} over all weight matrices "
@@ -109,6 +126,8 @@ def quantize(
                f"({info.fp_bytes / 1e6:.2f} MB float tensors) -> {out} ({time.perf_counter() - start:.0f} s)")
     for name, why in res.unquantized.items():
         typer.echo(f"  floating point: {name} ({why})")
+    if "variant" in done.details:
+        typer.echo(f"variant kept: {done.details['variant']}")
     if res.correction is not None:
         skipped = "".join(f"\n  not corrected: {k} ({why})" for k, why in res.correction.skipped.items())
         typer.echo(f"bias correction: {len(res.correction.targets)} layers' mean outputs restored{skipped}")

@@ -16,12 +16,28 @@ from enum import Enum
 from typing import Any, ClassVar, Iterator, Mapping
 
 from bayesq.config import (
-    AllocationConfig, BayesQConfig, DistillConfig, Method, PosteriorConfig, QuantConfig, Relation, ascending,
+    AllocationConfig, BayesQConfig, DistillConfig, PosteriorConfig, QuantConfig, Relation, ascending,
     at_least, each_of, from_mapping, integer, rule, setting, validate, within,
 )
 from bayesq.corruptions import CORRUPTIONS
 from bayesq.data.sentiment import DOMAIN_FILES
 from bayesq.models.config import DataConfig, FinetuneConfig
+
+class Method(str, Enum):
+    """Quantization methods the pipeline knows."""
+
+    BAYESQ = "bayesq"
+    BAYESQ_EF = "bayesq-ef"  # K-FAC posterior (error feedback in its input factor)
+    BAYESQ_DISTILL = "bayesq-distill"  # BayesQ + posterior-predictive distillation (budget <= distill.max_budget)
+    BAYESQ_PAPER = "bayesq-paper"  # the paper-literal configuration: fixed prior, draws objective, nearest rounding
+    RTN_TENSOR = "rtn-tensor"
+    RTN_CHANNEL = "rtn-channel"
+    RTN_GROUP = "rtn-group"
+    GPTQ = "gptq"
+    AWQ = "awq"
+    HAWQ = "hawq"
+    ACIQ = "aciq"
+
 
 OOD_TEXT_DOMAINS = tuple(d for d in DOMAIN_FILES if d != "movie")  # the in-domain training source is no test
 

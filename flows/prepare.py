@@ -16,15 +16,7 @@ from prefect import task
 from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.hawq import hessian_traces
 from bayesq.blocks import layer_blocks, quantizable_layers
-from bayesq.config import (
-    BayesQConfig,
-    Curvature,
-    Method,
-    Objective,
-    Prior,
-    Rounding,
-    replace,
-)
+from bayesq.config import BayesQConfig, Curvature, Objective, Prior, Rounding, replace
 from bayesq.curvature.kfac import KFACFactors
 from bayesq.data.calibration import sample_calibration_indices, sample_selection_indices
 from bayesq.data.sentiment import seeded_permutation
@@ -36,7 +28,7 @@ from bayesq.quantize import build_table, candidate_tables, ef_column_metric, fir
 from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import CACHE, code_version, digest
 from flows.finetune import load_model
-from flows.params import CalibrationConfig, SelectionInputs
+from flows.params import CalibrationConfig, Method, SelectionInputs
 from flows.timings import plain_call
 
 # curvatures whose posterior is the saved curvature diagonal under a prior (reprior_task can refit it)

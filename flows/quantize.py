@@ -26,24 +26,23 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from bayesq.baselines.aciq import aciq_quantize
-from bayesq.baselines.activations import input_stats
-from bayesq.baselines.awq import awq_quantize, awq_select
-from bayesq.baselines.gptq import gptq_quantize, gptq_select
-from bayesq.baselines.hawq import hawq_quantize
-from bayesq.baselines.rtn import rtn_quantize
+from bayesq.baselines.aciq import ACIQConfig
+from bayesq.baselines.awq import AWQConfig
+from bayesq.baselines.gptq import GPTQConfig
+from bayesq.baselines.hawq import HAWQConfig
+from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.select import encoding_config
-from bayesq.blocks import quantizable_layers
-from bayesq.config import Granularity, Method
+from bayesq.config import Granularity
 from bayesq.evaluation import predict
 from bayesq.export import load as load_export, save_export
+from bayesq.methods import Inputs, Outcome, quantize_with
 from bayesq.models.zoo import _take, get_entry
 from bayesq.quantize import allocate, assemble, encode_best, needs_input_stats
 from bayesq.tensorfile import file_sha256
 from flows.common import code_version, digest, locked, parser, read_params, write_json
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage, input_lineage
-from flows.params import RobustnessConfig
+from flows.params import Method, RobustnessConfig
 from flows.prepare import (
     calibration_batches,
     calibration_indices,
@@ -70,10 +69,6 @@ from flows.tracking import (
     say,
     write_run_file,
 )
-
-_RTN = {Method.RTN_TENSOR: Granularity.TENSOR, Method.RTN_CHANNEL: Granularity.CHANNEL,
-        Method.RTN_GROUP: Granularity.GROUP}
-
 
 # Sources that only one method's rows run: each row's cache key leaves out the others', so a
 # change to one baseline re-runs only its rows (tests/test_flows.py checks, by profiling every
@@ -102,50 +97,49 @@ def row_code(method: Method) -> str:
     return code_version(exclude=row_excluded(method))
 
 
+# the library config of each baseline row (bayesq.methods): params.yaml's quant and baselines settings
+# (quant, baselines, seed) -> config
+BASELINE_CONFIGS = {
+    Method.RTN_TENSOR: lambda q, b, seed: RTNConfig(Granularity.TENSOR, q),
+    Method.RTN_CHANNEL: lambda q, b, seed: RTNConfig(Granularity.CHANNEL, q),
+    Method.RTN_GROUP: lambda q, b, seed: RTNConfig(Granularity.GROUP, q),
+    Method.ACIQ: lambda q, b, seed: ACIQConfig(quant=q),
+    Method.HAWQ: lambda q, b, seed: HAWQConfig(quant=q, probes=b.hawq_probes, seed=seed),
+    Method.GPTQ: lambda q, b, seed: GPTQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
+                                         act_order=b.gptq_act_order, damp=b.gptq_damp,
+                                         bias_correction=b.bias_correction),
+    Method.AWQ: lambda q, b, seed: AWQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes), grid=b.awq_grid,
+                                       bias_correction=b.bias_correction),
+}
+
+
 def _baseline(method: Method, model, entry, splits, data, calibration, quant, baselines, budget: float,
               seed: int, traces: dict | None, allocation: dict | None = None, stats_file: str | None = None,
-              reference_file: str | None = None):
-    """Quantise with a baseline: (QuantizationResult, record fields).
+              reference_file: str | None = None) -> Outcome:
+    """Quantise with a baseline through :func:`bayesq.methods.quantize_with` (its config from
+    :data:`BASELINE_CONFIGS`), giving it the row's cached inputs.
 
-    GPTQ / AWQ with ``baselines.select``: the variant with the least KL on the selection inputs
-    (:func:`flows.prepare.selection_batches`; the calibration batches their statistics come from
-    when ``calibration.selection: calibration``) (``allocation``, layer -> unit bit-widths, adds GPTQ on
-    it as a candidate; ``baselines.bias_correction`` adds each variant's bias-corrected form;
-    ``stats_file``: their layer-input statistics, computed here when None; ``reference_file``: the FP
-    log-probabilities on the selection draw, :func:`flows.prepare.reference_task`, computed here when
-    None); the fields are ``variant`` (its name), ``variant_kl``, ``variant_bits`` and
-    ``variant_inputs`` (candidate -> calibration KL / true average bits / inputs the KL is a mean
-    over: fewer for a candidate dropped after the first look). Without ``select`` they
-    name the ``mixed`` rule; other baselines add no fields.
+    HAWQ reads ``traces``; RTN and ACIQ nothing. GPTQ / AWQ read the calibration batches and
+    their layer-input statistics (``stats_file``, computed by the handler when None); with
+    ``baselines.select`` they keep the variant with the least KL on the selection inputs
+    (:func:`flows.prepare.selection_batches`; the calibration batches when
+    ``calibration.selection: calibration``) against the FP log-probabilities ``reference_file``
+    (:func:`flows.prepare.reference_task`; computed when None), and ``allocation`` (layer -> unit
+    bit-widths) adds GPTQ on it as a variant. The outcome's ``details`` are ``variant`` (its
+    name), ``variant_kl``, ``variant_bits`` and ``variant_inputs`` (candidate -> KL / true average
+    bits / inputs the KL is a mean over: fewer for a candidate dropped after the first look);
+    without ``select`` they name the ``mixed`` rule; other baselines add none.
     """
-
-    if method in _RTN:
-        return rtn_quantize(model, _RTN[method], budget, quant), {}
-    if method == Method.ACIQ:
-        return aciq_quantize(model, budget, quant), {}
-    if method == Method.HAWQ:
-        return hawq_quantize(model, traces, budget, quant), {}
-    _, batches = calibration_batches(entry, splits, data, calibration, seed)
-    batches = list(batches)  # read by the statistics and by the selection
-    stats = load_stats(Path(stats_file)) if stats_file else input_stats(model, batches, quantizable_layers(model))
-    gptq = dict(act_order=baselines.gptq_act_order, damp=baselines.gptq_damp)
-    if not baselines.select:
-        res = (gptq_quantize(model, stats, Granularity.GROUP, budget, quant, **gptq) if method == Method.GPTQ
-               else awq_quantize(model, stats, budget, quant, grid=baselines.awq_grid))
-        return res, {"variant": "mixed", "variant_kl": {}, "variant_bits": {}, "variant_inputs": {}}
-    selection = selection_batches(entry, splits, data, calibration, seed)
-    reference = load_reference(Path(reference_file)) if reference_file and selection is not None else None
-    if method == Method.GPTQ:
-        choice = gptq_select(model, stats, batches, budget, quant, group_sizes=baselines.group_sizes,
-                             allocation=allocation, bias_correction=baselines.bias_correction,
-                             selection=selection, reference=reference, **gptq)
-    else:
-        choice = awq_select(model, stats, batches, budget, quant, group_sizes=baselines.group_sizes,
-                            grid=baselines.awq_grid, bias_correction=baselines.bias_correction,
-                            selection=selection, reference=reference)
-    return choice.result, {"variant": choice.variant, "variant_kl": dict(choice.kl),
-                           "variant_bits": dict(choice.avg_bits), "variant_inputs": dict(choice.inputs),
-                           "reference_read": reference is not None}
+    config = BASELINE_CONFIGS[method](quant, baselines, seed)
+    if method not in (Method.GPTQ, Method.AWQ):
+        return quantize_with(model, config, budget, Inputs(traces=traces))
+    batches = list(calibration_batches(entry, splits, data, calibration, seed)[1])
+    selection = selection_batches(entry, splits, data, calibration, seed) if baselines.select else None
+    given = reference_file and selection is not None
+    inputs = Inputs(calibration=batches, selection=selection, allocation=allocation,
+                    stats=load_stats(Path(stats_file)) if stats_file else None,
+                    reference=load_reference(Path(reference_file)) if given else None)
+    return quantize_with(model, config, budget, inputs)
 
 
 def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: str | None, seed: int,
@@ -299,13 +293,12 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
                      "distill_accepted": res.accepted, "distill_kl_before": res.kl_before,
                      "distill_kl_after": res.kl_after}
     else:
-        res, variant = _baseline(Method(method), model, entry, splits, data, calibration, quant, baselines,
-                                 budget, seed, traces, allocation, stats_file, reference_file)
-        stats_read = bool(stats_file) and Method(method) in (Method.GPTQ, Method.AWQ)
-        reference_read = variant.pop("reference_read", False)
+        out = _baseline(Method(method), model, entry, splits, data, calibration, quant, baselines,
+                        budget, seed, traces, allocation, stats_file, reference_file)
+        res, stats_read, reference_read = out.result, "stats" in out.read, "reference" in out.read
         qmodel, allocation, qweights = res.model, res.allocation, res.weights
         quant = encoding_config(res, quant)  # the variant's bit set: what its unit headers name
-        extra.update(variant)
+        extra.update(out.details)
     seconds = time.perf_counter() - start
     used = None if Method(method) in DATA_FREE or calibration is None else calibration_indices(entry, splits, calibration, seed)
     meta = {"model": name, "method": method, "budget": str(budget), "seed": str(seed), "code_version": code,

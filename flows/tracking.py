@@ -36,10 +36,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from bayesq.config import Method
 from flows import ROOT
 from flows.common import mlflow_store_lock, read_json, read_params, write_json
 from flows.lineage import _rel, git_commit, run_tags
+from flows.params import Method
 
 EXPORT_ARTIFACT_MAX_BYTES = 8 * 2**20
 

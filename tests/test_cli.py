@@ -318,3 +318,20 @@ def test_ui_walkthrough_in_headless_chromium(tmp_path):
         tasks = _browse(chromium, f"http://127.0.0.1:{pf_port}/runs/flow-run/{flow_id}?tab=Task+Runs",
                         shots / "prefect_tasks.png")
         assert "bayesq tiny-cnn b3.0 s17" in tasks and "posterior tiny-cnn s17" in tasks
+
+
+@pytest.mark.parametrize("method", ["gptq", "rtn-channel"])
+def test_cli_quantize_a_baseline_through_the_registry(tiny_models, one_thread, method):
+    from bayesq.export import load, read_export
+
+    params, out = _params(tiny_models), tiny_models / f"{method}.safetensors"
+    res = runner.invoke(app, ["quantize", "tiny-cnn", "--method", method, "--budget", "4.0", "--out", str(out),
+                              "--params", str(params), "--models", str(tiny_models / "models"), "--raw",
+                              str(tiny_models)])
+    assert res.exit_code == 0, res.output
+    user = read_export(out).user
+    assert user["method"] == method and "fitted in this run" not in user.get("posterior", "")
+    assert ("variant kept:" in res.output) == (method == "gptq")
+    assert load(out)(torch.zeros(2, 1, 8, 8)).shape == (2, 4)
+    res = runner.invoke(app, ["quantize", "tiny-cnn", "--method", "nope", "--out", str(out), "--params", str(params)])
+    assert res.exit_code == 1 and "--method nope: choose one of bayesq, " in res.output and "gptq" in res.output

@@ -6,9 +6,9 @@ import pytest
 import yaml
 
 from bayesq.config import (
-    AllocationConfig, AllocationUnit, BayesQConfig, Codebook, DistillConfig, Method, PosteriorConfig, Proxy,
-    QuantConfig, Rounding, ascending, from_mapping, setting, validate, within,
+    AllocationConfig, AllocationUnit, BayesQConfig, Codebook, DistillConfig, PosteriorConfig, Proxy, QuantConfig, Rounding, ascending, from_mapping, setting, validate, within,
 )
+from flows.params import Method
 from bayesq.corruptions import CORRUPTIONS
 from flows.params import CalibrationConfig, RobustnessConfig, SelectionInputs, load_params
 

@@ -490,7 +490,7 @@ def test_row_cache_keys_leave_out_only_sources_the_row_never_runs(tmp_path, tiny
     live in a source that its cache key leaves out, or a change there would not re-run it."""
     from safetensors.torch import save_model
 
-    from bayesq.config import Method
+    from flows.params import Method
     from bayesq.models.zoo import get_entry
     from flows.common import digest, read_params
     from flows.prepare import PREP_EXCLUDE, prepare
@@ -594,7 +594,8 @@ def test_reference_task_round_trip_vs_reference_log_probs(tmp_path, tiny_entry):
 def test_reprior_task_vs_posterior_task_fit_with_that_prior(tmp_path, tiny_entry):
     from safetensors import safe_open
 
-    from bayesq.config import Method, replace
+    from bayesq.config import replace
+    from flows.params import Method
     from flows.prepare import method_settings, posterior_task, reprior_task
 
     params, entry, model_file, src, args = _tiny_task_inputs(tmp_path)

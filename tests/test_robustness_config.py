@@ -2,7 +2,8 @@
 
 import pytest
 
-from bayesq.config import DistillConfig, Method
+from bayesq.config import DistillConfig
+from flows.params import Method
 from bayesq.corruptions import CORRUPTIONS
 from flows.params import RobustnessConfig, load_params
 

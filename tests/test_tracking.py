@@ -7,7 +7,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bayesq.config import Curvature, Method, Rounding
+from bayesq.config import Curvature, Rounding
+from flows.params import Method
 from flows.params import load_params
 from flows.prepare import method_settings
 from flows.tracking import (

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -27,6 +28,7 @@ from bayesq.blocks import checked_layers, layer_blocks
 from bayesq.codebook import UniformGrids, grids_from_range
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import rtn_table
+from bayesq.methods import Inputs, Outcome, register
 from bayesq.quantize import allocate, encode
 from bayesq.result import QuantizationResult, baseline_result
 
@@ -73,3 +75,18 @@ def aciq_quantize(
     allocation = allocate(table, budget)
     qweights = encode(table, allocation, weights)
     return baseline_result(model, layers, qweights, allocation, table, exclude)
+
+
+@dataclass(frozen=True)
+class ACIQConfig:
+    """Analytical clipping (:func:`aciq_quantize`) at ``granularity``."""
+
+    granularity: Granularity = Granularity.CHANNEL
+    quant: QuantConfig = field(default_factory=QuantConfig)
+
+
+@register(ACIQConfig)
+def aciq_method(model: nn.Module, config: ACIQConfig, budget: float, inputs: Inputs) -> Outcome:
+    """:func:`aciq_quantize` (data-free: reads nothing of ``inputs`` but ``exclude``)."""
+    return Outcome(aciq_quantize(model, budget, config.quant, granularity=config.granularity,
+                                 exclude=tuple(inputs.exclude)))

@@ -26,7 +26,7 @@ size that fits, the stored scales counted in every variant (:mod:`bayesq.baselin
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable, Iterable, Sequence
 
@@ -35,14 +35,15 @@ from torch import nn
 
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.select import (
-    GROUP_SIZES, BaselineChoice, baseline_blocks, check_feasible, cheapest_bits, mixed_min_bits, select_best,
-    stats_correction, uniform_variants,
+    GROUP_SIZES, BaselineChoice, baseline_blocks, check_feasible, cheapest_bits, choice_outcome, mixed_min_bits,
+    mixed_outcome, select_best, stats_correction, stats_of, uniform_variants,
 )
 from bayesq.blocks import LayerBlocks, checked_layers
 from bayesq.codebook import minmax_grids
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch
+from bayesq.methods import Inputs, Outcome, register
 from bayesq.quantize import allocate, encode
 from bayesq.result import QuantizationResult, baseline_result
 from bayesq.storage import budget_bits
@@ -224,3 +225,31 @@ def awq_select(
     batches = list(batches)  # read by the correction's target search and by the selection
     correction = stats_correction(model, stats, batches) if bias_correction else None
     return select_best(cands, model, batches if selection is None else selection, correction, reference)
+
+
+@dataclass(frozen=True)
+class AWQConfig:
+    """AWQ (:func:`awq_quantize`, ``grid`` scale exponents searched); with ``select`` the variant
+    of :func:`awq_select` with the least KL on the selection inputs, else the ``mixed`` rule."""
+
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    granularity: Granularity = Granularity.GROUP
+    select: bool = True
+    group_sizes: tuple[int, ...] = GROUP_SIZES
+    grid: int = GRID
+    bias_correction: bool = False
+
+
+@register(AWQConfig)
+def awq_method(model: nn.Module, config: AWQConfig, budget: float, inputs: Inputs) -> Outcome:
+    """AWQ from ``inputs.stats`` (else computed from the calibration batches), selection as
+    :func:`bayesq.baselines.gptq.gptq_method` (no allocation variant)."""
+    batches, stats = stats_of(model, inputs, "AWQ")
+    exclude = tuple(inputs.exclude)
+    if not config.select:
+        return mixed_outcome(awq_quantize(model, stats, budget, config.quant, granularity=config.granularity,
+                                          grid=config.grid, exclude=exclude), inputs)
+    choice = awq_select(model, stats, batches, budget, config.quant, granularity=config.granularity,
+                        group_sizes=config.group_sizes, grid=config.grid, bias_correction=config.bias_correction,
+                        selection=inputs.selection, reference=inputs.reference, exclude=exclude)
+    return choice_outcome(choice, inputs)

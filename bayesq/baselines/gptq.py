@@ -24,6 +24,7 @@ an externally supplied allocation (:mod:`bayesq.baselines.select`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -32,14 +33,15 @@ from torch import nn
 
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.select import (
-    GROUP_SIZES, BaselineChoice, baseline_blocks, check_feasible, cheapest_bits, given_allocation,
-    mixed_min_bits, select_best, stats_correction, uniform_variants,
+    GROUP_SIZES, BaselineChoice, baseline_blocks, check_feasible, cheapest_bits, choice_outcome, given_allocation,
+    mixed_min_bits, mixed_outcome, select_best, stats_correction, stats_of, uniform_variants,
 )
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.config import Granularity, QuantConfig, Rounding
 from bayesq.error_feedback import damped_metric
 from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch
+from bayesq.methods import Inputs, Outcome, register
 from bayesq.quantize import allocate, encode
 from bayesq.result import Allocation, QuantizationResult, baseline_result
 from bayesq.storage import budget_bits
@@ -182,3 +184,34 @@ def gptq_select(
     batches = list(batches)  # read by the correction's target search and by the selection
     correction = stats_correction(model, stats, batches) if bias_correction else None
     return select_best(cands, model, batches if selection is None else selection, correction, reference)
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    """GPTQ (:func:`gptq_quantize`); with ``select`` the variant of :func:`gptq_select` with the
+    least KL on the selection inputs (``group_sizes`` its uniform layouts; ``bias_correction``:
+    each variant also bias-corrected), else the ``mixed`` rule at ``granularity``."""
+
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    granularity: Granularity = Granularity.GROUP
+    select: bool = True
+    group_sizes: tuple[int, ...] = GROUP_SIZES
+    act_order: bool = True
+    damp: float = DAMP
+    bias_correction: bool = False
+
+
+@register(GPTQConfig)
+def gptq_method(model: nn.Module, config: GPTQConfig, budget: float, inputs: Inputs) -> Outcome:
+    """GPTQ from ``inputs.stats`` (else computed from the calibration batches); with
+    ``config.select``, ``inputs.allocation`` is one more variant and the variants are scored on
+    ``inputs.selection`` (else the calibration batches) against ``inputs.reference`` when given."""
+    batches, stats = stats_of(model, inputs, "GPTQ")
+    opts = dict(act_order=config.act_order, damp=config.damp, exclude=tuple(inputs.exclude))
+    if not config.select:
+        return mixed_outcome(gptq_quantize(model, stats, config.granularity, budget, config.quant, **opts), inputs)
+    choice = gptq_select(model, stats, batches, budget, config.quant, granularity=config.granularity,
+                         group_sizes=config.group_sizes, allocation=inputs.allocation,
+                         bias_correction=config.bias_correction, selection=inputs.selection,
+                         reference=inputs.reference, **opts)
+    return choice_outcome(choice, inputs)

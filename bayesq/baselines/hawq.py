@@ -15,6 +15,7 @@ knapsack on ``Omega`` under the same budget and the same exact storage accountin
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
@@ -25,6 +26,7 @@ from bayesq.config import QuantConfig
 from bayesq.curvature.hutchinson import hutchinson_diagonal
 from bayesq.expected_loss import rtn_table
 from bayesq.forward import Batch
+from bayesq.methods import Inputs, Outcome, read, register
 from bayesq.quantize import allocate, encode
 from bayesq.result import QuantizationResult, baseline_result
 
@@ -64,3 +66,27 @@ def hawq_quantize(
     allocation = allocate(table, budget)
     qweights = encode(table, allocation, weights)
     return baseline_result(model, layers, qweights, allocation, table, exclude)
+
+
+@dataclass(frozen=True)
+class HAWQConfig:
+    """HAWQ-style allocation from Hessian traces (:func:`hawq_quantize`); ``probes``
+    Hutchinson probes per batch and ``seed`` when the traces are computed
+    (:func:`hessian_traces`)."""
+
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    probes: int = 16
+    seed: int = 0
+
+
+@register(HAWQConfig)
+def hawq_method(model: nn.Module, config: HAWQConfig, budget: float, inputs: Inputs) -> Outcome:
+    """:func:`hawq_quantize` on ``inputs.traces``, else on :func:`hessian_traces` of the
+    calibration batches."""
+    exclude = tuple(inputs.exclude)
+    traces = inputs.traces
+    if traces is None:
+        traces = hessian_traces(model, inputs.need_calibration("HAWQ"), probes=config.probes, seed=config.seed,
+                                exclude=exclude)
+    return Outcome(hawq_quantize(model, dict(traces), budget, config.quant, exclude=exclude), {},
+                   read(inputs, "traces"))

@@ -8,12 +8,14 @@ weights, whole tensors for per-tensor grids), under the same exact storage accou
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import rtn_table
+from bayesq.methods import Inputs, Outcome, register
 from bayesq.quantize import allocate, encode
 from bayesq.result import QuantizationResult, baseline_result
 
@@ -41,3 +43,17 @@ def rtn_quantize(
     allocation = allocate(table, budget)
     qweights = encode(table, allocation, weights)
     return baseline_result(model, layers, qweights, allocation, table, exclude)
+
+
+@dataclass(frozen=True)
+class RTNConfig:
+    """Round-to-nearest on min/max grids at ``granularity`` (:func:`rtn_quantize`)."""
+
+    granularity: Granularity = Granularity.CHANNEL
+    quant: QuantConfig = field(default_factory=QuantConfig)
+
+
+@register(RTNConfig)
+def rtn_method(model: nn.Module, config: RTNConfig, budget: float, inputs: Inputs) -> Outcome:
+    """:func:`rtn_quantize` (data-free: reads nothing of ``inputs`` but ``exclude``)."""
+    return Outcome(rtn_quantize(model, config.granularity, budget, config.quant, exclude=tuple(inputs.exclude)))

@@ -37,15 +37,16 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from bayesq.baselines.activations import InputStats
+from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.rtn import rtn_blocks
 from bayesq.bias_correction import BiasCorrection
-from bayesq.blocks import LayerBlocks, layer_blocks
+from bayesq.blocks import LayerBlocks, layer_blocks, quantizable_layers
 from bayesq.config import Granularity, QuantConfig
 from bayesq.comparison import paired_difference
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch
+from bayesq.methods import Inputs, Outcome, read
 from bayesq.quantize import selection_looks
 from bayesq.result import Allocation, QuantizationResult
 from bayesq.storage import budget_bits, unit_cost_bits
@@ -315,3 +316,27 @@ def _resolved_worse(losses: torch.Tensor, best: torch.Tensor) -> bool:
     if not bool(torch.isfinite(losses).all()):
         return True
     return paired_difference(losses, best).ci_low > 0
+
+
+def stats_of(model: nn.Module, inputs: Inputs, method: str) -> tuple[list[Batch], Mapping[str, InputStats]]:
+    """(calibration batches, layer-input statistics) a statistics-reading baseline's handler
+    works from: ``inputs.stats`` when given, else :func:`input_stats` on the calibration batches."""
+    batches = inputs.need_calibration(method)
+    if inputs.stats is not None:
+        return batches, inputs.stats
+    return batches, input_stats(model, batches, quantizable_layers(model, tuple(inputs.exclude)))
+
+
+def choice_outcome(choice: BaselineChoice, inputs: Inputs) -> Outcome:
+    """A selecting baseline's :class:`~bayesq.methods.Outcome`: the kept variant and, in
+    ``details``, ``variant`` / ``variant_kl`` / ``variant_bits`` / ``variant_inputs``."""
+    details = {"variant": choice.variant, "variant_kl": dict(choice.kl), "variant_bits": dict(choice.avg_bits),
+               "variant_inputs": dict(choice.inputs)}
+    return Outcome(choice.result, details, read(inputs, "stats", "reference"))
+
+
+def mixed_outcome(result: QuantizationResult, inputs: Inputs) -> Outcome:
+    """A statistics-reading baseline's :class:`~bayesq.methods.Outcome` without a selection:
+    the ``mixed`` rule's result."""
+    details = {"variant": "mixed", "variant_kl": {}, "variant_bits": {}, "variant_inputs": {}}
+    return Outcome(result, details, read(inputs, "stats"))

@@ -1,0 +1,96 @@
+import pytest
+import torch
+from torch import nn
+
+import bayesq
+from bayesq.baselines.aciq import ACIQConfig
+from bayesq.baselines.activations import input_stats
+from bayesq.baselines.awq import AWQConfig
+from bayesq.baselines.gptq import GPTQConfig, gptq_select
+from bayesq.baselines.hawq import HAWQConfig
+from bayesq.baselines.rtn import RTNConfig
+from bayesq.blocks import quantizable_layers
+from bayesq.config import BayesQConfig, DistillConfig, Granularity, QuantConfig
+from flows.params import Method
+from bayesq.methods import Inputs, quantize_with, register, registered
+
+Q = QuantConfig(group_size=32, unit_groups=2)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 6 * 6, 32),
+                         nn.ReLU(), nn.Linear(32, 10))
+
+
+def _batches(n=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(8, 3, 6, 6, generator=g) for _ in range(n)]
+
+
+CONFIGS = [
+    RTNConfig(Granularity.CHANNEL, Q), RTNConfig(Granularity.GROUP, Q), ACIQConfig(quant=Q),
+    HAWQConfig(quant=Q, probes=2), GPTQConfig(Q, select=False), GPTQConfig(Q, group_sizes=(32,)),
+    AWQConfig(Q, select=False, grid=4), AWQConfig(Q, group_sizes=(32,), grid=4),
+    BayesQConfig(quant=Q, distill=DistillConfig(max_budget=0)),
+]
+
+
+def test_registry_covers_every_method_config():
+    assert {type(c) for c in CONFIGS} == set(registered())
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{type(c).__name__}")
+def test_quantize_with_every_method_meets_the_budget_and_leaves_the_model(config):
+    model, batches = _model(), _batches()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = quantize_with(model, config, 4.0, Inputs(calibration=batches, selection=_batches(2, seed=2)))
+    assert out.result.average_bits <= 4.0
+    assert set(out.result.weights) == set(quantizable_layers(model))
+    assert out.result.model(batches[0]).shape == (8, 10)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_gptq_method_vs_gptq_select():
+    """The handler is gptq_select on the given statistics, and says it read them."""
+    model, batches, sel = _model(), _batches(), _batches(2, seed=2)
+    stats = input_stats(model, batches, quantizable_layers(model))
+    out = quantize_with(model, GPTQConfig(Q, group_sizes=(32,)), 3.0, Inputs(calibration=batches, selection=sel,
+                                                                             stats=stats))
+    want = gptq_select(model, stats, batches, 3.0, Q, group_sizes=(32,), selection=sel)
+    assert out.details["variant"] == want.variant and out.details["variant_kl"] == want.kl
+    assert out.read == {"stats"}
+    for name, qw in want.result.weights.items():
+        assert torch.equal(out.result.weights[name].codes, qw.codes)
+    assert quantize_with(model, GPTQConfig(Q, group_sizes=(32,)), 3.0, Inputs(calibration=batches)).read == set()
+
+
+def test_quantize_with_an_unregistered_config_names_the_registered_ones():
+    class Unknown:
+        pass
+
+    with pytest.raises(TypeError, match="no quantisation method is registered for Unknown: pass one of .*GPTQConfig"):
+        quantize_with(_model(), Unknown(), 3.0)
+
+
+def test_quantize_with_no_calibration_names_the_method():
+    with pytest.raises(ValueError, match="GPTQ reads calibration inputs"):
+        quantize_with(_model(), GPTQConfig(Q), 3.0, Inputs())
+    with pytest.raises(ValueError, match="HAWQ reads calibration inputs"):
+        quantize_with(_model(), HAWQConfig(Q), 3.0, Inputs(calibration=[]))
+
+
+def test_register_refuses_a_second_handler_for_one_config():
+    with pytest.raises(ValueError, match="GPTQConfig already has a handler"):
+        register(GPTQConfig)(lambda model, config, budget, inputs: None)
+
+
+def test_pipeline_runs_every_baseline_through_the_registry():
+    from flows.params import BaselinesConfig
+    from flows.quantize import BASELINE_CONFIGS
+
+    bayesq_rows = {Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER}
+    assert set(BASELINE_CONFIGS) == set(Method) - bayesq_rows
+    for make in BASELINE_CONFIGS.values():
+        assert type(make(Q, BaselinesConfig(), 0)) in registered()
+    assert bayesq.quantize_with is quantize_with
