@@ -585,3 +585,48 @@ def dp_allocate(
         choice[b] = int(js[i])
         i = int(prev[i])
     return choice
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One allocation problem, what every allocator of :data:`ALLOCATORS` reads.
+
+    Attributes:
+        losses, costs: per block, each candidate's expected loss and exact bits (strictly
+            ascending costs); lists (ragged allowed) or (n, K) arrays.
+        budget: total bits allowed.
+        penalty: budget regularisation lambda >= 0 (loss per bit; see :func:`greedy_allocate`).
+        density_costs: the greedy's latency-aware density costs (None: storage bits).
+        layer, bits: each block's layer index and candidates' bit-widths (the hardware-aware greedy).
+        tolerance: the hardware-aware greedy's near-tie window ``eta``.
+        seed: the random control's seed.
+    """
+
+    losses: Table
+    costs: Table
+    budget: float
+    penalty: float = 0.0
+    density_costs: Table | None = None
+    layer: Sequence[int] | None = None
+    bits: Table | None = None
+    tolerance: float = 0.01
+    seed: int = 0
+
+
+def _hw(p: Problem) -> list[int]:
+    if p.layer is None or p.bits is None:
+        raise ValueError("the hardware-aware greedy needs each block's layer and candidate bit-widths "
+                         "(Problem.layer, Problem.bits)")
+    return hw_greedy_allocate(p.losses, p.costs, p.budget, layer=p.layer, bits=p.bits, eta=p.tolerance,
+                              penalty=p.penalty)
+
+
+# allocator name (bayesq.config.Allocator values) -> Problem -> one candidate index per block, within budget
+ALLOCATORS = {
+    "greedy": lambda p: greedy_allocate(p.losses, p.costs, p.budget, density_costs=p.density_costs,
+                                        penalty=p.penalty),
+    "greedy-hw": _hw,
+    "dp": lambda p: dp_allocate(p.losses, p.costs, p.budget, penalty=p.penalty),
+    "lagrangian": lambda p: lagrangian_allocate(p.losses, p.costs, p.budget, penalty=p.penalty),
+    "random": lambda p: random_allocate(p.costs, p.budget, seed=p.seed),
+}

@@ -32,8 +32,9 @@ The cost of a weight error d is the expected increase of the task loss, ``0.5 d^
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, ClassVar, Iterable
 
 import torch
 from scipy.optimize import brentq
@@ -289,7 +290,99 @@ def fit_kfac_posterior(
                      prior_precision=prior, input_moment=moment)
 
 
-ROWS_IN_PASS = (Curvature.FISHER, Curvature.EMPIRICAL_FISHER)  # curvatures whose pass can report the layer inputs
+class CurvatureBackend(ABC):
+    """One estimator of the data curvature of the layers' weights, turned into a :class:`Posterior`
+    (the laplace-torch pattern: one class per backend, one call shape). Registered in
+    :data:`CURVATURES` under its :class:`~bayesq.config.Curvature`.
+
+    ``rows_in_pass``: its calibration pass can also hand each layer's input rows to an
+    ``on_rows(name, rows)`` callback (as :func:`forward_inputs` does), so one pass also gives
+    the layer-input statistics."""
+
+    rows_in_pass: ClassVar[bool] = False
+
+    @abstractmethod
+    def fit(self, model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module],
+            cfg: PosteriorConfig, *, seed: int, progress: bool,
+            on_rows: Callable[[str, torch.Tensor], None] | None) -> Posterior:
+        """The posterior of ``layers``' weights from ``calibration`` (unlabelled batches)."""
+
+
+class DiagonalCurvature(CurvatureBackend):
+    """Backends that estimate ``sum_n diag C_n`` (a sum over examples, so the batches are
+    regrouped by length first, :func:`bayesq.forward.by_length`), then
+    :func:`fit_diagonal_posterior`. ``indefinite``: the estimate can be negative (Hessian probes)."""
+
+    indefinite: ClassVar[bool] = False
+
+    @abstractmethod
+    def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows) -> tuple[dict[str, torch.Tensor], int]:
+        """(name -> float64 sum over inputs of the curvature diagonal, shaped like the weight; inputs seen)."""
+
+    def fit(self, model, calibration, layers, cfg, *, seed, progress, on_rows):
+        diag, n = self.diagonal(model, by_length(calibration), layers, cfg, seed, progress, on_rows)
+        weights = {name: m.weight for name, m in layers.items()}
+        return fit_diagonal_posterior(diag, n, weights, cfg, indefinite=self.indefinite)
+
+
+class FisherCurvature(DiagonalCurvature):
+    """Sampled-label Fisher diagonal (``cfg.label_samples`` labels per input from the model's own
+    predictive), :func:`bayesq.curvature.fisher.fisher_diagonal`."""
+
+    rows_in_pass = True
+
+    def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows):
+        return fisher_diagonal(model, calibration, layers, label_samples=cfg.label_samples, seed=seed,
+                               progress=progress, on_rows=on_rows)
+
+
+class EmpiricalFisherCurvature(DiagonalCurvature):
+    """Squared gradients at the model's argmax labels,
+    :func:`bayesq.curvature.fisher.empirical_fisher_diagonal`."""
+
+    rows_in_pass = True
+
+    def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows):
+        return empirical_fisher_diagonal(model, calibration, layers, progress=progress, on_rows=on_rows)
+
+
+class HutchinsonCurvature(DiagonalCurvature):
+    """Rademacher-probe diagonal of the Hessian (``kind = "hessian"``, possibly negative) or of the
+    GGN (``"ggn"``), ``cfg.probes`` probes per batch, :func:`bayesq.curvature.hutchinson.hutchinson_diagonal`."""
+
+    indefinite = True  # a probe estimate of a diagonal can come out negative (Hessian or GGN)
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows):
+        return hutchinson_diagonal(model, calibration, layers, probes=cfg.probes, curvature=self.kind, seed=seed,
+                                   progress=progress)
+
+
+class KroneckerCurvature(CurvatureBackend):
+    """K-FAC factors (EMA ``cfg.kfac_decay``, read in batch order), then
+    :func:`fit_kfac_posterior`; ``lowrank``: the factors truncated to low rank."""
+
+    def __init__(self, lowrank: bool = False):
+        self.lowrank = lowrank
+
+    def fit(self, model, calibration, layers, cfg, *, seed, progress, on_rows):
+        decay = cfg.kfac_decay if cfg.kfac_decay < 1 else None
+        factors = kfac_factors(model, calibration, layers, decay=decay, label_samples=cfg.label_samples,
+                               seed=seed, progress=progress)
+        return fit_kfac_posterior(factors, {name: m.weight for name, m in layers.items()}, cfg, lowrank=self.lowrank)
+
+
+CURVATURES: dict[Curvature, CurvatureBackend] = {
+    Curvature.FISHER: FisherCurvature(),
+    Curvature.EMPIRICAL_FISHER: EmpiricalFisherCurvature(),
+    Curvature.HUTCHINSON_HESSIAN: HutchinsonCurvature("hessian"),
+    Curvature.HUTCHINSON_GGN: HutchinsonCurvature("ggn"),
+    Curvature.KFAC: KroneckerCurvature(),
+    Curvature.LOWRANK: KroneckerCurvature(lowrank=True),
+}
+ROWS_IN_PASS = tuple(c for c, backend in CURVATURES.items() if backend.rows_in_pass)  # passes that report layer inputs
 
 
 def fit_posterior(
@@ -302,38 +395,22 @@ def fit_posterior(
     progress: bool = True,
     on_rows: Callable[[str, torch.Tensor], None] | None = None,
 ) -> Posterior:
-    """Label-free posterior of ``layers``' weights with the curvature ``cfg.curvature``.
+    """Label-free posterior of ``layers``' weights with the backend :data:`CURVATURES` holds for
+    ``cfg.curvature``.
 
     fisher: sampled-label Fisher diagonal; empirical-fisher: squared gradients at the model's
     argmax labels; hutchinson-hessian / -ggn: Rademacher probes (``cfg.probes`` per batch);
     kfac / lowrank: Kronecker factors with EMA ``cfg.kfac_decay``. No dataset labels are read.
-    The diagonal estimators read the batches regrouped by length (:func:`bayesq.forward.by_length`).
-    ``on_rows``: with a Fisher curvature (``fisher``, ``empirical-fisher``, :data:`ROWS_IN_PASS`),
-    called with each layer's input rows per batch of the same pass, as
-    :func:`forward_inputs` calls it (so one pass also gives the layer-input statistics); with any
-    other curvature a ValueError.
+    ``on_rows``: with a backend whose pass reports the layer inputs (:data:`ROWS_IN_PASS`),
+    called with each layer's input rows per batch of the same pass, as :func:`forward_inputs`
+    calls it (so one pass also gives the layer-input statistics); with any other a ValueError.
     """
-    weights = {name: m.weight for name, m in layers.items()}
     curv = Curvature(cfg.curvature)
-    if on_rows is not None and curv not in ROWS_IN_PASS:
+    backend = CURVATURES[curv]
+    if on_rows is not None and not backend.rows_in_pass:
         raise ValueError(f"on_rows needs a Fisher curvature pass ({', '.join(c.value for c in ROWS_IN_PASS)}), not "
                          f"'{curv.value}': take the layer inputs with forward_inputs instead")
-    if curv in (Curvature.KFAC, Curvature.LOWRANK):
-        decay = cfg.kfac_decay if cfg.kfac_decay < 1 else None
-        factors = kfac_factors(model, calibration, layers, decay=decay, label_samples=cfg.label_samples,
-                               seed=seed, progress=progress)
-        return fit_kfac_posterior(factors, weights, cfg, lowrank=curv == Curvature.LOWRANK)
-    calibration = by_length(calibration)  # a sum over examples: the batching is free (K-FAC's EMA is not)
-    if curv == Curvature.FISHER:
-        fisher, n = fisher_diagonal(model, calibration, layers, label_samples=cfg.label_samples,
-                                    seed=seed, progress=progress, on_rows=on_rows)
-    elif curv == Curvature.EMPIRICAL_FISHER:
-        fisher, n = empirical_fisher_diagonal(model, calibration, layers, progress=progress, on_rows=on_rows)
-    else:
-        kind = "hessian" if curv == Curvature.HUTCHINSON_HESSIAN else "ggn"
-        fisher, n = hutchinson_diagonal(model, calibration, layers, probes=cfg.probes, curvature=kind,
-                                        seed=seed, progress=progress)
-    return fit_diagonal_posterior(fisher, n, weights, cfg, indefinite=curv.value.startswith("hutchinson"))
+    return backend.fit(model, calibration, layers, cfg, seed=seed, progress=progress, on_rows=on_rows)
 
 
 def forward_inputs(

@@ -17,9 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from bayesq.allocation import (
-    dp_allocate, greedy_allocate, hw_greedy_allocate, lagrangian_allocate, random_allocate,
-)
+from bayesq.allocation import ALLOCATORS, Problem
 from bayesq.baselines.activations import InputStats, StatsSums, input_stats
 from bayesq.bias_correction import BiasCorrection
 from bayesq.blocks import (
@@ -132,25 +130,15 @@ def allocate(table: LossTable, avg_bits: float, cfg: AllocationConfig = Allocati
     n_unit = np.concatenate([[n for n, _ in t.blocks.unit_sizes()] for t in table.layers]).astype(np.float64)
     tables = (loss, cost, bits, _latency_costs(cost, bits, n_unit, cfg.unaligned_penalty))
     L, C, B, T = tables if regular else _ragged(order, *tables)
-    alg = Allocator(cfg.allocator)
-    if alg == Allocator.GREEDY:
-        dens = T if cfg.latency else None
-        try:
-            pick = greedy_allocate(L, C, budget, density_costs=dens, penalty=penalty)
-        except ValueError as err:
-            if cfg.latency and "density_costs" in str(err):
-                raise ValueError(f"allocation.unaligned_penalty = {cfg.unaligned_penalty}: the predicted kernel "
-                                 "time must grow with the bit-width; lower it (below 1/3 for bits 3 and 4)") from None
-            raise
-    elif alg == Allocator.GREEDY_HW:
-        pick = hw_greedy_allocate(L, C, budget, layer=layer.tolist(), bits=B if not regular else B.tolist(),
-                                  eta=cfg.hw_tolerance, penalty=penalty)
-    elif alg == Allocator.DP:
-        pick = dp_allocate(L, C, budget, penalty=penalty)
-    elif alg == Allocator.LAGRANGIAN:
-        pick = lagrangian_allocate(L, C, budget, penalty=penalty)
-    else:
-        pick = random_allocate(C, budget, seed=seed)
+    problem = Problem(L, C, budget, penalty, density_costs=T if cfg.latency else None, layer=layer.tolist(),
+                      bits=B if not regular else B.tolist(), tolerance=cfg.hw_tolerance, seed=seed)
+    try:
+        pick = ALLOCATORS[Allocator(cfg.allocator).value](problem)
+    except ValueError as err:
+        if cfg.latency and "density_costs" in str(err):
+            raise ValueError(f"allocation.unaligned_penalty = {cfg.unaligned_penalty}: the predicted kernel "
+                             "time must grow with the bit-width; lower it (below 1/3 for bits 3 and 4)") from None
+        raise
     col = np.asarray(pick) if regular else np.array([o[j] for o, j in zip(order, pick)])
     rows = np.arange(col.size)
     chosen = bits[rows, col]

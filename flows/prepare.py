@@ -23,7 +23,7 @@ from bayesq.data.sentiment import seeded_permutation
 from bayesq.evaluation import reference_log_probs
 from bayesq.forward import by_length
 from bayesq.models.zoo import _take, get_entry
-from bayesq.posterior import Posterior, fit_diagonal_posterior
+from bayesq.posterior import CURVATURES, DiagonalCurvature, Posterior, fit_diagonal_posterior
 from bayesq.quantize import build_table, candidate_tables, ef_column_metric, first_look_inputs, fit_posterior
 from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import CACHE, code_version, digest
@@ -32,7 +32,7 @@ from flows.params import CalibrationConfig, Method, SelectionInputs
 from flows.timings import plain_call
 
 # curvatures whose posterior is the saved curvature diagonal under a prior (reprior_task can refit it)
-DIAGONAL = (Curvature.FISHER, Curvature.EMPIRICAL_FISHER, Curvature.HUTCHINSON_HESSIAN, Curvature.HUTCHINSON_GGN)
+DIAGONAL = tuple(c for c, backend in CURVATURES.items() if isinstance(backend, DiagonalCurvature))
 
 # sources the preparation tasks do not run (a new file elsewhere is included by default)
 PREP_EXCLUDE = ("bayesq/export.py", "bayesq/qlayers.py", "bayesq/kernels", "flows/quantize.py", "flows/ablate.py",

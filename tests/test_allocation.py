@@ -617,3 +617,31 @@ def test_allocators_reject_negative_penalty():
                lambda **k: hw_greedy_allocate([[1, 0]], [[1, 2]], 2, layer=[0], bits=[[2, 3]], **k)):
         with pytest.raises(ValueError, match="penalty must be a finite number >= 0"):
             fn(penalty=-1.0)
+
+
+def test_allocators_one_signature_vs_direct_calls():
+    """Every allocator of the config is called as ALLOCATORS[name](Problem) and gives what the
+    function gives when called directly."""
+    from bayesq.allocation import ALLOCATORS, Problem
+    from bayesq.config import Allocator
+
+    assert set(ALLOCATORS) == {a.value for a in Allocator}
+    rng = np.random.default_rng(5)
+    loss = np.sort(rng.random((12, 4)), axis=1)[:, ::-1].copy()
+    cost = np.cumsum(rng.integers(5, 20, (12, 4)), axis=1).astype(float)
+    bits = [[2, 3, 4, 8]] * 12
+    layer = [i // 4 for i in range(12)]
+    budget = float(cost[:, 1].sum())
+    p = Problem(loss, cost, budget, layer=layer, bits=bits, tolerance=0.05, seed=3)
+    direct = {
+        "greedy": greedy_allocate(loss, cost, budget),
+        "greedy-hw": hw_greedy_allocate(loss, cost, budget, layer=layer, bits=bits, eta=0.05),
+        "dp": dp_allocate(loss, cost, budget),
+        "lagrangian": lagrangian_allocate(loss, cost, budget),
+        "random": random_allocate(cost, budget, seed=3),
+    }
+    for name, pick in direct.items():
+        assert ALLOCATORS[name](p) == pick, name
+        assert sum(cost[i, j] for i, j in enumerate(pick)) <= budget
+    with pytest.raises(ValueError, match="needs each block's layer"):
+        ALLOCATORS["greedy-hw"](Problem(loss, cost, budget))

@@ -156,6 +156,29 @@ def test_fit_posterior_dispatch_vs_estimator_called_directly(curvature):
         assert torch.allclose(post.variance[k], ref.variance[k], rtol=1e-12)
 
 
+def test_curvature_backends_cover_every_curvature_and_a_new_one_is_one_class(monkeypatch):
+    """fit_posterior dispatches through CURVATURES only: a toy diagonal backend put in the
+    registry is what it fits with, and its rows_in_pass flag decides whether on_rows is accepted."""
+    from bayesq.posterior import CURVATURES, ROWS_IN_PASS, DiagonalCurvature
+
+    assert set(CURVATURES) == set(Curvature)
+    assert set(ROWS_IN_PASS) == {Curvature.FISHER, Curvature.EMPIRICAL_FISHER}
+
+    class Constant(DiagonalCurvature):  # curvature 2 per input and weight
+        def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows):
+            n = sum(len(b) for b in calibration)
+            return {k: torch.full_like(m.weight, 2.0 * n, dtype=torch.float64) for k, m in layers.items()}, n
+
+    monkeypatch.setitem(CURVATURES, Curvature.FISHER, Constant())
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    batches = [torch.randn(5, 4, dtype=torch.float64) for _ in range(2)]
+    cfg = PosteriorConfig(prior="fixed", damping=0.5, small_calibration=0)
+    post = fit_posterior(model, batches, {"0": model[0]}, cfg, progress=False)
+    torch.testing.assert_close(post.variance["0"], torch.full((3, 4), 1 / (20.0 + 0.5), dtype=torch.float64))
+    with pytest.raises(ValueError, match="on_rows needs a Fisher curvature pass"):
+        fit_posterior(model, batches, {"0": model[0]}, cfg, progress=False, on_rows=lambda name, rows: None)
+
+
 # --- prior precision fitted by the Laplace marginal likelihood (MacKay) ---------------------------
 
 from bayesq.posterior import LAMBDA_RANGE, Posterior, fit_prior_precision, log_evidence  # noqa: E402
