@@ -13,7 +13,7 @@ as it came (modes, ``requires_grad``, ``.grad``).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -44,6 +44,43 @@ def call(model: nn.Module, batch: Batch) -> Any:
     """``model``'s output on ``batch`` (a mapping is passed as keyword arguments): a forward pass
     whose output is not read (the hooks of a statistics pass)."""
     return model(**batch) if isinstance(batch, Mapping) else model(batch)
+
+
+@contextmanager
+def layer_calls(
+    model: nn.Module, layers: Mapping[str, nn.Module],
+    on_call: Callable[[str, nn.Module, torch.Tensor, torch.Tensor], None], *, weights_require_grad: bool = False,
+) -> Iterator[None]:
+    """The one hook harness of the statistics and curvature passes.
+
+    Inside it every call of a module in ``layers`` runs ``on_call(name, module, input, output)``
+    (``input``: its first positional input; ``output``: its output, still in the autograd graph),
+    and the model is in eval mode (no dropout, batch-norm statistics frozen, so examples do not
+    interact). ``weights_require_grad``: the layers' weights require grad inside, so their
+    outputs join the autograd graph even when the user froze them (a curvature pass
+    differentiates the outputs). On exit the hooks are removed and the model's training flag and
+    the weights' ``requires_grad`` are as they were.
+    """
+    def hook(name: str):
+        def fn(mod, inputs, output):
+            on_call(name, mod, inputs[0], output)
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
+    needs_grad = {n: m.weight.requires_grad for n, m in layers.items()}
+    was_training = model.training
+    try:
+        if weights_require_grad:
+            for m in layers.values():
+                m.weight.requires_grad_(True)
+        model.eval()
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for n, m in layers.items():
+            m.weight.requires_grad_(needs_grad[n])
+        model.train(was_training)
 
 
 def logits(model: nn.Module, batch: Batch) -> torch.Tensor:

@@ -47,7 +47,7 @@ from bayesq.curvature.hutchinson import hutchinson_diagonal
 from bayesq.curvature.kfac import KFACFactors, damped, kfac_diagonal, kfac_factors
 from bayesq.curvature.lowrank import truncate
 from bayesq.curvature.patches import input_rows
-from bayesq.forward import Batch, batch_size, by_length, call
+from bayesq.forward import Batch, batch_size, by_length, call, layer_calls
 
 BACKOFF = 3.0
 MAX_BACKOFFS = 8
@@ -430,29 +430,20 @@ def forward_inputs(
     """
     last: list = [None, None]  # the last Linear input tensor seen and its rows
 
-    def hook(name: str):
-        def fn(mod, inputs, output):
-            if isinstance(mod, nn.Linear) and last[0] is inputs[0]:
-                rows = last[1]
-            else:
-                rows = input_rows(mod, inputs[0].detach(), output.shape, widen=False)
-                last[:] = (inputs[0], rows) if isinstance(mod, nn.Linear) else (None, None)
-            on_rows(name, rows)
-        return fn
+    def record(name: str, mod: nn.Module, a: torch.Tensor, output: torch.Tensor) -> None:
+        if isinstance(mod, nn.Linear) and last[0] is a:
+            rows = last[1]
+        else:
+            rows = input_rows(mod, a.detach(), output.shape, widen=False)
+            last[:] = (a, rows) if isinstance(mod, nn.Linear) else (None, None)
+        on_rows(name, rows)
 
-    handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
-    was_training, n = model.training, 0
-    model.eval()
-    try:
-        with torch.no_grad():
-            for batch in tqdm(by_length(calibration), desc=desc, disable=not progress, leave=False):
-                call(model, batch)  # the hooks read the layer inputs
-                n += batch_size(batch)
-                last[:] = (None, None)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
+    n = 0
+    with layer_calls(model, layers, record), torch.no_grad():
+        for batch in tqdm(by_length(calibration), desc=desc, disable=not progress, leave=False):
+            call(model, batch)  # the hooks read the layer inputs
+            n += batch_size(batch)
+            last[:] = (None, None)
     return n
 
 

@@ -155,3 +155,26 @@ def test_logits_of_another_rank_name_the_shape():
     with pytest.raises(ValueError, match=r"shape \(2, 3, 7\).*language model"):
         logits(lm, torch.randn(2, 3, 4))
     assert logits(lm, torch.randn(2, 4)).shape == (2, 7)
+
+
+def test_layer_calls_sees_every_call_and_restores_the_model_even_on_error():
+    from bayesq.forward import layer_calls
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)).train()
+    model[2].weight.requires_grad_(False)
+    seen = []
+
+    def record(name, mod, a, out):
+        seen.append((name, tuple(a.shape), out.requires_grad, model.training))
+
+    x = torch.randn(5, 3)
+    with layer_calls(model, {"0": model[0], "2": model[2]}, record, weights_require_grad=True):
+        model(x)
+    assert seen == [("0", (5, 3), True, False), ("2", (5, 4), True, False)]  # eval mode, outputs in the graph
+    assert model.training and not model[2].weight.requires_grad and model[0].weight.requires_grad
+    with pytest.raises(RuntimeError, match="boom"):
+        with layer_calls(model, {"0": model[0]}, record, weights_require_grad=True):
+            raise RuntimeError("boom")
+    assert model.training and not model[2].weight.requires_grad
+    model(x)
+    assert len(seen) == 2  # the hooks are gone

@@ -24,7 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesq.curvature.patches import input_rows, squared_grad_sum
-from bayesq.forward import Batch, batch_size, logits
+from bayesq.forward import Batch, batch_size, layer_calls, logits
 
 
 def _squared_grad_sum(
@@ -52,20 +52,12 @@ def _squared_grad_sum(
     outputs: dict[str, torch.Tensor] = {}
     total = {name: torch.zeros_like(m.weight, dtype=torch.float64) for name, m in layers.items()}
 
-    def fwd_hook(name: str):
-        def hook(mod, inputs, output):
-            acts[name] = inputs[0].detach()
-            outputs[name] = output
-        return hook
+    def record(name: str, mod: nn.Module, a: torch.Tensor, output: torch.Tensor) -> None:
+        acts[name] = a.detach()
+        outputs[name] = output
 
-    handles = [m.register_forward_hook(fwd_hook(n)) for n, m in layers.items()]
-    needs_grad = {n: m.weight.requires_grad for n, m in layers.items()}
-    for m in layers.values():
-        m.weight.requires_grad_(True)
-    was_training = model.training
-    model.eval()
     n_seen = 0
-    try:
+    with layer_calls(model, layers, record, weights_require_grad=True):
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
             with torch.enable_grad():  # also when called under torch.no_grad()
                 out = logits(model, batch)
@@ -92,12 +84,6 @@ def _squared_grad_sum(
             n_seen += batch_size(batch)
             acts.clear()
             outputs.clear()
-    finally:
-        for h in handles:
-            h.remove()
-        for n, m in layers.items():
-            m.weight.requires_grad_(needs_grad[n])
-        model.train(was_training)
     if n_seen == 0:
         raise ValueError(
             "empty calibration set: the posterior needs at least one unlabelled input batch"

@@ -48,7 +48,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesq.curvature.patches import input_rows, output_rows
-from bayesq.forward import Batch, batch_size, logits
+from bayesq.forward import Batch, batch_size, layer_calls, logits
 
 LOSSES = ("ce", "ce_exact", "mse")
 
@@ -200,26 +200,18 @@ def kfac_factors(
     grads: dict[str, torch.Tensor] = {}
     accs = {name: _Accumulator(decay) for name in layers}
 
-    def fwd_hook(name: str):
-        def hook(mod, inputs, output):
-            if name in acts:
-                raise ValueError(
-                    f"layer '{name}' ran twice in one forward (shared weights); K-FAC here "
-                    "supports one call per forward: leave it out of `layers`"
-                )
-            acts[name] = _batch_A(input_rows(mod, inputs[0].detach(), output.shape))
-            if output.requires_grad:
-                outputs[name] = output
-        return hook
+    def record(name: str, mod: nn.Module, a: torch.Tensor, output: torch.Tensor) -> None:
+        if name in acts:
+            raise ValueError(
+                f"layer '{name}' ran twice in one forward (shared weights); K-FAC here "
+                "supports one call per forward: leave it out of `layers`"
+            )
+        acts[name] = _batch_A(input_rows(mod, a.detach(), output.shape))
+        if output.requires_grad:
+            outputs[name] = output
 
-    handles = [m.register_forward_hook(fwd_hook(n)) for n, m in layers.items()]
-    needs_grad = {n: m.weight.requires_grad for n, m in layers.items()}
-    for m in layers.values():
-        m.weight.requires_grad_(True)
-    was_training = model.training
-    model.eval()
     n_seen = 0
-    try:
+    with layer_calls(model, layers, record, weights_require_grad=True):
         for batch in tqdm(batches, desc="kfac", disable=not progress, leave=False):
             out = logits(model, batch)
             dirs = list(_grad_directions(out, loss, label_samples, gen))
@@ -242,12 +234,6 @@ def kfac_factors(
             acts.clear()
             outputs.clear()
             grads.clear()
-    finally:
-        for h in handles:
-            h.remove()
-        for n, m in layers.items():
-            m.weight.requires_grad_(needs_grad[n])
-        model.train(was_training)
     if n_seen == 0:
         raise ValueError("empty calibration set: K-FAC needs at least one unlabelled input batch")
     return {
