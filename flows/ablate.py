@@ -34,7 +34,7 @@ from flows.prepare import (
     stats_task,
     table_task,
 )
-from flows.quantize import quantize_eval_task
+from flows.quantize import Row, Source, quantize_eval_task
 from flows.robustness import fp_eval_task
 from flows.tracking import (
     flow_run_namer,
@@ -129,14 +129,13 @@ def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig
             tab["table"], b, p.allocation).items()} for b in params.ablations.budgets}
     for budget in params.ablations.budgets:
         method = row_method(over, label)
-        r = quantize_eval_task(name, method.value, budget, seed, str(model_file), mdig,
-                               str(src), sdig, p.data, p.quant, p.allocation, tab["table"], key,
-                               post["path"], code, calibration=p.calibration, distill=p.distill,
-                               export_dir=str(Path(out) / "exports" / group / label),
-                               examples_dir=str(Path(out) / "examples" / group / label), fp_logits=fp_logits,
-                               stats_file=stats["path"], stats_sha256=stats["sha256"],
-                               reference_file=ref.get("path"), reference_sha256=ref.get("sha256", ""),
-                               tables=tab.get("tables"))
+        row = Row(Source(name, str(model_file), mdig, str(src), sdig), method.value, budget, seed, code, p.data,
+                  p.quant, p.allocation, str(Path(out) / "exports" / group / label), calibration=p.calibration,
+                  distill=p.distill, table_key=key, posterior_file=post["path"],
+                  examples_dir=str(Path(out) / "examples" / group / label), fp_logits=fp_logits,
+                  stats_file=stats["path"], stats_sha256=stats["sha256"], reference_file=ref.get("path"),
+                  reference_sha256=ref.get("sha256", ""))
+        r = quantize_eval_task(row, tab["table"], tab.get("tables"))
         r = {**r, **shared_cost(r, stats, ref), "group": group, "row": label, "overrides": {k: str(v) for k, v in over.items()},
              "posterior_seconds": post["seconds"], "table_seconds": tab["seconds"]}
         say(f"[ablate] {name} {group} / {label} @ {budget}: acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits")

@@ -21,7 +21,9 @@ logged too.  Every quantised model is written in the export format (``bayesq.exp
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
@@ -212,19 +214,64 @@ def _logit_diff(entry, qmodel, loaded, splits, data) -> float:
 DATA_FREE = (Method.RTN_TENSOR, Method.RTN_CHANNEL, Method.RTN_GROUP, Method.ACIQ)
 
 
+@dataclass(frozen=True)
+class Source:
+    """The model a row quantises and the raw data its inputs come from: paths and their digests
+    (the digests key the cache; the paths are where to read)."""
+
+    name: str
+    model_file: str
+    model_digest: str
+    raw: str
+    raw_digest: str
+
+
+@dataclass(frozen=True)
+class Row:
+    """One quantise-and-evaluate row of :func:`quantize_eval_task`: everything its cache key holds.
+
+    ``source``: the model and data; ``method``, ``budget``, ``seed``; ``code``: the row's code
+    version (:func:`row_code`); the settings ``data``, ``quant``, ``allocation_cfg`` and, read
+    only by the methods that need them, ``calibration``, ``baselines``, ``distill``,
+    ``robustness``; ``ood``: also the shifted-data evaluation. Cached inputs by path and digest:
+    ``table_key`` (the BayesQ table's), ``posterior_file``, ``traces`` (HAWQ), ``allocation``
+    (GPTQ's extra variant), ``stats_file`` / ``stats_sha256``, ``reference_file`` /
+    ``reference_sha256``, ``encoding_file`` / ``encoding_sha256``; where outputs go:
+    ``export_dir``, ``examples_dir``, ``fp_logits``, ``encodings_dir``.
+    """
+
+    source: Source
+    method: str
+    budget: float
+    seed: int
+    code: str
+    data: Any
+    quant: Any
+    allocation_cfg: Any
+    export_dir: str
+    calibration: Any = None
+    baselines: Any = None
+    distill: Any = None
+    robustness: Any = None
+    ood: bool = False
+    table_key: str = ""
+    posterior_file: str | None = None
+    traces: dict | None = None
+    allocation: dict | None = None
+    examples_dir: str | None = None
+    fp_logits: str | None = None
+    stats_file: str | None = None
+    stats_sha256: str = ""
+    reference_file: str | None = None
+    reference_sha256: str = ""
+    encodings_dir: str | None = None
+    encoding_file: str | None = None
+    encoding_sha256: str = ""
+
+
 @task(cache_policy=locked((INPUTS - "table" - "tables" - "lineage") + TASK_SOURCE), persist_result=True,
-      task_run_name="{method} {name} b{budget} s{seed}")
-def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_file: str,
-                       model_digest: str, raw: str, raw_digest: str, data, quant, allocation_cfg,
-                       table, table_key: str, posterior_file: str | None, code: str,
-                       calibration=None, baselines=None, traces: dict | None = None,
-                       distill=None, robustness=None, ood: bool = False, *, export_dir: str,
-                       lineage: dict | None = None, allocation: dict | None = None,
-                       examples_dir: str | None = None, fp_logits: str | None = None,
-                       stats_file: str | None = None, stats_sha256: str = "",
-                       reference_file: str | None = None, reference_sha256: str = "",
-                       tables: dict | None = None, encodings_dir: str | None = None,
-                       encoding_file: str | None = None, encoding_sha256: str = "") -> dict:
+      task_run_name="{row.method} {row.source.name} b{row.budget} s{row.seed}")
+def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage: dict | None = None) -> dict:
     """Quantise with one method at one budget, write the export, load it back and evaluate the
     loaded model on the test split (and under shift).
 
@@ -254,8 +301,18 @@ def quantize_eval_task(name: str, method: str, budget: float, seed: int, model_f
     Its header holds the row's lineage: ``lineage`` (the invocation's params and commit,
     :func:`flows.lineage.export_lineage`; not part of the cache key, so a cache hit keeps the
     file and the lineage of the run that wrote it) and the inputs (:func:`flows.lineage.input_lineage`).
+    ``table`` and ``tables`` are keyed by ``row.table_key`` and ``lineage`` is not keyed, so the
+    three are arguments of their own, left out of the cache key.
     """
-
+    name, model_file, raw, raw_digest = row.source.name, row.source.model_file, row.source.raw, row.source.raw_digest
+    method, budget, seed, code, data, quant, allocation_cfg = (row.method, row.budget, row.seed, row.code, row.data,
+                                                              row.quant, row.allocation_cfg)
+    calibration, baselines, distill, robustness, ood = (row.calibration, row.baselines, row.distill, row.robustness,
+                                                        row.ood)
+    posterior_file, traces, allocation, export_dir = row.posterior_file, row.traces, row.allocation, row.export_dir
+    examples_dir, fp_logits, stats_file, reference_file = (row.examples_dir, row.fp_logits, row.stats_file,
+                                                           row.reference_file)
+    encodings_dir, encoding_file = row.encodings_dir, row.encoding_file
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))
     splits = entry.load_splits(data, Path(raw))
@@ -343,6 +400,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
             model_file = Path(models) / name / "model.safetensors"
             mdig, src = digest(model_file), raw_path(entry, raw)
             sdig = digest(src)
+            source = Source(name, str(model_file), mdig, str(src), sdig)
             rob = params.robustness
             fp_args = (name, str(model_file), mdig, str(src), sdig, params.data, rob, params.seeds[0], prep_code())
             # also writes the FP test logits the rows compare with
@@ -369,20 +427,18 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                         p_post, p_tab, p_key, p_quant = prep.get(method, (None, None, "", params.quant))
                         given = ((kept.get(budget) or bayesq_unit_bits(prep, params, budget, seed))
                                  if method == Method.GPTQ and params.baselines.select else None)
-                        r = clock(f"{method.value} {name} b{budget} s{seed}", quantize_eval_task,
-                                  name, method.value, budget, seed, str(model_file), mdig,
-                                  str(src), sdig, params.data, p_quant, params.allocation,
-                                  p_tab and p_tab["table"], p_key, p_post and p_post["path"], codes[method],
-                                  calibration=params.calibration, baselines=params.baselines,
-                                  traces=hawq["traces"] if method == Method.HAWQ else None,
-                                  distill=params.distill, robustness=rob,
-                                  ood=method in rob.methods and budget in rob.budgets,
-                                  export_dir=str(Path(out) / "exports"), lineage=lineage,
-                                  allocation=given, stats_file=stats["path"], stats_sha256=stats["sha256"],
+                        row = Row(source, method.value, budget, seed, codes[method], params.data, p_quant,
+                                  params.allocation, str(Path(out) / "exports"), calibration=params.calibration,
+                                  baselines=params.baselines, distill=params.distill, robustness=rob,
+                                  ood=method in rob.methods and budget in rob.budgets, table_key=p_key,
+                                  posterior_file=p_post and p_post["path"],
+                                  traces=hawq["traces"] if method == Method.HAWQ else None, allocation=given,
+                                  stats_file=stats["path"], stats_sha256=stats["sha256"],
                                   reference_file=ref.get("path"), reference_sha256=ref.get("sha256", ""),
-                                  tables=p_tab and p_tab.get("tables"),
                                   encodings_dir=str(Path(out) / "encodings") if method == Method.BAYESQ else None,
                                   **(shared_encoding.get(budget, {}) if method == Method.BAYESQ_DISTILL else {}))
+                        r = clock(f"{method.value} {name} b{budget} s{seed}", quantize_eval_task, row,
+                                  p_tab and p_tab["table"], p_tab and p_tab.get("tables"), lineage)
                         unit_bits = r.get("unit_bits")
                         r = {k: v for k, v in r.items() if k != "unit_bits"}
                         if method == Method.BAYESQ:  # the allocation BayesQ kept: GPTQ's allocation variant

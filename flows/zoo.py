@@ -42,7 +42,7 @@ from flows.common import code_version, digest, parser, read_params, write_json
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage
 from flows.prepare import layer_table_task, posterior_task, prep_code, table_task
-from flows.quantize import quantize_eval_task
+from flows.quantize import Row, Source, quantize_eval_task
 from flows.tracking import (
     child_run_name,
     flow_run_namer,
@@ -179,10 +179,10 @@ def quantize_budget(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post
     pin_threads(threads)
     resolve_entry(m)
     key = f"{post['sha256']}:{params.quant}:{params.calibration}"
-    r = quantize_eval_task(m.name, "bayesq-distill", budget, params.seeds[0], ckpt, mdig, src, sdig, params.data,
-                           params.quant, params.allocation, table, key, post["path"], code,
-                           calibration=params.calibration, distill=params.distill, robustness=params.robustness,
-                           export_dir=str(Path(out) / "exports"), lineage=lineage)
+    row = Row(Source(m.name, ckpt, mdig, src, sdig), "bayesq-distill", budget, params.seeds[0], code, params.data,
+              params.quant, params.allocation, str(Path(out) / "exports"), calibration=params.calibration,
+              distill=params.distill, robustness=params.robustness, table_key=key, posterior_file=post["path"])
+    r = quantize_eval_task(row, table, lineage=lineage)
     return {**{k: r[k] for k in ("model", "budget", "seed", "accuracy", "avg_bits", "total_bits",
                                  "quantize_seconds", "export", "layer_bits")},
             "posterior_seconds": post["seconds"], "posterior_sha256": post["sha256"], "model_digest": mdig}

@@ -494,7 +494,7 @@ def test_row_cache_keys_leave_out_only_sources_the_row_never_runs(tmp_path, tiny
     from bayesq.models.zoo import get_entry
     from flows.common import digest, read_params
     from flows.prepare import PREP_EXCLUDE, prepare
-    from flows.quantize import METHOD_SOURCES, quantize_eval_task, row_code, row_excluded
+    from flows.quantize import METHOD_SOURCES, Row, Source, quantize_eval_task, row_code, row_excluded
 
     path = _params(tmp_path)
     cfg = yaml.safe_load(path.read_text())
@@ -515,13 +515,13 @@ def test_row_cache_keys_leave_out_only_sources_the_row_never_runs(tmp_path, tiny
     codes = set()
     for method in params.methods:
         p_post, p_tab, p_key, p_quant = prep.get(method, (None, None, "", params.quant))
-        row = lambda: quantize_eval_task.fn(  # noqa: E731
-            "tiny-cnn", method.value, 3.0, 17, str(model_file), mdig, str(src), digest(src), params.data, p_quant,
-            params.allocation, p_tab and p_tab["table"], p_key, p_post and p_post["path"], row_code(method),
-            calibration=params.calibration, baselines=params.baselines,
-            traces=hawq["traces"] if method == Method.HAWQ else None, distill=params.distill,
-            robustness=params.robustness, export_dir=str(tmp_path / "exports"), stats_file=stats["path"],
-            stats_sha256=stats["sha256"])
+        spec = Row(Source("tiny-cnn", str(model_file), mdig, str(src), digest(src)), method.value, 3.0, 17,
+                   row_code(method), params.data, p_quant, params.allocation, str(tmp_path / "exports"),
+                   calibration=params.calibration, baselines=params.baselines, distill=params.distill,
+                   robustness=params.robustness, table_key=p_key, posterior_file=p_post and p_post["path"],
+                   traces=hawq["traces"] if method == Method.HAWQ else None, stats_file=stats["path"],
+                   stats_sha256=stats["sha256"])
+        row = lambda: quantize_eval_task.fn(spec, p_tab and p_tab["table"])  # noqa: E731
         called = _called_sources(row)
         assert not _inside(called, row_excluded(method)), method
         if method in METHOD_SOURCES:  # the method's own source is in its key and really runs
