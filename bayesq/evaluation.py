@@ -8,7 +8,7 @@ selections use).
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,14 +19,30 @@ from bayesq import metrics
 from bayesq.forward import Batch, logits
 
 
-def predict(model: nn.Module, batches: Sequence[Batch]) -> Tensor:
-    """(N, C) float32 logits of ``model`` (eval mode, no grad) over ``batches`` in order."""
+def each_batch(model: nn.Module, batches: Iterable[Batch], fn: Callable[[nn.Module, Batch], Tensor],
+               desc: str | None = None) -> list[Tensor]:
+    """The one evaluation loop: ``fn(model, batch)`` for every batch in order, in eval mode
+    without gradients (the model's training flag restored afterwards); ``desc``: a progress bar
+    over the batches with that label. No batches give an empty list; callers that need at least
+    one input say so (:func:`predict`)."""
+    was_training = model.training
     model.eval()
-    with torch.no_grad():
-        out = [logits(model, b).float() for b in tqdm(batches, desc="predict", unit="batch", disable=None,
-                                                       leave=False)]
+    try:
+        with torch.no_grad():
+            return [fn(model, b) for b in tqdm(batches, desc=desc, disable=desc is None, leave=False)]
+    finally:
+        model.train(was_training)
+
+
+def predict(model: nn.Module, batches: Iterable[Batch], desc: str | None = "predict") -> Tensor:
+    """(N, C) float32 logits of ``model`` over ``batches`` in order (:func:`each_batch`).
+
+    Raises:
+        ValueError: no batches (there is nothing to evaluate).
+    """
+    out = each_batch(model, batches, lambda m, b: logits(m, b).float(), desc)
     if not out:
-        raise ValueError("predict: no batches to evaluate")
+        raise ValueError("predict: no batches to evaluate; pass at least one input batch")
     return torch.cat(out)
 
 
@@ -37,15 +53,8 @@ def _log_probs(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 def _eval_log_probs(model: nn.Module, batches: Sequence[Batch], desc: str | None = None) -> list[torch.Tensor]:
-    """:func:`_log_probs` of every batch in eval mode without gradients (training flag restored;
-    ``desc``: a progress bar over the batches with that label)."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            return [_log_probs(model, b) for b in tqdm(batches, desc=desc, disable=desc is None, leave=False)]
-    finally:
-        model.train(was_training)
+    """:func:`_log_probs` of every batch (:func:`each_batch`)."""
+    return each_batch(model, batches, _log_probs, desc)
 
 
 def reference_log_probs(model: nn.Module, batches: Iterable[Batch], desc: str | None = None) -> list[torch.Tensor]:

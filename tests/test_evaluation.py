@@ -99,11 +99,11 @@ def test_predict_concatenates_batches_in_order():
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 3)).double()
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(n, 4, generator=g, dtype=torch.float64) for n in (3, 5, 1, 2)]
-    model.train()  # predict must switch dropout off
+    model.train()  # predict must switch dropout off, and give the model back in training mode
     out = predict(model, batches)
-    assert not model.training
+    assert model.training
     with torch.no_grad():
-        ref = model(torch.cat(batches)).float()
+        ref = model.eval()(torch.cat(batches)).float()
     assert out.dtype == torch.float32 and out.shape == (11, 3)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-7)
     rev = predict(model, batches[::-1])
@@ -281,3 +281,20 @@ def test_kl_per_input_mismatched_reference_names_the_fix():
         kl_per_input(ref[:1], model, batches)
     with pytest.raises(ValueError, match=r"batch 0 has shape \(2, 3\) but the model gives \(5, 3\)"):
         kl_per_input(ref[::-1], model, batches)
+
+
+def test_one_evaluation_loop_and_one_rule_for_no_batches():
+    """predict, the zoo's accuracy and GLUE's predictions run the same loop and all refuse an
+    empty input; the loop itself returns nothing for it."""
+    from bayesq.evaluation import each_batch
+    from bayesq.models.glue import predictions
+    from bayesq.models.zoo import evaluate
+
+    model = nn.Linear(4, 3)
+    assert each_batch(model, [], lambda m, b: m(b)) == []
+    for call in (lambda: predict(model, []), lambda: predictions(model, []),
+                 lambda: evaluate(model, [], torch.zeros(0, dtype=torch.int64))):
+        with pytest.raises(ValueError, match="no batches to evaluate"):
+            call()
+    x = torch.randn(6, 4)
+    assert torch.equal(predictions(model, [x[:2], x[2:]]), predict(model, [x]).argmax(-1))

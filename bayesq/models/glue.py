@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from bayesq.data.sentiment import seeded_permutation
-from bayesq.forward import logits
+from bayesq.evaluation import predict
 from bayesq.metrics import glue_metrics, glue_task
 from bayesq.models.config import DataConfig, FinetuneConfig
 from bayesq.models.zoo import BUILD_SEED, Splits, ZooEntry
@@ -36,11 +36,9 @@ def _subset(pool: Tensor, cap: int, seed: int) -> Tensor:
 
 
 def predictions(model: nn.Module, batches: Sequence[Any]) -> Tensor:
-    """Arg-max class ids, int64 (N,), of ``model`` (eval mode, no grad) over ``batches`` in order."""
-    model.eval()
-    with torch.no_grad():
-        out = [logits(model, b).argmax(dim=-1).cpu() for b in batches]
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+    """Arg-max class ids, int64 (N,), of ``model`` over ``batches`` in order
+    (:func:`bayesq.evaluation.predict`: eval mode, no grad, an error on no batches)."""
+    return predict(model, batches).argmax(dim=-1)
 
 
 # --------------------------------------------------------------------------- GLUE

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from bayesq.data.fashion_mnist import DEFAULT_ROOT as FMNIST_ROOT
 from bayesq.data.fashion_mnist import load_fashion_mnist
 from bayesq.data.sentiment import binary_labels, load_vader_domain, seeded_permutation, split_indices
+from bayesq.evaluation import predict
 from bayesq.forward import batch_size, logits
 from bayesq.models.config import DataConfig, FinetuneConfig
 
@@ -78,22 +79,15 @@ def evaluate(model: nn.Module, batches: Sequence[Batch], labels: Tensor) -> floa
     """Top-1 accuracy in [0, 1] of ``model`` over ``batches`` (in order) against ``labels``.
 
     Args:
-        model: put in eval mode (and left there); run under ``torch.no_grad()``.
+        model: run in eval mode without gradients (:func:`bayesq.evaluation.predict`; its mode
+            restored afterwards).
         batches: preprocessed batches whose sizes sum to ``len(labels)``.
         labels: int64 (N,).
     """
-    model.eval()
-    correct = 0
-    seen = 0
-    with torch.no_grad():
-        for batch in tqdm(batches, desc="evaluate", unit="batch", disable=None, leave=False):
-            n = batch_size(batch)
-            pred = logits(model, batch).argmax(dim=-1)
-            correct += int((pred == labels[seen:seen + n]).sum())
-            seen += n
-    if seen != len(labels):
-        raise ValueError(f"evaluate: batches hold {seen} examples but there are {len(labels)} labels")
-    return correct / max(seen, 1)
+    pred = predict(model, batches, "evaluate").argmax(dim=-1)
+    if len(pred) != len(labels):
+        raise ValueError(f"evaluate: batches hold {len(pred)} examples but there are {len(labels)} labels")
+    return float((pred == labels).double().mean())
 
 
 def _take(inputs: Any, idx: Tensor) -> Any:
