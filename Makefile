@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-* && touch $@
 
 data: venv
-	$(PY) -m flows fetch --out data/raw
+	dvc repro fetch
 
 run: venv data
 ifeq ($(PROFILE),quick)
