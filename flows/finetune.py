@@ -63,7 +63,8 @@ def finetune_flow(params_path: Path, raw: Path, out: Path) -> list[dict]:
         except ValueError as err:
             raise ValueError(f"finetune.frozen_backbone: {err}") from None
     # the embedded entries' sources only: a new loader elsewhere in bayesq/models retrains nothing
-    code = code_version("bayesq/models/zoo.py", "bayesq/data", "bayesq/forward.py", "flows/finetune.py",
+    code = code_version("bayesq/models/zoo.py", "bayesq/models/config.py", "bayesq/data", "bayesq/forward.py",
+                        "bayesq/evaluation.py", "flows/finetune.py",
                         exclude=("bayesq/data/calibration.py",))  # sampling: not read by the fine-tune
     results = []
     for name in params.models:
