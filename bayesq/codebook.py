@@ -33,11 +33,14 @@ posterior-weighted Lloyd-Max; :func:`mulaw_levels` a fixed mu-law control; and
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Callable, ClassVar, Mapping
 
 import torch
 from scipy.optimize import minimize_scalar
+
+from bayesq.books import CodeBook, Field, Need, Slot, register_book, stored_float
+from bayesq.storage import lut_unit_cost_bits, mulaw_unit_cost_bits, unit_cost_bits
 
 _SQRT2 = math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -206,16 +209,20 @@ def optimal_uniform_range(bits: int) -> tuple[float, float]:
     return float(res.x), float(res.fun)
 
 
+@register_book
 @dataclass(frozen=True)
-class UniformGrids:
+class UniformGrids(CodeBook):
     """One asymmetric uniform grid per group: ``level_k = scale * (k - zero)``, k = 0..2**bits-1.
 
     Attributes:
         bits: bit-width of every code.
         scale: (G,) float64, already rounded to the stored scale precision.
         zero: (G,) float64 integer-valued zero-points in [0, 2**bits - 1].
+
+    Stored (kind ``grid``): one scale (``scale_bits``) and one ``bits``-bit zero-point per group.
     """
 
+    kind: ClassVar[str] = "grid"
     bits: int
     scale: torch.Tensor
     zero: torch.Tensor
@@ -240,24 +247,70 @@ class UniformGrids:
         """(G, n) float64 ``scale * (code - zero)``."""
         return dequantize(codes, self)
 
+    @classmethod
+    def unit_cost_bits(cls, n_weights: int, n_groups: int, bits: int, n_choices: int, quant) -> int:
+        return unit_cost_bits(n_weights, n_groups, bits, n_choices, quant.scale_bits)
 
+    def export_fields(self, sel: torch.Tensor, blocks, quant) -> list[Field]:
+        widths = torch.full((sel.numel(),), self.bits, dtype=torch.int64)
+        return [Field("scale", sel, self.scale, bits=quant.scale_bits),
+                Field("zero", sel, self.zero.to(torch.int64), widths=widths)]
+
+    @classmethod
+    def export_slots(cls, bits: int, sel: torch.Tensor, blocks, layout: Mapping) -> list[Slot]:
+        return [Slot("scale", sel), Slot("zero", sel, widths=torch.full((sel.numel(),), bits, dtype=torch.int64))]
+
+    @classmethod
+    def from_export(cls, bits: int, sel: torch.Tensor, blocks, layout: Mapping,
+                    fields: Mapping[str, torch.Tensor], need: Need) -> "UniformGrids":
+        return cls(bits, fields["scale"][:, 0], fields["zero"][:, 0].double())
+
+    def affine_fields(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.scale, self.zero
+
+    def with_affine(self, scale: torch.Tensor, zero: torch.Tensor) -> "UniformGrids":
+        return UniformGrids(self.bits, scale, zero)
+
+    def group_levels(self) -> torch.Tensor:
+        return self.scale[:, None] * (torch.arange(2**self.bits, dtype=torch.float64)[None, :] - self.zero[:, None])
+
+    def trainable(self) -> dict[str, torch.Tensor]:
+        return {"scale": self.scale, "zero": self.zero}
+
+    def decode_trained(self, params: Mapping[str, torch.Tensor], codes: torch.Tensor) -> torch.Tensor:
+        """``scale * (code - zero)`` with the zero-point rounded straight-through."""
+        z = params["zero"]
+        z = z + (torch.round(z).clamp(0, 2**self.bits - 1) - z).detach()  # straight-through rounding
+        return params["scale"][:, None] * (codes.float() - z[:, None])
+
+    def from_trained(self, params: Mapping[str, torch.Tensor], codes: torch.Tensor, scale_bits: int,
+                     lut_bits: int) -> tuple["UniformGrids", torch.Tensor]:
+        scale = stored_float(params["scale"], scale_bits).clamp(min=0)
+        zero = torch.round(params["zero"]).clamp(0, 2**self.bits - 1)
+        return UniformGrids(self.bits, scale, zero), codes
+
+
+@register_book
 @dataclass(frozen=True)
-class LevelTables:
+class LevelTables(CodeBook):
     """Non-uniform codebooks: sorted look-up tables, each shared by some groups.
 
     Attributes:
         bits: bit-width of every code (``K = 2**bits`` levels per table).
         levels: (R, K) float64 ascending per row, as stored (fp16-rounded).
         row: (G,) int64 table of each group (a Lloyd LUT serves every group of its allocation
-            unit; a mu-law table is one per group).
+            unit; a mu-law table is one per group: :class:`MulawTables`).
+
+    Stored (kind ``lut``): one table of ``K`` entries (``lut_bits``) per allocation unit.
     """
 
+    kind: ClassVar[str] = "lut"
     bits: int
     levels: torch.Tensor
     row: torch.Tensor
 
     def take(self, rows: torch.Tensor) -> "LevelTables":
-        return LevelTables(self.bits, self.levels, self.row[rows])
+        return replace(self, row=self.row[rows])
 
     def quantize(self, w: torch.Tensor) -> torch.Tensor:
         """(G, n) int64 codes: nearest level of each group's table (:func:`quantize_levels`)."""
@@ -266,6 +319,90 @@ class LevelTables:
     def dequantize(self, codes: torch.Tensor) -> torch.Tensor:
         """(G, n) float64 ``levels[row[g], code]``."""
         return dequantize_levels(codes, self.levels[self.row])
+
+    @classmethod
+    def unit_cost_bits(cls, n_weights: int, n_groups: int, bits: int, n_choices: int, quant) -> int:
+        return lut_unit_cost_bits(n_weights, bits, n_choices, quant.lut_bits)
+
+    def export_fields(self, sel: torch.Tensor, blocks, quant) -> list[Field]:
+        rows = self.row  # (n_sel,) table of each selected group; a unit's groups share one
+        first = rows[:: blocks.unit_groups]
+        if bool((rows != first.repeat_interleave(blocks.unit_groups)[: rows.numel()]).any()):
+            raise ValueError(f"layer '{blocks.name}': a {self.bits}-bit LUT is not shared by its unit's groups")
+        return [Field("lut", sel[:: blocks.unit_groups], self.levels[first], bits=quant.lut_bits)]
+
+    @classmethod
+    def export_slots(cls, bits: int, sel: torch.Tensor, blocks, layout: Mapping) -> list[Slot]:
+        return [Slot("lut", sel[:: blocks.unit_groups], 2**bits)]
+
+    @classmethod
+    def from_export(cls, bits: int, sel: torch.Tensor, blocks, layout: Mapping,
+                    fields: Mapping[str, torch.Tensor], need: Need) -> "LevelTables":
+        unit = blocks.group_unit()[sel]
+        units = torch.unique(unit)
+        return cls(bits, fields["lut"], torch.searchsorted(units, unit))
+
+    def group_levels(self) -> torch.Tensor:
+        return self.levels[self.row]
+
+    def trainable(self) -> dict[str, torch.Tensor]:
+        return {"levels": self.levels}
+
+    def decode_trained(self, params: Mapping[str, torch.Tensor], codes: torch.Tensor) -> torch.Tensor:
+        return torch.gather(params["levels"][self.row], 1, codes)  # rows: the groups at these bits
+
+    def from_trained(self, params: Mapping[str, torch.Tensor], codes: torch.Tensor, scale_bits: int,
+                     lut_bits: int) -> tuple["LevelTables", torch.Tensor]:
+        """Tables stay ascending: each code follows its level to the level's new place."""
+        levels = stored_float(params["levels"], lut_bits)
+        srt, perm = levels.sort(dim=1, stable=True)
+        inv = torch.argsort(perm, dim=1)  # (R, K) old column -> new column
+        return replace(self, levels=srt), torch.gather(inv[self.row], 1, codes)
+
+
+@register_book
+@dataclass(frozen=True)
+class MulawTables(LevelTables):
+    """:class:`LevelTables` holding the fixed mu-law table times one scale per group
+    (:func:`mulaw_levels`; ``row`` is ``arange(G)``).
+
+    Stored (kind ``mulaw``): one scale (``scale_bits``) per group; ``quant.mulaw_mu`` in the layout.
+    """
+
+    kind: ClassVar[str] = "mulaw"
+
+    @classmethod
+    def unit_cost_bits(cls, n_weights: int, n_groups: int, bits: int, n_choices: int, quant) -> int:
+        return mulaw_unit_cost_bits(n_weights, n_groups, bits, n_choices, quant.scale_bits)
+
+    def export_fields(self, sel: torch.Tensor, blocks, quant) -> list[Field]:
+        absmax = _mulaw_scale(self, quant.mulaw_mu, quant.scale_bits, blocks.name)
+        return [Field("scale", sel, absmax, bits=quant.scale_bits)]
+
+    def layout_entries(self, quant) -> dict:
+        return {"mu": quant.mulaw_mu}
+
+    @classmethod
+    def export_slots(cls, bits: int, sel: torch.Tensor, blocks, layout: Mapping) -> list[Slot]:
+        return [Slot("scale", sel)]
+
+    @classmethod
+    def from_export(cls, bits: int, sel: torch.Tensor, blocks, layout: Mapping,
+                    fields: Mapping[str, torch.Tensor], need: Need) -> "MulawTables":
+        levels = mulaw_levels(fields["scale"][:, 0], bits, layout["mu"], layout["scale_bits"])
+        return cls(bits, levels, torch.arange(sel.numel()))
+
+
+def _mulaw_scale(book: LevelTables, mu: float, scale_bits: int, name: str) -> torch.Tensor:
+    """The stored per-group scale A of mu-law tables (checked to rebuild the tables exactly)."""
+    bits = book.bits
+    levels = book.levels[book.row]  # (n, K)
+    unit = mulaw_levels(torch.ones(1, dtype=torch.float64), bits, mu, scale_bits)[0]
+    absmax = levels[:, -1] / unit[-1]
+    if not torch.equal(mulaw_levels(absmax, bits, mu, scale_bits), levels):
+        raise ValueError(f"layer '{name}': its {bits}-bit tables are not mu-law tables of one stored scale "
+                         "(edited after quantisation?); export them with quant.codebook: lloyd")
+    return absmax
 
 
 def grids_from_range(

@@ -44,7 +44,6 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from bayesq.codebook import LevelTables, UniformGrids
 from bayesq.config import DistillConfig
 from bayesq.forward import Batch, batch_size, first_inputs, logits, output_logits
 from bayesq.posterior import Posterior
@@ -244,13 +243,9 @@ class _Trainable(nn.Module):
     def __init__(self, qw: QuantizedWeight) -> None:
         super().__init__()
         self.qw = qw
-        self.scale, self.zero, self.levels = nn.ParameterDict(), nn.ParameterDict(), nn.ParameterDict()
-        for b, book in qw.books.items():
-            if isinstance(book, UniformGrids):
-                self.scale[str(b)] = nn.Parameter(book.scale.float().clone())
-                self.zero[str(b)] = nn.Parameter(book.zero.float().clone())
-            elif isinstance(book, LevelTables):
-                self.levels[str(b)] = nn.Parameter(book.levels.float().clone())
+        self.books = nn.ModuleDict({str(b): nn.ParameterDict({k: nn.Parameter(v.float().clone())
+                                                             for k, v in book.trainable().items()})
+                                    for b, book in qw.books.items()})
 
     def weight(self) -> torch.Tensor:
         """Weight of ``blocks.shape`` (float32) from the frozen codes and the trainable books."""
@@ -258,16 +253,7 @@ class _Trainable(nn.Module):
         parts, order = [], []
         for b, book in qw.books.items():
             sel = torch.nonzero(qw.group_bits == b).squeeze(1)
-            codes = qw.codes[sel]
-            if str(b) in self.scale:
-                z = self.zero[str(b)]
-                z = z + (torch.round(z).clamp(0, 2**b - 1) - z).detach()  # straight-through rounding
-                w = self.scale[str(b)][:, None] * (codes.float() - z[:, None])
-            elif str(b) in self.levels:
-                w = torch.gather(self.levels[str(b)][book.row], 1, codes)  # book rows: groups at b bits
-            else:  # VQ codebooks stay as stored
-                w = book.dequantize(codes).float()
-            parts.append(w)
+            parts.append(book.decode_trained(dict(self.books[str(b)]), qw.codes[sel]))
             order.append(sel)
         w = qw.blocks.from_groups(torch.cat(parts)[torch.argsort(torch.cat(order))])
         if qw.col_scale is None:
@@ -280,22 +266,11 @@ class _Trainable(nn.Module):
         """The encoding with the trained books rounded to their stored precision."""
         books, codes = dict(self.qw.books), self.qw.codes.clone()
         for b, book in self.qw.books.items():
-            if str(b) in self.scale:
-                scale = _round(self.scale[str(b)].detach().double(), scale_bits).clamp(min=0)
-                zero = torch.round(self.zero[str(b)].detach().double()).clamp(0, 2**b - 1)
-                books[b] = UniformGrids(book.bits, scale, zero)
-            elif str(b) in self.levels:  # tables stay ascending: codes follow their level's new place
-                levels = _round(self.levels[str(b)].detach().double(), lut_bits)
-                srt, perm = levels.sort(dim=1, stable=True)
-                inv = torch.argsort(perm, dim=1)  # (R, K) old column -> new column
+            params = {k: v.detach().double() for k, v in self.books[str(b)].items()}
+            if params:
                 sel = torch.nonzero(self.qw.group_bits == b).squeeze(1)
-                codes[sel] = torch.gather(inv[book.row], 1, codes[sel])
-                books[b] = LevelTables(book.bits, srt, book.row)
+                books[b], codes[sel] = book.from_trained(params, codes[sel], scale_bits, lut_bits)
         return QuantizedWeight(self.qw.blocks, self.qw.group_bits, codes, books, self.qw.col_scale)
-
-
-def _round(x: torch.Tensor, bits: int) -> torch.Tensor:
-    return x.to(torch.float16 if bits == 16 else torch.float32).double() if bits < 64 else x
 
 
 def _train(model: nn.Module, weights: Mapping[str, QuantizedWeight], batches: Sequence[Batch],

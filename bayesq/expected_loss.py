@@ -38,19 +38,19 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesq.blocks import LayerBlocks
+from bayesq.books import CodeBook, book_class
 from bayesq.codebook import (
-    LevelTables, UniformGrids, compile_to_uniform, fit_lloyd_levels, fit_uniform_grids,
+    LevelTables, MulawTables, UniformGrids, compile_to_uniform, fit_lloyd_levels, fit_uniform_grids,
     fit_uniform_grids_deployed, fit_weighted_levels, grid_cost_chunked, grid_sq_error, grids_from_range,
     levels_cost_chunked, levels_sq_error, minmax_grids, mulaw_levels, optimal_uniform_range,
 )
 from bayesq.config import Codebook, CostTerms, Objective, QuantConfig, Whitening
 from bayesq.monte_carlo import MCEstimate, kfac_quadratic, mc_layer_output_loss, mc_logit_kl
 from bayesq.posterior import Posterior
-from bayesq.storage import header_bits, lut_unit_cost_bits, mulaw_unit_cost_bits, unit_cost_bits, vq_cost_bits
 from bayesq.vq import MAX_CODEBOOK, VQBook, fit_vq, vq_assign
 
 SEARCH_MAX_LEVELS = 16
-Book = UniformGrids | LevelTables | VQBook
+Book = CodeBook  # any registered codebook kind (bayesq.books)
 
 
 @dataclass(frozen=True)
@@ -134,22 +134,11 @@ def _unit_mask(blocks: LayerBlocks, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _costs(blocks: LayerBlocks, cfg: QuantConfig, kinds: Sequence[str]) -> torch.Tensor:
-    """(U, nb) int64 exact bits of each unit under each candidate's encoding kind."""
+    """(U, nb) int64 exact bits of each unit under each candidate's codebook kind
+    (:meth:`bayesq.books.CodeBook.unit_cost_bits` of the kind's registered class)."""
     nb = len(cfg.bits)
-    rows = []
-    for n, g in blocks.unit_sizes():
-        row = []
-        for b, kind in zip(cfg.bits, kinds):
-            if kind == "vq":
-                d = cfg.vq_dim
-                row.append(vq_cost_bits(math.ceil(n / d), d, 2 ** (b * d), cfg.lut_bits) + header_bits(nb))
-            elif kind == "lut":
-                row.append(lut_unit_cost_bits(n, b, nb, cfg.lut_bits))
-            elif kind == "mulaw":
-                row.append(mulaw_unit_cost_bits(n, g, b, nb, cfg.scale_bits))
-            else:
-                row.append(unit_cost_bits(n, g, b, nb, cfg.scale_bits))
-        rows.append(row)
+    classes = [book_class(k) for k in kinds]
+    rows = [[c.unit_cost_bits(n, g, b, nb, cfg) for b, c in zip(cfg.bits, classes)] for n, g in blocks.unit_sizes()]
     return torch.tensor(rows, dtype=torch.int64)
 
 
@@ -211,27 +200,27 @@ class _LayerFit:
         kind = cfg.codebook if 2**b <= SEARCH_MAX_LEVELS else None
         if kind is None:
             g = minmax_grids(self.mu, b, cfg.scale_bits)
-            return g, self._units(self.uniform(g)), "grid"
+            return g, self._units(self.uniform(g)), g.kind
         if kind == Codebook.VQ and 2 ** (b * cfg.vq_dim) <= MAX_CODEBOOK:
             return self._vq(b)
         if kind in (Codebook.UNIFORM, Codebook.VQ):
             g, cost = self.search(b)
-            return g, self._units(cost), "grid"
+            return g, self._units(cost), g.kind
         if kind == Codebook.UNIFORM_FIXED:
             g = _fixed_range_grids(self.mu, self.mask, b, cfg.scale_bits)
-            return g, self._units(self.uniform(g)), "grid"
+            return g, self._units(self.uniform(g)), g.kind
         if kind == Codebook.MULAW:
             absmax = self.mu.abs().max(1).values
             levels = mulaw_levels(absmax, b, cfg.mulaw_mu, cfg.scale_bits)  # (G, K)
-            book = LevelTables(b, levels, torch.arange(levels.shape[0]))
-            return book, self._units(self.levels(levels)), "mulaw"
+            book = MulawTables(b, levels, torch.arange(levels.shape[0]))
+            return book, self._units(self.levels(levels)), book.kind
         levels, cost = self.lut(b)  # (U, K), (U,)
         book = LevelTables(b, levels, self.blocks.group_unit())
         if kind == Codebook.LLOYD:
-            return book, 0.5 * cost, "lut"
+            return book, 0.5 * cost, book.kind
         codes = book.quantize(self.mu)  # (G, g) the LUT's assignment
         g = compile_to_uniform(codes, self.mu, b, omega=self.omega, mask=self.mask, scale_bits=cfg.scale_bits)
-        return g, self._units(self.uniform(g)), "grid"
+        return g, self._units(self.uniform(g)), g.kind
 
     def _vq(self, b: int) -> tuple[Book, torch.Tensor, str]:
         """Weighted k-means over the layer's vectors; cost of the stored (mean) assignment."""
@@ -243,7 +232,7 @@ class _LayerFit:
         book = VQBook(b, codebook, om)
         _, vec_cost = vq_assign(self.mu.reshape(-1, d), om.reshape(-1, d), codebook)  # (G g / d,)
         group_cost = vec_cost.reshape(n_groups, -1).sum(1) + self.vq_constant()
-        return book, self._units(group_cost), "vq"
+        return book, self._units(group_cost), book.kind
 
     def _units(self, group_cost: torch.Tensor) -> torch.Tensor:
         return 0.5 * _unit_sum(self.blocks, group_cost)
@@ -269,7 +258,7 @@ class _DeployedFit(_LayerFit):
     def candidate(self, bits: int) -> tuple[Book, torch.Tensor, str]:
         book, loss, kind = super().candidate(bits)
         if self.entry_weight is not None:
-            if kind != "grid":
+            if book.affine_fields() is None:
                 raise ValueError(f"error-feedback table entries need uniform grids, got a '{kind}' codebook")
             loss = self._units(grid_sq_error(self.mu, self.entry_weight, book))
         return book, loss, kind
@@ -422,7 +411,7 @@ def rtn_table(
             books.append(g)
             losses.append(_unit_sum(lb, err.sum(1)))
         loss = torch.stack(losses, 1)
-        tables.append(LayerTable(lb, cfg.bits, loss, _costs(lb, cfg, ["grid"] * len(cfg.bits)),
+        tables.append(LayerTable(lb, cfg.bits, loss, _costs(lb, cfg, [b.kind for b in books]),
                                  tuple(books), torch.zeros_like(loss)))
     return LossTable(tuple(tables))
 

@@ -36,14 +36,13 @@ import torch
 from torch import nn
 
 from bayesq.blocks import LayerBlocks, kept_matrices
-from bayesq.codebook import LevelTables, UniformGrids, mulaw_levels
-from bayesq.config import Codebook, QuantConfig
+from bayesq.books import CodeBook, Field, Slot, book_class
+from bayesq.config import QuantConfig
 from bayesq.models.zoo import get_entry
 from bayesq.packing import ExportError, offsets_of, pack_bits, real_codes, unpack_bits
 from bayesq.qlayers import replace_quantized
 from bayesq.result import QuantizedWeight
 from bayesq.storage import header_bits
-from bayesq.vq import VQBook
 from bayesq.tensorfile import file_sha256, save_tensors
 
 FORMAT = "bayesq-packed"
@@ -100,25 +99,12 @@ class ExportInfo:
 
 # ---- layer <-> tensors ----------------------------------------------------------------------------
 
-def _kind(book, codebook: Codebook) -> str:
-    if isinstance(book, UniformGrids):
-        return "grid"
-    if isinstance(book, VQBook):
-        return "vq"
-    if isinstance(book, LevelTables):
-        return "mulaw" if codebook == Codebook.MULAW else "lut"
-    raise ValueError(f"cannot export a codebook of type {type(book).__name__}")
-
-
 def _group_fields(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """(G,) real fields per group (weights, or VQ vectors) and (G,) bits per field."""
-    sizes = qw.blocks.group_sizes()
-    per_field = qw.group_bits.clone()
+    dims = torch.ones(qw.blocks.n_groups, dtype=torch.int64)
     for b, book in qw.books.items():
-        if isinstance(book, VQBook):
-            sizes = (sizes + book.dim - 1) // book.dim
-            per_field[qw.group_bits == b] = b * book.dim
-    return sizes, per_field
+        dims[qw.group_bits == b] = book.code_dim
+    return (qw.blocks.group_sizes() + dims - 1) // dims, qw.group_bits * dims
 
 
 def _stored(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -144,52 +130,41 @@ def layer_tensors(qw: QuantizedWeight, quant: QuantConfig) -> tuple[dict[str, to
     if hb:
         idx = torch.tensor([bit_set.index(int(b)) for b in unit_bits])
         t["header"] = torch.from_numpy(pack_bits(idx, hb))
-    kinds, lut, mu = {}, [], None
-    scale_of = torch.zeros(lb.n_groups, dtype=torch.float64)
-    zero_of = torch.zeros(lb.n_groups, dtype=torch.int64)
-    has_scale = torch.zeros(lb.n_groups, dtype=torch.bool)
-    has_zero = torch.zeros(lb.n_groups, dtype=torch.bool)
+    kinds, fields, entries = {}, {}, {}
     for b, book in sorted(qw.books.items()):
-        kind = kinds[b] = _kind(book, Codebook(quant.codebook))
-        sel = gsel[qw.group_bits == b]
-        if kind == "grid":
-            scale_of[sel], has_scale[sel] = book.scale, True
-            zero_of[sel], has_zero[sel] = book.zero.to(torch.int64), True
-        elif kind == "mulaw":
-            mu = quant.mulaw_mu
-            absmax = _mulaw_scale(book, b, mu, quant.scale_bits, lb.name)
-            scale_of[sel], has_scale[sel] = absmax, True
-        elif kind == "lut":
-            rows = book.row  # (n_sel,) table of each selected group; a unit's groups share one
-            first = rows[:: lb.unit_groups]
-            if bool((rows != first.repeat_interleave(lb.unit_groups)[: rows.numel()]).any()):
-                raise ValueError(f"layer '{lb.name}': a {b}-bit LUT is not shared by its unit's groups")
-            lut += [(int(g), book.levels[r]) for g, r in zip(sel[:: lb.unit_groups], first)]
-        else:
-            t["vq"] = _stored(book.codebook, quant.lut_bits)
-    if has_scale.any():
-        t["scale"] = _stored(scale_of[has_scale], quant.scale_bits)
-    if has_zero.any():  # in group order, each at its group's width
-        t["zero"] = torch.from_numpy(pack_bits(zero_of[has_zero], qw.group_bits[has_zero]))
-    if lut:  # tables in unit order
-        t["lut"] = _stored(torch.cat([tab for _, tab in sorted(lut, key=lambda x: x[0])]), quant.lut_bits)
+        if not isinstance(book, CodeBook):
+            raise ValueError(f"cannot export a codebook of type {type(book).__name__}")
+        kinds[b] = book.kind
+        for f in book.export_fields(gsel[qw.group_bits == b], lb, quant):
+            fields.setdefault(f.name, []).append(f)
+        entries.update(book.layout_entries(quant))
+    for key, fs in sorted(fields.items()):
+        if key in t or key in ("codes", "header", "col_scale"):
+            raise ValueError(f"layer '{lb.name}': a '{fs[0].name}' field of its codebooks clashes with the "
+                             f"format's own tensor '{key}'")
+        t[key] = _merged(fs)
     if qw.col_scale is not None:
         t["col_scale"] = _stored(_channel_scales(qw), 16)
     layout = {"shape": list(lb.shape), "group_size": lb.group_size, "unit_groups": lb.unit_groups,
               "row_aligned": lb.row_aligned, "bit_set": bit_set, "kinds": {str(b): k for b, k in kinds.items()},
-              "mu": mu, "scale_bits": quant.scale_bits, "lut_bits": quant.lut_bits}
+              "mu": None, "scale_bits": quant.scale_bits, "lut_bits": quant.lut_bits, **entries}
     return t, layout
 
 
-def _mulaw_scale(book: LevelTables, bits: int, mu: float, scale_bits: int, name: str) -> torch.Tensor:
-    """The stored per-group scale A of mu-law tables (checked to rebuild the tables exactly)."""
-    levels = book.levels[book.row]  # (n, K)
-    unit = mulaw_levels(torch.ones(1, dtype=torch.float64), bits, mu, scale_bits)[0]
-    absmax = levels[:, -1] / unit[-1]
-    if not torch.equal(mulaw_levels(absmax, bits, mu, scale_bits), levels):
-        raise ValueError(f"layer '{name}': its {bits}-bit tables are not mu-law tables of one stored scale "
-                         "(edited after quantisation?); export them with quant.codebook: lloyd")
-    return absmax
+def _merged(fields: list[Field]) -> torch.Tensor:
+    """One layer tensor from the :class:`Field` entries of its books, in key order."""
+    first = fields[0]
+    if any((f.widths is None) != (first.widths is None) or f.bits != first.bits for f in fields):
+        raise ValueError(f"codebooks write '{first.name}' in different formats")
+    if first.shape is not None and len(fields) > 1:
+        raise ValueError(f"two codebooks of one layer write the whole tensor '{first.name}'")
+    key = torch.cat([f.key.repeat_interleave(f.values.reshape(f.key.numel(), -1).shape[1]) for f in fields])
+    order = torch.sort(key, stable=True).indices  # an entry's values stay together and in order
+    values = torch.cat([f.values.reshape(-1) for f in fields])[order]
+    if first.widths is not None:
+        return torch.from_numpy(pack_bits(values, torch.cat([f.widths for f in fields])[order]))
+    out = _stored(values, first.bits)
+    return out.reshape(first.shape) if first.shape is not None else out
 
 
 def _channel_scales(qw: QuantizedWeight) -> torch.Tensor:
@@ -232,55 +207,52 @@ def layer_from_tensors(name: str, t: Mapping[str, torch.Tensor], layout: Mapping
     group_bits = unit_bits[lb.group_unit()]  # (G,)
     if set(group_bits.unique().tolist()) - set(kinds):
         raise ExportError(f"layer '{name}': unit headers use bit-widths without a codebook kind")
-    sizes = lb.group_sizes()
-    width = lb.group_size
-    if "vq" in kinds.values():
-        dim = _need(t, "vq", name).shape[1]
-        sizes, width = (sizes + dim - 1) // dim, lb.group_size // dim
-        field_bits = group_bits * dim
-    else:
-        field_bits = group_bits
-    real = _stream(t, "codes", name, field_bits.repeat_interleave(sizes))
+    present = sorted(set(group_bits.tolist()))
+    try:
+        classes = {b: book_class(kinds[b]) for b in present}
+    except KeyError as err:
+        raise ExportError(f"layer '{name}': {err.args[0]}") from None
+
+    def need(key: str, n: int | None = None) -> torch.Tensor:
+        return _need(t, key, name, n)
+
+    dims = torch.ones(lb.n_groups, dtype=torch.int64)
+    for b in present:
+        dims[group_bits == b] = classes[b].read_code_dim(layout, need)
+    sizes = (lb.group_sizes() + dims - 1) // dims
+    width = int(((lb.group_size + dims - 1) // dims).max())
+    real = _stream(t, "codes", name, (group_bits * dims).repeat_interleave(sizes))
     codes = torch.zeros(lb.n_groups, width, dtype=torch.int64)
     codes[torch.arange(width)[None, :] < sizes[:, None]] = real
-    scaled = torch.tensor([kinds[int(b)] in ("grid", "mulaw") for b in group_bits], dtype=torch.bool)
-    scale = torch.zeros(lb.n_groups, dtype=torch.float64)
-    if scaled.any():
-        scale[scaled] = _need(t, "scale", name, int(scaled.sum())).double()
-    grid = torch.tensor([kinds[int(b)] == "grid" for b in group_bits], dtype=torch.bool)
-    zero = torch.zeros(lb.n_groups, dtype=torch.float64)
-    if grid.any():
-        zero[grid] = _stream(t, "zero", name, group_bits[grid]).double()
-    luts = _unit_tables(t, name, lb, unit_bits, kinds)
-    books = {}
-    for b in sorted(set(group_bits.tolist())):
-        sel = group_bits == b
-        kind = kinds[b]
-        if kind == "grid":
-            books[b] = UniformGrids(b, scale[sel], zero[sel])
-        elif kind == "mulaw":
-            books[b] = LevelTables(b, mulaw_levels(scale[sel], b, layout["mu"], layout["scale_bits"]),
-                                   torch.arange(int(sel.sum())))
-        elif kind == "lut":
-            units = torch.unique(lb.group_unit()[sel])
-            levels = torch.stack([luts[int(u)] for u in units])  # (units at b, K)
-            books[b] = LevelTables(b, levels, torch.searchsorted(units, lb.group_unit()[sel]))
-        else:
-            books[b] = VQBook(b, t["vq"].double(), torch.zeros(0, dtype=torch.float64))
+    gsel = torch.arange(lb.n_groups)
+    sel = {b: gsel[group_bits == b] for b in present}
+    slots = {b: classes[b].export_slots(b, sel[b], lb, layout) for b in present}
+    fields = _slot_values(t, name, slots)
+    books = {b: classes[b].from_export(b, sel[b], lb, layout, fields[b], need) for b in present}
     col = None
     if "col_scale" in t:
         col = t["col_scale"].double().repeat_interleave(math.prod(lb.shape[2:]), 1)
     return QuantizedWeight(lb, group_bits, codes, books, col)
 
 
-def _unit_tables(t, name: str, lb: LayerBlocks, unit_bits: torch.Tensor, kinds: dict) -> dict[int, torch.Tensor]:
-    """unit -> (2**b,) float64 LUT of the units with a Lloyd table."""
-    units = [u for u, b in enumerate(unit_bits.tolist()) if kinds[b] == "lut"]
-    if not units:
-        return {}
-    sizes = [2 ** int(unit_bits[u]) for u in units]
-    flat = _need(t, "lut", name, sum(sizes)).double()
-    return dict(zip(units, torch.split(flat, sizes)))
+def _slot_values(t, name: str, slots: dict[int, list[Slot]]) -> dict[int, dict[str, torch.Tensor]]:
+    """bits -> tensor name -> (m, length) entries of each book's :class:`Slot` (the inverse of
+    :func:`_merged`): float64, or int64 read from a packed stream."""
+    out: dict[int, dict[str, torch.Tensor]] = {b: {} for b in slots}
+    names = sorted({s.name for ss in slots.values() for s in ss})
+    for key in names:
+        mine = [(b, s) for b, ss in sorted(slots.items()) for s in ss if s.name == key]
+        elem = torch.cat([s.key.repeat_interleave(s.length) for _, s in mine])
+        order = torch.sort(elem, stable=True).indices
+        if mine[0][1].widths is not None:
+            values = _stream(t, key, name, torch.cat([s.widths for _, s in mine])[order])
+        else:
+            values = _need(t, key, name, elem.numel()).double().reshape(-1)
+        flat = torch.empty_like(values)
+        flat[order] = values
+        for (b, s), part in zip(mine, torch.split(flat, [s.key.numel() * s.length for _, s in mine])):
+            out[b][key] = part.reshape(s.key.numel(), s.length)
+    return out
 
 
 # ---- files ----------------------------------------------------------------------------------------

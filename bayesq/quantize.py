@@ -24,7 +24,6 @@ from bayesq.blocks import (
     LayerBlocks, check_finite, check_model_finite, layer_blocks, quantizable_layers,
     unquantized_weights,
 )
-from bayesq.codebook import UniformGrids
 from bayesq.comparison import sequential_choice
 from bayesq.config import (
     AllocationConfig, Allocator, BayesQConfig, CostTerms, Curvature, DistillConfig, Objective, PosteriorConfig, Proxy,
@@ -177,10 +176,11 @@ def element_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, 
     scale = torch.zeros(lb.n_groups, dtype=torch.float64)
     zero = torch.zeros(lb.n_groups, dtype=torch.float64)
     for b, book in books.items():
-        if not isinstance(book, UniformGrids):
+        affine = book.affine_fields()
+        if affine is None:
             raise ValueError("error-feedback rounding needs uniform grids for every candidate")
         sel = group_bits == b
-        scale[sel], zero[sel] = book.scale, book.zero
+        scale[sel], zero[sel] = affine
     maxq = (2**group_bits - 1).to(torch.int64)
     # stored scale 0 (an all-zero group): any code dequantises to 0; a tiny positive scale keeps
     # the solver's grid valid and rounds to the end level
@@ -194,11 +194,11 @@ def _refit_books(lb: LayerBlocks, W: torch.Tensor, codes: torch.Tensor, zero: to
     """``books`` with each group's scale refitted to its codes (``refit.refit_scales``)."""
     scale = torch.zeros(lb.n_groups, dtype=torch.float64)
     for b, book in books.items():
-        scale[group_bits == b] = book.scale
+        scale[group_bits == b] = book.affine_fields()[0]
     index = torch.arange(lb.n_groups)[:, None].expand(-1, lb.group_size)
     group = lb.from_groups(index.double()).reshape(W.shape).to(torch.int64)  # (out, d_in)
     new, _, _ = refit_scales(W, codes.double() - zero, group, scale, metric.double(), scale_bits=scale_bits)
-    return {b: UniformGrids(b, new[group_bits == b], book.zero) for b, book in books.items()}
+    return {b: book.with_affine(new[group_bits == b], book.affine_fields()[1]) for b, book in books.items()}
 
 
 def needs_input_stats(posterior: Posterior, q: QuantConfig) -> bool:

@@ -23,11 +23,15 @@ that; :func:`vq_expected_cost` estimates the latter by Monte Carlo. ``tests/test
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import ClassVar, Mapping
 
 import torch
 
+from bayesq.books import CodeBook, Field, Need, Slot, register_book
 from bayesq.codebook import _round_stored
+from bayesq.storage import header_bits, vq_cost_bits
 
 MAX_CODEBOOK = 4096  # 12 index bits
 _CHUNK_ELEMENTS = 1 << 22  # vectors x codewords per distance block
@@ -155,8 +159,9 @@ def vq_expected_cost(
     return total / samples
 
 
+@register_book
 @dataclass(frozen=True)
-class VQBook:
+class VQBook(CodeBook):
     """One layer's VQ codebook over (G, g) group rows cut into vectors of ``dim`` weights.
 
     Attributes:
@@ -165,9 +170,13 @@ class VQBook:
         omega: (G, g) float64 metric weights of the assignment (not stored: the stored model
             holds only the indices and the codebook).
 
-    Codes are (G, g / dim) int64 indices; ``g`` must be a multiple of ``dim``.
+    Codes are (G, g / dim) int64 indices; ``g`` must be a multiple of ``dim``. Stored (kind
+    ``vq``): the (K, dim) codebook (``lut_bits``); the kernels hold VQ layers dequantised, and
+    distillation leaves the codebook as stored.
     """
 
+    kind: ClassVar[str] = "vq"
+    decodable: ClassVar[bool] = False
     bits: int
     codebook: torch.Tensor
     omega: torch.Tensor
@@ -175,6 +184,10 @@ class VQBook:
     @property
     def dim(self) -> int:
         return int(self.codebook.shape[1])
+
+    @property
+    def code_dim(self) -> int:
+        return self.dim
 
     def take(self, rows: torch.Tensor) -> "VQBook":
         return VQBook(self.bits, self.codebook, self.omega[rows])
@@ -187,3 +200,25 @@ class VQBook:
     def dequantize(self, codes: torch.Tensor) -> torch.Tensor:
         """(G, g) float64 codewords of the (G, g / dim) indices."""
         return self.codebook[codes].reshape(codes.shape[0], -1)
+
+    @classmethod
+    def unit_cost_bits(cls, n_weights: int, n_groups: int, bits: int, n_choices: int, quant) -> int:
+        d = quant.vq_dim
+        return vq_cost_bits(math.ceil(n_weights / d), d, 2 ** (bits * d), quant.lut_bits) + header_bits(n_choices)
+
+    def export_fields(self, sel: torch.Tensor, blocks, quant) -> list[Field]:
+        return [Field("vq", torch.zeros(1, dtype=torch.int64), self.codebook.reshape(1, -1), bits=quant.lut_bits,
+                      shape=tuple(self.codebook.shape))]
+
+    @classmethod
+    def export_slots(cls, bits: int, sel: torch.Tensor, blocks, layout: Mapping) -> list[Slot]:
+        return []  # the codebook is read whole (from_export)
+
+    @classmethod
+    def read_code_dim(cls, layout: Mapping, need: Need) -> int:
+        return int(need("vq").shape[1])
+
+    @classmethod
+    def from_export(cls, bits: int, sel: torch.Tensor, blocks, layout: Mapping,
+                    fields: Mapping[str, torch.Tensor], need: Need) -> "VQBook":
+        return cls(bits, need("vq").double(), torch.zeros(0, dtype=torch.float64))

@@ -157,7 +157,7 @@ def test_distill_lut_stored_decodes_to_trained_levels(lut, monkeypatch):
     real = _Trainable.stored
 
     def spy(self, scale_bits, lut_bits):
-        trained[id(self.qw)] = {b: self.levels[b].detach().double().half().double() for b in self.levels}
+        trained[id(self.qw)] = {b: p["levels"].detach().double().half().double() for b, p in self.books.items()}
         return real(self, scale_bits, lut_bits)
 
     monkeypatch.setattr(D._Trainable, "stored", spy)

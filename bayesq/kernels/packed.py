@@ -26,9 +26,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
-from bayesq.codebook import LevelTables, UniformGrids
 from bayesq.packing import pack_bits, real_codes, words_of
-from bayesq.vq import VQBook
 
 
 @dataclass(frozen=True)
@@ -101,7 +99,7 @@ def pack_weight(qw) -> PackedWeight:
     col = None
     if qw.col_scale is not None and qw.col_scale.shape[0] == 1:
         col = qw.col_scale[0].float()
-    dense = any(isinstance(b, VQBook) for b in qw.books.values()) or (qw.col_scale is not None and col is None)
+    dense = any(not b.decodable for b in qw.books.values()) or (qw.col_scale is not None and col is None)
     if dense:
         z = torch.zeros(0, dtype=torch.int64)
         return PackedWeight(torch.zeros(1, dtype=torch.int32), z.int(), z.to(torch.uint8), empty.half(),
@@ -114,19 +112,17 @@ def pack_weight(qw) -> PackedWeight:
     full = bool((sizes == lb.group_size).all()) and len(set(gbits.tolist())) == 1
     scale = torch.zeros(lb.n_groups, dtype=torch.float64)
     zero = torch.zeros(lb.n_groups, dtype=torch.float64)
-    has_lut = any(isinstance(b, LevelTables) for b in qw.books.values())
+    has_lut = any(b.affine_fields() is None for b in qw.books.values())
     lengths = 2 ** gbits  # LUT entries per group (LUT mode: every group gets a table of its levels)
     lutoff = torch.cumsum(lengths, 0) - lengths
     lut = torch.zeros(int(lengths.sum()) if has_lut else 0, dtype=torch.float64)
     for b, book in qw.books.items():
         sel = torch.nonzero(qw.group_bits == b).reshape(-1)
-        if isinstance(book, UniformGrids):
-            scale[sel], zero[sel] = book.scale, book.zero
-            levels = book.scale[:, None] * (torch.arange(2**b, dtype=torch.float64)[None, :] - book.zero[:, None])
-        else:
-            levels = book.levels[book.row]  # (n_sel, 2^b)
+        affine = book.affine_fields()
+        if affine is not None:
+            scale[sel], zero[sel] = affine
         if has_lut:
-            lut[lutoff[sel][:, None] + torch.arange(2**b)[None, :]] = levels
+            lut[lutoff[sel][:, None] + torch.arange(2**b)[None, :]] = book.group_levels()  # (n_sel, 2^b)
     lut, lutoff = (lut.float(), lutoff.int()) if has_lut else (empty, torch.zeros(0, dtype=torch.int32))
     stored = scale.half()
     if not torch.equal(stored.double(), scale):
