@@ -10,7 +10,7 @@ valid key, so a misspelled setting never silently falls back to a default.
 
 The pipeline's parameter schema (profiles, calibration, baselines, robustness, ablations) lives
 in :mod:`flows.params`; the embedded models' data and fine-tuning settings in
-:mod:`bayesq.models.config`.
+:mod:`bayesq.harness.models.config`.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from torch import nn
 from bayesq.blocks import LayerBlocks, kept_matrices
 from bayesq.books import CodeBook, Field, Slot, book_class
 from bayesq.config import QuantConfig
-from bayesq.models.zoo import get_entry
+from bayesq.harness.models.zoo import get_entry
 from bayesq.packing import ExportError, offsets_of, pack_bits, real_codes, unpack_bits
 from bayesq.qlayers import replace_quantized
 from bayesq.result import QuantizedWeight

@@ -448,7 +448,7 @@ def encode_best(
     candidates of :func:`grid_candidates` (their tables built here), each scored by its
     per-input ``KL(p_FP || p_Q)`` after its bias correction (``q.bias_correction``) on
     ``selection`` (inputs held out of the fit, e.g.
-    :func:`bayesq.data.calibration.sample_selection_indices`; they admit the other range search
+    :func:`bayesq.harness.data.calibration.sample_selection_indices`; they admit the other range search
     as the second candidate), else on ``calibration`` (the second candidate: min/max grids). The
     ``minmax`` grids when built, else ``q``'s own, are kept unless the other candidate's mean KL
     is lower by a resolved margin (95 % paired-bootstrap interval of the difference below zero,

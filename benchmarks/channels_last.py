@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
     a = ap.parse_args()
-    from bayesq.models.zoo import get_entry
+    from bayesq.harness.models.zoo import get_entry
     from flows.common import read_params
     from flows.finetune import load_model, raw_path
 

@@ -48,7 +48,7 @@ def deployed_error(model_name: str, budget: float, posterior: Path, codebooks: l
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.config import QuantConfig
     from bayesq.expected_loss import posterior_table
-    from bayesq.models.zoo import get_entry
+    from bayesq.harness.models.zoo import get_entry
     from bayesq.quantize import allocate, encode
     from flows.finetune import load_model
     from flows.prepare import load_posterior

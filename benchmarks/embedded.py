@@ -24,7 +24,7 @@ class Case:
     calibration: list  # the seed's calibration batches (labels never used)
     test: list  # test batches
     labels: Any  # (N,) int64 test labels
-    entry: Any = None  # bayesq.models.zoo.ZooEntry
+    entry: Any = None  # bayesq.harness.models.zoo.ZooEntry
     splits: Any = None  # its data splits
 
     def draw(self, seed: int) -> list:
@@ -43,7 +43,7 @@ class Case:
 
     def accuracy(self, model) -> float:
         """Test accuracy of ``model`` in percent."""
-        from bayesq.models.zoo import evaluate
+        from bayesq.harness.models.zoo import evaluate
 
         return 100 * evaluate(model, self.test, self.labels)
 
@@ -61,7 +61,7 @@ def case(description: str) -> Case:
     from flows.settings import apply_defaults
 
     apply_defaults()  # the pipeline's environment, before Prefect / Hugging Face are imported
-    from bayesq.models.zoo import get_entry
+    from bayesq.harness.models.zoo import get_entry
     from flows.common import read_params
     from flows.finetune import load_model, raw_path
     from flows.prepare import calibration_batches

@@ -48,9 +48,9 @@ def steps(model_name: str, n_steps: int, params: Path, raw: Path, out: Path, var
 
     sys.path.insert(0, str(ROOT))
     from bayesq.config import replace
-    from bayesq.data.sentiment import seeded_permutation
+    from bayesq.harness.data.sentiment import seeded_permutation
     from bayesq.forward import logits
-    from bayesq.models.zoo import _take, get_entry
+    from bayesq.harness.models.zoo import _take, get_entry
     from flows.params import load_params
 
     p = load_params(yaml.safe_load(params.read_text()))

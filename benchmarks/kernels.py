@@ -217,7 +217,7 @@ def end_to_end(a) -> list[dict]:
     """Latency (batch 1) and throughput (batch 64 images / 32 sentences) of each export vs FP16."""
     from bayesq.export import load
     from bayesq.forward import logits
-    from bayesq.models.zoo import get_entry
+    from bayesq.harness.models.zoo import get_entry
     from flows.finetune import load_model
 
     rows = []

@@ -36,7 +36,7 @@ def _timed(stages: dict, name: str):
 
 def load_inputs(model_name: str, seed: int, params_path: Path):
     """(params, fine-tuned model, calibration batches, selection batches) of one embedded model and seed."""
-    from bayesq.models.zoo import get_entry
+    from bayesq.harness.models.zoo import get_entry
     from flows.common import read_params
     from flows.finetune import load_model, raw_path
     from flows.prepare import calibration_batches, selection_batches

@@ -74,7 +74,7 @@ def squares_both_ways(model, batch) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    from bayesq.models.zoo import get_entry
+    from bayesq.harness.models.zoo import get_entry
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["lite0-fmnist", "minilm-sentiment"])

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from bayesq.models.zoo import get_entry
+from bayesq.harness.models.zoo import get_entry
 from bayesq.quantize import loss_reduction_curve
 from flows.common import code_version, digest, parser, read_params, write_json
 from flows.finetune import raw_path

@@ -71,13 +71,13 @@ def quantize(
     """Quantise one model with BayesQ (or a baseline) and write its export, without DVC or Prefect."""
     from bayesq.baselines.select import encoding_config
     from bayesq.config import BayesQConfig, replace
-    from flows.params import Method
     from bayesq.export import save_export
+    from bayesq.harness.models.zoo import get_entry
     from bayesq.methods import Inputs, quantize_with
-    from bayesq.models.zoo import get_entry
     from flows.common import code_version, digest, read_params
     from flows.finetune import load_model, raw_path
     from flows.lineage import export_lineage, input_lineage
+    from flows.params import Method
     from flows.prepare import calibration_batches, selection_batches
     from flows.quantize import BASELINE_CONFIGS
 

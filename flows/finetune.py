@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prefect import flow, task
 
-from bayesq.models.zoo import evaluate, get_entry
+from bayesq.harness.models.zoo import evaluate, get_entry
 from flows.common import CACHE, code_version, digest, parser, read_params, write_json
 
 
@@ -62,10 +62,10 @@ def finetune_flow(params_path: Path, raw: Path, out: Path) -> list[dict]:
             get_entry(name)
         except ValueError as err:
             raise ValueError(f"finetune.frozen_backbone: {err}") from None
-    # the embedded entries' sources only: a new loader elsewhere in bayesq/models retrains nothing
-    code = code_version("bayesq/models/zoo.py", "bayesq/models/config.py", "bayesq/data", "bayesq/forward.py",
+    # the embedded entries' sources only: a new loader elsewhere in bayesq/harness/models retrains nothing
+    code = code_version("bayesq/harness/models/zoo.py", "bayesq/harness/models/config.py", "bayesq/harness/data", "bayesq/forward.py",
                         "bayesq/evaluation.py", "flows/finetune.py",
-                        exclude=("bayesq/data/calibration.py",))  # sampling: not read by the fine-tune
+                        exclude=("bayesq/harness/data/calibration.py",))  # sampling: not read by the fine-tune
     results = []
     for name in params.models:
         src = raw_path(get_entry(name), raw)

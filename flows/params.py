@@ -3,7 +3,7 @@ data and fine-tuning, calibration, the method sections, baselines, robustness, a
 
 The method sections (``posterior``, ``quant``, ``allocation``, ``distill``) are the library's
 configs (:mod:`bayesq.config`), ``data`` and ``finetune`` the embedded models' harness settings
-(:mod:`bayesq.models.config`); the sections only the pipeline reads are defined here, validated
+(:mod:`bayesq.harness.models.config`); the sections only the pipeline reads are defined here, validated
 the same declarative way (:func:`bayesq.config.validate`).
 """
 
@@ -16,12 +16,26 @@ from enum import Enum
 from typing import Any, ClassVar, Iterator, Mapping
 
 from bayesq.config import (
-    AllocationConfig, BayesQConfig, DistillConfig, PosteriorConfig, QuantConfig, Relation, ascending,
-    at_least, each_of, from_mapping, integer, rule, setting, validate, within,
+    AllocationConfig,
+    BayesQConfig,
+    DistillConfig,
+    PosteriorConfig,
+    QuantConfig,
+    Relation,
+    ascending,
+    at_least,
+    each_of,
+    from_mapping,
+    integer,
+    rule,
+    setting,
+    validate,
+    within,
 )
-from bayesq.corruptions import CORRUPTIONS
-from bayesq.data.sentiment import DOMAIN_FILES
-from bayesq.models.config import DataConfig, FinetuneConfig
+from bayesq.harness.corruptions import CORRUPTIONS
+from bayesq.harness.data.sentiment import DOMAIN_FILES
+from bayesq.harness.models.config import DataConfig, FinetuneConfig
+
 
 class Method(str, Enum):
     """Quantization methods the pipeline knows."""

@@ -18,11 +18,11 @@ from bayesq.baselines.hawq import hessian_traces
 from bayesq.blocks import layer_blocks, quantizable_layers
 from bayesq.config import BayesQConfig, Curvature, Objective, Prior, Rounding, replace
 from bayesq.curvature.kfac import KFACFactors
-from bayesq.data.calibration import sample_calibration_indices, sample_selection_indices
-from bayesq.data.sentiment import seeded_permutation
 from bayesq.evaluation import reference_log_probs
 from bayesq.forward import by_length
-from bayesq.models.zoo import _take, get_entry
+from bayesq.harness.data.calibration import sample_calibration_indices, sample_selection_indices
+from bayesq.harness.data.sentiment import seeded_permutation
+from bayesq.harness.models.zoo import _take, get_entry
 from bayesq.posterior import CURVATURES, DiagonalCurvature, Posterior, fit_diagonal_posterior
 from bayesq.quantize import build_table, candidate_tables, ef_column_metric, first_look_inputs, fit_posterior
 from bayesq.tensorfile import file_sha256, save_tensors
@@ -91,7 +91,7 @@ def selection_batches(entry, splits, data, calibration, seed: int):
     """The batches that score selections among candidates fitted on the calibration inputs
     (BayesQ's grids, GPTQ's / AWQ's variants): with ``calibration.selection: held-out`` a second
     draw of ``calibration.selection_images`` / ``selection_sentences`` training inputs, disjoint
-    from the calibration draw (:func:`bayesq.data.calibration.sample_selection_indices`; fewer
+    from the calibration draw (:func:`bayesq.harness.data.calibration.sample_selection_indices`; fewer
     when the pool runs out); None scores on the calibration inputs themselves."""
 
     if SelectionInputs(calibration.selection) != SelectionInputs.HELD_OUT:

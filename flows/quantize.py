@@ -37,8 +37,8 @@ from bayesq.baselines.select import encoding_config
 from bayesq.config import Granularity
 from bayesq.evaluation import predict
 from bayesq.export import load as load_export, save_export
+from bayesq.harness.models.zoo import _take, get_entry
 from bayesq.methods import Inputs, Outcome, quantize_with
-from bayesq.models.zoo import _take, get_entry
 from bayesq.quantize import allocate, assemble, encode_best, needs_input_stats
 from bayesq.tensorfile import file_sha256
 from flows.common import code_version, digest, locked, parser, read_params, write_json

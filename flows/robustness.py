@@ -17,11 +17,11 @@ from pathlib import Path
 from prefect import task
 
 from bayesq.comparison import agreement_per_example, correct_per_example, fidelity_summary, kl_per_example
-from bayesq.corruptions import corrupt, corruption_errors_to_mce
-from bayesq.data.sentiment import binary_labels, load_vader_domain, seeded_permutation
 from bayesq.evaluation import predict, prediction_summary
+from bayesq.harness.corruptions import corrupt, corruption_errors_to_mce
+from bayesq.harness.data.sentiment import binary_labels, load_vader_domain, seeded_permutation
+from bayesq.harness.models.zoo import _take, get_entry
 from bayesq.metrics import calibration_error, topk_accuracy
-from bayesq.models.zoo import _take, get_entry
 from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import CACHE
 from flows.finetune import load_model

@@ -6,7 +6,7 @@ pool or on a Dask cluster; served on a schedule by ``bayesq zoo serve --cron``.
 A zoo file lists the models::
 
     models:
-      - name: lite0-fmnist            # an entry of bayesq.models.zoo (or one `loader` registers)
+      - name: lite0-fmnist            # an entry of bayesq.harness.models.zoo (or one `loader` registers)
         loader: zoo                   # zoo | package.module:function (called once, registers the entry)
         dataset: data/raw/fashion-mnist   # the raw data the entry reads (default: its file under --raw)
         checkpoint: models/lite0-fmnist/model.safetensors   # default: <models>/<name>/model.safetensors
@@ -37,7 +37,7 @@ from prefect.cache_policies import NO_CACHE
 
 from bayesq.blocks import quantizable_layers
 from bayesq.expected_loss import LossTable
-from bayesq.models.zoo import get_entry
+from bayesq.harness.models.zoo import get_entry
 from flows.common import code_version, digest, parser, read_params, write_json
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage

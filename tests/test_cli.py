@@ -12,7 +12,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from bayesq.models.zoo import register, unregister
+from bayesq.harness.models.zoo import register, unregister
 from flows.cli import _serve, app
 from tests.test_flows import TinyEntry, _params
 

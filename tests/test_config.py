@@ -9,7 +9,7 @@ from bayesq.config import (
     AllocationConfig, AllocationUnit, BayesQConfig, Codebook, DistillConfig, PosteriorConfig, Proxy, QuantConfig, Rounding, ascending, from_mapping, setting, validate, within,
 )
 from flows.params import Method
-from bayesq.corruptions import CORRUPTIONS
+from bayesq.harness.corruptions import CORRUPTIONS
 from flows.params import CalibrationConfig, RobustnessConfig, SelectionInputs, load_params
 
 ROOT = Path(__file__).resolve().parent.parent

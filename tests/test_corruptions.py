@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from bayesq.corruptions import (
+from bayesq.harness.corruptions import (
     CONTRAST_FACTOR,
     CORRUPTIONS,
     FAMILIES,

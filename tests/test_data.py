@@ -1,4 +1,4 @@
-"""Tests of bayesq.data on tiny synthetic files (never the real data sets)."""
+"""Tests of bayesq.harness.data on tiny synthetic files (never the real data sets)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from bayesq.data.calibration import sample_calibration_indices, sample_selection_indices
-from bayesq.data.fashion_mnist import FILES, load_fashion_mnist, read_idx
-from bayesq.data.sentiment import (
+from bayesq.harness.data.calibration import sample_calibration_indices, sample_selection_indices
+from bayesq.harness.data.fashion_mnist import FILES, load_fashion_mnist, read_idx
+from bayesq.harness.data.sentiment import (
     binary_labels,
     decode_line,
     load_vader_domain,

@@ -287,8 +287,8 @@ def test_one_evaluation_loop_and_one_rule_for_no_batches():
     """predict, the zoo's accuracy and GLUE's predictions run the same loop and all refuse an
     empty input; the loop itself returns nothing for it."""
     from bayesq.evaluation import each_batch
-    from bayesq.models.glue import predictions
-    from bayesq.models.zoo import evaluate
+    from bayesq.harness.models.glue import predictions
+    from bayesq.harness.models.zoo import evaluate
 
     model = nn.Linear(4, 3)
     assert each_batch(model, [], lambda m, b: m(b)) == []

@@ -221,8 +221,8 @@ def test_export_embedded_models_round_trip(tmp_path, name, one_thread):
     """Every layer type of the embedded architectures (depthwise convs, BERT linears) packs and
     loads back to identical logits (RTN per-group at 3 bits: a mix of widths)."""
     from bayesq.baselines.rtn import rtn_quantize
-    from bayesq.models.config import DataConfig
-    from bayesq.models.zoo import get_entry
+    from bayesq.harness.models.config import DataConfig
+    from bayesq.harness.models.zoo import get_entry
 
     entry = get_entry(name)
     torch.manual_seed(0)

@@ -7,9 +7,9 @@ import torch
 import yaml
 from torch import nn
 
-from bayesq.corruptions import CORRUPTIONS
-from bayesq.models.config import DataConfig, FinetuneConfig
-from bayesq.models.zoo import Splits, ZooEntry, register, unregister
+from bayesq.harness.corruptions import CORRUPTIONS
+from bayesq.harness.models.config import DataConfig, FinetuneConfig
+from bayesq.harness.models.zoo import Splits, ZooEntry, register, unregister
 
 
 class TinyEntry(ZooEntry):
@@ -179,7 +179,7 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     assert all(p["n"] == 100 and p["ci_low"] <= p["diff"] <= p["ci_high"] for p in paired)
     # the fitted prior per layer and the prior-dominated share, as the posterior files hold them
     from flows.finetune import load_model
-    from bayesq.models.zoo import get_entry
+    from bayesq.harness.models.zoo import get_entry
     from flows.prepare import load_posterior
 
     posteriors = read_json(results / "posteriors.json")
@@ -357,7 +357,7 @@ def test_finetune_flow_unknown_frozen_backbone_names_field(tmp_path):
 
 
 def test_get_entry_unknown_model_is_clear():
-    from bayesq.models.zoo import get_entry
+    from bayesq.harness.models.zoo import get_entry
 
     with pytest.raises(ValueError, match="unknown model 'lite0-fmnst'.*did you mean 'lite0-fmnist'"):
         get_entry("lite0-fmnst")
@@ -491,7 +491,7 @@ def test_row_cache_keys_leave_out_only_sources_the_row_never_runs(tmp_path, tiny
     from safetensors.torch import save_model
 
     from flows.params import Method
-    from bayesq.models.zoo import get_entry
+    from bayesq.harness.models.zoo import get_entry
     from flows.common import digest, read_params
     from flows.prepare import PREP_EXCLUDE, prepare
     from flows.quantize import METHOD_SOURCES, Row, Source, quantize_eval_task, row_code, row_excluded
@@ -532,7 +532,7 @@ def test_row_cache_keys_leave_out_only_sources_the_row_never_runs(tmp_path, tiny
 
 def _tiny_task_inputs(tmp_path):
     """(params, entry, model_file, src, task args up to ``data``) of the tiny CNN for a prepare task."""
-    from bayesq.models.zoo import get_entry
+    from bayesq.harness.models.zoo import get_entry
     from flows.common import digest, read_params
     from safetensors.torch import save_model
 
@@ -658,7 +658,7 @@ def test_table_task_reading_stats_file_vs_own_statistics_pass(tmp_path, tiny_ent
 def _token_entry():
     """MiniLMSentiment whose "sentence" ``"i:xxx"`` of n characters is n tokens: input_ids [i, ..., i],
     right-padded with 0 (no tokenizer)."""
-    from bayesq.models.zoo import MiniLMSentiment
+    from bayesq.harness.models.zoo import MiniLMSentiment
 
     class Tokens(MiniLMSentiment):
         def batches(self, inputs, batch_size, data):
@@ -678,8 +678,8 @@ def test_selection_batches_first_look_a_random_draw_each_look_by_length():
     """The first look's inputs are the draw's first ones (not the shortest sentences), each look
     regrouped by token length, every input once."""
     from flows.params import CalibrationConfig
-    from bayesq.data.calibration import sample_selection_indices
-    from bayesq.models.zoo import Splits
+    from bayesq.harness.data.calibration import sample_selection_indices
+    from bayesq.harness.models.zoo import Splits
     from bayesq.quantize import selection_looks
     from flows.prepare import selection_batches
 
@@ -702,7 +702,7 @@ def test_selection_batches_first_look_a_random_draw_each_look_by_length():
 
 def test_calibration_batches_of_sentences_grouped_by_length_images_in_draw_order(tiny_entry):
     from flows.params import CalibrationConfig
-    from bayesq.models.zoo import Splits, get_entry
+    from bayesq.harness.models.zoo import Splits, get_entry
     from flows.prepare import calibration_batches, calibration_indices
 
     Tokens = type(_token_entry())
@@ -732,7 +732,7 @@ def test_calibration_batches_of_sentences_grouped_by_length_images_in_draw_order
 def test_selection_batches_draw_the_configured_size_and_fit_inputs_ignore_it(tiny_entry):
     from bayesq.config import replace
     from flows.params import CalibrationConfig
-    from bayesq.models.zoo import get_entry
+    from bayesq.harness.models.zoo import get_entry
     from flows.prepare import fit_inputs, selection_batches
 
     entry, data = get_entry("tiny-cnn"), DataConfig()
@@ -772,7 +772,7 @@ def test_ablation_row_label_at_the_limit_survives_dvc_lock_and_longer_is_refused
 def test_load_model_image_entry_channels_last_vs_saved_model(tmp_path):
     from safetensors.torch import save_model
 
-    from bayesq.models.zoo import get_entry
+    from bayesq.harness.models.zoo import get_entry
     from flows.finetune import load_model
 
     entry = get_entry("lite0-fmnist")
@@ -792,7 +792,7 @@ def test_predict_in_padding_order_vs_input_order():
     from transformers import BertConfig, BertForSequenceClassification
 
     from bayesq.evaluation import predict
-    from bayesq.models.zoo import MiniLMSentiment
+    from bayesq.harness.models.zoo import MiniLMSentiment
     from flows.robustness import _predict_in_padding_order
 
     entry = MiniLMSentiment()

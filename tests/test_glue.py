@@ -1,4 +1,4 @@
-"""bayesq.models.glue (and bayesq.models.real.register_real) on tiny checkpoints and data made in
+"""bayesq.harness.models.glue (and bayesq.harness.models.real.register_real) on tiny checkpoints and data made in
 tmp_path (no network, no real files)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from bayesq.metrics import f1_binary
-from bayesq.models import zoo
-from bayesq.models.config import DataConfig
-from bayesq.models.glue import BertGLUE, predictions, read_glue_tsv
-from bayesq.models.real import register_real
-from bayesq.models.zoo import evaluate, get_entry
+from bayesq.harness.models import zoo
+from bayesq.harness.models.config import DataConfig
+from bayesq.harness.models.glue import BertGLUE, predictions, read_glue_tsv
+from bayesq.harness.models.real import register_real
+from bayesq.harness.models.zoo import evaluate, get_entry
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = DataConfig(image_size=32, image_train_subset=1000, image_test_subset=1000,
@@ -200,7 +200,7 @@ def test_bert_base_checkpoint_gets_a_new_head(berts, glue_dir, tmp_path, caplog)
     base = BertModel(BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                 intermediate_size=37, max_position_embeddings=64))
     base.save_pretrained(tmp_path / "base")
-    with caplog.at_level("WARNING", logger="bayesq.models.glue"):
+    with caplog.at_level("WARNING", logger="bayesq.harness.models.glue"):
         model = BertGLUE(tmp_path / "base", glue_dir, "qnli").build()
     assert "no classification head" in caplog.text and model.classifier.out_features == 2
     got = model.state_dict()
@@ -248,7 +248,7 @@ def test_register_real_makes_entries_available_by_name(berts, glue_dir, tmp_path
 
 
 def test_import_has_no_side_effects():
-    code = ("import sys, bayesq.models.real, bayesq.models.imagenet, bayesq.models.glue, bayesq.metrics;"
+    code = ("import sys, bayesq.harness.models.real, bayesq.harness.models.imagenet, bayesq.harness.models.glue, bayesq.metrics;"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('prefect', 'mlflow', 'dvc', 'transformers', 'torchvision', 'PIL')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)

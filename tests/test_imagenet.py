@@ -1,4 +1,4 @@
-"""bayesq.models.imagenet on tiny checkpoints and images made in tmp_path (no network, no real files)."""
+"""bayesq.harness.models.imagenet on tiny checkpoints and images made in tmp_path (no network, no real files)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 from PIL import Image
 
 from bayesq.metrics import accuracy
-from bayesq.models.config import DataConfig
-from bayesq.models.imagenet import ResNet50ImageNet, holdout_split
-from bayesq.models.real import predictions
-from bayesq.models.zoo import IMAGENET_MEAN, IMAGENET_STD, evaluate
+from bayesq.harness.models.config import DataConfig
+from bayesq.harness.models.imagenet import ResNet50ImageNet, holdout_split
+from bayesq.harness.models.real import predictions
+from bayesq.harness.models.zoo import IMAGENET_MEAN, IMAGENET_STD, evaluate
 
 DATA = DataConfig(image_size=32, image_train_subset=1000, image_test_subset=1000,
                   text_train_subset=1000, text_test_subset=1000, split_seed=0)

@@ -16,7 +16,7 @@ def test_library_sources_never_import_pipeline_tools():
 
 def test_library_import_loads_no_pipeline_tools():
     code = (
-        "import sys, bayesq, bayesq.quantize, bayesq.baselines.rtn, bayesq.models.zoo;"
+        "import sys, bayesq, bayesq.quantize, bayesq.baselines.rtn, bayesq.harness.models.zoo;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'mlflow', 'dvc')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
@@ -144,6 +144,15 @@ def test_import_graph_has_no_loops():
     assert cycle is None, f"import loop: {' -> '.join(cycle)} (move what both need to a module below them)"
 
 
+def test_method_core_reads_no_harness_but_the_export_loader():
+    """The layout: bayesq/harness (embedded models, data, corruptions) sits beside the method
+    core; only loading an export reaches into it (to rebuild an architecture by name)."""
+    graph = _project_imports()
+    core = {m: {t for t in edges if t.startswith("bayesq.harness")} for m, edges in graph.items()
+            if m.startswith("bayesq") and not m.startswith("bayesq.harness")}
+    assert {m: e for m, e in core.items() if e} == {"bayesq.export": {"bayesq.harness.models.zoo"}}
+
+
 def test_cycle_finder_vs_hand_made_graphs():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
@@ -158,7 +167,8 @@ def test_repository_refers_to_nothing_outside_it():
 
 
 def test_importing_the_pipeline_sets_no_environment_variable():
-    code = (
+    code = (  # third-party imports first: importing torchvision itself sets TORCHINDUCTOR_CACHE_DIR
+        "import torchvision, transformers, prefect, mlflow;"
         "import os; before = dict(os.environ);"
         "import flows, flows.common, flows.quantize, flows.report, flows.zoo, flows.cli, flows.settings;"
         "added = sorted(set(os.environ) - set(before)); changed = sorted(k for k in before if os.environ.get(k) != before[k]);"

@@ -4,7 +4,7 @@ import pytest
 
 from bayesq.config import DistillConfig
 from flows.params import Method
-from bayesq.corruptions import CORRUPTIONS
+from bayesq.harness.corruptions import CORRUPTIONS
 from flows.params import RobustnessConfig, load_params
 
 

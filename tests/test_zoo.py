@@ -1,4 +1,4 @@
-"""Tests of bayesq.models.zoo without pretrained weights or real data files."""
+"""Tests of bayesq.harness.models.zoo without pretrained weights or real data files."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bayesq.data.fashion_mnist import FILES
-from bayesq.models import zoo
-from bayesq.models.config import DataConfig, FinetuneConfig
-from bayesq.models.zoo import (
+from bayesq.harness.data.fashion_mnist import FILES
+from bayesq.harness.models import zoo
+from bayesq.harness.models.config import DataConfig, FinetuneConfig
+from bayesq.harness.models.zoo import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     MODEL_NAMES,

@@ -50,7 +50,7 @@ def zoo_setup(tmp_path):
         save_model(entry.build(), str(folder / "model.safetensors"))
     (tmp_path / "tiny.bin").write_bytes(b"synthetic")
     yield tmp_path
-    from bayesq.models.zoo import unregister
+    from bayesq.harness.models.zoo import unregister
 
     unregister("tiny-cnn")
     unregister("tiny-cnn-b")
@@ -231,7 +231,7 @@ def test_zoo_flow_two_concurrent_runs_share_cache_and_mlflow_store(zoo_setup, pr
 def test_layer_table_tasks_vs_whole_table(zoo_setup, one_thread):
     """The per-layer tables the zoo fans out, merged, equal the one-task table exactly."""
     from bayesq.blocks import quantizable_layers
-    from bayesq.models.zoo import get_entry
+    from bayesq.harness.models.zoo import get_entry
     from flows.common import digest, read_params
     from flows.finetune import load_model
     from bayesq.config import replace

@@ -5,7 +5,7 @@ ImageNet folder in ``ImageFolder`` layout (``<root>/val/<wnid>/*.JPEG``, optiona
 sorted folder names are the label ids (for the 1000 WordNet ids: torchvision's class order).
 
 Nothing is loaded or registered at import (torchvision and PIL are imported when used); see
-``bayesq.models.real.register_real``. ``DataConfig.image_*_subset`` cap the splits (seeded
+``bayesq.harness.models.real.register_real``. ``DataConfig.image_*_subset`` cap the splits (seeded
 subsets; set the test cap above the val size for official full-set numbers). Preprocessing
 follows the entry's ``image_size`` / ``resize_size``, not ``DataConfig.image_size``.
 """
@@ -23,9 +23,9 @@ from urllib.parse import urlparse
 import torch
 from torch import Tensor, nn
 
-from bayesq.data.sentiment import seeded_permutation
-from bayesq.models.config import DataConfig, FinetuneConfig
-from bayesq.models.zoo import BUILD_SEED, IMAGENET_MEAN, IMAGENET_STD, Splits, ZooEntry
+from bayesq.harness.data.sentiment import seeded_permutation
+from bayesq.harness.models.config import DataConfig, FinetuneConfig
+from bayesq.harness.models.zoo import BUILD_SEED, IMAGENET_MEAN, IMAGENET_STD, Splits, ZooEntry
 
 STATE_DICT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors")
 

@@ -1,10 +1,10 @@
 """Zoo entries for real checkpoints and data sets that a user has on disk.
 
-``ResNet50ImageNet`` (``bayesq.models.imagenet``): torchvision ResNet-50 (any torchvision
+``ResNet50ImageNet`` (``bayesq.harness.models.imagenet``): torchvision ResNet-50 (any torchvision
 classifier via ``arch``) on an ImageNet folder in ``ImageFolder`` layout
 (``<root>/val/<wnid>/*.JPEG``, optional ``train/``); sorted folder names are the label ids (for
 the 1000 WordNet ids: torchvision's class order).
-``BertGLUE`` (``bayesq.models.glue``): a Hugging Face sequence classifier (local directory or
+``BertGLUE`` (``bayesq.harness.models.glue``): a Hugging Face sequence classifier (local directory or
 cached hub id) on one GLUE task read from the official TSVs, evaluated on dev with the official
 metrics (``bayesq.metrics``). Their public names are re-exported here.
 
@@ -13,7 +13,7 @@ pipeline, then use them by name (``get_entry("bert-sst2")``)::
 
     register_real(imagenet_root="/data/imagenet", resnet_weights="IMAGENET1K_V2", glue_dir="/data/glue",
                   bert_models={"sst2": "/ckpt/bert-sst2", "mnli-m": "/ckpt/bert-mnli"})
-    # or: bayesq.models.zoo.register(BertGLUE("/ckpt/bert-qqp", Path("/data/glue"), "qqp"))
+    # or: bayesq.harness.models.zoo.register(BertGLUE("/ckpt/bert-qqp", Path("/data/glue"), "qqp"))
 
 ``DataConfig.image_*_subset`` / ``text_*_subset`` cap the splits (seeded subsets; set the test
 caps above the val/dev size for official full-set numbers). Preprocessing follows the entry's
@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from bayesq.models.glue import GLUE_SPECS, BertGLUE, GlueTaskSpec, predictions, read_glue_tsv
-from bayesq.models.imagenet import (
+from bayesq.harness.models.glue import GLUE_SPECS, BertGLUE, GlueTaskSpec, predictions, read_glue_tsv
+from bayesq.harness.models.imagenet import (
     STATE_DICT_SUFFIXES,
     ImageBatches,
     ResNet50ImageNet,
@@ -37,7 +37,7 @@ from bayesq.models.imagenet import (
     read_state_dict,
     torchvision_weights_file,
 )
-from bayesq.models.zoo import ZooEntry, known_models, register
+from bayesq.harness.models.zoo import ZooEntry, known_models, register
 
 __all__ = [
     "GLUE_SPECS",
@@ -63,7 +63,7 @@ def register_real(
     glue_dir: str | Path | None = None, bert_models: Mapping[str, str | Path] | None = None,
     replace: bool = False,
 ) -> tuple[str, ...]:
-    """Register the real entries in ``bayesq.models.zoo`` (this process only); returns names.
+    """Register the real entries in ``bayesq.harness.models.zoo`` (this process only); returns names.
 
     ``imagenet_root`` or ``resnet_weights`` given: ``ResNet50ImageNet(resnet_weights,
     imagenet_root)`` as ``"resnet50-imagenet"``. ``bert_models``: GLUE task -> checkpoint, each

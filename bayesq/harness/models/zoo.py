@@ -33,12 +33,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from bayesq.data.fashion_mnist import DEFAULT_ROOT as FMNIST_ROOT
-from bayesq.data.fashion_mnist import load_fashion_mnist
-from bayesq.data.sentiment import binary_labels, load_vader_domain, seeded_permutation, split_indices
+from bayesq.harness.data.fashion_mnist import DEFAULT_ROOT as FMNIST_ROOT
+from bayesq.harness.data.fashion_mnist import load_fashion_mnist
+from bayesq.harness.data.sentiment import binary_labels, load_vader_domain, seeded_permutation, split_indices
 from bayesq.evaluation import predict
 from bayesq.forward import batch_size, logits
-from bayesq.models.config import DataConfig, FinetuneConfig
+from bayesq.harness.models.config import DataConfig, FinetuneConfig
 
 MODEL_NAMES = ("lite0-fmnist", "minilm-sentiment", "resnet18-fmnist")
 

@@ -1,6 +1,6 @@
 """Settings of the embedded models' harness (``data`` and ``finetune`` in ``params.yaml``): the
-sizes of the embedded data sets and the fine-tuning recipe, read by :mod:`bayesq.models.zoo`,
-:mod:`bayesq.models.glue` and :mod:`bayesq.models.imagenet`. Validated like the method configs
+sizes of the embedded data sets and the fine-tuning recipe, read by :mod:`bayesq.harness.models.zoo`,
+:mod:`bayesq.harness.models.glue` and :mod:`bayesq.harness.models.imagenet`. Validated like the method configs
 (:func:`bayesq.config.validate`)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 task read from the official TSVs, evaluated on dev with the official metrics (``bayesq.metrics``).
 
 Nothing is loaded or registered at import (transformers is imported when used); see
-``bayesq.models.real.register_real``. ``DataConfig.text_*_subset`` cap the splits (seeded
+``bayesq.harness.models.real.register_real``. ``DataConfig.text_*_subset`` cap the splits (seeded
 subsets; set the test cap above the dev size for official full-set numbers). Tokenization
 follows the entry's ``max_length``, not ``DataConfig.text_max_length``.
 """
@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from bayesq.data.sentiment import seeded_permutation
+from bayesq.harness.data.sentiment import seeded_permutation
 from bayesq.evaluation import predict
 from bayesq.metrics import glue_metrics, glue_task
-from bayesq.models.config import DataConfig, FinetuneConfig
-from bayesq.models.zoo import BUILD_SEED, Splits, ZooEntry
+from bayesq.harness.models.config import DataConfig, FinetuneConfig
+from bayesq.harness.models.zoo import BUILD_SEED, Splits, ZooEntry
 
 log = logging.getLogger(__name__)
 
