@@ -539,7 +539,7 @@ def grid_sq_error(w: torch.Tensor, weight: torch.Tensor, grids: UniformGrids) ->
     without the integer round trip.
     """
     s, z = grids.scale[..., None], grids.zero[..., None]
-    q = (torch.round(w / torch.where(s > 0, s, torch.ones_like(s))) + z).clamp_(0, grids.levels - 1)
+    q = (torch.round(w / rounding_divisor(s)) + z).clamp_(0, grids.levels - 1)
     err = q.sub_(z).mul_(s).sub_(w)
     return (err * err).mul_(weight).sum(-1)
 
@@ -615,11 +615,19 @@ def fit_weighted_levels(
     return torch.where(keep[:, None], start, levels), torch.where(keep, cost0, cost)
 
 
+def rounding_divisor(scale: torch.Tensor) -> torch.Tensor:
+    """What a weight is divided by before rounding to an affine grid: the scale, and infinity
+    where the scale is 0. The one rounding rule of every affine grid in the library
+    (:func:`quantize`, :func:`grid_sq_error`, error-feedback rounding):
+    ``code = clamp(round(w / divisor) + zero, 0, maxq)``, so a zero-scale group (all its weights
+    equal, e.g. pruned to 0) gets its zero-point code and decodes to 0."""
+    return torch.where(scale > 0, scale, torch.full_like(scale, math.inf))
+
+
 def quantize(w: torch.Tensor, grids: UniformGrids) -> torch.Tensor:
-    """Integer codes (G, n) int64 of ``w`` (G, n) by nearest-level rounding, clamped to range."""
-    s = grids.scale[:, None]
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    codes = torch.where(s > 0, torch.round(w / safe) + grids.zero[:, None], grids.zero[:, None])
+    """Integer codes (G, n) int64 of ``w`` (G, n) by nearest-level rounding, clamped to range
+    (:func:`rounding_divisor`)."""
+    codes = torch.round(w / rounding_divisor(grids.scale[:, None])) + grids.zero[:, None]
     return codes.clamp(0, grids.levels - 1).to(torch.int64)
 
 

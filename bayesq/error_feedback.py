@@ -32,6 +32,8 @@ from typing import Iterator
 
 import torch
 
+from bayesq.codebook import rounding_divisor
+
 
 def damped_metric(H: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     """GPTQ's relative dampening of a (groups, d, d) or (d, d) column metric ``H`` (float64 copy).
@@ -65,8 +67,8 @@ def _validate_grid(W, scale, zero, maxq):
     if maxq.dtype.is_floating_point or maxq.dtype == torch.bool:
         raise ValueError(f"maxq must be an integer tensor (int64), got {maxq.dtype}")
     maxq = maxq.to(W.device, torch.int64)
-    if not (torch.isfinite(scale).all() and (scale > 0).all()):
-        raise ValueError("scale must be finite and > 0 everywhere")
+    if not (torch.isfinite(scale).all() and (scale >= 0).all()):
+        raise ValueError("scale must be finite and >= 0 everywhere (0: a group whose every weight decodes to 0)")
     if not torch.isfinite(zero).all():
         raise ValueError("zero has NaN/Inf entries")
     if (maxq < 0).any():
@@ -190,10 +192,11 @@ def _round_ordered(Wp: torch.Tensor, U: torch.Tensor, s: torch.Tensor, z: torch.
     """
     Wt, s, z = (x.transpose(1, 2).contiguous() for x in (Wp, s, z))
     m = m.transpose(1, 2).to(torch.float64)  # codes are rounded in float64, exact integers
+    div = rounding_divisor(s)  # the library's rounding rule: a zero scale gives the zero-point code
     d = Wt.shape[1]
     codes = torch.empty(Wt.shape, dtype=torch.int64, device=Wt.device)
     # per-column views, made once (the column loop is bound by per-operation overhead)
-    w_, s_, z_, m_, codes_ = (x.unbind(1) for x in (Wt, s, z, m, codes))
+    w_, s_, z_, m_, codes_, div_ = (x.unbind(1) for x in (Wt, s, z, m, codes, div))
     for i1 in range(0, d, block_size):
         i2 = min(i1 + block_size, d)
         W1, U1 = Wt[:, i1:i2], U[:, i1:i2, i1:i2]  # views: (G, b, rows), (G, b, b)
@@ -201,7 +204,7 @@ def _round_ordered(Wp: torch.Tensor, U: torch.Tensor, s: torch.Tensor, z: torch.
         err_, pivot = err.unbind(1), U1.diagonal(dim1=1, dim2=2)[:, :, None].unbind(1)  # (G, 1) pivots
         for k in range(i2 - i1):
             j = i1 + k
-            c = torch.minimum(torch.addcdiv(z_[j], w_[j], s_[j]).round_().clamp_min_(0), m_[j])  # nearest level
+            c = torch.minimum(torch.addcdiv(z_[j], w_[j], div_[j]).round_().clamp_min_(0), m_[j])  # nearest level
             codes_[j].copy_(c)
             torch.div(w_[j] - (c - z_[j]).mul_(s_[j]), pivot[k], out=err_[k])
             W1[:, k:].baddbmm_(U1[:, k, k:, None], err[:, k : k + 1], alpha=-1.0)  # -= U1[k, k:]^T err_k
@@ -356,7 +359,8 @@ def coordinate_descent(
     HD = torch.bmm(H, Q - Wt)  # (groups, d, rows): (D H)^T per row, kept current
     inv_hdiag = 1.0 / H.diagonal(dim1=1, dim2=2)[:, :, None]  # (groups, d, 1)
     # per-column views, made once (the column loop is bound by per-operation overhead)
-    s_, z_, m_, c_, Q_, HD_, ih_ = (x.unbind(1) for x in (s, z, m, c, Q, HD, inv_hdiag))
+    div = rounding_divisor(s)  # a zero scale keeps the zero-point code (the library's rounding rule)
+    s_, z_, m_, c_, Q_, HD_, ih_, div_ = (x.unbind(1) for x in (s, z, m, c, Q, HD, inv_hdiag, div))
     for _ in range(passes):
         for i1 in range(0, d, block_size):
             i2 = min(i1 + block_size, d)
@@ -365,7 +369,7 @@ def coordinate_descent(
             for j in range(i1, i2):
                 k = j - i1
                 target = torch.addcmul(Q_[j], HD_[j], ih_[j], value=-1.0)
-                cj = torch.minimum(torch.addcdiv(z_[j], target, s_[j]).round_().clamp_min_(0), m_[j])
+                cj = torch.minimum(torch.addcdiv(z_[j], target, div_[j]).round_().clamp_min_(0), m_[j])
                 qj = (cj - z_[j]).mul_(s_[j])
                 torch.sub(qj, Q_[j], out=delta_[k])
                 HD_block.baddbmm_(H_block[:, :, j : j + 1], delta[:, k : k + 1])  # += H[:, :, j] delta_j^T

@@ -181,10 +181,7 @@ def element_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, 
             raise ValueError("error-feedback rounding needs uniform grids for every candidate")
         sel = group_bits == b
         scale[sel], zero[sel] = affine
-    maxq = (2**group_bits - 1).to(torch.int64)
-    # stored scale 0 (an all-zero group): any code dequantises to 0; a tiny positive scale keeps
-    # the solver's grid valid and rounds to the end level
-    scale = torch.where(scale > 0, scale, torch.full_like(scale, 1e-30))
+    maxq = (2**group_bits - 1).to(torch.int64)  # a stored scale 0 (an all-zero group) gets its zero-point code
     per = [lb.from_groups(x[:, None].expand(-1, g)).reshape(out, -1) for x in (scale, zero, maxq)]
     return per[0], per[1], per[2].to(torch.int64)
 

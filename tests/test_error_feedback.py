@@ -156,8 +156,8 @@ def test_error_feedback_bad_input_raises():
         error_feedback_round(W, eye + torch.triu(torch.ones(4, 4, dtype=torch.float64), 1), scale, zero, maxq)
     with pytest.raises(ValueError, match="NaN"):
         error_feedback_round(W.clone().fill_(float("nan")), eye, scale, zero, maxq)
-    with pytest.raises(ValueError, match="scale must be finite and > 0"):
-        error_feedback_round(W, eye, torch.zeros_like(scale), zero, maxq)
+    with pytest.raises(ValueError, match="scale must be finite and >= 0"):
+        error_feedback_round(W, eye, -torch.ones_like(scale), zero, maxq)
     with pytest.raises(ValueError, match="maxq must be an integer"):
         error_feedback_round(W, eye, scale, zero, maxq.double())
     with pytest.raises(ValueError, match="not broadcastable"):
@@ -315,3 +315,24 @@ def test_coordinate_descent_block_size_does_not_change_codes(seed):
     ref = coordinate_descent(W, H, scale, zero, maxq, start, passes=3, block_size=37)
     for b in (1, 5, 16):
         assert torch.equal(coordinate_descent(W, H, scale, zero, maxq, start, passes=3, block_size=b), ref)
+
+
+def test_zero_scale_groups_get_the_zero_point_code_in_every_rounding():
+    """One rounding rule (codebook.rounding_divisor): nearest rounding, error feedback and the
+    coordinate-descent polish give a zero-scale row (all its weights 0) its zero-point code, and
+    agree with codebook.quantize on the other rows when H = I."""
+    from bayesq.codebook import UniformGrids, quantize
+
+    gen = torch.Generator().manual_seed(4)
+    W = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    W[2] = 0.0
+    scale = torch.tensor([0.1, 0.2, 0.0, 0.15], dtype=torch.float64)
+    zero = torch.tensor([3.0, 4.0, 2.0, 5.0], dtype=torch.float64)
+    grids = UniformGrids(bits=3, scale=scale, zero=zero)
+    want = quantize(W, grids)
+    assert torch.equal(want[2], torch.full((6,), 2, dtype=torch.int64))
+    s, z, m = scale[:, None].expand(4, 6), zero[:, None].expand(4, 6), torch.full((4, 6), 7, dtype=torch.int64)
+    H = torch.eye(6, dtype=torch.float64)
+    codes = error_feedback_groups(W, H, s, z, m)
+    assert torch.equal(codes, want)
+    assert torch.equal(coordinate_descent(W, H, s, z, m, codes, passes=2), want)
