@@ -76,7 +76,7 @@ def quantize(
     from bayesq.methods import Inputs, quantize_with
     from flows.common import code_version, digest, read_params
     from flows.finetune import load_model, raw_path
-    from flows.lineage import export_lineage, input_lineage
+    from flows.lineage import export_lineage, input_lineage, row_metadata
     from flows.params import Method
     from flows.prepare import calibration_batches, selection_batches
     from flows.quantize import BASELINE_CONFIGS
@@ -113,11 +113,10 @@ def quantize(
     res = done.result
     quant = p.quant if method == "bayesq" else encoding_config(res, p.quant)  # a variant's bit set
     src = raw_path(entry, raw)
-    meta = {"model": model, "method": label, "budget": str(budget),
-            "seed": str(seed), "code_version": code_version(), "params_file": str(params), **export_lineage(p),
-            **input_lineage(str(model_file), str(src), digest(src), None, idx),
-            **({"posterior": f"fitted in this run, not saved ({p.posterior.curvature.value}; settings in params)"}
-               if method == "bayesq" else {})}
+    fitted = {"posterior": f"fitted in this run, not saved ({p.posterior.curvature.value}; settings in params)"}
+    meta = row_metadata(model, label, budget, seed, code_version(), export_lineage(p),
+                        input_lineage(str(model_file), str(src), digest(src), None, idx), params_file=str(params),
+                        **(fitted if method == "bayesq" else {}))
     info = save_export(out, res.model, res.weights, quant, res.allocation.total_bits, architecture=model,
                        metadata=meta)
     typer.echo(f"{model} at {budget} bits: {res.average_bits:.4f} bits/weight accounted, "

@@ -100,6 +100,16 @@ def export_lineage(params, commit: str | None = None) -> dict[str, str]:
     return {"params": params_json(params), "git_commit": commit + ("-dirty" if git_dirty() else "")}
 
 
+def row_metadata(model: str, method: str, budget: float, seed: int, code: str, shared: dict[str, str],
+                 inputs: dict[str, str], **extra: str) -> dict[str, str]:
+    """The header metadata of one export: what it is (``model``, ``method``, ``budget``, ``seed``),
+    the code version, the invocation's ``shared`` lineage (:func:`export_lineage`), the row's
+    ``inputs`` (:func:`input_lineage`) and ``extra`` entries; every value a string. The one
+    place the pipeline's rows and ``bayesq quantize`` build it."""
+    return {"model": model, "method": method, "budget": str(budget), "seed": str(seed), "code_version": code,
+            **shared, **inputs, **extra}
+
+
 def input_lineage(model_file: str, raw: str, raw_digest: str, posterior_file: str | None,
                   calibration_indices) -> dict[str, str]:
     """Export metadata of one row's inputs: checkpoint and posterior as paths with the sha256 of

@@ -43,7 +43,7 @@ from bayesq.quantize import allocate, assemble, encode_best, needs_input_stats
 from bayesq.tensorfile import file_sha256
 from flows.common import code_version, digest, locked, parser, read_params, write_json
 from flows.finetune import load_model, raw_path
-from flows.lineage import artifact_tags, export_lineage, input_lineage
+from flows.lineage import artifact_tags, export_lineage, input_lineage, row_metadata
 from flows.params import Method, RobustnessConfig
 from flows.prepare import (
     calibration_batches,
@@ -358,8 +358,8 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
         extra.update(out.details)
     seconds = time.perf_counter() - start
     used = None if Method(method) in DATA_FREE or calibration is None else calibration_indices(entry, splits, calibration, seed)
-    meta = {"model": name, "method": method, "budget": str(budget), "seed": str(seed), "code_version": code,
-            **(lineage or {}), **input_lineage(model_file, raw, raw_digest, posterior_file, used)}
+    meta = row_metadata(name, method, budget, seed, code, lineage or {},
+                        input_lineage(model_file, raw, raw_digest, posterior_file, used))
     path = Path(export_dir) / f"{name}_{method}_b{budget}_s{seed}.safetensors"
     export = save_export(path, qmodel, qweights, quant, allocation.total_bits, architecture=name, metadata=meta)
     loaded = load_export(path, memory_format=entry.memory_format)  # as load_model loads the FP model
