@@ -174,6 +174,32 @@ def book_class(kind: str) -> type[CodeBook]:
     return BOOKS[kind]
 
 
+Fit = Callable[..., tuple[CodeBook, torch.Tensor]]  # fit(layer_fit, bits) -> (book, (U,) unit losses)
+FITS: dict[str, Fit] = {}  # quant.codebook name -> how a loss table fits that codebook
+UNIFORM_FITS: set[str] = set()  # fits whose books are affine grids (error-feedback rounding can use them)
+
+
+def register_fit(name: str, *, uniform: bool = False) -> Callable[[Fit], Fit]:
+    """Decorator: ``fit(layer_fit, bits) -> (book, unit_loss)`` is how a loss table fits the
+    codebook ``quant.codebook = name`` at one bit-width.
+
+    ``layer_fit`` is the layer's fit context (:class:`bayesq.expected_loss._LayerFit`): group rows
+    ``mu`` / ``mask`` / ``omega`` (G, g) float64, the metric-weighted costs ``uniform(grids)`` and
+    ``levels(levels)`` ((G,) per group), ``units(group_cost)`` (the (U,) table entries), the
+    layer's ``blocks`` and ``cfg``. ``uniform``: its books are affine grids, so error-feedback
+    rounding may use them. A new codebook is a :class:`CodeBook` subclass (``register_book``)
+    and its fit (``register_fit``), both in one module; ``quant.codebook`` accepts the name once
+    that module is imported."""
+    def deco(fit: Fit) -> Fit:
+        if FITS.get(name, fit) is not fit:
+            raise ValueError(f"codebook fit {name!r} is already registered")
+        FITS[name] = fit
+        if uniform:
+            UNIFORM_FITS.add(name)
+        return fit
+    return deco
+
+
 def stored_float(x: torch.Tensor, bits: int) -> torch.Tensor:
     """float64 values rounded to the stored float format (16: fp16, 32: fp32, 64: unchanged)."""
     return x.to(torch.float16 if bits == 16 else torch.float32).double() if bits < 64 else x

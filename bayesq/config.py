@@ -24,6 +24,8 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+from bayesq.books import FITS, UNIFORM_FITS
+
 
 class Granularity(str, Enum):
     """Scale granularity of a uniform grid: one scale/zero-point per tensor, row or group."""
@@ -323,6 +325,16 @@ class PosteriorConfig:
 UNIFORM_CODEBOOKS = (Codebook.UNIFORM, Codebook.UNIFORM_FIXED, Codebook.LLOYD_UNIFORM)  # codebooks on a uniform grid
 
 
+def _known_codebook(name: Any) -> bool:
+    """A built-in codebook or one whose fit is registered (:func:`bayesq.books.register_fit`)."""
+    return name in Codebook._value2member_map_ or (isinstance(name, str) and name in FITS)
+
+
+def _codebook(name: Any) -> Codebook | str:
+    """The built-in :class:`Codebook` of ``name``, else the registered name itself."""
+    return Codebook(name) if name in Codebook._value2member_map_ else str(name)
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """Grids, candidate bit-widths and allocation units.
@@ -345,7 +357,11 @@ class QuantConfig:
     objective: Objective = Objective.DEPLOYED
     cost_terms: CostTerms = CostTerms.DATA
     unit: AllocationUnit = AllocationUnit.BLOCK
-    codebook: Codebook = Codebook.UNIFORM
+    codebook: Codebook | str = setting(
+        Codebook.UNIFORM,
+        rule(_known_codebook, f"choose from {[c.value for c in Codebook]} or a codebook whose fit is registered "
+                              "(bayesq.books.register_fit)"),
+        convert=_codebook)
     whitening: Whitening = Whitening.POSTERIOR
     rounding: Rounding = Rounding.ERROR_FEEDBACK
     act_order: bool = True
@@ -367,9 +383,10 @@ class QuantConfig:
         validate(self, "quant", self._relations)
 
     def _relations(self) -> Iterator[Relation]:
-        yield (self.rounding != Rounding.ERROR_FEEDBACK or self.codebook in UNIFORM_CODEBOOKS,
-               "quant.rounding", self.rounding.value,
-               f"error feedback needs uniform grids; codebook is '{self.codebook.value}': set quant.rounding: nearest")
+        uniform = self.codebook in UNIFORM_CODEBOOKS or self.codebook in UNIFORM_FITS
+        name = getattr(self.codebook, "value", self.codebook)
+        yield (self.rounding != Rounding.ERROR_FEEDBACK or uniform, "quant.rounding", self.rounding.value,
+               f"error feedback needs uniform grids; codebook is '{name}': set quant.rounding: nearest")
         vq = self.codebook == Codebook.VQ
         yield (not vq or self.unit == AllocationUnit.TENSOR, "quant.codebook", "vq",
                "VQ keeps one codebook per layer: set quant.unit: tensor")

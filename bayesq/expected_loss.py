@@ -38,7 +38,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesq.blocks import LayerBlocks
-from bayesq.books import CodeBook, book_class
+from bayesq.books import FITS, CodeBook, book_class, register_fit
 from bayesq.codebook import (
     LevelTables, MulawTables, UniformGrids, compile_to_uniform, fit_lloyd_levels, fit_uniform_grids,
     fit_uniform_grids_deployed, fit_weighted_levels, grid_cost_chunked, grid_sq_error, grids_from_range,
@@ -195,34 +195,16 @@ class _LayerFit:
         return self.weight.sum(1)
 
     def candidate(self, bits: int) -> tuple[Book, torch.Tensor, str]:
-        """(codebook, (U,) unit loss, storage kind) of one candidate bit-width."""
-        cfg, b = self.cfg, bits
-        kind = cfg.codebook if 2**b <= SEARCH_MAX_LEVELS else None
-        if kind is None:
-            g = minmax_grids(self.mu, b, cfg.scale_bits)
-            return g, self._units(self.uniform(g)), g.kind
-        if kind == Codebook.VQ and 2 ** (b * cfg.vq_dim) <= MAX_CODEBOOK:
-            return self._vq(b)
-        if kind in (Codebook.UNIFORM, Codebook.VQ):
-            g, cost = self.search(b)
-            return g, self._units(cost), g.kind
-        if kind == Codebook.UNIFORM_FIXED:
-            g = _fixed_range_grids(self.mu, self.mask, b, cfg.scale_bits)
-            return g, self._units(self.uniform(g)), g.kind
-        if kind == Codebook.MULAW:
-            absmax = self.mu.abs().max(1).values
-            levels = mulaw_levels(absmax, b, cfg.mulaw_mu, cfg.scale_bits)  # (G, K)
-            book = MulawTables(b, levels, torch.arange(levels.shape[0]))
-            return book, self._units(self.levels(levels)), book.kind
-        levels, cost = self.lut(b)  # (U, K), (U,)
-        book = LevelTables(b, levels, self.blocks.group_unit())
-        if kind == Codebook.LLOYD:
-            return book, 0.5 * cost, book.kind
-        codes = book.quantize(self.mu)  # (G, g) the LUT's assignment
-        g = compile_to_uniform(codes, self.mu, b, omega=self.omega, mask=self.mask, scale_bits=cfg.scale_bits)
-        return g, self._units(self.uniform(g)), g.kind
+        """(codebook, (U,) unit loss, storage kind) of one candidate bit-width: the fit registered
+        for ``cfg.codebook`` (:func:`bayesq.books.register_fit`), or min/max grids above
+        ``SEARCH_MAX_LEVELS`` levels."""
+        if 2**bits > SEARCH_MAX_LEVELS:
+            g = minmax_grids(self.mu, bits, self.cfg.scale_bits)
+            return g, self.units(self.uniform(g)), g.kind
+        book, loss = FITS[str(getattr(self.cfg.codebook, "value", self.cfg.codebook))](self, bits)
+        return book, loss, book.kind
 
-    def _vq(self, b: int) -> tuple[Book, torch.Tensor, str]:
+    def _vq(self, b: int) -> tuple[Book, torch.Tensor]:
         """Weighted k-means over the layer's vectors; cost of the stored (mean) assignment."""
         d, (n_groups, g) = self.cfg.vq_dim, self.mu.shape
         if g % d:
@@ -232,10 +214,56 @@ class _LayerFit:
         book = VQBook(b, codebook, om)
         _, vec_cost = vq_assign(self.mu.reshape(-1, d), om.reshape(-1, d), codebook)  # (G g / d,)
         group_cost = vec_cost.reshape(n_groups, -1).sum(1) + self.vq_constant()
-        return book, self._units(group_cost), book.kind
+        return book, self.units(group_cost)
 
-    def _units(self, group_cost: torch.Tensor) -> torch.Tensor:
+    def units(self, group_cost: torch.Tensor) -> torch.Tensor:
+        """(U,) table entries ``0.5 * sum over each unit's groups`` of (G,) ``group_cost``."""
         return 0.5 * _unit_sum(self.blocks, group_cost)
+
+
+# ---- the built-in codebooks' fits (quant.codebook) -------------------------------------------------
+
+@register_fit(Codebook.UNIFORM.value, uniform=True)
+def _fit_uniform(fit: _LayerFit, b: int) -> tuple[Book, torch.Tensor]:
+    """Per-group range searched for the least cost (:meth:`_LayerFit.search`)."""
+    g, cost = fit.search(b)
+    return g, fit.units(cost)
+
+
+@register_fit(Codebook.VQ.value)
+def _fit_vq(fit: _LayerFit, b: int) -> tuple[Book, torch.Tensor]:
+    """VQ while its codebook stays small (``MAX_CODEBOOK`` vectors), else searched uniform grids."""
+    return fit._vq(b) if 2 ** (b * fit.cfg.vq_dim) <= MAX_CODEBOOK else _fit_uniform(fit, b)
+
+
+@register_fit(Codebook.UNIFORM_FIXED.value, uniform=True)
+def _fit_uniform_fixed(fit: _LayerFit, b: int) -> tuple[Book, torch.Tensor]:
+    """Uniform grids over a fixed range per group (no search)."""
+    g = _fixed_range_grids(fit.mu, fit.mask, b, fit.cfg.scale_bits)
+    return g, fit.units(fit.uniform(g))
+
+
+@register_fit(Codebook.MULAW.value)
+def _fit_mulaw(fit: _LayerFit, b: int) -> tuple[Book, torch.Tensor]:
+    """The fixed mu-law table times each group's largest magnitude."""
+    levels = mulaw_levels(fit.mu.abs().max(1).values, b, fit.cfg.mulaw_mu, fit.cfg.scale_bits)  # (G, K)
+    return MulawTables(b, levels, torch.arange(levels.shape[0])), fit.units(fit.levels(levels))
+
+
+@register_fit(Codebook.LLOYD.value)
+def _fit_lloyd(fit: _LayerFit, b: int) -> tuple[Book, torch.Tensor]:
+    """Posterior-weighted Lloyd-Max tables, one per allocation unit."""
+    levels, cost = fit.lut(b)  # (U, K), (U,)
+    return LevelTables(b, levels, fit.blocks.group_unit()), 0.5 * cost
+
+
+@register_fit(Codebook.LLOYD_UNIFORM.value, uniform=True)
+def _fit_lloyd_uniform(fit: _LayerFit, b: int) -> tuple[Book, torch.Tensor]:
+    """Lloyd-Max assignments compiled to a uniform grid per group (:func:`compile_to_uniform`)."""
+    levels, _ = fit.lut(b)
+    codes = LevelTables(b, levels, fit.blocks.group_unit()).quantize(fit.mu)  # (G, g) the LUT's assignment
+    g = compile_to_uniform(codes, fit.mu, b, omega=fit.omega, mask=fit.mask, scale_bits=fit.cfg.scale_bits)
+    return g, fit.units(fit.uniform(g))
 
 
 class _DeployedFit(_LayerFit):
@@ -260,7 +288,7 @@ class _DeployedFit(_LayerFit):
         if self.entry_weight is not None:
             if book.affine_fields() is None:
                 raise ValueError(f"error-feedback table entries need uniform grids, got a '{kind}' codebook")
-            loss = self._units(grid_sq_error(self.mu, self.entry_weight, book))
+            loss = self.units(grid_sq_error(self.mu, self.entry_weight, book))
         return book, loss, kind
 
     def uniform(self, grids: UniformGrids) -> torch.Tensor:

@@ -217,3 +217,44 @@ def test_books_new_kind_export_save_load_without_library_edits(tmp_path, symmetr
     with torch.no_grad():
         assert torch.allclose(model(x), net(x), atol=1e-6)
     assert math.isfinite(info.payload_avg_bits)
+
+
+def test_new_codebook_is_one_module_quantize_model_and_export_run_it(tmp_path, symmetric_kind):
+    """A codebook defined only here (its book class and its fit) is what quant.codebook names:
+    the loss table fits it, quantize_model meets the budget with it and its export loads back to
+    the same outputs; the library is not edited."""
+    from bayesq.books import FITS, register_fit
+
+    def fit(layer_fit, b):  # scale: the group's largest magnitude over the outermost level
+        book = SymmetricGrids(b, (layer_fit.mu.abs().max(1).values / (2**b - 1)).clamp_min(1e-8).float().double())
+        return book, layer_fit.units(layer_fit.levels(book.group_levels()))
+
+    register_fit("test-symmetric")(fit)
+    try:
+        _quantize_with_the_new_codebook(tmp_path)
+    finally:
+        del FITS["test-symmetric"]
+    with pytest.raises(ValueError, match="quant.codebook = 'test-symmetric': choose from"):
+        QuantConfig(codebook="test-symmetric", rounding="nearest")  # unregistered again
+
+
+def _quantize_with_the_new_codebook(tmp_path):
+    from bayesq import BayesQConfig, quantize_model
+    from bayesq.config import DistillConfig
+    from bayesq.export import load, save_export
+
+    with pytest.raises(ValueError, match="error feedback needs uniform grids; codebook is 'test-symmetric'"):
+        QuantConfig(codebook="test-symmetric")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    cal = [torch.randn(8, 16) for _ in range(3)]
+    q = QuantConfig(codebook="test-symmetric", rounding="nearest", group_size=64, unit_groups=2)
+    res = quantize_model(net, cal, BayesQConfig(budget=4.0, quant=q, distill=DistillConfig(max_budget=0)),
+                         progress=False)
+    assert res.average_bits <= 4.0
+    assert any(isinstance(b, SymmetricGrids) for qw in res.weights.values() for b in qw.books.values())
+    path = tmp_path / "sym.safetensors"
+    save_export(path, res.model, res.weights, q, res.allocation.total_bits)
+    x, skeleton = torch.randn(5, 16), nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    with torch.no_grad():
+        torch.testing.assert_close(load(path, skeleton=skeleton)(x), res.model(x))

@@ -135,7 +135,8 @@ def test_validate_coerces_enum_fields_from_their_strings():
 
 def test_validate_bad_enum_value_names_field_and_choices():
     with _raises("quant.codebook = 'lloyds': choose from "
-                 "['uniform', 'uniform-fixed', 'lloyd', 'lloyd-uniform', 'mulaw', 'vq']"):
+                 "['uniform', 'uniform-fixed', 'lloyd', 'lloyd-uniform', 'mulaw', 'vq'] or a codebook whose fit "
+                 "is registered (bayesq.books.register_fit)"):
         QuantConfig(codebook="lloyds")
     with pytest.raises(ValueError, match=r"^robustness\.methods = \('gptq', 'magic'\): choose from \['bayesq', "):
         RobustnessConfig(methods=("gptq", "magic"))
