@@ -20,27 +20,29 @@ from bayesq.forward import Batch, logits
 
 
 def each_batch(model: nn.Module, batches: Iterable[Batch], fn: Callable[[nn.Module, Batch], Tensor],
-               desc: str | None = None) -> list[Tensor]:
+               desc: str | None = None, terminal_only: bool = False) -> list[Tensor]:
     """The one evaluation loop: ``fn(model, batch)`` for every batch in order, in eval mode
     without gradients (the model's training flag restored afterwards); ``desc``: a progress bar
-    over the batches with that label. No batches give an empty list; callers that need at least
-    one input say so (:func:`predict`)."""
+    over the batches with that label (``terminal_only``: shown on a terminal only, not in logs).
+    No batches give an empty list; callers that need at least one input say so (:func:`predict`)."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            return [fn(model, b) for b in tqdm(batches, desc=desc, disable=desc is None, leave=False)]
+            hide = True if desc is None else (None if terminal_only else False)
+            return [fn(model, b) for b in tqdm(batches, desc=desc, disable=hide, leave=False)]
     finally:
         model.train(was_training)
 
 
-def predict(model: nn.Module, batches: Iterable[Batch], desc: str | None = "predict") -> Tensor:
-    """(N, C) float32 logits of ``model`` over ``batches`` in order (:func:`each_batch`).
+def predict(model: nn.Module, batches: Iterable[Batch], desc: str = "predict") -> Tensor:
+    """(N, C) float32 logits of ``model`` over ``batches`` in order (:func:`each_batch`; a
+    progress bar labelled ``desc`` on a terminal).
 
     Raises:
         ValueError: no batches (there is nothing to evaluate).
     """
-    out = each_batch(model, batches, lambda m, b: logits(m, b).float(), desc)
+    out = each_batch(model, batches, lambda m, b: logits(m, b).float(), desc, terminal_only=True)
     if not out:
         raise ValueError("predict: no batches to evaluate; pass at least one input batch")
     return torch.cat(out)

@@ -427,10 +427,8 @@ def selection_looks(batches: Sequence[Batch]) -> int:
     the fewest that hold ``max(SELECTION_LOOK_MIN, SELECTION_FIRST_LOOK * N)`` of the N inputs;
     all of them (one look) when that is more than half (:func:`first_look_inputs`)."""
     sizes = [batch_size(b) for b in batches]
-    if first_look_inputs(sum(sizes)) == sum(sizes):
-        return len(sizes)
-    need = max(SELECTION_LOOK_MIN, SELECTION_FIRST_LOOK * sum(sizes))
-    return int(np.searchsorted(np.cumsum(sizes), need)) + 1
+    need = first_look_inputs(sum(sizes))
+    return len(sizes) if need == sum(sizes) else int(np.searchsorted(np.cumsum(sizes), need)) + 1
 
 
 def encode_best(

@@ -256,3 +256,12 @@ def test_hutchinson_restores_model_state_and_zero_for_unused_layer(curvature):
 def test_clip_curvature_non_finite_raises():
     with pytest.raises(ValueError, match="layer 'fc'.*NaN/Inf"):
         clip_curvature({"fc": torch.tensor([1.0, float("nan")], dtype=torch.float64)})
+
+
+def test_hutchinson_hessian_through_an_op_without_second_derivative_names_the_fix():
+    """Hardsigmoid (MobileNetV3) has no double backward in PyTorch: a clear error, not a raw one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Hardsigmoid(), nn.Linear(8, 3))
+    with pytest.raises(ValueError, match=r"differentiate the model twice.*hardsigmoid.*kfac.*Inputs\(traces=\.\.\.\)"):
+        hutchinson_diagonal(model, [torch.randn(5, 4)], {"0": model[0], "2": model[2]}, probes=1,
+                            curvature="hessian", progress=False)

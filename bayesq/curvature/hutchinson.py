@@ -63,8 +63,16 @@ def _vjp(outputs: Sequence[torch.Tensor], inputs: Tensors, cotangents: Sequence[
     pairs = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
     grads: Sequence[torch.Tensor | None] = [None] * len(inputs)
     if pairs:
-        grads = torch.autograd.grad([o for o, _ in pairs], inputs, [c for _, c in pairs],
-                                    retain_graph=True, create_graph=create_graph, allow_unused=True)
+        try:
+            grads = torch.autograd.grad([o for o, _ in pairs], inputs, [c for _, c in pairs],
+                                        retain_graph=True, create_graph=create_graph, allow_unused=True)
+        except RuntimeError as err:
+            if "derivative for" not in str(err) or "not implemented" not in str(err):
+                raise
+            raise ValueError(f"Hutchinson probes differentiate the model twice, and PyTorch cannot here ({err}): "
+                             "for the posterior choose a curvature without second derivatives (fisher, "
+                             "empirical-fisher, kfac); for HAWQ pass traces computed another way "
+                             "(bayesq.methods.Inputs(traces=...))") from None
     return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
 
 
