@@ -142,33 +142,56 @@ class LayerBlocks:
 
 
 def excluded(name: str, exclude: tuple[str, ...]) -> bool:
-    """Whether module ``name`` matches one of the names or glob patterns in ``exclude``
-    (``fnmatch``: ``*`` also crosses dots, e.g. ``"encoder.layer.0.*"``, ``"*classifier"``)."""
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude)
+    """Whether module ``name`` or a module it sits in matches one of the names or glob patterns in
+    ``exclude`` (``fnmatch``: ``*`` also crosses dots, e.g. ``"encoder.layer.0.*"``,
+    ``"*classifier"``; ``"attn"`` also excludes ``attn.q_proj``)."""
+    parts = name.split(".")
+    names = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return any(fnmatch.fnmatchcase(n, pattern) for n in names for pattern in exclude)
+
+
+def _inside_attention(model: nn.Module) -> dict[str, str]:
+    """Names of the modules inside an ``nn.MultiheadAttention`` left as it is (its projections run
+    functionally, unseen by hooks), mapped to that attention's name."""
+    return {f"{name}.{sub}": name for name, mod in model.named_modules()
+            if isinstance(mod, nn.MultiheadAttention) for sub, _ in mod.named_modules() if sub}
 
 
 def quantizable_layers(model: nn.Module, exclude: tuple[str, ...] = ()) -> dict[str, nn.Module]:
     """Linear and Conv2d modules by name, in network order, but those matching ``exclude``
-    (names or glob patterns, :func:`excluded`).
+    (names or glob patterns, :func:`excluded`), those inside an ``nn.MultiheadAttention`` that
+    :mod:`bayesq.canonical` left as it is, and a module whose weight is another's (tied: the
+    first name encodes it, :func:`tied_layers`).
 
     Raises:
-        ValueError: a weight-bearing layer type BayesQ cannot quantise (Conv1d, ConvTranspose,
+        ValueError: a weight-bearing layer type BayesQ cannot quantise (Conv3d, ConvTranspose,
             ...) that ``exclude`` does not match, or no Linear/Conv2d layer at all.
     """
     layers: dict[str, nn.Module] = {}
+    inside, weights = _inside_attention(model), set()
     for name, mod in model.named_modules():
-        if excluded(name, exclude):
+        if excluded(name, exclude) or name in inside:
             continue
         if isinstance(mod, _UNSUPPORTED):
             raise ValueError(
-                f"unsupported layer '{name}' ({type(mod).__name__}): BayesQ quantises Linear and "
-                "Conv2d weights; pass its name in `exclude` to keep it in floating point"
+                f"unsupported layer '{name}' ({type(mod).__name__}): BayesQ quantises Linear, Conv2d and "
+                "plain Conv1d weights; pass its name in `exclude` to keep it in floating point"
             )
-        if isinstance(mod, SUPPORTED):
+        if isinstance(mod, SUPPORTED) and id(mod.weight) not in weights:
             layers[name] = mod
+            weights.add(id(mod.weight))
     if not layers:
         raise ValueError("the model has no Linear or Conv2d layer to quantise")
     return layers
+
+
+def tied_layers(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, str]:
+    """Modules of ``model`` (by name) that are not in ``layers`` but hold the weight of one of them
+    (tied, e.g. an embedding sharing a language model's output matrix), mapped to that layer's name."""
+    owner, modules = {id(m.weight): n for n, m in layers.items()}, {id(m) for m in layers.values()}
+    return {name: owner[id(mod.weight)] for name, mod in model.named_modules()
+            if id(mod) not in modules and isinstance(getattr(mod, "weight", None), torch.Tensor)
+            and id(mod.weight) in owner}
 
 
 def unquantized_weights(model: nn.Module, layers: dict[str, nn.Module], exclude: tuple[str, ...] = ()) -> dict[str, str]:
@@ -181,15 +204,20 @@ def unquantized_weights(model: nn.Module, layers: dict[str, nn.Module], exclude:
     for module_name, mod in model.named_modules():
         for param_name, p in mod.named_parameters(recurse=False):
             owners.setdefault(id(p), (module_name, mod, param_name))
+    inside = _inside_attention(model)
     out = {}
     for name, p in model.named_parameters():
         if p.dim() < 2 or not p.is_floating_point() or id(p) in quantized:
             continue
         module_name, mod, param_name = owners[id(p)]
+        attention = inside.get(module_name, module_name if isinstance(mod, nn.MultiheadAttention) else None)
         if excluded(module_name, exclude):
             out[name] = f"excluded ({type(mod).__name__} '{module_name}' matches exclude)"
         elif isinstance(mod, nn.Embedding):
             out[name] = "embedding: a table look-up, kept in floating point"
+        elif attention is not None:
+            out[name] = (f"MultiheadAttention '{attention}' with add_bias_kv, add_zero_attn or its own forward "
+                         "runs its projections functionally: kept in floating point")
         else:
             out[name] = (f"{type(mod).__name__}.{param_name} is not a Linear/Conv2d weight: kept in floating point")
     return out

@@ -291,7 +291,9 @@ def _train(model: nn.Module, weights: Mapping[str, QuantizedWeight], batches: Se
             if bias is not None:
                 biases[n] = nn.Parameter(bias.detach().clone())
         params += list(biases.values())
-    frozen = {k: v.detach() for k, v in itertools.chain(model.named_parameters(), model.named_buffers())}
+    trained = {id(modules[n].weight) for n in weights}  # a weight tied elsewhere follows its layer's
+    frozen = {k: v.detach() for k, v in itertools.chain(model.named_parameters(), model.named_buffers())
+              if id(v) not in trained}
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     losses = []
     order = itertools.cycle(range(len(batches)))

@@ -30,13 +30,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 from torch import nn
 
-from bayesq.blocks import LayerBlocks, kept_matrices
+from bayesq.blocks import LayerBlocks, kept_matrices, tied_layers
 from bayesq.books import CodeBook, Field, Slot, book_class
+from bayesq.canonical import make_canonical
 from bayesq.config import QuantConfig
 from bayesq.harness.models.zoo import get_entry
 from bayesq.packing import ExportError, offsets_of, pack_bits, real_codes, unpack_bits
@@ -267,6 +268,12 @@ def content_hash(tensors: Mapping[str, torch.Tensor], layers_json: str) -> str:
     return h.hexdigest()
 
 
+def _tied_keys(model: nn.Module, layers: Iterable[str]) -> set[str]:
+    """State-dict keys of the weights tied to one of the quantised ``layers`` (stored once, as
+    that layer's codes; :func:`load` ties them again)."""
+    return {f"{alias}.weight" for alias in tied_layers(model, {n: model.get_submodule(n) for n in layers})}
+
+
 def save_export(
     path: str | Path, qmodel: nn.Module, weights: Mapping[str, QuantizedWeight], quant: QuantConfig,
     accounted_bits: int, *, architecture: str = "", metadata: Mapping[str, str] | None = None,
@@ -296,9 +303,9 @@ def save_export(
         raise ValueError(f"the export holds {8 * payload} bits of codes and metadata but the allocation "
                          f"accounts {accounted_bits} (+ at most {7 * streams} bits of byte rounding): pass the "
                          "QuantConfig the weights were quantised with (bit set, scale and LUT precision)")
-    fp_bytes = 0
+    fp_bytes, tied = 0, _tied_keys(qmodel, weights)
     for k, v in qmodel.state_dict().items():
-        if k.removesuffix(".weight") in weights and k.endswith(".weight"):
+        if (k.removesuffix(".weight") in weights and k.endswith(".weight")) or k in tied:
             continue
         tensors[f"fp/{k}"] = v.detach().cpu().clone().contiguous()
         fp_bytes += v.numel() * v.element_size()
@@ -390,8 +397,13 @@ def load(path: str | Path, skeleton: nn.Module | None = None,
         if not contents.architecture:
             raise ExportError(f"{path} names no architecture: pass skeleton= (a module of the same architecture)")
         skeleton = get_entry(contents.architecture).build(pretrained=False)
-    model = skeleton
-    expected = {k for k in model.state_dict() if not (k.endswith(".weight") and k[:-7] in contents.weights)}
+    model = make_canonical(skeleton)
+    missing_layers = sorted(set(contents.weights) - {name for name, _ in model.named_modules()})
+    if missing_layers:
+        raise ExportError(f"{path} does not match the module: no layer {missing_layers[:3]}")
+    tied = _tied_keys(model, contents.weights)
+    expected = {k for k in model.state_dict()
+                if not (k.endswith(".weight") and k[:-7] in contents.weights) and k not in tied}
     missing, extra = sorted(expected - set(contents.fp_state)), sorted(set(contents.fp_state) - expected)
     if missing or extra:
         raise ExportError(f"{path} does not match the module: missing {missing[:3]}, unexpected {extra[:3]}")

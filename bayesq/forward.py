@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from bayesq.blocks import tied_layers
+
 Batch = Any  # torch.Tensor | Mapping[str, torch.Tensor]
 
 
@@ -56,7 +58,9 @@ def layer_calls(
     Inside it every call of a module in ``layers`` runs ``on_call(name, module, input, output)``
     (``input``: its first positional input; ``output``: its output, still in the autograd graph),
     and the model is in eval mode (no dropout, batch-norm statistics frozen, so examples do not
-    interact). ``weights_require_grad``: the layers' weights require grad inside, so their
+    interact). A module holding the weight of one of ``layers`` (tied, same type and settings,
+    :func:`bayesq.blocks.tied_layers`) calls ``on_call`` under that layer's name and module too:
+    the statistics of a shared weight sum over every place it is used. ``weights_require_grad``: the layers' weights require grad inside, so their
     outputs join the autograd graph even when the user froze them (a curvature pass
     differentiates the outputs). On exit the hooks are removed and the model's training flag and
     the weights' ``requires_grad`` are as they were.
@@ -66,7 +70,16 @@ def layer_calls(
             on_call(name, mod, inputs[0], output)
         return fn
 
+    def hook_as(name: str, owner: nn.Module):
+        def fn(mod, inputs, output):
+            on_call(name, owner, inputs[0], output)
+        return fn
+
     handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
+    for alias, owner in tied_layers(model, layers).items():
+        mod = model.get_submodule(alias)
+        if type(mod) is type(layers[owner]) and mod.extra_repr() == layers[owner].extra_repr():
+            handles.append(mod.register_forward_hook(hook_as(owner, layers[owner])))
     needs_grad = {n: m.weight.requires_grad for n, m in layers.items()}
     was_training = model.training
     try:

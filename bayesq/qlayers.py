@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bayesq.blocks import tied_layers
 from bayesq.kernels import PackedWeight, dequant_linear, dequantize, pack_weight
 from bayesq.kernels.launcher import resolve_backend
 
@@ -108,10 +109,32 @@ class QuantConv2d(_Packed):
         return f"weight={self.weight_shape}, mode={self.packed().mode}"
 
 
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _tie(model: nn.Module, alias: str, owner: _Packed, backend: str, memory_format: torch.memory_format) -> None:
+    """Module ``alias`` held the weight of the quantised ``owner``: a Linear / Conv2d of the same
+    shape runs the same packed buffers (shared, not copied); any other module (an embedding)
+    holds the decoded weight, so both stay tied to the one encoding."""
+    mod = model.get_submodule(alias)
+    shape = tuple(mod.weight.shape)
+    if isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward and (owner.n, owner.k) == shape:
+        _swap(model, alias, QuantLinear(owner.packed(), mod.bias, backend))
+    elif isinstance(mod, nn.Conv2d) and getattr(owner, "weight_shape", None) == shape:
+        _swap(model, alias, QuantConv2d(owner.packed(), mod, backend, memory_format))
+    else:
+        mod.weight = nn.Parameter(owner.weight_dense().reshape(shape).to(mod.weight.dtype), requires_grad=False)
+
+
 def replace_quantized(model: nn.Module, weights: dict, backend: str = "auto",
                       memory_format: torch.memory_format = torch.contiguous_format) -> nn.Module:
     """Swap each named Linear / Conv2d of ``model`` for its quantised module (in place);
-    ``memory_format``: that of the convolutions' decoded weights (:class:`QuantConv2d`)."""
+    ``memory_format``: that of the convolutions' decoded weights (:class:`QuantConv2d`). A module
+    tied to one of them (holding the same weight, :func:`bayesq.blocks.tied_layers`) runs the
+    same encoding."""
+    aliases = tied_layers(model, {name: model.get_submodule(name) for name in weights})
     for name, qw in weights.items():
         mod = model.get_submodule(name)
         parent_name, _, child = name.rpartition(".")
@@ -127,4 +150,6 @@ def replace_quantized(model: nn.Module, weights: dict, backend: str = "auto",
             raise ValueError(f"layer '{name}' is a {type(mod).__name__}; BayesQ runs quantised nn.Linear "
                              "(plain forward) and nn.Conv2d layers")
         setattr(parent, child, new)
+    for alias, owner in aliases.items():
+        _tie(model, alias, model.get_submodule(owner), backend, memory_format)
     return model

@@ -24,6 +24,7 @@ from bayesq.blocks import (
     LayerBlocks, check_finite, check_model_finite, layer_blocks, quantizable_layers,
     unquantized_weights,
 )
+from bayesq.canonical import on_canonical
 from bayesq.comparison import sequential_choice
 from bayesq.config import (
     AllocationConfig, Allocator, BayesQConfig, CostTerms, Curvature, DistillConfig, Objective, PosteriorConfig, Proxy,
@@ -528,6 +529,7 @@ def _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calib
 
 # ---- posterior and table --------------------------------------------------------------------------
 
+@on_canonical
 def fit_posterior(
     model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig, progress: bool = True,
     *, exclude: Sequence[str] = (),
@@ -601,6 +603,7 @@ def build_table(
     return table
 
 
+@on_canonical
 def quantize_model(
     model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig = BayesQConfig(),
     *, posterior: Posterior | None = None, progress: bool = True, selection: Iterable[Batch] | None = None,

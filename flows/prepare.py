@@ -216,7 +216,7 @@ def stats_task(name: str, model_file: str, model_digest: str, raw: str, raw_dige
     model = load_model(entry, Path(model_file))
     _, batches = calibration_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
     start = time.perf_counter()
-    stats = input_stats(model, batches, quantizable_layers(model))
+    stats = input_stats(model, batches)
     seconds = time.perf_counter() - start
     tensors = {}
     for k, st in stats.items():

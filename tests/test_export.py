@@ -250,7 +250,7 @@ def test_save_export_all_avg_bits_vs_result(tmp_path):
     from nets import AttentionModel
 
     model = AttentionModel().eval()
-    res = rtn_quantize(model, Granularity.GROUP, 4.0, QuantConfig(group_size=16), exclude=["attn.out_proj"])
+    res = rtn_quantize(model, Granularity.GROUP, 4.0, QuantConfig(group_size=16), exclude=["attn"])
     assert set(res.unquantized) == {"emb.weight", "attn.in_proj_weight", "attn.out_proj.weight"}
     path = tmp_path / "m.safetensors"
     info = save_export(path, res.model, res.weights, QuantConfig(group_size=16), res.allocation.total_bits)

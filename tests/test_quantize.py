@@ -196,9 +196,9 @@ def test_quantize_model_exclude_globs_and_every_weight_accounted():
 
 
 def test_quantize_model_unsupported_layer_raises():
-    model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.Flatten(), nn.Linear(4, 2))
-    with pytest.raises(ValueError, match="unsupported layer '0' \\(Conv1d\\)"):
-        quantize_model(model, [torch.randn(2, 3, 3)], BayesQConfig(), progress=False)
+    model = nn.Sequential(nn.Conv3d(3, 4, 3), nn.Flatten(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="unsupported layer '0' \\(Conv3d\\).*exclude"):
+        quantize_model(model, [torch.randn(2, 3, 3, 3, 3)], BayesQConfig(), progress=False)
 
 
 @pytest.mark.parametrize("granularity", list(Granularity))

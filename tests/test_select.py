@@ -308,6 +308,15 @@ def test_baselines_exclude_lists_every_other_weight(method):
 
 
 def test_input_stats_unseen_layer_names_exclude():
-    model = AttentionModel().double().eval()  # attn.out_proj is never called as a module
-    with pytest.raises(ValueError, match=r"attn\.out_proj.*exclude="):
-        input_stats(model, [torch.randint(0, 40, (4, 5))], quantizable_layers(model))
+    class WithUnused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.unused = nn.Linear(4, 3), nn.Linear(5, 5)  # unused: never called in forward
+
+        def forward(self, x):
+            return self.fc(x)
+
+    model, x = WithUnused().double().eval(), torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"'unused'.*exclude="):
+        input_stats(model, [x])
+    assert set(input_stats(model, [x], exclude=["unused"])) == {"fc"}

@@ -25,6 +25,7 @@ from torch import nn
 
 from bayesq.baselines.rtn import rtn_blocks
 from bayesq.blocks import checked_layers, layer_blocks
+from bayesq.canonical import on_canonical
 from bayesq.codebook import UniformGrids, grids_from_range
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import rtn_table
@@ -61,6 +62,7 @@ def aciq_grids(w: torch.Tensor, bits: int, mask: torch.Tensor, scale_bits: int =
     return grids_from_range(lo, hi, bits, scale_bits)
 
 
+@on_canonical
 def aciq_quantize(
     model: nn.Module, budget: float, cfg: QuantConfig = QuantConfig(),
     *, granularity: Granularity = Granularity.CHANNEL, exclude: Sequence[str] = (),

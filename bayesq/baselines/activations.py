@@ -18,11 +18,13 @@ dtype (one GEMM per group) and batches are added in float64.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
 
+from bayesq.blocks import quantizable_layers
+from bayesq.canonical import on_canonical
 from bayesq.forward import Batch
 from bayesq.posterior import forward_inputs
 
@@ -114,22 +116,30 @@ class StatsSums:
         missing = [k for k in layers if k not in self._sums]
         if missing:
             raise ValueError(f"layers {missing[:3]} never ran in the forward pass (a weight used functionally, "
-                             "e.g. nn.MultiheadAttention's out_proj): keep them in floating point with "
+                             "or a module the model holds but never calls): keep them in floating point with "
                              "exclude=[...] (names or glob patterns)")
         return {k: InputStats(h / n, None if a is None else a / t, n, m / t)
                 for k, (h, a, m, t) in self._sums.items() if k in layers}
 
 
+@on_canonical
 def input_stats(
-    model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module], *, progress: bool = False,
-    abs_mean: bool = True,
+    model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module] | None = None, *,
+    progress: bool = False, abs_mean: bool = True, exclude: Sequence[str] = (),
 ) -> dict[str, InputStats]:
     """:class:`InputStats` of every layer in ``layers`` from one forward pass (eval mode, no grad;
     ``progress``: a bar over the batches; ``abs_mean``: also AWQ's mean magnitudes).
 
+    ``layers``: by default every quantisable layer of the model as :mod:`bayesq.canonical`
+    rewrites it (an attention's ``q_proj`` / ``k_proj`` / ``v_proj`` / ``out_proj``, ...) but
+    those ``exclude`` matches (names or glob patterns); a dict given here must come from that
+    rewritten model (:func:`bayesq.blocks.quantizable_layers` inside :func:`bayesq.canonical.canonical`).
+
     Raises:
-        ValueError: empty calibration set.
+        ValueError: empty calibration set; a layer that never ran.
     """
+    if layers is None:
+        layers = quantizable_layers(model, tuple(exclude))
     sums = StatsSums(abs_mean)
     n = forward_inputs(model, calibration, layers, sums, progress=progress, desc="layer-input statistics")
     return sums.stats(layers, n)

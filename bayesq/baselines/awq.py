@@ -39,6 +39,7 @@ from bayesq.baselines.select import (
     mixed_outcome, select_best, stats_correction, stats_of, uniform_variants,
 )
 from bayesq.blocks import LayerBlocks, checked_layers
+from bayesq.canonical import on_canonical
 from bayesq.codebook import minmax_grids
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import LossTable, rtn_table
@@ -136,6 +137,7 @@ def _add_scale_cost(table: LossTable, extra: dict[str, int]) -> LossTable:
     return LossTable(tuple(layers))
 
 
+@on_canonical
 def awq_quantize(
     model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(),
     *, granularity: Granularity = Granularity.GROUP, grid: int = GRID, exclude: Sequence[str] = (),
@@ -173,6 +175,7 @@ def awq_quantize(
     return baseline_result(model, layers, qweights, allocation, table, exclude)
 
 
+@on_canonical
 def awq_candidates(
     model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(), *,
     granularity: Granularity = Granularity.GROUP, group_sizes: Sequence[int] = GROUP_SIZES, grid: int = GRID,
@@ -203,6 +206,7 @@ def awq_candidates(
     return out
 
 
+@on_canonical
 def awq_select(
     model: nn.Module, stats: dict[str, InputStats], batches: Iterable[Batch], budget: float,
     cfg: QuantConfig = QuantConfig(), *, granularity: Granularity = Granularity.GROUP,

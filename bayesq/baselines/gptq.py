@@ -37,6 +37,7 @@ from bayesq.baselines.select import (
     mixed_min_bits, mixed_outcome, select_best, stats_correction, stats_of, uniform_variants,
 )
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
+from bayesq.canonical import on_canonical
 from bayesq.config import Granularity, QuantConfig, Rounding
 from bayesq.error_feedback import damped_metric
 from bayesq.expected_loss import LossTable, rtn_table
@@ -83,6 +84,7 @@ def _solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, Inpu
     return baseline_result(model, layers, qweights, allocation, table, exclude)
 
 
+@on_canonical
 def gptq_quantize(
     model: nn.Module, stats: dict[str, InputStats], granularity: Granularity, budget: float,
     cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP, exclude: Sequence[str] = (),
@@ -107,6 +109,7 @@ def gptq_quantize(
     return _solve(model, layers, stats, table, allocate(table, budget), act_order, damp, exclude)
 
 
+@on_canonical
 def gptq_allocation_quantize(
     model: nn.Module, stats: dict[str, InputStats], unit_bits: Mapping[str, Sequence[int]], budget: float,
     cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP, exclude: Sequence[str] = (),
@@ -130,6 +133,7 @@ def gptq_allocation_quantize(
     return _solve(model, layers, stats, table, given_allocation(table, unit_bits, budget), act_order, damp, exclude)
 
 
+@on_canonical
 def gptq_candidates(
     model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(), *,
     granularity: Granularity = Granularity.GROUP, group_sizes: Sequence[int] = GROUP_SIZES,
@@ -161,6 +165,7 @@ def gptq_candidates(
     return out
 
 
+@on_canonical
 def gptq_select(
     model: nn.Module, stats: dict[str, InputStats], batches: Iterable[Batch], budget: float,
     cfg: QuantConfig = QuantConfig(), *, granularity: Granularity = Granularity.GROUP,

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from bayesq.blocks import LayerBlocks, checked_layers, quantizable_layers
+from bayesq.canonical import on_canonical
 from bayesq.config import QuantConfig
 from bayesq.curvature.hutchinson import hutchinson_diagonal
 from bayesq.expected_loss import rtn_table
@@ -31,6 +32,7 @@ from bayesq.quantize import allocate, encode
 from bayesq.result import QuantizationResult, baseline_result
 
 
+@on_canonical
 def hessian_traces(
     model: nn.Module, calibration: Iterable[Batch], *, probes: int = 16, seed: int = 0, progress: bool = False,
     exclude: Sequence[str] = (),
@@ -43,6 +45,7 @@ def hessian_traces(
     return {k: max(float(v.sum()) / n, 0.0) for k, v in curv.items()}
 
 
+@on_canonical
 def hawq_quantize(
     model: nn.Module, traces: dict[str, float], budget: float, cfg: QuantConfig = QuantConfig(),
     *, exclude: Sequence[str] = (),

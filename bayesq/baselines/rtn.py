@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
+from bayesq.canonical import on_canonical
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import rtn_table
 from bayesq.methods import Inputs, Outcome, register
@@ -30,6 +31,7 @@ def rtn_blocks(blocks: list[LayerBlocks], granularity: Granularity, cfg: QuantCo
     return [b.with_granularity(cfg.group_size, unit_weights) for b in blocks]
 
 
+@on_canonical
 def rtn_quantize(
     model: nn.Module, granularity: Granularity, budget: float, cfg: QuantConfig = QuantConfig(),
     *, exclude: Sequence[str] = (),

@@ -40,7 +40,7 @@ from torch import nn
 from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.rtn import rtn_blocks
 from bayesq.bias_correction import BiasCorrection
-from bayesq.blocks import LayerBlocks, layer_blocks, quantizable_layers
+from bayesq.blocks import LayerBlocks, layer_blocks
 from bayesq.config import Granularity, QuantConfig
 from bayesq.comparison import paired_difference
 from bayesq.evaluation import kl_per_input, reference_log_probs
@@ -324,7 +324,7 @@ def stats_of(model: nn.Module, inputs: Inputs, method: str) -> tuple[list[Batch]
     batches = inputs.need_calibration(method)
     if inputs.stats is not None:
         return batches, inputs.stats
-    return batches, input_stats(model, batches, quantizable_layers(model, tuple(inputs.exclude)))
+    return batches, input_stats(model, batches, exclude=tuple(inputs.exclude))
 
 
 def choice_outcome(choice: BaselineChoice, inputs: Inputs) -> Outcome:
