@@ -22,9 +22,10 @@ from prefect import flow
 from bayesq.harness.models.zoo import get_entry
 from bayesq.quantize import loss_reduction_curve
 from flows.common import code_version, digest, parser, read_params, write_json
-from flows.finetune import raw_path
+from flows.finetune import load_model, raw_path
 from flows.params import Method, ablation_params
 from flows.prepare import (
+    checked_exclude,
     config_tag,
     fit_inputs,
     posterior_task,
@@ -89,6 +90,8 @@ def ablate_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list[d
             model_file = Path(models) / name / "model.safetensors"
             mdig, src = digest(model_file), raw_path(entry, raw)
             sdig = digest(src)
+            if params.excluded(name):  # each pattern must match a layer: checked before any row runs
+                checked_exclude(name, load_model(entry, model_file), params.excluded(name))
             fp = fp_eval_task(name, str(model_file), mdig, str(src), sdig, params.data, params.robustness, seed,
                               prep_code(), out=str(out))  # writes the FP test logits the rows compare with
             for i, (group, label, over, p) in enumerate(rows):
@@ -109,14 +112,16 @@ def ablate_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list[d
 
 def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig, seed, out, code, parent_id,
          fp_logits: str):
-    """Posterior, table and every budget of one ablation row on one model (tasks are cached)."""
+    """Posterior, table and every budget of one ablation row on one model (tasks are cached),
+    leaving out the modules the model excludes (``exclude`` in params.yaml)."""
     records, curve = [], None
     cal = fit_inputs(p.calibration)  # the fits ignore the selection settings (rows differing only there share them)
+    exclude = p.excluded(name)
     post = posterior_task(name, str(model_file), mdig, str(src), sdig, p.data, cal,
                           p.posterior, seed, str(Path(out) / "posterior"), prep_code(),
-                          tag=config_tag(cal, p.posterior))
+                          tag=config_tag(cal, p.posterior), exclude=exclude)
     stats = stats_task(name, str(model_file), mdig, str(src), sdig, p.data, cal, seed,
-                       str(Path(out) / "stats"), prep_code())
+                       str(Path(out) / "stats"), prep_code(), exclude=exclude)
     tab = table_task(name, str(model_file), mdig, post["path"], digest(Path(post["path"])),
                      str(src), sdig, p.data, cal, p.quant, seed,
                      str(Path(out) / "tables"), prep_code(), tag=config_tag(p.quant),
@@ -134,7 +139,7 @@ def _row(name, index, group, label, over, p, params, model_file, mdig, src, sdig
                   distill=p.distill, table_key=key, posterior_file=post["path"],
                   examples_dir=str(Path(out) / "examples" / group / label), fp_logits=fp_logits,
                   stats_file=stats["path"], stats_sha256=stats["sha256"], reference_file=ref.get("path"),
-                  reference_sha256=ref.get("sha256", ""))
+                  reference_sha256=ref.get("sha256", ""), exclude=exclude)
         r = quantize_eval_task(row, tab["table"], tab.get("tables"))
         r = {**r, **shared_cost(r, stats, ref), "group": group, "row": label, "overrides": {k: str(v) for k, v in over.items()},
              "posterior_seconds": post["seconds"], "table_seconds": tab["seconds"]}

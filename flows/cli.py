@@ -78,7 +78,7 @@ def quantize(
     from flows.finetune import load_model, raw_path
     from flows.lineage import export_lineage, input_lineage, row_metadata
     from flows.params import Method
-    from flows.prepare import calibration_batches, selection_batches
+    from flows.prepare import calibration_batches, checked_exclude, selection_batches
     from flows.quantize import BASELINE_CONFIGS
 
     choices = ["bayesq"] + [m.value for m in BASELINE_CONFIGS]
@@ -95,6 +95,10 @@ def quantize(
         _fail(f"no fine-tuned model at {model_file}: run `bayesq run` first, or pass --models")
     seed = p.seeds[0] if seed is None else seed
     net = load_model(entry, model_file)
+    try:
+        exclude = checked_exclude(model, net, p.excluded(model))  # params.yaml's exclude, as the pipeline
+    except ValueError as err:
+        _fail(str(err))
     splits = entry.load_splits(p.data, raw_path(entry, raw))
     idx, batches = calibration_batches(entry, splits, p.data, p.calibration, seed)
     d = p.distill if distill else replace(p.distill, max_budget=0.0)
@@ -107,7 +111,7 @@ def quantize(
     start = time.perf_counter()
     try:
         done = quantize_with(net, cfg, budget, Inputs(calibration=batches, selection=selection_batches(
-            entry, splits, p.data, p.calibration, seed)))
+            entry, splits, p.data, p.calibration, seed), exclude=exclude))
     except ValueError as err:
         _fail(str(err))
     res = done.result
@@ -116,7 +120,7 @@ def quantize(
     fitted = {"posterior": f"fitted in this run, not saved ({p.posterior.curvature.value}; settings in params)"}
     meta = row_metadata(model, label, budget, seed, code_version(), export_lineage(p),
                         input_lineage(str(model_file), str(src), digest(src), None, idx), params_file=str(params),
-                        **(fitted if method == "bayesq" else {}))
+                        **(fitted if method == "bayesq" else {}), **({"exclude": ",".join(exclude)} if exclude else {}))
     info = save_export(out, res.model, res.weights, quant, res.allocation.total_bits, architecture=model,
                        metadata=meta)
     typer.echo(f"{model} at {budget} bits: {res.average_bits:.4f} bits/weight accounted, "

@@ -1,5 +1,6 @@
 """The pipeline's parameter schema: the whole of ``params.yaml`` (profiles, the embedded models'
-data and fine-tuning, calibration, the method sections, baselines, robustness, ablations).
+data and fine-tuning, calibration, the method sections, baselines, robustness, ablations, the
+modules each model keeps in floating point).
 
 The method sections (``posterior``, ``quant``, ``allocation``, ``distill``) are the library's
 configs (:mod:`bayesq.config`), ``data`` and ``finetune`` the embedded models' harness settings
@@ -24,6 +25,7 @@ from bayesq.config import (
     Relation,
     ascending,
     at_least,
+    checks,
     each_of,
     from_mapping,
     integer,
@@ -35,6 +37,7 @@ from bayesq.config import (
 from bayesq.harness.corruptions import CORRUPTIONS
 from bayesq.harness.data.sentiment import DOMAIN_FILES
 from bayesq.harness.models.config import DataConfig, FinetuneConfig
+from bayesq.harness.models.zoo import known_models
 
 
 class Method(str, Enum):
@@ -186,7 +189,14 @@ class AblationConfig:
 
 @dataclass(frozen=True)
 class Params:
-    """The whole of ``params.yaml`` after the selected profile's overrides are applied."""
+    """The whole of ``params.yaml`` after the selected profile's overrides are applied.
+
+    ``exclude``: per embedded model, the module names or glob patterns (``fnmatch``, as
+    :func:`bayesq.quantize.quantize_model`'s ``exclude=``) it keeps in floating point, the same
+    for every method, its posterior and its statistics; a model not listed excludes nothing.
+    Checked here: known model names, lists of non-empty strings; that each pattern matches a
+    layer of its model needs the model (:func:`flows.prepare.checked_exclude`).
+    """
 
     profile: str = "quick"
     models: tuple[str, ...] = setting(("lite0-fmnist", "minilm-sentiment"), rule(len, "list at least one model"))
@@ -204,14 +214,35 @@ class Params:
     distill: DistillConfig = field(default_factory=DistillConfig)
     robustness: RobustnessConfig = field(default_factory=RobustnessConfig)
     ablations: AblationConfig = field(default_factory=AblationConfig)
+    exclude: Mapping[str, tuple[str, ...]] = field(default_factory=dict, metadata=checks(
+        rule(lambda v: isinstance(v, Mapping), "need a mapping {model: [module names or glob patterns]}, "
+                                               "e.g. {minilm-sentiment: [classifier]}"),
+        convert=lambda v: {str(k): tuple(p) if isinstance(p, (list, tuple)) else p for k, p in v.items()}))
 
     def __post_init__(self) -> None:
-        validate(self, "params")
+        validate(self, "params", self._relations)
         self.bayesq(self.budgets[0], self.seeds[0])  # cross-section checks (e.g. rounding vs curvature)
+
+    def _relations(self) -> Iterator[Relation]:
+        known = known_models()
+        for model, patterns in self.exclude.items():
+            where = f"exclude.{model}"
+            close = difflib.get_close_matches(model, list(known), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            yield (model in known, where, patterns, f"unknown model{hint}; known models: {', '.join(known)}")
+            yield (isinstance(patterns, tuple), where, patterns,
+                   "need a list of module names or glob patterns, e.g. [classifier, 'encoder.layer.0.*']")
+            yield (all(isinstance(p, str) and p for p in patterns), where, patterns,
+                   "every pattern is a non-empty string (a module name or fnmatch glob); quote one YAML reads "
+                   "as a number or null")
 
     def bayesq(self, budget: float, seed: int) -> BayesQConfig:
         return BayesQConfig(budget=budget, posterior=self.posterior, quant=self.quant,
                             allocation=self.allocation, distill=self.distill, seed=seed)
+
+    def excluded(self, model: str) -> tuple[str, ...]:
+        """The module names or glob patterns ``model`` keeps in floating point (``exclude``)."""
+        return self.exclude.get(model, ())
 
 
 _SECTIONS = {
@@ -221,6 +252,7 @@ _SECTIONS = {
     "ablations": AblationConfig,
 }
 _LISTS = ("models", "seeds", "budgets", "methods")
+_MAPPINGS = ("exclude",)  # top-level mappings that are no section: {model: [patterns]}
 
 
 def _merge(base: dict, over: Mapping[str, Any], where: str) -> dict:
@@ -238,7 +270,7 @@ def load_params(raw: Mapping[str, Any]) -> Params:
 
     Raises:
         ValueError: unknown top-level or section key (with a suggestion), unknown profile, or
-            an invalid value (naming ``section.field``).
+            an invalid value (naming ``section.field``, or ``exclude.<model>``).
     """
     raw = dict(raw)
     profiles = raw.pop("profiles", {}) or {}
@@ -246,7 +278,7 @@ def load_params(raw: Mapping[str, Any]) -> Params:
     if profile not in profiles and profiles:
         raise ValueError(f"profile = {profile!r}: unknown profile; defined: {', '.join(profiles)}")
     merged = _merge(raw, profiles.get(profile, {}) or {}, f"profiles.{profile}")
-    top = {"profile", *_LISTS, *_SECTIONS}
+    top = {"profile", *_LISTS, *_MAPPINGS, *_SECTIONS}
     for key in merged:
         if key not in top:
             close = difflib.get_close_matches(key, list(top), n=1)
@@ -254,6 +286,7 @@ def load_params(raw: Mapping[str, Any]) -> Params:
             raise ValueError(f"params: unknown key '{key}'{hint}; valid keys: {', '.join(sorted(top))}")
     kwargs: dict[str, Any] = {k: tuple(merged[k]) for k in _LISTS if k in merged}
     kwargs["profile"] = profile
+    kwargs |= {k: {} if merged[k] is None else merged[k] for k in _MAPPINGS if k in merged}  # `exclude:` alone: none
     for name, cls in _SECTIONS.items():
         kwargs[name] = from_mapping(cls, merged.get(name), name)
     return Params(**kwargs)

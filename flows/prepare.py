@@ -1,6 +1,10 @@
 """Per (model, seed) preparation shared by the quantize and ablate stages: the calibration
 inputs, the posterior, the BayesQ loss tables, HAWQ's Hessian traces.
 
+The model's ``exclude`` patterns (``params.yaml``, :meth:`flows.params.Params.excluded`) are an
+input of the tasks that choose layers (posterior, statistics, traces), so they key their
+caches; the tables and the rows read the layers of the saved posterior.
+
 These tasks are keyed on :func:`prep_code` — every source under ``bayesq/`` and ``flows/`` but
 the export format, the kernels and the downstream flows — so work on those does not refit a
 posterior or rebuild a table (the posteriors and tables of the embedded models take ~30 min).
@@ -15,7 +19,8 @@ from prefect import task
 
 from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.hawq import hessian_traces
-from bayesq.blocks import layer_blocks, quantizable_layers
+from bayesq.blocks import excluded, layer_blocks, quantizable_layers
+from bayesq.canonical import canonical
 from bayesq.config import BayesQConfig, Curvature, Objective, Prior, Rounding, replace
 from bayesq.curvature.kfac import KFACFactors
 from bayesq.evaluation import reference_log_probs
@@ -44,6 +49,26 @@ PREP_EXCLUDE = ("bayesq/export.py", "bayesq/qlayers.py", "bayesq/kernels", "flow
 def prep_code() -> str:
     """Code version of the preparation tasks (and the FP evaluation)."""
     return code_version(exclude=PREP_EXCLUDE)
+
+
+def checked_exclude(name: str, model, patterns) -> tuple[str, ...]:
+    """``patterns`` (``exclude.<name>`` of params.yaml) as a tuple, after checking that each
+    matches the name of a module of ``model`` (as written, or as :mod:`bayesq.canonical` rewrites
+    it: ``attn.q_proj``), so a typo cannot silently keep nothing in floating point.
+
+    Raises:
+        ValueError: naming the model, the pattern and some of the modules' names.
+    """
+    with canonical(model):
+        names = sorted({n for n, _ in model.named_modules() if n})
+    names = sorted(set(names) | {n for n, _ in model.named_modules() if n})
+    shown = names if len(names) <= 4 else [*names[:3], "...", names[-1]]
+    for p in patterns:
+        if not any(excluded(n, (p,)) for n in names):
+            raise ValueError(f"exclude.{name}: pattern {p!r} matches no module of {name} (modules: "
+                             f"{', '.join(shown)}); a pattern matches whole module names and everything inside "
+                             "them (fnmatch: 'encoder.layer.0' or 'encoder.layer.*.attention'): fix or delete it")
+    return tuple(patterns)
 
 
 def _sizes(entry, calibration, n_total: int) -> tuple[int, int]:
@@ -108,8 +133,10 @@ def selection_batches(entry, splits, data, calibration, seed: int):
 
 @task(cache_policy=CACHE, persist_result=True, task_run_name="posterior {name} s{seed} {tag}")
 def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
-                   data, calibration, posterior, seed: int, out: str, code: str, tag: str = "") -> dict:
-    """Fit the posterior on the seed's calibration set; save it as safetensors.
+                   data, calibration, posterior, seed: int, out: str, code: str, tag: str = "",
+                   exclude: tuple[str, ...] = ()) -> dict:
+    """Fit the posterior on the seed's calibration set, of the layers ``exclude`` (module names
+    or glob patterns) does not match; save it as safetensors.
 
     The file holds the variances, the error-feedback metrics of structured posteriors and the
     calibration indices (which inputs were used); it is written byte-deterministically, so
@@ -121,7 +148,7 @@ def posterior_task(name: str, model_file: str, model_digest: str, raw: str, raw_
     splits = entry.load_splits(data, Path(raw))
     idx, batches = calibration_batches(entry, splits, data, calibration, seed)
     start = time.perf_counter()
-    post = fit_posterior(model, batches, BayesQConfig(posterior=posterior, seed=seed))
+    post = fit_posterior(model, batches, BayesQConfig(posterior=posterior, seed=seed), exclude=exclude)
     seconds = time.perf_counter() - start
     return _saved_posterior(post, idx, posterior, seed, Path(out) / f"{name}_s{seed}{'_' + tag if tag else ''}.safetensors",
                             seconds)
@@ -138,10 +165,10 @@ def reprior_task(name: str, model_file: str, model_digest: str, base_file: str, 
 
 
     model = load_model(get_entry(name), Path(model_file))
-    layers = quantizable_layers(model)
     start = time.perf_counter()
     with safe_open(base_file, "pt") as f:
         meta, keys = f.metadata(), set(f.keys())
+        layers = posterior_layers(model, keys)  # the base's (its exclusion)
         if meta["curvature"] != posterior.curvature.value or any(k.startswith("kfac_A/") for k in keys):
             raise ValueError(f"{base_file} holds a '{meta['curvature']}' posterior; re-fitting its prior needs a "
                              f"diagonal '{posterior.curvature.value}' one: use posterior_task")
@@ -183,13 +210,20 @@ def posterior_summary(post) -> dict:
             "prior_dominated_share": post.prior_dominated_share()}
 
 
+def posterior_layers(model, keys) -> dict:
+    """The layers of ``model`` a saved posterior holds (``keys``: its tensor names), in network
+    order: those its ``exclude`` did not match."""
+    return {n: m for n, m in model.named_modules() if f"variance/{n}" in keys}
+
+
 def load_posterior(model, path: Path):
-    """The :class:`bayesq.posterior.Posterior` saved by ``posterior_task`` (means from ``model``)."""
+    """The :class:`bayesq.posterior.Posterior` saved by ``posterior_task`` (means from ``model``;
+    the layers the file holds)."""
     from safetensors import safe_open
 
 
-    layers = quantizable_layers(model)
     with safe_open(str(path), "pt") as f:
+        layers = posterior_layers(model, set(f.keys()))
         var = {n: f.get_tensor(f"variance/{n}").double() for n in layers}
         curv = {n: f.get_tensor(f"curvature/{n}").double() for n in layers}
         prior = {n: float(f.get_tensor(f"prior_precision/{n}")[0]) for n in layers}
@@ -205,9 +239,9 @@ def load_posterior(model, path: Path):
 
 @task(cache_policy=CACHE, persist_result=True, task_run_name="layer-input statistics {name} s{seed}")
 def stats_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
-               data, calibration, seed: int, out: str, code: str) -> dict:
-    """Layer-input statistics of every quantisable layer on the seed's calibration inputs
-    (:func:`bayesq.baselines.activations.input_stats`), saved as safetensors
+               data, calibration, seed: int, out: str, code: str, exclude: tuple[str, ...] = ()) -> dict:
+    """Layer-input statistics of every quantisable layer ``exclude`` does not match on the seed's
+    calibration inputs (:func:`bayesq.baselines.activations.input_stats`), saved as safetensors
     ``<out>/<model>_s<seed>.safetensors``: one pass read by every row that needs them (GPTQ and
     AWQ; BayesQ's error-feedback metric and bias correction), instead of one pass per row.
     Returns ``{"path", "sha256", "seconds"}``."""
@@ -216,7 +250,7 @@ def stats_task(name: str, model_file: str, model_digest: str, raw: str, raw_dige
     model = load_model(entry, Path(model_file))
     _, batches = calibration_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
     start = time.perf_counter()
-    stats = input_stats(model, batches)
+    stats = input_stats(model, batches, exclude=tuple(exclude))
     seconds = time.perf_counter() - start
     tensors = {}
     for k, st in stats.items():
@@ -296,7 +330,8 @@ def table_task(name: str, model_file: str, model_digest: str, posterior_file: st
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))
     post = load_posterior(model, Path(posterior_file))
-    blocks = layer_blocks(quantizable_layers(model), quant.group_size, quant.unit_groups, quant.unit.value)
+    layers = {k: model.get_submodule(k) for k in post.mean}  # the posterior's: its exclusion
+    blocks = layer_blocks(layers, quant.group_size, quant.unit_groups, quant.unit.value)
     batches = None
     if quant.needs_data:
         _, batches = calibration_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
@@ -344,14 +379,15 @@ def config_tag(*configs) -> str:
 
 @task(cache_policy=CACHE, persist_result=True, task_run_name="hawq traces {name} s{seed}")
 def hawq_traces_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
-                     data, calibration, probes: int, seed: int, code: str) -> dict:
-    """HAWQ's per-layer Hutchinson Hessian traces on the seed's calibration set (timed)."""
+                     data, calibration, probes: int, seed: int, code: str, exclude: tuple[str, ...] = ()) -> dict:
+    """HAWQ's per-layer Hutchinson Hessian traces on the seed's calibration set (timed), of the
+    layers ``exclude`` does not match."""
 
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))
     _, batches = calibration_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
     start = time.perf_counter()
-    traces = hessian_traces(model, batches, probes=probes, seed=seed)
+    traces = hessian_traces(model, batches, probes=probes, seed=seed, exclude=exclude)
     return {"traces": traces, "seconds": time.perf_counter() - start}
 
 
@@ -374,7 +410,8 @@ def _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call=
     posterior, quant = method_settings(params, Method.BAYESQ_EF)
     cal = fit_inputs(params.calibration)
     post = call(f"posterior (K-FAC) {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src), sdig,
-                params.data, cal, posterior, seed, str(Path(out) / "posterior"), code, tag="kfac")
+                params.data, cal, posterior, seed, str(Path(out) / "posterior"), code, tag="kfac",
+                exclude=params.excluded(name))
     tab = call(f"table (bayesq-ef) {name} s{seed}", table_task, name, str(model_file), mdig, post["path"],
                digest(Path(post["path"])), str(src), sdig, params.data, cal, quant, seed,
                str(Path(out) / "tables"), code, tag="ef")
@@ -397,7 +434,8 @@ def _paper_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call
         post = {**post, "seconds": post["seconds"] + base["seconds"]}  # it needs the base's curvature pass
     else:
         post = call(f"posterior (fixed prior) {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src),
-                    sdig, params.data, cal, posterior, seed, str(Path(out) / "posterior"), code, tag="paper")
+                    sdig, params.data, cal, posterior, seed, str(Path(out) / "posterior"), code, tag="paper",
+                    exclude=params.excluded(name))
     tab = call(f"table (bayesq-paper) {name} s{seed}", table_task, name, str(model_file), mdig, post["path"],
                digest(Path(post["path"])), str(src), sdig, params.data, cal, quant, seed,
                str(Path(out) / "tables"), code, tag="paper")
@@ -410,15 +448,18 @@ def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str
 
     ``call``: how each task is called (a :class:`flows.timings.TaskClock` records its time).
 
+    Every posterior, the statistics and the traces leave out the modules ``params.excluded(name)``
+    matches (the posterior's layers are then the tables').
+
     Returns ``(post, tab, prep, hawq, stats)``: ``prep`` maps each BayesQ method to its
     ``(posterior, table, table key, quant)``; ``hawq`` is None unless HAWQ is a method;
     ``stats`` is :func:`stats_task`'s record (every method reads it or ignores it).
     """
-    code, cal = prep_code(), fit_inputs(params.calibration)
+    code, cal, exclude = prep_code(), fit_inputs(params.calibration), params.excluded(name)
     post = call(f"posterior {name} s{seed}", posterior_task, name, str(model_file), mdig, str(src), sdig,
-                params.data, cal, params.posterior, seed, str(Path(out) / "posterior"), code)
+                params.data, cal, params.posterior, seed, str(Path(out) / "posterior"), code, exclude=exclude)
     stats = call(f"layer-input statistics {name} s{seed}", stats_task, name, str(model_file), mdig, str(src), sdig,
-                 params.data, cal, seed, str(Path(out) / "stats"), code)
+                 params.data, cal, seed, str(Path(out) / "stats"), code, exclude=exclude)
     tab = call(f"table {name} s{seed}", table_task, name, str(model_file), mdig, post["path"],
                digest(Path(post["path"])), str(src), sdig, params.data, cal, params.quant, seed,
                str(Path(out) / "tables"), code, stats_file=stats["path"], stats_sha256=stats["sha256"])
@@ -432,5 +473,5 @@ def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str
     hawq = None
     if Method.HAWQ in params.methods:
         hawq = call(f"hawq traces {name} s{seed}", hawq_traces_task, name, str(model_file), mdig, str(src), sdig,
-                    params.data, cal, params.baselines.hawq_probes, seed, code)
+                    params.data, cal, params.baselines.hawq_probes, seed, code, exclude=exclude)
     return post, tab, prep, hawq, stats

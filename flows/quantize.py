@@ -48,6 +48,7 @@ from flows.params import Method, RobustnessConfig
 from flows.prepare import (
     calibration_batches,
     calibration_indices,
+    checked_exclude,
     load_posterior,
     load_reference,
     load_stats,
@@ -117,9 +118,10 @@ BASELINE_CONFIGS = {
 
 def _baseline(method: Method, model, entry, splits, data, calibration, quant, baselines, budget: float,
               seed: int, traces: dict | None, allocation: dict | None = None, stats_file: str | None = None,
-              reference_file: str | None = None) -> Outcome:
+              reference_file: str | None = None, exclude: tuple[str, ...] = ()) -> Outcome:
     """Quantise with a baseline through :func:`bayesq.methods.quantize_with` (its config from
-    :data:`BASELINE_CONFIGS`), giving it the row's cached inputs.
+    :data:`BASELINE_CONFIGS`), giving it the row's cached inputs and ``exclude`` (the modules
+    every method of the model keeps in floating point).
 
     HAWQ reads ``traces``; RTN and ACIQ nothing. GPTQ / AWQ read the calibration batches and
     their layer-input statistics (``stats_file``, computed by the handler when None); with
@@ -134,13 +136,13 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
     """
     config = BASELINE_CONFIGS[method](quant, baselines, seed)
     if method not in (Method.GPTQ, Method.AWQ):
-        return quantize_with(model, config, budget, Inputs(traces=traces))
+        return quantize_with(model, config, budget, Inputs(traces=traces, exclude=exclude))
     batches = list(calibration_batches(entry, splits, data, calibration, seed)[1])
     selection = selection_batches(entry, splits, data, calibration, seed) if baselines.select else None
     given = reference_file and selection is not None
     inputs = Inputs(calibration=batches, selection=selection, allocation=allocation,
                     stats=load_stats(Path(stats_file)) if stats_file else None,
-                    reference=load_reference(Path(reference_file)) if given else None)
+                    reference=load_reference(Path(reference_file)) if given else None, exclude=exclude)
     return quantize_with(model, config, budget, inputs)
 
 
@@ -237,7 +239,9 @@ class Row:
     ``table_key`` (the BayesQ table's), ``posterior_file``, ``traces`` (HAWQ), ``allocation``
     (GPTQ's extra variant), ``stats_file`` / ``stats_sha256``, ``reference_file`` /
     ``reference_sha256``, ``encoding_file`` / ``encoding_sha256``; where outputs go:
-    ``export_dir``, ``examples_dir``, ``fp_logits``, ``encodings_dir``.
+    ``export_dir``, ``examples_dir``, ``fp_logits``, ``encodings_dir``. ``exclude``: the module
+    names or glob patterns the model keeps in floating point (``params.yaml``'s ``exclude``):
+    the baselines are given them; a BayesQ row's posterior already leaves those layers out.
     """
 
     source: Source
@@ -267,6 +271,7 @@ class Row:
     encodings_dir: str | None = None
     encoding_file: str | None = None
     encoding_sha256: str = ""
+    exclude: tuple[str, ...] = ()
 
 
 @task(cache_policy=locked((INPUTS - "table" - "tables" - "lineage") + TASK_SOURCE), persist_result=True,
@@ -279,7 +284,8 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
     statistics; distillation: its inputs), ``baselines`` (their settings), ``traces`` (HAWQ) and
     ``distill`` (``bayesq-distill``) are read only by the methods that need them; ``allocation``
     (GPTQ with ``baselines.select``: BayesQ's unit bit-widths at this budget) adds GPTQ on it as
-    a candidate variant;
+    a candidate variant; ``exclude`` (the model's modules kept in floating point) is given to the
+    baselines and listed in the export header and the record (``exclude``) when not empty;
     ``quantize_seconds`` times everything done here but evaluation. ``robustness`` sets the
     calibration metrics; ``ood`` adds the corrupted / other-domain evaluation. The export is
     ``<export_dir>/<model>_<method>_b<budget>_s<seed>.safetensors`` and its per-example comparison
@@ -351,7 +357,7 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
                      "distill_kl_after": res.kl_after}
     else:
         out = _baseline(Method(method), model, entry, splits, data, calibration, quant, baselines,
-                        budget, seed, traces, allocation, stats_file, reference_file)
+                        budget, seed, traces, allocation, stats_file, reference_file, row.exclude)
         res, stats_read, reference_read = out.result, "stats" in out.read, "reference" in out.read
         qmodel, allocation, qweights = res.model, res.allocation, res.weights
         quant = encoding_config(res, quant)  # the variant's bit set: what its unit headers name
@@ -359,7 +365,8 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
     seconds = time.perf_counter() - start
     used = None if Method(method) in DATA_FREE or calibration is None else calibration_indices(entry, splits, calibration, seed)
     meta = row_metadata(name, method, budget, seed, code, lineage or {},
-                        input_lineage(model_file, raw, raw_digest, posterior_file, used))
+                        input_lineage(model_file, raw, raw_digest, posterior_file, used),
+                        **({"exclude": ",".join(row.exclude)} if row.exclude else {}))
     path = Path(export_dir) / f"{name}_{method}_b{budget}_s{seed}.safetensors"
     export = save_export(path, qmodel, qweights, quant, allocation.total_bits, architecture=name, metadata=meta)
     loaded = load_export(path, memory_format=entry.memory_format)  # as load_model loads the FP model
@@ -381,7 +388,7 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
         "total_bits": allocation.total_bits,
         "budget_bits": allocation.budget_bits, "n_weights": allocation.n_weights,
         "quantize_seconds": seconds, "eval_seconds": eval_seconds, "layer_bits": layer_bits, "stats_read": stats_read,
-        "reference_read": reference_read, **extra,
+        "reference_read": reference_read, **({"exclude": list(row.exclude)} if row.exclude else {}), **extra,
     }
 
 
@@ -401,6 +408,9 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
             mdig, src = digest(model_file), raw_path(entry, raw)
             sdig = digest(src)
             source = Source(name, str(model_file), mdig, str(src), sdig)
+            exclude = params.excluded(name)
+            if exclude:  # each pattern must match a layer: checked before any task runs
+                checked_exclude(name, load_model(entry, model_file), exclude)
             rob = params.robustness
             fp_args = (name, str(model_file), mdig, str(src), sdig, params.data, rob, params.seeds[0], prep_code())
             # also writes the FP test logits the rows compare with
@@ -436,6 +446,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                                   stats_file=stats["path"], stats_sha256=stats["sha256"],
                                   reference_file=ref.get("path"), reference_sha256=ref.get("sha256", ""),
                                   encodings_dir=str(Path(out) / "encodings") if method == Method.BAYESQ else None,
+                                  exclude=exclude,
                                   **(shared_encoding.get(budget, {}) if method == Method.BAYESQ_DISTILL else {}))
                         r = clock(f"{method.value} {name} b{budget} s{seed}", quantize_eval_task, row,
                                   p_tab and p_tab["table"], p_tab and p_tab.get("tables"), lineage)
@@ -474,7 +485,8 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                         chosen = {k: r[k] for k in ("variant", "encoding") if k in r}  # what a selection kept
                         mlflow_child(parent.info.run_id, child_run_name(name, method.value, budget, seed),
                                      {"model": name, "method": method.value, "seed": seed, "budget": budget,
-                                      **chosen, **row_params(params, method, *method_settings(params, method))},
+                                      **chosen, **row_params(params, method, *method_settings(params, method)),
+                                      **({"exclude": ",".join(exclude)} if exclude else {})},
                                      metrics, {"profile": params.profile, "code_version": code,
                                                **artifact_tags(r["export"], model_digest=mdig,
                                                                posterior_sha256=(p_post or {}).get("sha256", ""))},

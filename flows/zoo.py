@@ -41,7 +41,7 @@ from bayesq.harness.models.zoo import get_entry
 from flows.common import code_version, digest, parser, read_params, write_json
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage
-from flows.prepare import layer_table_task, posterior_task, prep_code, table_task
+from flows.prepare import checked_exclude, layer_table_task, posterior_task, prep_code, table_task
 from flows.quantize import Row, Source, quantize_eval_task
 from flows.tracking import (
     child_run_name,
@@ -143,7 +143,7 @@ def posterior(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, params, ou
     pin_threads(threads)
     resolve_entry(m)
     return posterior_task(m.name, ckpt, mdig, src, sdig, params.data, params.calibration, params.posterior,
-                          params.seeds[0], str(Path(out) / "posterior"), prep_code())
+                          params.seeds[0], str(Path(out) / "posterior"), prep_code(), exclude=params.excluded(m.name))
 
 
 @task(cache_policy=NO_CACHE, task_run_name="zoo table {m.name} {layer}")
@@ -181,7 +181,8 @@ def quantize_budget(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post
     key = f"{post['sha256']}:{params.quant}:{params.calibration}"
     row = Row(Source(m.name, ckpt, mdig, src, sdig), "bayesq-distill", budget, params.seeds[0], code, params.data,
               params.quant, params.allocation, str(Path(out) / "exports"), calibration=params.calibration,
-              distill=params.distill, robustness=params.robustness, table_key=key, posterior_file=post["path"])
+              distill=params.distill, robustness=params.robustness, table_key=key, posterior_file=post["path"],
+              exclude=params.excluded(m.name))
     r = quantize_eval_task(row, table, lineage=lineage)
     return {**{k: r[k] for k in ("model", "budget", "seed", "accuracy", "avg_bits", "total_bits",
                                  "quantize_seconds", "export", "layer_bits")},
@@ -192,16 +193,21 @@ def submit_model(m: ZooModel, params, raw: str, models: str, out: str, code: str
                  threads: int | None = None) -> list:
     """Submit one model's task graph: posterior -> one table task per layer (or one for the whole
     model when the table reads calibration data) -> merge -> one quantise task per budget.
-    Returns the budgets' futures; raises at once when the model's inputs are missing."""
+    Returns the budgets' futures; raises at once when the model's inputs are missing or one of
+    its ``exclude`` patterns (params.yaml) matches no layer."""
 
     ckpt, src = _inputs(m, models, raw)
     mdig, sdig = digest(ckpt), digest(src)
     args = (m, str(ckpt), mdig)
+    exclude = params.excluded(m.name)  # params.yaml's exclude of an embedded model
+    model = load_model(resolve_entry(m), ckpt) if exclude or not params.quant.needs_data else None
+    if exclude:
+        checked_exclude(m.name, model, exclude)
     post = posterior.submit(*args, str(src), sdig, params, out, threads)
     if params.quant.needs_data:
         table = whole_table.submit(*args, str(src), sdig, post, params, out, threads)
     else:
-        layers = quantizable_layers(load_model(resolve_entry(m), ckpt))
+        layers = quantizable_layers(model, exclude)
         table = merge_tables.submit([layer_table.submit(*args, post, layer, params, threads) for layer in layers])
     return [quantize_budget.submit(*args, str(src), sdig, post, table, params, out, code, lineage, threads,
                                    budget=budget) for budget in m.budgets]

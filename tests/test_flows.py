@@ -530,6 +530,63 @@ def test_row_cache_keys_leave_out_only_sources_the_row_never_runs(tmp_path, tiny
     assert len(codes) == len(METHOD_SOURCES) + 1  # one key per method with its own source, one shared
 
 
+def test_exclusion_reaches_posterior_statistics_traces_and_every_row(tmp_path, tiny_entry):
+    """A model with ``exclude`` in params.yaml: its posterior, statistics and HAWQ traces leave the
+    layer out, every method's row keeps it in floating point (the BayesQ row through its posterior,
+    the baselines given the patterns), and the patterns key the tasks' caches."""
+    import dataclasses
+
+    from prefect.cache_policies import INPUTS
+    from prefect.utilities.callables import get_call_parameters
+    from safetensors.torch import save_model
+
+    from bayesq.harness.models.zoo import get_entry
+    from flows.common import digest, read_params
+    from flows.finetune import load_model
+    from flows.params import Method
+    from flows.prepare import load_posterior, load_stats, posterior_task, prepare
+    from flows.quantize import Row, Source, quantize_eval_task, row_code
+
+    path = _params(tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    cfg.update(methods=["bayesq", "hawq", "rtn-group"], budgets=[4.0], exclude={"tiny-cnn": ["7"]})
+    cfg["quant"]["select_grids"] = False  # one table: seconds
+    path.write_text(yaml.safe_dump(cfg))
+    params, raw = read_params(path), tmp_path / "raw"
+    assert params.excluded("tiny-cnn") == ("7",)  # the last Linear
+    raw.mkdir()
+    (raw / "tiny.bin").write_bytes(b"synthetic")
+    model_file, src = tmp_path / "model.safetensors", raw / "tiny.bin"
+    save_model(get_entry("tiny-cnn").build(), str(model_file))
+    mdig, sdig = digest(model_file), digest(src)
+    direct = lambda label, task, *a, **k: task.fn(*a, **k)  # noqa: E731
+    post, tab, prep, hawq, stats = prepare(params, "tiny-cnn", model_file, mdig, src, sdig, 17, tmp_path, call=direct)
+    kept = {"0", "2", "5"}
+    model = load_model(get_entry("tiny-cnn"), model_file)
+    assert set(load_posterior(model, Path(post["path"])).mean) == kept
+    assert set(load_stats(Path(stats["path"]))) == kept and set(hawq["traces"]) == kept
+    assert {t.blocks.name for t in tab["table"].layers} == kept
+    rows = []
+    for method in params.methods:  # as quantize_flow builds them
+        p_post, p_tab, p_key, p_quant = prep.get(method, (None, None, "", params.quant))
+        row = Row(Source("tiny-cnn", str(model_file), mdig, str(src), sdig), method.value, 4.0, 17, row_code(method),
+                  params.data, p_quant, params.allocation, str(tmp_path / "exports"), calibration=params.calibration,
+                  baselines=params.baselines, table_key=p_key, posterior_file=p_post and p_post["path"],
+                  traces=hawq["traces"] if method == Method.HAWQ else None, stats_file=stats["path"],
+                  stats_sha256=stats["sha256"], exclude=params.excluded("tiny-cnn"))
+        r = quantize_eval_task.fn(row, p_tab and p_tab["table"], p_tab and p_tab.get("tables"))
+        assert set(r["layer_bits"]) == kept and r["exclude"] == ["7"], method
+        assert r["avg_bits_all"] > r["avg_bits"]  # the FP layer counts in the all-matrices average only
+        rows.append(row)
+    # the patterns key the row and the posterior (and so the table, by the posterior's digest)
+    key = lambda task, **kw: INPUTS.compute_key(None, get_call_parameters(task.fn, (), kw), {})  # noqa: E731
+    assert key(quantize_eval_task, row=rows[0]) != key(quantize_eval_task, row=dataclasses.replace(rows[0], exclude=()))
+    args = dict(name="tiny-cnn", model_file=str(model_file), model_digest=mdig, raw=str(src), raw_digest=sdig,
+                data=params.data, calibration=params.calibration, posterior=params.posterior, seed=17, out="o",
+                code="c")
+    assert key(posterior_task, **args, exclude=("7",)) != key(posterior_task, **args)
+
+
 def _tiny_task_inputs(tmp_path):
     """(params, entry, model_file, src, task args up to ``data``) of the tiny CNN for a prepare task."""
     from bayesq.harness.models.zoo import get_entry
