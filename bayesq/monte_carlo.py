@@ -277,8 +277,9 @@ def mc_logit_kl(
 
         L_q = E_{w ~ N(mu, sigma^2)} sum_x KL(softmax(f(x; w)/T) || softmax(f(x; Q_q(w))/T)),
 
-    (per-token logits (B, T, V): ``sum_x`` also runs over each input's real tokens, padding
-    ignored; the teacher's logits are held one batch at a time), ``w`` replacing ``layer_name``'s weight only. ``deployed``: the student is the deployed
+    ``w`` replacing ``layer_name``'s weight only (per-token logits (B, T, V): ``sum_x`` also runs
+    over each input's real tokens, padding ignored; the teacher's logits are held one batch at a
+    time). ``deployed``: the student is the deployed
     quantisation of the means, ``Q_q(mu)``, the same for every draw (the posterior-expected KL
     of deploying it); otherwise each draw is quantised (the ``draws`` objective).  The model runs in eval mode under
     ``torch.no_grad()``; its weights and every module's training flag are restored exactly

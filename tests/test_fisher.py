@@ -162,6 +162,24 @@ def test_fisher_diagonal_language_model_vs_per_sequence_autograd(label_samples):
         torch.testing.assert_close(padded[name], got[name], rtol=1e-12, atol=1e-14)
 
 
+def test_fisher_pass_layer_input_statistics_of_a_language_model_vs_forward_pass():
+    """The Fisher pass's on_rows gets the real tokens' rows only, as the forward pass of
+    input_stats does (padding appended to the batches: the same statistics)."""
+    from bayesq.baselines.activations import StatsSums, input_stats
+    from nets import TinyCausalLM, lm_batches, with_padding
+
+    torch.manual_seed(0)
+    model = TinyCausalLM().double().eval()
+    layers = quantizable_layers(model)
+    batches = lm_batches([[3, 5, 2], [4, 1, 4]])
+    sums = StatsSums()
+    _, n = fisher_diagonal(model, with_padding(batches, 2), layers, seed=3, progress=False, on_rows=sums)
+    got, want = sums.stats(layers, n), input_stats(model, batches, layers)
+    for name in layers:
+        for f in ("H", "mean", "abs_mean"):
+            torch.testing.assert_close(getattr(got[name], f), getattr(want[name], f), rtol=1e-12, atol=1e-14)
+
+
 def test_empirical_fisher_language_model_token_labels():
     """Given (B, T) labels of a language model, the real tokens' entries are read (padding's are
     not); the model's own argmax labels are the label-free default; a (B,) label tensor is

@@ -274,3 +274,32 @@ def test_input_stats_of_a_language_model_real_tokens_only():
     for k in layers:
         for f in ("H", "mean", "abs_mean"):
             torch.testing.assert_close(getattr(more[k], f), getattr(st[k], f), rtol=1e-12, atol=1e-14)
+
+
+def test_gpt2_passes_read_real_tokens_only():
+    """A Hugging Face causal LM (GPT2LMHeadModel from a config, random weights; its quantisable
+    nn.Linear today is the head): the Fisher, K-FAC and layer-input passes and the per-input KL
+    give the same numbers with more right padding appended (padding ignored)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from bayesq.curvature.fisher import fisher_diagonal
+    from bayesq.curvature.kfac import kfac_factors
+    from bayesq.evaluation import kl_per_input, reference_log_probs
+    from nets import lm_batches, with_padding
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=64)
+    model, other = GPT2LMHeadModel(config).double().eval(), GPT2LMHeadModel(config).double().eval()
+    layers = quantizable_layers(model)
+    batches = lm_batches([[3, 5, 2], [4, 1, 4]], vocab=97)
+    padded = with_padding(batches, 3)
+
+    def passes(bs):
+        fisher, _ = fisher_diagonal(model, bs, layers, seed=1, progress=False)
+        kfac = kfac_factors(model, bs, layers, progress=False)
+        stats = input_stats(model, bs, layers)
+        kl = kl_per_input(reference_log_probs(model, bs), other, bs)
+        return [fisher[k] for k in layers] + [t for k in layers for t in (kfac[k].A, kfac[k].G, stats[k].H)] + [kl]
+
+    for want, got in zip(passes(batches), passes(padded)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-15)

@@ -87,7 +87,8 @@ def _squared_grad_sum(
                             continue
                         rows = _rows(mod, acts[name], outputs[name].shape, shared)
                         if s == 0 and on_rows is not None:
-                            on_rows(name, rows if rows_mask is None else _real_rows(rows, acts[name], rows_mask, shared))
+                            real = rows if rows_mask is None else _real_rows(rows, acts[name], rows_mask, shared)
+                            on_rows(name, real)
                         if name in outs:  # a layer whose output does not reach the loss has no gradient
                             # square and sum the batch in the model's dtype, accumulate batches in
                             # float64: float32 adds a relative error <= B * 2^-24 per batch of B
