@@ -6,6 +6,7 @@ method, so differences can be measured example by example:
 * :func:`kl_per_example` -- ``KL_i = sum_c p_c log(p_c / q_c)`` with ``p = softmax(z_FP_i)`` and
   ``q = softmax(z_Q_i)`` (nats; float64, from stable log-softmax);
 * :func:`agreement_per_example` -- ``argmax_c z_Q_ic == argmax_c z_FP_ic``;
+  (both also for a language model's (N, T, V) logits: the mean over each example's real tokens);
 * :func:`correct_per_example` -- ``argmax_c z_ic == y_i``;
 * :func:`fidelity_summary` -- mean KL, its standard error ``sd(KL) / sqrt(N)`` and the agreement rate;
 * :func:`resolved_choice` -- which of several candidates scored on the same examples to keep: a
@@ -32,31 +33,50 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from bayesq.forward import per_input
+
 RESAMPLES = 10_000
 SEED = 0
 _CHUNK = 256  # resamples per block of the bootstrap (memory: CHUNK x N float64 counts)
 
 
-def _check_logits(fp_logit: Tensor, q_logit: Tensor) -> None:
-    if fp_logit.ndim != 2 or fp_logit.shape != q_logit.shape:
-        raise ValueError(f"need two (N, C) logit tensors of one shape, got {tuple(fp_logit.shape)} "
-                         f"and {tuple(q_logit.shape)}")
+def _check_logits(fp_logit: Tensor, q_logit: Tensor, mask: Tensor | None = None) -> Tensor | None:
+    """The (N, T) bool real-token mask of (N, T, V) logits (``mask``, or every token), None for (N, C)."""
+    if fp_logit.ndim not in (2, 3) or fp_logit.shape != q_logit.shape:
+        raise ValueError(f"need two (N, C) (or per-token (N, T, V)) logit tensors of one shape, got "
+                         f"{tuple(fp_logit.shape)} and {tuple(q_logit.shape)}")
+    if fp_logit.ndim == 2:
+        if mask is not None:
+            raise ValueError(f"a token mask {tuple(mask.shape)} was given for (N, C) logits {tuple(fp_logit.shape)}: "
+                             "pass mask only with per-token (N, T, V) logits")
+        return None
+    if mask is None:
+        return torch.ones(fp_logit.shape[:2], dtype=torch.bool, device=fp_logit.device)
+    if tuple(mask.shape) != tuple(fp_logit.shape[:2]):
+        raise ValueError(f"token mask {tuple(mask.shape)} does not match (N, T, V) logits {tuple(fp_logit.shape)}: "
+                         "pass the (N, T) attention mask of the logits' tokens")
+    return mask.to(fp_logit.device) != 0
 
 
-def kl_per_example(fp_logit: Tensor, q_logit: Tensor) -> Tensor:
+def kl_per_example(fp_logit: Tensor, q_logit: Tensor, mask: Tensor | None = None) -> Tensor:
     """Per-example ``KL(p_FP(.|x_i) || p_Q(.|x_i))`` in nats.
 
     ``KL_i = sum_c p_ic (log p_ic - log q_ic)``, ``log p = log_softmax(z_FP)``, ``log q = log_softmax(z_Q)``
-    in float64; classes with ``p_ic = 0`` contribute 0.
+    in float64; classes with ``p_ic = 0`` contribute 0. Per-token (N, T, V) logits: the mean of the
+    per-token KL over example i's real tokens, ``1/T_i sum_{t: m_it} KL_it`` (padding ignored).
 
     Args:
-        fp_logit: (N, C) logits of the reference (full-precision) model, any float dtype.
-        q_logit: (N, C) logits of the compared (quantised) model.
+        fp_logit: (N, C) logits of the reference (full-precision) model, any float dtype, or
+            (N, T, V) per-token logits.
+        q_logit: (N, C) (or (N, T, V)) logits of the compared (quantised) model.
+        mask: (N, T) real tokens of per-token logits (e.g. the attention mask); None: every token.
 
     Returns:
         (N,) float64, >= 0 (rounding below zero is clamped).
     """
-    _check_logits(fp_logit, q_logit)
+    mask = _check_logits(fp_logit, q_logit, mask)
+    if mask is not None:
+        return per_input(kl_per_example(fp_logit[mask], q_logit[mask]), mask)
     log_p = torch.log_softmax(fp_logit.double(), dim=-1)
     log_q = torch.log_softmax(q_logit.double(), dim=-1)
     p = log_p.exp()
@@ -64,9 +84,13 @@ def kl_per_example(fp_logit: Tensor, q_logit: Tensor) -> Tensor:
     return terms.sum(-1).clamp_min(0.0)
 
 
-def agreement_per_example(fp_logit: Tensor, q_logit: Tensor) -> Tensor:
-    """(N,) bool: the two models' top-1 classes agree (``argmax`` of each (N, C) logit tensor)."""
-    _check_logits(fp_logit, q_logit)
+def agreement_per_example(fp_logit: Tensor, q_logit: Tensor, mask: Tensor | None = None) -> Tensor:
+    """(N,) bool: the two models' top-1 classes agree (``argmax`` of each (N, C) logit tensor);
+    for per-token (N, T, V) logits, (N,) float64: the share of example i's real tokens (``mask``,
+    None: every token) on which they agree."""
+    mask = _check_logits(fp_logit, q_logit, mask)
+    if mask is not None:
+        return per_input((fp_logit[mask].argmax(-1) == q_logit[mask].argmax(-1)).double(), mask)
     return fp_logit.argmax(-1) == q_logit.argmax(-1)
 
 

@@ -29,6 +29,16 @@ hundred inputs is dominated by its prior for most weights (their sampled network
 chance), so ``s`` is the largest value on a log grid whose samples still agree with the mean
 model's argmax on ``agreement`` of the calibration inputs (label-free); ``s = 1`` is the
 untempered posterior, ``s = 0`` the mean model itself.
+
+A language model's per-token logits (B, T, V) (:mod:`bayesq.forward`): every KL above is per
+real token (padding ignored), an input's KL the mean over its real tokens, and the agreement is
+counted over real tokens. The teacher of one real token is stored as its ``TEACHER_TOP_K``
+largest probabilities and the rest's total mass (:class:`TopKTeacher`): dense float32 teacher
+probabilities of a calibration set, N * T * V * 4 bytes, do not fit in memory (128 inputs of 512
+tokens over GPT-2's 50257 words: 13 GB; top-128: 67 MB), and the KL the student is fitted on is
+then the KL of the two predictives on the partition {each of the top-k words, every other word}
+(exact when the teacher's mass lies in its top k, a lower bound of the full KL otherwise). The
+held-out KL is exact: the full-precision side is recomputed batch by batch.
 """
 
 from __future__ import annotations
@@ -45,11 +55,14 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 from bayesq.config import DistillConfig
-from bayesq.forward import Batch, batch_size, first_inputs, logits, output_logits
+from bayesq.evaluation import token_kl
+from bayesq.forward import (Batch, batch_size, first_inputs, logits, output_logits, per_input, prediction_rows,
+                            predictions, token_mask)
 from bayesq.posterior import Posterior
 from bayesq.result import QuantizedWeight, quantized_copy
 
 SCALE_GRID = tuple(2.0**-k for k in range(0, 17))  # candidate tempering factors s, largest first
+TEACHER_TOP_K = 128  # probabilities stored per real token of a per-token teacher (TopKTeacher)
 
 
 @dataclass(frozen=True)
@@ -65,8 +78,8 @@ class DistillResult:
         biases: name -> trained bias (float32) of the layers whose bias was trained, if
             ``accepted`` (else empty: the model's biases stay).
         sample_scale: tempering factor ``s`` of the teacher's posterior samples.
-        teacher_agreement: share of the fit part's calibration inputs where the teacher's argmax
-            equals the mean model's.
+        teacher_agreement: share of the fit part's calibration inputs (real tokens, for per-token
+            logits) where the teacher's argmax equals the mean model's.
         loss_first, loss_last: mean distillation loss over the first / last 10% of the steps.
         steps: optimiser steps taken.
         seconds: wall time of the whole distillation (teacher and held-out check included).
@@ -96,7 +109,8 @@ def _sampled_weights(posterior: Posterior, scale: float, gen: torch.Generator) -
 
 
 def _forward(model: nn.Module, over: Mapping[str, torch.Tensor], batch: Batch) -> torch.Tensor:
-    """(B, C) logits of ``model`` on ``batch`` with the named parameters replaced by ``over``."""
+    """(B, C) (or per-token (B, T, V)) logits of ``model`` on ``batch`` with the named parameters
+    replaced by ``over``."""
     if isinstance(batch, Mapping):
         out = functional_call(model, dict(over), args=(), kwargs=dict(batch), strict=False)
     else:
@@ -105,7 +119,7 @@ def _forward(model: nn.Module, over: Mapping[str, torch.Tensor], batch: Batch) -
 
 
 def _logits_with(model: nn.Module, weights: Mapping[str, torch.Tensor], batch: Batch) -> torch.Tensor:
-    """(B, C) logits of ``model`` with the ``<layer>.weight`` tensors replaced by ``weights``."""
+    """(B, C) (or (B, T, V)) logits of ``model`` with the ``<layer>.weight`` tensors replaced by ``weights``."""
     over = {f"{n}.weight": w.to(model.get_submodule(n).weight.dtype) for n, w in weights.items()}
     return _forward(model, over, batch)
 
@@ -168,41 +182,51 @@ def _encoding(model: nn.Module, weights: Mapping[str, QuantizedWeight],
     return over
 
 
-def _log_probs(model: nn.Module, over: Mapping[str, torch.Tensor], batches: Sequence[Batch]) -> list[torch.Tensor]:
-    """Per batch, (B, C) float64 ``log_softmax`` of ``model``'s logits with parameters ``over`` replaced."""
+def _mean_kls(model: nn.Module, overs: Sequence[Mapping[str, torch.Tensor]], batches: Sequence[Batch]) -> list[float]:
+    """Per parameter override in ``overs``, ``1/N sum_x KL(p_FP(.|x) || p_over(.|x))`` in nats (float64)
+    over the N inputs of ``batches``, batch by batch (the full-precision side computed once per batch,
+    nothing kept across batches); per-token logits: each input's KL is the mean over its real tokens."""
+    totals, n = [0] * len(overs), 0
     with torch.no_grad():
-        return [F.log_softmax(_forward(model, over, b).double(), dim=-1) for b in batches]
-
-
-def _mean_kl(log_p: Sequence[torch.Tensor], log_q: Sequence[torch.Tensor]) -> float:
-    """``1/N sum_x KL(p(.|x) || q(.|x))`` in nats over all N rows of the per-batch (B, C) log-probabilities."""
-    total = sum(float(F.kl_div(q, p, reduction="sum", log_target=True)) for p, q in zip(log_p, log_q))
-    return total / sum(len(p) for p in log_p)
+        for b in batches:
+            z = _forward(model, {}, b)
+            mask = token_mask(b, z)
+            log_p = F.log_softmax(z.double(), dim=-1) if mask is None else None
+            for k, over in enumerate(overs):
+                zq = _forward(model, over, b)
+                if mask is None:
+                    totals[k] += float(F.kl_div(F.log_softmax(zq.double(), dim=-1), log_p, reduction="sum",
+                                                log_target=True))
+                else:
+                    totals[k] += float(per_input(token_kl(z, zq, mask), mask).sum())
+            n += len(z)
+    return [t / n for t in totals]
 
 
 def predictive_kl(model: nn.Module, weights: Mapping[str, QuantizedWeight], batches: Sequence[Batch],
                   biases: Mapping[str, torch.Tensor] | None = None) -> float:
-    """Mean KL(p_FP(y|x) || p_quantised(y|x)) in nats (temperature 1, float64) over the inputs of ``batches``.
+    """Mean KL(p_FP(y|x) || p_quantised(y|x)) in nats (temperature 1, float64) over the inputs of ``batches``
+    (per-token logits: each input's KL the mean over its real tokens, padding ignored).
 
     ``p_FP`` is ``model``'s softmax; ``p_quantised`` that of ``model`` with the layers in
     ``weights`` dequantised and the biases in ``biases`` (name -> (out,) tensor) replaced;
     ``model`` is not modified.
     """
-    quantised = _log_probs(model, _encoding(model, weights, biases or {}), batches)
-    return _mean_kl(_log_probs(model, {}, batches), quantised)
+    return _mean_kls(model, [_encoding(model, weights, biases or {})], batches)[0]
 
 
 def sample_agreement(model: nn.Module, posterior: Posterior, batches: Sequence[Batch], scale: float,
                      samples: int, seed: int) -> float:
-    """Mean share of inputs on which a tempered posterior sample predicts the mean model's argmax."""
+    """Mean share of inputs (of real tokens, for per-token logits) on which a tempered posterior
+    sample predicts the mean model's argmax."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        ref = [logits(model, b).argmax(-1) for b in batches]
+        ref = [(prediction_rows(z, mask).argmax(-1), mask) for z, mask in (predictions(model, b) for b in batches)]
         agree, n = 0, 0
         for _ in range(samples):
             w = _sampled_weights(posterior, scale, gen)
-            for b, r in zip(batches, ref):
-                agree += int((_logits_with(model, w, b).argmax(-1) == r).sum())
+            for b, (r, mask) in zip(batches, ref):
+                agree += int((prediction_rows(_logits_with(model, w, b), mask).argmax(-1) == r).sum())
                 n += len(r)
     return agree / max(n, 1)
 
@@ -223,9 +247,68 @@ def tempering_scale(model: nn.Module, posterior: Posterior, batches: Sequence[Ba
     return SCALE_GRID[hi] if hi < len(SCALE_GRID) else 0.0
 
 
+@dataclass(frozen=True)
+class TopKTeacher:
+    """A per-token teacher of one batch: for each of its R real tokens the ``k`` largest teacher
+    probabilities and their words; the rest, ``1 - sum(probs)``, is one more outcome.
+
+    Attributes:
+        probs: (R, k) float32, descending per row.
+        index: (R, k) int32 word ids of ``probs``.
+        mask: (B, T) bool real tokens (rows in example then token order).
+    """
+
+    probs: torch.Tensor
+    index: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def of(cls, probs: torch.Tensor, mask: torch.Tensor, k: int = TEACHER_TOP_K) -> TopKTeacher:
+        """From a batch's dense (B, T, V) teacher probabilities and its (B, T) token mask."""
+        top = torch.topk(probs[mask], min(k, probs.shape[-1]), dim=-1)
+        return cls(top.values.float(), top.indices.int(), mask)
+
+    def argmax(self, dim: int = -1) -> torch.Tensor:
+        """(R,) the teacher's most probable word per real token (``dim``: as a tensor's, -1 only)."""
+        return self.index[:, 0].long()
+
+    def kl(self, z: torch.Tensor, tau: float) -> torch.Tensor:
+        """(B,) per input, the mean over its real tokens of ``KL(teacher || softmax(z / tau))`` on the
+        partition {each stored word, every other word}; ``z``: the student's (B, T, V) logits.
+
+            KL_t = sum_j p_j log(p_j / q_j) + p_rest log(p_rest / q_rest),
+            p_rest = 1 - sum_j p_j,  q_rest = sum_{v not stored} q_v
+
+        (no rest term when every word is stored, k = V)."""
+        logq = F.log_softmax(prediction_rows(z, self.mask).float() / tau, dim=-1)  # (R, V)
+        idx = self.index.long()
+        q_top = logq.gather(1, idx)
+        kl = (torch.xlogy(self.probs, self.probs) - self.probs * q_top).sum(-1)
+        if idx.shape[1] < logq.shape[1]:
+            p_rest = (1 - self.probs.sum(-1)).clamp_min(0)
+            q_rest = logq.scatter(1, idx, float("-inf")).logsumexp(-1)
+            kl = kl + torch.xlogy(p_rest, p_rest) - p_rest * q_rest
+        return per_input(kl, self.mask)
+
+
+def _sample_generator(seed: int, m: int) -> torch.Generator:
+    """The generator of a per-token teacher's draw ``m`` (drawn again for every batch)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + m)
+
+
 def teacher_probs(model: nn.Module, posterior: Posterior, batches: Sequence[Batch], scale: float,
-                  samples: int, tau: float, seed: int = 0) -> list[torch.Tensor]:
-    """Per batch, (B, C) float32 ``1/M sum_m softmax(f(x; w_m) / tau)`` (M = ``samples``)."""
+                  samples: int, tau: float, seed: int = 0) -> list[torch.Tensor | TopKTeacher]:
+    """Per batch, (B, C) float32 ``1/M sum_m softmax(f(x; w_m) / tau)`` (M = ``samples``).
+
+    Per-token logits (B, T, V): a :class:`TopKTeacher` per batch, the same average over M draws,
+    each draw taken again for each batch from its own generator (no draw is kept across
+    batches: M copies of the weights do not fit either), the dense (B, T, V) average held for
+    one batch at a time.
+    """
+    with torch.no_grad():
+        per_token = bool(batches) and predictions(model, first_inputs(batches, 1)[0])[1] is not None
+    if per_token:
+        return [_token_teacher(model, posterior, b, scale, samples, tau, seed) for b in batches]
     gen = torch.Generator().manual_seed(seed)
     out = [0.0 for _ in batches]
     with torch.no_grad():
@@ -235,6 +318,19 @@ def teacher_probs(model: nn.Module, posterior: Posterior, batches: Sequence[Batc
                 z = logits(model, b) if w is None else _logits_with(model, w, b)
                 out[i] = out[i] + F.softmax(z.float() / tau, dim=-1) / samples
     return out
+
+
+def _token_teacher(model: nn.Module, posterior: Posterior, batch: Batch, scale: float, samples: int, tau: float,
+                   seed: int) -> TopKTeacher:
+    """:func:`teacher_probs` of one batch of per-token logits, as a :class:`TopKTeacher`."""
+    total, mask = 0.0, None
+    with torch.no_grad():
+        for m in range(samples):
+            w = _sampled_weights(posterior, scale, _sample_generator(seed, m)) if scale > 0 else None
+            z = _forward(model, {}, batch) if w is None else _logits_with(model, w, batch)
+            mask = token_mask(batch, z)
+            total = total + F.softmax(z.float() / tau, dim=-1) / samples
+    return TopKTeacher.of(total, mask)
 
 
 class _Trainable(nn.Module):
@@ -276,7 +372,8 @@ class _Trainable(nn.Module):
 def _train(model: nn.Module, weights: Mapping[str, QuantizedWeight], batches: Sequence[Batch],
            teacher: Sequence[torch.Tensor], cfg: DistillConfig, scale_bits: int, lut_bits: int,
            ) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor], list[float]]:
-    """AdamW on ``tau^2 KL(teacher || softmax(f_q / tau))``, cycling over ``batches``.
+    """AdamW on ``tau^2 KL(teacher || softmax(f_q / tau))`` (mean over the batch's inputs; per-token
+    logits: of each input's mean over its real tokens, :meth:`TopKTeacher.kl`), cycling over ``batches``.
 
     Returns the trained encodings rounded to their stored precision, the trained biases
     (float32 copies; empty unless ``cfg.train_bias``) and the per-step losses.
@@ -303,8 +400,11 @@ def _train(model: nn.Module, weights: Mapping[str, QuantizedWeight], batches: Se
         over.update({f"{n}.weight": layers[n.replace(".", "/")].weight() for n in weights})
         over.update({f"{n}.bias": b for n, b in biases.items()})
         z = _forward(model, over, batches[i])
-        logq = F.log_softmax(z.float() / cfg.temperature, dim=-1)
-        loss = cfg.temperature**2 * F.kl_div(logq, teacher[i], reduction="batchmean")
+        if isinstance(teacher[i], TopKTeacher):  # per-token logits: mean over inputs of the token-mean KL
+            loss = cfg.temperature**2 * teacher[i].kl(z, cfg.temperature).mean()
+        else:
+            logq = F.log_softmax(z.float() / cfg.temperature, dim=-1)
+            loss = cfg.temperature**2 * F.kl_div(logq, teacher[i], reduction="batchmean")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -353,14 +453,12 @@ def distill(
     scale = tempering_scale(model, posterior, probe, cfg.agreement, samples=2, seed=seed)
     teacher = teacher_probs(model, posterior, fit, scale, cfg.samples, cfg.temperature, seed)
     with torch.no_grad():
-        mean_pred = [logits(model, b).argmax(-1) for b in fit]
+        mean_pred = [prediction_rows(*predictions(model, b)).argmax(-1) for b in fit]
     agreement = float(sum(int((t.argmax(-1) == r).sum()) for t, r in zip(teacher, mean_pred))
                       / sum(len(r) for r in mean_pred))
     out, biases, losses = _train(model, weights, fit, teacher, cfg, scale_bits, lut_bits)
 
-    reference = _log_probs(model, {}, held)
-    kl_before = _mean_kl(reference, _log_probs(model, _encoding(model, weights, {}), held))
-    kl_after = _mean_kl(reference, _log_probs(model, _encoding(model, out, biases), held))
+    kl_before, kl_after = _mean_kls(model, [_encoding(model, weights, {}), _encoding(model, out, biases)], held)
     accepted = kl_after < kl_before or not cfg.accept
     if not accepted:
         out, biases = dict(weights), {}

@@ -4,6 +4,15 @@
 the numbers the reports use (all from :mod:`bayesq.metrics`); :func:`mean_kl` scores a quantised
 model against :func:`reference_log_probs` of the full-precision one (the calibration KL that
 selections use).
+
+A language model's per-token logits (B, T, V) are scored per input as the mean over its real
+tokens (:func:`bayesq.forward.token_mask`) of the per-token KL, padding ignored:
+
+    KL_n = 1/T_n sum_{t: m_nt = 1} sum_v p_ntv (log p_ntv - log q_ntv).
+
+Their full-precision reference is recomputed batch by batch (:class:`FPReference`): the float64
+log-probabilities of a calibration set, N * T * V * 8 bytes, do not fit in memory (64 inputs of
+512 tokens over GPT-2's 50257 words: 13 GB).
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from bayesq import metrics
-from bayesq.forward import Batch, logits
+from bayesq.forward import Batch, call, first_inputs, logits, output_logits, per_input, predictions
 
 
 def each_batch(model: nn.Module, batches: Iterable[Batch], fn: Callable[[nn.Module, Batch], Tensor],
@@ -49,42 +58,120 @@ def predict(model: nn.Module, batches: Iterable[Batch], desc: str = "predict") -
 
 
 def _log_probs(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """(rows, C) float64 log-probabilities of ``model`` on ``batch`` (leading dims flattened)."""
+    """(B, C) float64 log-probabilities of ``model`` on ``batch``."""
     z = logits(model, batch)
     return F.log_softmax(z.reshape(-1, z.shape[-1]).double(), dim=-1)
 
 
-def _eval_log_probs(model: nn.Module, batches: Sequence[Batch], desc: str | None = None) -> list[torch.Tensor]:
-    """:func:`_log_probs` of every batch (:func:`each_batch`)."""
+KL_CHUNK = 1 << 22  # float64 elements of one chunk of token rows in token_kl (32 MiB per temporary)
+
+
+def token_kl(z_p: Tensor, z_q: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """Per real token ``KL(softmax(z_p / T) || softmax(z_q / T))``: (R,) float64.
+
+    Args:
+        z_p, z_q: (B, T, V) logits (or log-probabilities) of the reference and the compared model.
+        mask: (B, T) bool real tokens; R = ``mask.sum()``, rows in example then token order.
+        temperature: T > 0.
+
+    Computed in float64 on chunks of ``KL_CHUNK // V`` rows, so the temporaries stay small
+    whatever the vocabulary.
+    """
+    b, t = mask.to(z_p.device).nonzero(as_tuple=True)
+    step = max(1, KL_CHUNK // max(1, z_p.shape[-1]))
+    out = [torch.zeros(0, dtype=torch.float64, device=z_p.device)]
+    for s in range(0, len(b), step):
+        i, j = b[s:s + step], t[s:s + step]
+        lp = F.log_softmax(z_p[i, j].double() / temperature, dim=-1)
+        lq = F.log_softmax(z_q[i, j].double() / temperature, dim=-1)
+        out.append((lp.exp() * (lp - lq)).sum(-1))
+    return torch.cat(out)
+
+
+class FPReference(Sequence[Tensor]):
+    """The full-precision model's predictive on ``batches``, recomputed where it is read.
+
+    What :func:`reference_log_probs` returns for a model with per-token logits: item ``i`` is
+    batch ``i``'s (B, T, V) float64 log-probabilities (computed on access), a slice the
+    reference of those batches, and :func:`kl_per_input` reads :meth:`logits` batch by batch, so
+    only one batch's logits are held at a time. ``model`` must not change while the reference is
+    in use (the quantised models scored against it are copies).
+    """
+
+    def __init__(self, model: nn.Module, batches: Sequence[Batch]) -> None:
+        self.model, self.batches = model, list(batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return FPReference(self.model, self.batches[i])
+        return F.log_softmax(self.logits(i).double(), dim=-1)
+
+    def logits(self, i: int) -> Tensor:
+        """(B, T, V) logits of the model on batch ``i`` (eval mode, no gradients)."""
+        return each_batch(self.model, [self.batches[i]], lambda m, b: output_logits(call(m, b)))[0]
+
+
+def _per_token(model: nn.Module, batches: Sequence[Batch]) -> bool:
+    """Whether ``model``'s logits on ``batches`` have a token axis (one forward pass of the first input)."""
+    probe = first_inputs(batches, 1)
+    return bool(probe) and each_batch(model, probe, lambda m, b: output_logits(call(m, b)).dim() == 3)[0]
+
+
+def reference_log_probs(model: nn.Module, batches: Iterable[Batch], desc: str | None = None) -> Sequence[Tensor]:
+    """Full-precision log-probabilities, one (B, C) float64 tensor per batch (``desc``: a
+    progress bar with that label); for a model with per-token logits an :class:`FPReference`
+    (recomputed per batch where it is read: (N, T, V) float64 does not fit in memory)."""
+    batches = list(batches)
+    if _per_token(model, batches):
+        return FPReference(model, batches)
     return each_batch(model, batches, _log_probs, desc)
-
-
-def reference_log_probs(model: nn.Module, batches: Iterable[Batch], desc: str | None = None) -> list[torch.Tensor]:
-    """Full-precision log-probabilities, one (rows, C) float64 tensor per batch (``desc``: a
-    progress bar with that label)."""
-    return _eval_log_probs(model, list(batches), desc)
 
 
 def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: Sequence[Batch],
                  desc: str | None = None) -> torch.Tensor:
     """Per input, ``KL(p_ref || p_model) = sum_c p_ref (log p_ref - log p_model)``: (N,) float64.
 
+    Per-token logits (B, T, V): the mean over the input's real tokens of the per-token KL
+    (:func:`token_kl`, :func:`bayesq.forward.per_input`; padding ignored, an input without a
+    real token scores 0).
+
     Args:
-        reference: :func:`reference_log_probs` on the same ``batches``.
+        reference: :func:`reference_log_probs` on the same ``batches`` (for per-token logits an
+            :class:`FPReference`, or (B, T, V) log-probabilities per batch).
         model: the quantised model.
         batches: the calibration batches (tensors or dicts of tensors), same order.
         desc: a progress bar over the batches with this label (None: none).
+
+    Raises:
+        ValueError: a reference of another number of batches, or a batch whose reference has
+            another shape than the model's log-probabilities.
     """
     if len(reference) != len(batches):
         raise ValueError(f"reference has {len(reference)} batches of log-probabilities for {len(batches)} input "
                          "batches: pass reference_log_probs of the same batches, in the same order")
-    rows = []
-    for i, (ref, logq) in enumerate(zip(reference, _eval_log_probs(model, batches, desc))):
-        if ref.shape != logq.shape:
-            raise ValueError(f"reference batch {i} has shape {tuple(ref.shape)} but the model gives "
-                             f"{tuple(logq.shape)} on that batch: pass reference_log_probs of the same batches, "
-                             "in the same order")
-        rows.append((ref.exp() * (ref - logq)).sum(-1))
+
+    def mismatch(i: int, ref: Tensor, got: tuple) -> ValueError:
+        return ValueError(f"reference batch {i} has shape {tuple(ref.shape)} but the model gives {got} on that "
+                          "batch: pass reference_log_probs of the same batches, in the same order")
+
+    def one(m: nn.Module, item: tuple[int, Batch]) -> Tensor:
+        i, batch = item
+        z, mask = predictions(m, batch)
+        if mask is None:
+            logq = F.log_softmax(z.reshape(-1, z.shape[-1]).double(), dim=-1)
+            ref = reference[i]
+            if ref.shape != logq.shape:
+                raise mismatch(i, ref, tuple(logq.shape))
+            return (ref.exp() * (ref - logq)).sum(-1)
+        ref = reference.logits(i) if isinstance(reference, FPReference) else reference[i]
+        if ref.shape != z.shape:
+            raise mismatch(i, ref, tuple(z.shape))
+        return per_input(token_kl(ref, z, mask), mask)
+
+    rows = each_batch(model, list(enumerate(batches)), one, desc)
     return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.float64)
 
 

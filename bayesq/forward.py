@@ -8,6 +8,18 @@ non-finite values are refused. Outputs may be a tensor of logits, an object with
 attribute (Hugging Face models), a mapping with a ``"logits"`` entry, or a tuple whose first
 element is the logits (:func:`output_logits`). :func:`kept_state` gives the user's model back
 as it came (modes, ``requires_grad``, ``.grad``).
+
+Logits are one row per input, (B, C) (a classifier), or one row per token, (B, T, V) (a causal
+language model). :func:`predictions` gives both with the (B, T) mask of the real tokens
+(:func:`token_mask`: the batch's ``attention_mask``; None for (B, C)); every pass that reads the
+predictive works on :func:`prediction_rows`, the (R, C) logits of the real tokens (R = B for a
+classifier), and reduces per input with :func:`per_input`:
+
+    loss_n = sum_{t: m_nt = 1} ell(z_nt)            (Fisher, K-FAC, Hutchinson: a sum per input)
+    KL_n   = 1/T_n sum_{t: m_nt = 1} KL_nt,  T_n = sum_t m_nt    (evaluation: a mean per input)
+
+so padding contributes nothing. Layer-input rows of padded tokens are dropped too
+(:func:`token_rows`), where the logits have a token axis.
 """
 
 from __future__ import annotations
@@ -96,18 +108,129 @@ def layer_calls(
         model.train(was_training)
 
 
+def token_mask(batch: Batch, z: torch.Tensor) -> torch.Tensor | None:
+    """(B, T) bool mask of the real tokens of (B, T, V) logits ``z``; None for (B, C) logits.
+
+    The real tokens are the batch's ``attention_mask`` (a mapping with that key), else every
+    position.
+
+    Raises:
+        ValueError: logits of rank other than 2 or 3, or an ``attention_mask`` whose shape is not
+            the logits' (B, T) (each naming the shapes).
+    """
+    if z.dim() == 2:
+        return None
+    if z.dim() != 3:
+        raise ValueError(f"the model returned logits of shape {tuple(z.shape)}; BayesQ reads (batch, classes) "
+                         "logits (a classifier) or (batch, tokens, vocabulary) logits (a language model): wrap the "
+                         "model so that it returns one of these")
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if mask is None:
+        return torch.ones(z.shape[:2], dtype=torch.bool, device=z.device)
+    if tuple(mask.shape) != tuple(z.shape[:2]):
+        raise ValueError(f"the model returned per-token logits of shape {tuple(z.shape)} but the batch's "
+                         f"attention_mask has shape {tuple(mask.shape)}; BayesQ reads the real tokens of (batch, "
+                         "tokens, vocabulary) logits from a (batch, tokens) attention_mask: pass the mask of the "
+                         "tokens the logits are for, or no attention_mask (every token counts)")
+    return mask.to(z.device) != 0
+
+
+def predictions(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``model``'s logits on ``batch`` as returned, (B, C) or (B, T, V), and :func:`token_mask`
+    of them ((B, T) bool, or None for (B, C)).
+
+    Raises:
+        ValueError: as :func:`token_mask`.
+    """
+    z = output_logits(call(model, batch))
+    return z, token_mask(batch, z)
+
+
+def prediction_rows(z: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The (R, C) logits the predictive is read on: ``z`` itself for (B, C) logits (R = B, the
+    very tensor), the real tokens ``z[mask]`` of (B, T, V) logits (R = sum of the mask, in
+    example then token order)."""
+    return z if mask is None else z[mask]
+
+
+def row_examples(mask: torch.Tensor | None, n: int, device: torch.device | None = None) -> torch.Tensor:
+    """(R,) int64: the input each of :func:`prediction_rows`' rows belongs to (``arange(n)`` for
+    (B, C) logits)."""
+    if mask is None:
+        return torch.arange(n, device=device)
+    return mask.nonzero()[:, 0].to(device)
+
+
+def per_input(values: torch.Tensor, mask: torch.Tensor | None, reduce: str = "mean") -> torch.Tensor:
+    """(B,) per input from (R,) per-row ``values`` of :func:`prediction_rows`.
+
+    (B, C) logits (``mask`` None): ``values`` itself. (B, T, V) logits: ``reduce="sum"``,
+    ``sum_{t: m_nt} v_nt``; ``"mean"``, that sum over ``T_n = sum_t m_nt`` (an input without a
+    real token gives 0).
+    """
+    if mask is None:
+        return values
+    idx = row_examples(mask, mask.shape[0], values.device)
+    total = torch.zeros(mask.shape[0], dtype=values.dtype, device=values.device).index_add_(0, idx, values)
+    if reduce == "sum":
+        return total
+    return total / mask.sum(1).clamp_min(1).to(device=values.device, dtype=values.dtype)
+
+
+def token_rows(rows: torch.Tensor, a: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """A layer's input rows (N, groups, T, d_in) (:func:`bayesq.curvature.patches.input_rows`)
+    without the padded tokens' rows: (1, 1, R, d_in), the R rows of real tokens.
+
+    Applies where the layer reads one row per token: ``a`` is (B, L, d_in) with (B, L) the
+    shape of the (B, L) token ``mask`` and ``rows`` is (B, 1, L, d_in); any other layer
+    (convolutions, a head on a pooled (B, d) input), or ``mask`` None, gets ``rows`` as it came.
+    Sums over rows (second moments, means over positions with the row count ``N * T``) then run
+    over real tokens only.
+    """
+    if (mask is None or a.dim() != 3 or tuple(a.shape[:2]) != tuple(mask.shape)
+            or tuple(rows.shape[:3]) != (mask.shape[0], 1, mask.shape[1])):
+        return rows
+    return rows[:, 0][mask.to(rows.device)][None, None]
+
+
+def padding_mask(batch: Batch) -> torch.Tensor | None:
+    """The (B, L) bool mask of a mapping batch's ``attention_mask`` when it masks out some token,
+    else None (no padding to drop)."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if mask is None or not torch.is_tensor(mask) or mask.dim() != 2 or bool(mask.all()):
+        return None
+    return mask != 0
+
+
+def drops_padding(model: nn.Module, batches: list[Batch]) -> bool:
+    """Whether a pass over ``batches`` drops padded tokens' layer-input rows: some batch has
+    padding (:func:`padding_mask`) and ``model``'s logits have a token axis (one forward pass of
+    the first input, eval mode, no gradients; a classifier's layer inputs are kept as they are)."""
+    if not any(padding_mask(b) is not None for b in batches):
+        return False
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return output_logits(call(model, first_inputs(batches, 1)[0])).dim() == 3
+    finally:
+        model.train(was_training)
+
+
 def logits(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """(B, C) logits of ``model`` on ``batch``.
+    """(B, C) logits of ``model`` on ``batch``: the one row per input that callers with labels
+    per input read (evaluation, fine-tuning); passes over per-token outputs use :func:`predictions`.
 
     Raises:
         ValueError: logits of another rank, e.g. a language model's (B, T, V), naming the shape.
     """
     out = output_logits(call(model, batch))
     if out.dim() != 2:
-        raise ValueError(f"the model returned logits of shape {tuple(out.shape)}; BayesQ reads one row of class "
-                         "logits per input, (batch, classes): per-token outputs of a language model (batch, "
-                         "tokens, vocabulary) are not supported yet; wrap the model so that it returns one row "
-                         "per input (e.g. a classification head, or the last token's logits)")
+        raise ValueError(f"the model returned logits of shape {tuple(out.shape)}; this step reads one row of class "
+                         "logits per input, (batch, classes), to compare with one label per input: per-token "
+                         "outputs of a language model (batch, tokens, vocabulary) are read by the calibration, "
+                         "curvature and KL passes (bayesq.forward.predictions), not here; wrap the model so that "
+                         "it returns one row per input (e.g. a classification head, or the last token's logits)")
     return out
 
 

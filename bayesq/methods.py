@@ -41,7 +41,8 @@ class Inputs:
         stats: layer name -> :class:`bayesq.baselines.activations.InputStats` of
             ``calibration`` (GPTQ, AWQ).
         reference: the FP model's log-probabilities on the scored batches
-            (:func:`bayesq.evaluation.reference_log_probs`), one tensor per batch.
+            (:func:`bayesq.evaluation.reference_log_probs`), one tensor per batch (per-token
+            logits: an :class:`bayesq.evaluation.FPReference`, recomputed where read).
         traces: layer name -> Hessian trace (HAWQ).
         allocation: layer name -> unit bit-widths that GPTQ also tries as a variant.
         exclude: layer names or glob patterns left in floating point.

@@ -30,6 +30,10 @@ Losses (``D = Q(w) - w``):
    paper's logit-KL proxy with a per-draw teacher: the paper's plug-in teacher (softmax
    averaged over draws, student at ``Q(mu)``) is biased at finite M and measures a different
    error; the per-draw form is unbiased and has the same ``D = Q(w) - w`` as the other two.
+   A language model's per-token logits (B, T, V) count every real token:
+   ``sum_x sum_{t: m_xt = 1} KL_xt`` (padding ignored), the KL of the example's token predictions
+   taken together, whose quadratic form is the summed token Fisher the posterior is fitted on
+   (:mod:`bayesq.curvature.fisher`), so the relation below holds as it stands.
 
 Relation to the closed-form table.  For a small error ``d``,
 ``KL(p_w || p_{w+d}) = 0.5 d^T F_x d + O(|d|^3)`` with ``F_x`` the Fisher of example ``x``.
@@ -56,7 +60,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from bayesq.forward import Batch, logits
+from bayesq.evaluation import token_kl
+from bayesq.forward import Batch, predictions
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -272,7 +277,9 @@ def mc_logit_kl(
 
         L_q = E_{w ~ N(mu, sigma^2)} sum_x KL(softmax(f(x; w)/T) || softmax(f(x; Q_q(w))/T)),
 
-    ``w`` replacing ``layer_name``'s weight only. ``deployed``: the student is the deployed
+    ``w`` replacing ``layer_name``'s weight only (per-token logits (B, T, V): ``sum_x`` also runs
+    over each input's real tokens, padding ignored; the teacher's logits are held one batch at a
+    time). ``deployed``: the student is the deployed
     quantisation of the means, ``Q_q(mu)``, the same for every draw (the posterior-expected KL
     of deploying it); otherwise each draw is quantised (the ``draws`` objective).  The model runs in eval mode under
     ``torch.no_grad()``; its weights and every module's training flag are restored exactly
@@ -280,7 +287,7 @@ def mc_logit_kl(
 
     Args:
         model: network whose ``get_submodule(layer_name)`` has a ``weight``.
-        batches: calibration batches (tensors or dicts of tensors, see ``forward.logits``);
+        batches: calibration batches (tensors or dicts of tensors, see ``forward.predictions``);
             iterated ``samples * (1 + len(quantizers))`` times.
         mu, sigma: posterior means and stds (> 0), shaped like the weight.
         quantizers: callables mapping a weight-shaped sample to its quantised value.
@@ -316,10 +323,14 @@ def mc_logit_kl(
         total = torch.zeros(len(qs), dtype=torch.float64)
         for batch in batch_list:
             weight.copy_(w)
-            teacher = _log_probs(logits(model, batch), temperature)
+            z, mask = predictions(model, batch)
+            teacher = _log_probs(z, temperature) if mask is None else z
             for k, wq in enumerate(w_q):
                 weight.copy_(wq)
-                total[k] += _kl_sum(teacher, logits(model, batch), temperature).cpu()
+                student, _ = predictions(model, batch)
+                kl = (_kl_sum(teacher, student, temperature) if mask is None
+                      else token_kl(teacher, student, mask, temperature).sum())
+                total[k] += kl.cpu()
         return total  # (Q,)
 
     original = weight.detach().clone()

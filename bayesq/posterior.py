@@ -47,7 +47,7 @@ from bayesq.curvature.hutchinson import hutchinson_diagonal
 from bayesq.curvature.kfac import KFACFactors, damped, kfac_diagonal, kfac_factors
 from bayesq.curvature.lowrank import truncate
 from bayesq.curvature.patches import input_rows
-from bayesq.forward import Batch, batch_size, by_length, call, layer_calls
+from bayesq.forward import Batch, batch_size, by_length, call, drops_padding, layer_calls, padding_mask, token_rows
 
 BACKOFF = 3.0
 MAX_BACKOFFS = 8
@@ -426,21 +426,30 @@ def forward_inputs(
     attention block's q / k / v projections) get the same ``rows`` object, so ``on_rows`` can
     reuse what it computed from it. The model's training flag is restored. Batches are
     regrouped by length first (:func:`bayesq.forward.by_length`: callers sum over examples).
-    Returns the number of inputs seen.
+    A model with per-token logits (a language model, (B, T, V)) on padded batches gets its
+    padded tokens' rows dropped (:func:`bayesq.forward.token_rows`: (1, 1, R, d_in), the R real
+    tokens; :func:`bayesq.forward.drops_padding` reads the logits of the first input once); a
+    classifier's rows are kept as they are. Returns the number of inputs seen.
     """
     last: list = [None, None]  # the last Linear input tensor seen and its rows
+    batches = by_length(calibration)
+    drop = drops_padding(model, batches)
+    mask: list = [None]  # the batch's padding mask, when padded tokens' rows are dropped
 
     def record(name: str, mod: nn.Module, a: torch.Tensor, output: torch.Tensor) -> None:
         if isinstance(mod, nn.Linear) and last[0] is a:
             rows = last[1]
         else:
             rows = input_rows(mod, a.detach(), output.shape, widen=False)
+            if mask[0] is not None:
+                rows = token_rows(rows, a, mask[0])
             last[:] = (a, rows) if isinstance(mod, nn.Linear) else (None, None)
         on_rows(name, rows)
 
     n = 0
     with layer_calls(model, layers, record), torch.no_grad():
-        for batch in tqdm(by_length(calibration), desc=desc, disable=not progress, leave=False):
+        for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
+            mask[0] = padding_mask(batch) if drop else None
             call(model, batch)  # the hooks read the layer inputs
             n += batch_size(batch)
             last[:] = (None, None)

@@ -456,7 +456,8 @@ def encode_best(
     (each computed here when None and needed, from ``stats``: the layers' input statistics
     :func:`bayesq.baselines.activations.input_stats` on ``calibration``, one pass here when None).
     ``reference``: the FP model's log-probabilities on the scored inputs
-    (:func:`bayesq.evaluation.reference_log_probs`), computed here when None. ``tables``: the
+    (:func:`bayesq.evaluation.reference_log_probs`), computed here when None (per-token logits:
+    an :class:`bayesq.evaluation.FPReference`, the FP model run again on each scored batch). ``tables``: the
     other candidates' tables by name (:func:`candidate_tables`; they do not depend on the
     budget, so a caller encoding several budgets builds them once); those absent are built here.
     """
@@ -613,7 +614,9 @@ def quantize_model(
 
     Args:
         model: any module built of Linear/Conv2d layers (others stay in floating point);
-            it must return (B, C) logits as a tensor, an object with ``.logits``, a dict with
+            it must return (B, C) logits, or per-token (B, T, V) logits (a causal language
+            model: read on the real tokens of the batches' ``attention_mask``,
+            :mod:`bayesq.forward`), as a tensor, an object with ``.logits``, a dict with
             ``"logits"`` or a tuple whose first element is the logits.
         calibration: iterable of input batches: tensors, dicts of tensors (keyword arguments)
             or ``(inputs, labels)`` tuples (labels are never read); floating inputs are cast to

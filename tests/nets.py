@@ -74,3 +74,49 @@ def random_quantized(shape, group_size, unit_groups=1, bit_choices=(2, 3, 4, 8),
             zero = torch.randint(0, 2**b, (n,), generator=g).double()
             books[b] = UniformGrids(b, scale, zero)
     return QuantizedWeight(lb, group_bits, codes, books)
+
+
+class TinyCausalLM(nn.Module):
+    """A causal language model of nn.Embedding, nn.Linear and nn.LayerNorm only (untied head):
+    ``forward(input_ids, attention_mask=None) -> {"logits": (B, T, V)}``.
+
+    Position t mixes in the mean of the embeddings of the real tokens at positions <= t (a causal
+    prefix mean through ``mix``), then a residual MLP, then the head; a right-padded token never
+    reaches a real one, so padding leaves the real tokens' logits unchanged.
+    """
+
+    def __init__(self, vocab: int = 23, d: int = 16, hidden: int = 32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, attention_mask=None):
+        x = self.emb(input_ids)
+        m = torch.ones_like(input_ids, dtype=x.dtype) if attention_mask is None else attention_mask.to(x.dtype)
+        prefix = torch.cumsum(x * m[..., None], 1) / torch.cumsum(m, 1).clamp_min(1)[..., None]
+        h = x + self.mix(prefix)
+        h = h + self.fc2(torch.tanh(self.fc1(self.ln(h))))
+        return {"logits": self.head(h)}
+
+
+def lm_batches(lengths, vocab: int = 23, seed: int = 0):
+    """Right-padded dict batches (``input_ids``, ``attention_mask``) of random tokens: one batch
+    per list of lengths, each padded to its longest member."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for group in lengths:
+        width = max(group)
+        mask = (torch.arange(width)[None, :] < torch.tensor(group)[:, None]).long()
+        ids = torch.randint(1, vocab, (len(group), width), generator=gen) * mask
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+def with_padding(batches, extra: int, fill: int = 5):
+    """The same batches with ``extra`` more padded positions appended (token ``fill``, mask 0)."""
+    return [{"input_ids": torch.nn.functional.pad(b["input_ids"], (0, extra), value=fill),
+             "attention_mask": torch.nn.functional.pad(b["attention_mask"], (0, extra))} for b in batches]

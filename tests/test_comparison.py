@@ -241,3 +241,24 @@ def test_sequential_choice_admits_no_worse_candidate_more_often_than_level():
                                        resamples=200)
         admitted += kept == "same"
     assert admitted / 200 < 0.05 + 3 * math.sqrt(0.05 * 0.95 / 200)
+
+
+def test_kl_and_agreement_per_example_of_per_token_logits_mean_over_real_tokens():
+    """(N, T, V) logits with an (N, T) mask: the mean over each example's real tokens of the
+    (N, C) quantities; padding's logits are never read; no mask: every token."""
+    g = torch.Generator().manual_seed(0)
+    fp, q = torch.randn(3, 4, 5, generator=g), torch.randn(3, 4, 5, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    kl, agree = kl_per_example(fp, q, mask), agreement_per_example(fp, q, mask)
+    for i, n in enumerate(mask.sum(1).tolist()):
+        assert float(kl[i]) == pytest.approx(float(kl_per_example(fp[i, :n], q[i, :n]).mean()), rel=1e-12)
+        assert float(agree[i]) == pytest.approx(float(agreement_per_example(fp[i, :n], q[i, :n]).double().mean()))
+    junk = fp.clone()
+    junk[mask == 0] = 1e6
+    assert torch.equal(kl_per_example(junk, q, mask), kl)
+    every_token = kl_per_example(fp.flatten(0, 1), q.flatten(0, 1)).view(3, 4).mean(1)
+    torch.testing.assert_close(kl_per_example(fp, q), every_token)
+    with pytest.raises(ValueError, match=r"token mask \(3, 2\) does not match"):
+        kl_per_example(fp, q, mask[:, :2])
+    with pytest.raises(ValueError, match=r"\(N, C\) \(or per-token \(N, T, V\)\) logit tensors"):
+        kl_per_example(fp[..., None], q[..., None])

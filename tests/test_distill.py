@@ -518,3 +518,87 @@ def test_distill_config_invalid_raises(field, value):
 def test_load_params_distill_unknown_key_raises():
     with pytest.raises(ValueError, match=r"distill.*'stepz'.*'steps'"):
         load_params({"distill": {"stepz": 3}})
+
+
+# ---- per-token outputs (a language model) --------------------------------------------------------
+
+def _lm_setup():
+    from nets import TinyCausalLM, lm_batches
+
+    torch.manual_seed(0)
+    model = TinyCausalLM(vocab=29, d=32, hidden=64).eval()
+    cal = lm_batches([[5, 9, 3, 7], [8, 2, 6, 4], [9, 9, 1, 5]], vocab=29)
+    res = quantize_model(model, cal, BayesQConfig(budget=3.0, quant=BASE_Q, distill=OFF), progress=False)
+    return model, cal, res
+
+
+def test_top_k_teacher_kl_dense_when_every_word_kept_partition_kl_otherwise():
+    """TopKTeacher.kl: with k = V the exact per-token KL (mean over real tokens, padding not
+    read); with k < V the KL on the partition {each kept word, the rest}, computed by hand."""
+    from bayesq.distill import TopKTeacher
+
+    g = torch.Generator().manual_seed(0)
+    tau, (b, t, v) = 2.0, (2, 4, 6)
+    p = torch.softmax(torch.randn(b, t, v, generator=g), -1)
+    z = torch.randn(b, t, v, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]).bool()
+    logq = torch.log_softmax(z / tau, -1)
+    dense = (p * (p.log() - logq)).sum(-1)
+    want = torch.stack([dense[i][mask[i]].mean() for i in range(b)])
+    torch.testing.assert_close(TopKTeacher.of(p, mask, k=v).kl(z, tau), want, rtol=1e-5, atol=1e-7)
+    k = 2
+    teacher = TopKTeacher.of(p, mask, k=k)
+    rows = []
+    for i in range(b):
+        for j in range(t):
+            if mask[i, j]:
+                top = p[i, j].topk(k).indices
+                rest = torch.ones(v, dtype=torch.bool)
+                rest[top] = False
+                pp = torch.cat([p[i, j, top], p[i, j, rest].sum()[None]])
+                qq = torch.cat([logq[i, j, top].exp(), logq[i, j, rest].exp().sum()[None]])
+                rows.append((i, float((pp * (pp / qq).log()).sum())))
+    want = torch.tensor([sum(x for r, x in rows if r == i) / int(mask[i].sum()) for i in range(b)])
+    torch.testing.assert_close(teacher.kl(z, tau), want, rtol=1e-5, atol=1e-7)
+    assert teacher.probs.shape == (int(mask.sum()), k) and torch.equal(teacher.argmax(-1), p[mask].argmax(-1))
+
+
+def test_teacher_probs_language_model_top_k_of_the_draws_average(one_thread):
+    """Per-token teacher: the top-k of the average of softmax(f(x; w_m) / tau) over the draws of
+    :func:`D._sample_generator`, real tokens only; at scale 0 the mean model's softmax."""
+    from bayesq.distill import TopKTeacher
+
+    model, cal, res = _lm_setup()
+    tau = 2.0
+    (t0,) = teacher_probs(model, res.posterior, cal[:1], 0.0, samples=1, tau=tau)
+    mask = cal[0]["attention_mask"].bool()
+    with torch.no_grad():
+        dense = F.softmax(model(**cal[0])["logits"].float() / tau, -1)
+    assert isinstance(t0, TopKTeacher) and torch.equal(t0.mask, mask)
+    want = dense[mask].topk(min(D.TEACHER_TOP_K, dense.shape[-1]), -1)
+    assert torch.equal(t0.probs, want.values) and torch.equal(t0.index.long(), want.indices)
+    (t2,) = teacher_probs(model, res.posterior, cal[:1], 0.5, samples=2, tau=tau, seed=3)
+    avg = 0.0
+    with torch.no_grad():
+        for m in range(2):
+            w = D._sampled_weights(res.posterior, 0.5, D._sample_generator(3, m))
+            avg = avg + F.softmax(D._logits_with(model, w, cal[0]).float() / tau, -1) / 2
+    torch.testing.assert_close(t2.probs, avg[mask].topk(t2.probs.shape[1], -1).values, rtol=0, atol=0)
+
+
+def test_distill_language_model_runs_on_real_tokens_and_heldout_kl_is_exact(one_thread):
+    """distill on (B, T, V) logits: finite losses, the held-out KL is the per-input token-mean KL
+    (evaluation.kl_per_input), and more padding appended changes the held-out KL by rounding only."""
+    from bayesq.evaluation import kl_per_input, reference_log_probs
+    from nets import with_padding
+
+    model, cal, res = _lm_setup()
+    out = distill(model, res.weights, res.posterior, cal, DistillConfig(lr=1e-3, steps=10), seed=1)
+    assert math.isfinite(out.loss_first) and math.isfinite(out.loss_last) and out.steps == 10
+    assert 0 <= out.teacher_agreement <= 1
+    _, held = split_calibration(cal, 0.25, seed=1)
+    q = quantized_copy(model, res.weights)
+    direct = float(kl_per_input(reference_log_probs(model, held), q, held).mean())
+    assert direct > 0 and out.kl_before == pytest.approx(direct, rel=1e-9)
+    assert predictive_kl(model, res.weights, with_padding(held, 3)) == pytest.approx(direct, rel=1e-5)
+    assert out.accepted == (out.kl_after < out.kl_before)

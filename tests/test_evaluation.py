@@ -298,3 +298,69 @@ def test_one_evaluation_loop_and_one_rule_for_no_batches():
             call()
     x = torch.randn(6, 4)
     assert torch.equal(predictions(model, [x[:2], x[2:]]), predict(model, [x]).argmax(-1))
+
+
+def _lm_pair():
+    """A tiny causal LM, a perturbed copy of it (the 'quantised' model), float64."""
+    import copy
+
+    from nets import TinyCausalLM
+
+    torch.manual_seed(0)
+    fp = TinyCausalLM().double().eval()
+    q = copy.deepcopy(fp)
+    with torch.no_grad():
+        for p in q.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return fp, q
+
+
+def _hand_token_mean_kl(fp, q, batches) -> list[float]:
+    """Per sequence, run alone on its real tokens: mean over tokens of sum_v p (log p - log q)."""
+    out = []
+    for b in batches:
+        for i, n in enumerate(b["attention_mask"].sum(1).tolist()):
+            ids = b["input_ids"][i:i + 1, :n]
+            with torch.no_grad():
+                lp = torch.log_softmax(fp(input_ids=ids)["logits"][0], -1)
+                lq = torch.log_softmax(q(input_ids=ids)["logits"][0], -1)
+            out.append(float((lp.exp() * (lp - lq)).sum(-1).mean()))
+    return out
+
+
+def test_kl_per_input_language_model_token_mean_and_padding_ignored():
+    """(B, T, V) logits: each input's KL is the mean over its real tokens of the per-token KL;
+    the reference is recomputed per batch (FPReference, sliceable); more padding appended changes
+    nothing, and the FP model against itself scores 0."""
+    from bayesq.evaluation import FPReference, kl_per_input, mean_kl, reference_log_probs
+    from nets import lm_batches, with_padding
+
+    fp, q = _lm_pair()
+    batches = lm_batches([[3, 5, 2], [4, 1, 4]])
+    ref = reference_log_probs(fp, batches)
+    assert isinstance(ref, FPReference) and len(ref) == len(batches)
+    got = kl_per_input(ref, q, batches)
+    assert got.dtype == torch.float64 and got.tolist() == pytest.approx(_hand_token_mean_kl(fp, q, batches),
+                                                                        rel=1e-10, abs=1e-15)
+    padded = with_padding(batches, 3)
+    torch.testing.assert_close(kl_per_input(reference_log_probs(fp, padded), q, padded), got, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(kl_per_input(ref[1:], q, batches[1:]), got[len(batches[0]["input_ids"]):],
+                               rtol=0, atol=0)
+    stored = [ref[i] for i in range(len(ref))]  # (B, T, V) log-probabilities given explicitly
+    torch.testing.assert_close(kl_per_input(stored, q, batches), got, rtol=1e-12, atol=1e-15)
+    assert mean_kl(ref, fp, batches) == 0.0
+    with pytest.raises(ValueError, match=r"reference batch 0 has shape \(3, 4, 23\) but the model gives \(3, 5, 23\)"):
+        kl_per_input(stored[::-1], q, batches)
+
+
+def test_token_kl_chunks_vs_one_pass(monkeypatch):
+    import bayesq.evaluation as E
+
+    g = torch.Generator().manual_seed(0)
+    z_p, z_q = torch.randn(3, 4, 6, generator=g), torch.randn(3, 4, 6, generator=g)
+    mask = torch.rand(3, 4, generator=g) > 0.3
+    lp, lq = torch.log_softmax(z_p[mask].double() / 2, -1), torch.log_softmax(z_q[mask].double() / 2, -1)
+    want = (lp.exp() * (lp - lq)).sum(-1)
+    torch.testing.assert_close(E.token_kl(z_p, z_q, mask, 2.0), want, rtol=1e-14, atol=0)
+    monkeypatch.setattr(E, "KL_CHUNK", 7)  # one row per chunk
+    torch.testing.assert_close(E.token_kl(z_p, z_q, mask, 2.0), want, rtol=1e-14, atol=0)

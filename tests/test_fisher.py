@@ -117,3 +117,86 @@ def test_fisher_diagonal_leaves_existing_grads_and_sets_no_other():
     fisher_diagonal(model, [torch.randn(2, 2, 6, 6, dtype=torch.float64)], quantizable_layers(model), progress=False)
     assert torch.equal(head.weight.grad, torch.full_like(head.weight, 7.0))
     assert all(p.grad is None for p in model.parameters() if p is not head.weight)
+
+
+def _lm_reference(model, layers, batches, label_samples, seed):
+    """Per-sequence loop: labels drawn per real token from the model's predictive (generator
+    replayed in the same order, rows in example then token order), each sequence run alone and
+    cut to its real tokens, its loss the sum over them of -log p(y_t); squares of its gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    ref = {n: torch.zeros_like(m.weight) for n, m in layers.items()}
+    for batch in batches:
+        mask = batch["attention_mask"].bool()
+        with torch.no_grad():
+            probs = torch.softmax(model(**batch)["logits"][mask].double(), -1)
+        for _ in range(label_samples):
+            y = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            start = 0
+            for i, n in enumerate(mask.sum(1).tolist()):
+                z = model(input_ids=batch["input_ids"][i:i + 1, :n])["logits"][0]  # (n, V), no padding
+                loss = F.cross_entropy(z, y[start:start + n], reduction="sum")
+                start += n
+                grads = torch.autograd.grad(loss, [m.weight for m in layers.values()])
+                for (name, _), g in zip(layers.items(), grads):
+                    ref[name] += g.pow(2) / label_samples
+    return ref
+
+
+@pytest.mark.parametrize("label_samples", [1, 2])
+def test_fisher_diagonal_language_model_vs_per_sequence_autograd(label_samples):
+    """(B, T, V) logits: one sampled label per real token, the sequence's loss summed over its
+    real tokens; padding contributes nothing (more of it appended gives the same Fisher)."""
+    from nets import TinyCausalLM, lm_batches, with_padding
+
+    torch.manual_seed(0)
+    model = TinyCausalLM().double().eval()
+    layers = quantizable_layers(model)
+    batches = lm_batches([[3, 5, 2], [4, 1, 4]])
+    got, n = fisher_diagonal(model, batches, layers, label_samples=label_samples, seed=3, progress=False)
+    ref = _lm_reference(model, layers, batches, label_samples, 3)
+    padded, m = fisher_diagonal(model, with_padding(batches, 3), layers, label_samples=label_samples, seed=3,
+                                progress=False)
+    assert n == m == sum(len(b["input_ids"]) for b in batches)
+    for name in layers:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(padded[name], got[name], rtol=1e-12, atol=1e-14)
+
+
+def test_fisher_pass_layer_input_statistics_of_a_language_model_vs_forward_pass():
+    """The Fisher pass's on_rows gets the real tokens' rows only, as the forward pass of
+    input_stats does (padding appended to the batches: the same statistics)."""
+    from bayesq.baselines.activations import StatsSums, input_stats
+    from nets import TinyCausalLM, lm_batches, with_padding
+
+    torch.manual_seed(0)
+    model = TinyCausalLM().double().eval()
+    layers = quantizable_layers(model)
+    batches = lm_batches([[3, 5, 2], [4, 1, 4]])
+    sums = StatsSums()
+    _, n = fisher_diagonal(model, with_padding(batches, 2), layers, seed=3, progress=False, on_rows=sums)
+    got, want = sums.stats(layers, n), input_stats(model, batches, layers)
+    for name in layers:
+        for f in ("H", "mean", "abs_mean"):
+            torch.testing.assert_close(getattr(got[name], f), getattr(want[name], f), rtol=1e-12, atol=1e-14)
+
+
+def test_empirical_fisher_language_model_token_labels():
+    """Given (B, T) labels of a language model, the real tokens' entries are read (padding's are
+    not); the model's own argmax labels are the label-free default; a (B,) label tensor is
+    refused naming the (B, T) shape."""
+    from bayesq.curvature.fisher import empirical_fisher_diagonal
+    from nets import TinyCausalLM, lm_batches
+
+    torch.manual_seed(0)
+    model = TinyCausalLM().double().eval()
+    layers = quantizable_layers(model)
+    batches = lm_batches([[3, 5, 2], [4, 1, 4]])
+    with torch.no_grad():
+        argmax = [model(**b)["logits"].argmax(-1) for b in batches]
+    junk = [torch.where(b["attention_mask"].bool(), y, torch.full_like(y, 10**6)) for b, y in zip(batches, argmax)]
+    free, _ = empirical_fisher_diagonal(model, batches, layers, progress=False)
+    given, _ = empirical_fisher_diagonal(model, batches, layers, labels=junk, progress=False)
+    for name in layers:
+        torch.testing.assert_close(given[name], free[name], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"labels\[0\] has shape \(3,\).*\(3, 5\).*\(B, T\)"):
+        empirical_fisher_diagonal(model, batches, layers, labels=[y[:, 0] for y in argmax], progress=False)

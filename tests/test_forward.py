@@ -178,3 +178,128 @@ def test_layer_calls_sees_every_call_and_restores_the_model_even_on_error():
     assert model.training and not model[2].weight.requires_grad
     model(x)
     assert len(seen) == 2  # the hooks are gone
+
+
+def test_predictions_token_mask_rows_and_per_input_of_per_token_logits():
+    from bayesq.forward import per_input, prediction_rows, predictions, row_examples
+    from nets import TinyCausalLM, lm_batches
+
+    torch.manual_seed(0)
+    model = TinyCausalLM().double().eval()
+    (batch,) = lm_batches([[3, 1, 4]])
+    with torch.no_grad():
+        z, mask = predictions(model, batch)
+    assert z.shape[:2] == batch["input_ids"].shape and mask.dtype == torch.bool
+    assert torch.equal(mask, batch["attention_mask"].bool())
+    rows = prediction_rows(z, mask)
+    assert torch.equal(rows, torch.cat([z[i, :n] for i, n in enumerate(batch["attention_mask"].sum(1).tolist())]))
+    assert torch.equal(row_examples(mask, 3), torch.repeat_interleave(torch.arange(3), mask.sum(1)))
+    values = torch.randn(len(rows), dtype=torch.float64)
+    starts = [0] + mask.sum(1).cumsum(0).tolist()
+    want = torch.stack([values[a:b].sum() for a, b in zip(starts, starts[1:])])
+    torch.testing.assert_close(per_input(values, mask, "sum"), want, rtol=0, atol=0)
+    torch.testing.assert_close(per_input(values, mask), want / mask.sum(1), rtol=1e-15, atol=0)
+    # a classifier: the logits themselves, one row per input, no mask
+    clf = nn.Linear(4, 3).double()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    z2, none = predictions(clf, x)
+    two = values[:2]
+    assert none is None and prediction_rows(z2, none) is z2 and per_input(two, None) is two
+    # no attention_mask: every token counts
+    _, every = predictions(model, {"input_ids": batch["input_ids"]})
+    assert bool(every.all()) and every.shape == batch["input_ids"].shape
+
+
+def test_per_token_logits_with_another_token_axis_or_rank_name_the_shape():
+    from bayesq.forward import predictions
+
+    lm = nn.Linear(4, 7)
+    with pytest.raises(ValueError, match=r"per-token logits of shape \(2, 3, 7\).*attention_mask has shape \(2, 5\)"):
+        predictions(lambda **b: lm(b["x"]), {"x": torch.randn(2, 3, 4), "attention_mask": torch.ones(2, 5)})
+    with pytest.raises(ValueError, match=r"logits of shape \(2, 3, 5, 7\)"):
+        predictions(lm, torch.randn(2, 3, 5, 4))
+
+
+def test_token_rows_drop_padded_tokens_of_token_inputs_only():
+    from bayesq.curvature.patches import input_rows
+    from bayesq.forward import token_rows
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]]).bool()
+    a = torch.randn(2, 3, 4)
+    lin = nn.Linear(4, 5)
+    rows = input_rows(lin, a, lin(a).shape)
+    got = token_rows(rows, a, mask)
+    assert got.shape == (1, 1, 3, 4) and torch.equal(got[0, 0], a.double()[mask])
+    assert token_rows(rows, a, None) is rows
+    pooled = a.mean(1)  # a head on a pooled (B, d) input: not one row per token
+    r2 = input_rows(lin, pooled, lin(pooled).shape)
+    assert token_rows(r2, pooled, mask) is r2
+
+
+def test_drops_padding_only_for_per_token_logits_on_padded_batches():
+    from bayesq.forward import drops_padding
+    from nets import TinyCausalLM, lm_batches
+
+    lm = TinyCausalLM().eval()
+    padded, full = lm_batches([[3, 1]]), lm_batches([[2, 2]])
+    assert drops_padding(lm, padded) and not drops_padding(lm, full)
+    assert not drops_padding(_bert(), _padded_batches([[3, 1]]))  # a classifier's rows stay as they are
+    assert not drops_padding(nn.Linear(3, 2), [torch.randn(2, 3)])
+
+
+def test_input_stats_of_a_language_model_real_tokens_only():
+    """Layer-input statistics of per-token outputs: padded tokens' rows never enter (more padding
+    appended changes nothing), and H / mean are the sums over the real tokens' inputs."""
+    from nets import TinyCausalLM, lm_batches, with_padding
+
+    torch.manual_seed(0)
+    model = TinyCausalLM().double().eval()
+    batches = lm_batches([[3, 5, 2], [4, 1, 4]])
+    layers = quantizable_layers(model)
+    st = input_stats(model, batches, layers)
+    more = input_stats(model, with_padding(batches, 3), layers)
+    seen = []
+    hook = model.fc1.register_forward_hook(lambda m, i, o: seen.append(i[0][0]))
+    with torch.no_grad():
+        for b in batches:
+            for i in range(batch_size(b)):
+                n = int(b["attention_mask"][i].sum())
+                model(**{k: v[i:i + 1, :n] for k, v in b.items()})
+    hook.remove()
+    rows = torch.cat(seen)  # the real tokens' inputs, one sentence at a time, no padding at all
+    n = sum(batch_size(b) for b in batches)
+    torch.testing.assert_close(st["fc1"].H[0], rows.T @ rows / n, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(st["fc1"].mean[0], rows.mean(0), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(st["fc1"].abs_mean[0], rows.abs().mean(0), rtol=1e-12, atol=1e-14)
+    for k in layers:
+        for f in ("H", "mean", "abs_mean"):
+            torch.testing.assert_close(getattr(more[k], f), getattr(st[k], f), rtol=1e-12, atol=1e-14)
+
+
+def test_gpt2_passes_read_real_tokens_only():
+    """A Hugging Face causal LM (GPT2LMHeadModel from a config, random weights; its quantisable
+    nn.Linear today is the head): the Fisher, K-FAC and layer-input passes and the per-input KL
+    give the same numbers with more right padding appended (padding ignored)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from bayesq.curvature.fisher import fisher_diagonal
+    from bayesq.curvature.kfac import kfac_factors
+    from bayesq.evaluation import kl_per_input, reference_log_probs
+    from nets import lm_batches, with_padding
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=64)
+    model, other = GPT2LMHeadModel(config).double().eval(), GPT2LMHeadModel(config).double().eval()
+    layers = quantizable_layers(model)
+    batches = lm_batches([[3, 5, 2], [4, 1, 4]], vocab=97)
+    padded = with_padding(batches, 3)
+
+    def passes(bs):
+        fisher, _ = fisher_diagonal(model, bs, layers, seed=1, progress=False)
+        kfac = kfac_factors(model, bs, layers, progress=False)
+        stats = input_stats(model, bs, layers)
+        kl = kl_per_input(reference_log_probs(model, bs), other, bs)
+        return [fisher[k] for k in layers] + [t for k in layers for t in (kfac[k].A, kfac[k].G, stats[k].H)] + [kl]
+
+    for want, got in zip(passes(batches), passes(padded)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-15)

@@ -265,3 +265,51 @@ def test_hutchinson_hessian_through_an_op_without_second_derivative_names_the_fi
     with pytest.raises(ValueError, match=r"differentiate the model twice.*hardsigmoid.*kfac.*Inputs\(traces=\.\.\.\)"):
         hutchinson_diagonal(model, [torch.randn(5, 4)], {"0": model[0], "2": model[2]}, probes=1,
                             curvature="hessian", progress=False)
+
+
+@pytest.mark.parametrize("curvature", ["hessian", "ggn"])
+def test_hutchinson_language_model_vs_same_probes_on_unpadded_sequences(curvature):
+    """(B, T, V) logits: the pseudo-label loss is summed over each sequence's real tokens; the
+    estimate equals ``v * (C v)`` with the same probes, C the Hessian (or GGN) of that loss of
+    every sequence run alone on its real tokens, summed; more padding appended changes nothing."""
+    from torch.func import functional_call
+
+    from bayesq.blocks import quantizable_layers
+    from nets import TinyCausalLM, lm_batches, with_padding
+
+    torch.manual_seed(0)
+    model = TinyCausalLM(vocab=7, d=6, hidden=8).double().eval()
+    layers = quantizable_layers(model)
+    batches = lm_batches([[3, 5, 2], [4, 1, 4]], vocab=7)
+    got, n = hutchinson_diagonal(model, batches, layers, probes=3, curvature=curvature, seed=4, progress=False)
+    padded, _ = hutchinson_diagonal(model, with_padding(batches, 3), layers, probes=3, curvature=curvature,
+                                    seed=4, progress=False)
+    names = [f"{k}.weight" for k in layers]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def logits_of(ws, seq):  # (T_n, V) with the layers' weights ``ws``
+        return functional_call(model, {**params, **dict(zip(names, ws))}, args=(), kwargs=seq)["logits"][0]
+
+    gen = torch.Generator().manual_seed(4)
+    ref = [torch.zeros_like(params[k]) for k in names]
+    w0 = tuple(params[k] for k in names)
+    for b in batches:
+        seqs = [{"input_ids": b["input_ids"][i:i + 1, :t]} for i, t in enumerate(b["attention_mask"].sum(1).tolist())]
+        for _ in range(3):
+            v = tuple((torch.randint(0, 2, w.shape, generator=gen) * 2 - 1).double() for w in w0)
+            for seq in seqs:
+                if curvature == "hessian":
+                    y = logits_of(w0, seq).argmax(-1)
+                    loss = lambda *ws: F.cross_entropy(logits_of(ws, seq), y, reduction="sum")  # noqa: E731
+                    cv = torch.autograd.functional.hvp(loss, w0, v)[1]
+                else:
+                    z, jv = torch.func.jvp(lambda *ws: logits_of(ws, seq), w0, v)
+                    p = torch.softmax(z, -1)
+                    h_jv = p * jv - p * (p * jv).sum(-1, keepdim=True)
+                    cv = torch.func.vjp(lambda *ws: logits_of(ws, seq), *w0)[1](h_jv)
+                for r, vi, ci in zip(ref, v, cv):
+                    r += vi * ci / 3
+    assert n == sum(len(b["input_ids"]) for b in batches)
+    for k, r in zip(layers, ref):
+        torch.testing.assert_close(got[k], r, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(padded[k], got[k], rtol=1e-12, atol=1e-14)

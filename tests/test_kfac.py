@@ -241,3 +241,41 @@ def test_kfac_leaves_existing_grads_and_sets_no_other():
     kfac_factors(model, [torch.randn(2, 3, dtype=torch.float64)], {"0": first, "2": model.net[2]}, progress=False)
     assert torch.equal(first.weight.grad, torch.full_like(first.weight, 7.0))
     assert all(p.grad is None for p in model.parameters() if p is not first.weight)
+
+
+def test_kfac_language_model_factors_over_real_tokens_vs_per_sequence_loop():
+    """(B, T, V) logits, ``loss="mse"`` (output Hessian I per real token, exact): per sequence,
+    ``A_n = sum_{t real} a a^T`` and ``G_n = (1/T_n) sum_{t real} sum_{s real, k} g g^T`` with
+    ``g_t = d z_{s,k} / d out_t``, averaged over sequences; each sequence run alone and cut to
+    its real tokens. More padding appended gives the same factors (ce and mse)."""
+    from bayesq.blocks import quantizable_layers
+    from nets import TinyCausalLM, lm_batches, with_padding
+
+    torch.manual_seed(0)
+    model = TinyCausalLM(vocab=7, d=6, hidden=8).double().eval()
+    layers = quantizable_layers(model)
+    batches = lm_batches([[3, 5, 2], [4, 1, 4]], vocab=7)
+    got = kfac_factors(model, batches, layers, decay=None, loss="mse", progress=False)
+    seqs = [{"input_ids": b["input_ids"][i:i + 1, :n]} for b in batches
+            for i, n in enumerate(b["attention_mask"].sum(1).tolist())]
+    for name, layer in layers.items():
+        A = torch.zeros_like(got[name].A)
+        G = torch.zeros_like(got[name].G)
+        for seq in seqs:
+            seen = {}
+            hook = layer.register_forward_hook(lambda m, i, o: seen.update(a=i[0][0], out=o))
+            z = model(**seq)["logits"][0]  # (T_n, V)
+            hook.remove()
+            A += seen["a"].T @ seen["a"]
+            for s in range(z.shape[0]):
+                for k in range(z.shape[1]):
+                    g = torch.autograd.grad(z[s, k], seen["out"], retain_graph=True)[0][0]  # (T_n, d_out)
+                    G += g.T @ g / z.shape[0]
+        torch.testing.assert_close(got[name].A, A / len(seqs), rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(got[name].G, G / len(seqs), rtol=1e-10, atol=1e-13)
+    for loss in ("ce", "mse"):
+        plain = kfac_factors(model, batches, layers, loss=loss, progress=False)
+        padded = kfac_factors(model, with_padding(batches, 3), layers, loss=loss, progress=False)
+        for name in layers:
+            torch.testing.assert_close(padded[name].A, plain[name].A, rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(padded[name].G, plain[name].G, rtol=1e-12, atol=1e-14)

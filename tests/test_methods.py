@@ -94,3 +94,25 @@ def test_pipeline_runs_every_baseline_through_the_registry():
     for make in BASELINE_CONFIGS.values():
         assert type(make(Q, BaselinesConfig(), 0)) in registered()
     assert bayesq.quantize_with is quantize_with
+
+
+@pytest.mark.parametrize("config", [GPTQConfig(Q), AWQConfig(Q, grid=4), RTNConfig(Granularity.GROUP, Q),
+                                    HAWQConfig(quant=Q, probes=2)], ids=lambda c: type(c).__name__)
+def test_quantize_with_baselines_on_a_causal_language_model(config):
+    """GPTQ / AWQ (their variants scored per input on the token-mean KL), RTN and HAWQ on a causal
+    LM's (B, T, V) logits, calibrated on padded input_ids / attention_mask dicts: within the
+    budget, every Linear quantised, finite logits, the model left as it came."""
+    from nets import TinyCausalLM, lm_batches
+
+    torch.manual_seed(0)
+    model = TinyCausalLM(vocab=29, d=32, hidden=64).eval()
+    cal = lm_batches([[5, 9, 3, 7], [8, 2, 6, 4], [9, 9, 1, 5]], vocab=29)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = quantize_with(model, config, 4.0, Inputs(calibration=cal, selection=lm_batches([[4, 7, 2]], 29, seed=1)))
+    assert out.result.average_bits <= 4.0 and set(out.result.weights) == set(quantizable_layers(model))
+    with torch.no_grad():
+        z = out.result.model(**cal[0])["logits"]
+    assert z.shape == (*cal[0]["input_ids"].shape, 29) and bool(torch.isfinite(z).all())
+    kls = out.details.get("variant_kl", {})
+    assert all(v >= 0 and v == v for v in kls.values())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

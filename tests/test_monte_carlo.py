@@ -373,3 +373,34 @@ def test_rescale_to_closed_form_scales_by_data_ratio():
     assert torch.equal(rescale_to_closed_form(est, n_data=0, n_cal=10).mean, est.mean)
     with pytest.raises(ValueError, match="n_cal"):
         rescale_to_closed_form(est, n_data=10, n_cal=0)
+
+
+def test_mc_logit_kl_language_model_sums_over_real_tokens_padding_ignored():
+    """(B, T, V) logits: ``sum_x`` runs over every real token (the scale of the summed token
+    Fisher); with sigma -> 0 and the deployed student it is the summed per-token KL of deploying
+    Q(mu), computed on each sequence alone; more padding appended gives the same estimate."""
+    from nets import TinyCausalLM, lm_batches, with_padding
+
+    torch.manual_seed(0)
+    model = TinyCausalLM().double().eval()
+    batches = lm_batches([[3, 5, 2], [4, 1, 4]])
+    mu = model.fc1.weight.detach().clone()
+    quant = _q(minmax_grids(mu, 3))
+    tiny = 1e-12 * torch.ones_like(mu)
+    est = mc_logit_kl(model, batches, "fc1", mu, tiny, [quant], samples=4, seed=0, deployed=True, temperature=2.0)
+    padded = mc_logit_kl(model, with_padding(batches, 3), "fc1", mu, tiny, [quant], samples=4, seed=0,
+                         deployed=True, temperature=2.0)
+    want = 0.0
+    w = model.fc1.weight.detach().clone()
+    with torch.no_grad():
+        for b in batches:
+            for i, n in enumerate(b["attention_mask"].sum(1).tolist()):
+                ids = b["input_ids"][i:i + 1, :n]
+                lp = torch.log_softmax(model(input_ids=ids)["logits"][0] / 2.0, -1)
+                model.fc1.weight.copy_(quant(mu))
+                lq = torch.log_softmax(model(input_ids=ids)["logits"][0] / 2.0, -1)
+                model.fc1.weight.copy_(w)
+                want += float((lp.exp() * (lp - lq)).sum())
+    assert want > 0 and float(est.mean[0]) == pytest.approx(want, rel=1e-6)
+    torch.testing.assert_close(padded.values, est.values, rtol=1e-12, atol=0)
+    assert torch.equal(model.fc1.weight, w)

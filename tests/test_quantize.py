@@ -1,3 +1,4 @@
+import math
 import pytest
 import torch
 from torch import nn
@@ -635,3 +636,29 @@ def test_library_stages_in_order_vs_quantize_model():
         torch.testing.assert_close(qmodel(x), whole.model(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="distillation needs the posterior"):
         assemble(model, enc, None, batches, DistillConfig(), 3.0)
+
+
+@pytest.mark.parametrize("rounding", ["error-feedback", "nearest"])
+def test_quantize_model_causal_language_model_default_config(rounding):
+    """A causal LM returning (B, T, V) logits, calibrated on padded input_ids / attention_mask
+    dicts: BayesQ's default config (3 bits: distillation on; error-feedback rounding, or nearest)
+    with held-out selection inputs (error feedback) runs, lands within the budget, scores its grid candidates
+    per input and gives finite logits; padding appended to the calibration changes nothing."""
+    from nets import TinyCausalLM, lm_batches, with_padding
+
+    torch.manual_seed(0)
+    model = TinyCausalLM(vocab=29, d=32, hidden=64).eval()
+    cal = lm_batches([[5, 9, 3, 7], [8, 2, 6, 4], [9, 9, 1, 5]], vocab=29)
+    sel = lm_batches([[4, 7, 2, 9], [6, 3, 8, 5]], vocab=29, seed=1)
+    cfg = BayesQConfig(quant=QuantConfig(rounding=rounding))
+    res = quantize_model(model, cal, cfg, progress=False, selection=sel)
+    assert res.average_bits <= cfg.budget
+    assert set(res.weights) == {"mix", "fc1", "fc2", "head"}
+    assert len(res.selection_kl) > 1 or rounding == "nearest"  # error feedback: grid candidates scored
+    assert all(math.isfinite(v) and v >= 0 for v in res.selection_kl.values())
+    with torch.no_grad():
+        z = res.model(**cal[0])["logits"]
+    assert z.shape == (*cal[0]["input_ids"].shape, 29) and bool(torch.isfinite(z).all())
+    again = quantize_model(model, with_padding(cal, 2), cfg, progress=False, selection=with_padding(sel, 2))
+    for name, qw in res.weights.items():
+        assert torch.equal(again.weights[name].codes, qw.codes), name

@@ -5,7 +5,14 @@ For each calibration input x_n, labels are sampled from the model's own predicti
 
     F_sum = sum_n E_y[ g_n(y)^2 ],   g_n(y) = d/dw  -log p(y | x_n, w),
 
-estimated with ``label_samples`` draws per input.  Per-example weight gradients come from the
+estimated with ``label_samples`` draws per input.  A language model's (B, T, V) logits give one
+label per real token, ``y_nt ~ softmax(f(x_n; w)_t)``, and the example's loss is the sum over its
+real tokens (:mod:`bayesq.forward`; padding contributes nothing):
+
+    g_n(y) = d/dw sum_{t: m_nt = 1} -log p(y_nt | x_n, w),
+
+whose square is an unbiased estimate of the summed token Fishers ``sum_t F_nt`` (the cross terms
+of different tokens have expectation zero).  Per-example weight gradients come from the
 layer inputs and output gradients captured by hooks (``g_out^T a`` for Linear, the same on
 unfolded patches for Conv2d), so one backward pass serves a whole batch.  The model runs in
 eval mode (no dropout, batch-norm statistics frozen), so examples do not interact.
@@ -24,24 +31,27 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesq.curvature.patches import input_rows, squared_grad_sum
-from bayesq.forward import Batch, batch_size, layer_calls, logits
+from bayesq.forward import Batch, batch_size, layer_calls, padding_mask, prediction_rows, predictions, token_rows
 
 
 def _squared_grad_sum(
     model: nn.Module,
     batches: Iterable[Batch],
     layers: dict[str, nn.Module],
-    labels_for: Callable[[torch.Tensor], list[torch.Tensor]],
+    labels_for: Callable[[torch.Tensor, torch.Tensor | None], list[torch.Tensor]],
     desc: str,
     progress: bool,
     on_rows: Callable[[str, torch.Tensor], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """``sum_n mean_s g_n(y_s)^2`` per layer, with per-example gradients from hooks.
 
-    ``labels_for(out)`` gets a batch's (B, C) logits (detached) and returns the S label
-    tensors, each (B,) int64, to back-propagate ``-log p(y_s | x_n, w)`` at; each pass is
+    ``labels_for(rows, mask)`` gets a batch's (R, C) logits (detached) of
+    :func:`bayesq.forward.prediction_rows` (R = B for (B, C) logits, the real tokens of
+    (B, T, V) ones) and their (B, T) token mask (None for (B, C)), and returns the S label
+    tensors, each (R,) int64, to back-propagate ``sum_rows -log p(y_s | row)`` at; each pass is
     weighted 1/S.  ``on_rows(name, rows)``: called once per batch and layer with the layer's
-    inputs as :func:`bayesq.curvature.patches.input_rows` (N, groups, T, d_in), as
+    inputs as :func:`bayesq.curvature.patches.input_rows` (N, groups, T, d_in), padded tokens'
+    rows dropped (:func:`bayesq.forward.token_rows`) where the logits have a token axis, as
     :func:`bayesq.posterior.forward_inputs` calls it (Linear layers reading one tensor get one
     rows object), so the same pass also gives the layer-input statistics.
     Returns (name -> float64 tensor shaped like the weight, inputs seen).
@@ -60,8 +70,10 @@ def _squared_grad_sum(
     with layer_calls(model, layers, record, weights_require_grad=True):
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
             with torch.enable_grad():  # also when called under torch.no_grad()
-                out = logits(model, batch)
-                passes = labels_for(out.detach())
+                z, mask = predictions(model, batch)
+                out = prediction_rows(z, mask)  # (R, C)
+                rows_mask = padding_mask(batch) if mask is not None else None  # padded tokens' layer rows
+                passes = labels_for(out.detach(), mask)
                 names = [n for n, o in outputs.items() if o.requires_grad]
                 for s, y in enumerate(passes):
                     loss = F.cross_entropy(out, y, reduction="sum")
@@ -75,7 +87,8 @@ def _squared_grad_sum(
                             continue
                         rows = _rows(mod, acts[name], outputs[name].shape, shared)
                         if s == 0 and on_rows is not None:
-                            on_rows(name, rows)
+                            real = rows if rows_mask is None else _real_rows(rows, acts[name], rows_mask, shared)
+                            on_rows(name, real)
                         if name in outs:  # a layer whose output does not reach the loss has no gradient
                             # square and sum the batch in the model's dtype, accumulate batches in
                             # float64: float32 adds a relative error <= B * 2^-24 per batch of B
@@ -102,6 +115,14 @@ def _rows(mod: nn.Module, a: torch.Tensor, out_shape: torch.Size, shared: dict) 
     return shared[key]
 
 
+def _real_rows(rows: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, shared: dict) -> torch.Tensor:
+    """:func:`token_rows` of ``rows``, one object per rows object in ``shared`` (q / k / v)."""
+    key = ("real", id(rows))
+    if key not in shared:
+        shared[key] = (rows, token_rows(rows, a, mask))  # rows kept alive: its id stays its own
+    return shared[key][1]
+
+
 def fisher_diagonal(
     model: nn.Module,
     batches: Iterable[Batch],
@@ -115,10 +136,12 @@ def fisher_diagonal(
     """Sum over inputs of the sampled-label Fisher diagonal of every layer in ``layers``.
 
     Args:
-        model: classifier returning (B, C) logits (or an object with ``.logits``).
-        batches: calibration input batches (no labels).
+        model: classifier returning (B, C) logits, or language model returning (B, T, V) logits
+            (a tensor, or an object with ``.logits``, see :mod:`bayesq.forward`).
+        batches: calibration input batches (no labels); a language model's padded tokens
+            (``attention_mask`` 0) contribute nothing.
         layers: name -> Linear/Conv2d module of ``model``.
-        label_samples: labels drawn per input from the model's predictive.
+        label_samples: labels drawn per input (per real token) from the model's predictive.
         seed: seed of the label sampler.
         on_rows: called with each layer's input rows per batch (see ``_squared_grad_sum``), e.g.
             :class:`bayesq.baselines.activations.StatsSums`.
@@ -132,20 +155,28 @@ def fisher_diagonal(
     """
     gen = torch.Generator().manual_seed(seed)
 
-    def sampled_labels(out: torch.Tensor) -> list[torch.Tensor]:
-        probs = torch.softmax(out.double(), -1)  # (B, C)
+    def sampled_labels(out: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+        probs = torch.softmax(out.double(), -1)  # (R, C)
         return [torch.multinomial(probs, 1, generator=gen).squeeze(1) for _ in range(label_samples)]
 
     return _squared_grad_sum(model, batches, layers, sampled_labels, "fisher", progress, on_rows)
 
 
-def _check_labels(y: torch.Tensor, out: torch.Tensor, index: int) -> torch.Tensor:
-    """``y`` as (B,) int64 on the logits' device; ``ValueError`` if it does not fit (B, C) out."""
+def _check_labels(y: torch.Tensor, out: torch.Tensor, mask: torch.Tensor | None, index: int) -> torch.Tensor:
+    """``y`` as (R,) int64 on the logits' device, one label per row of ``out`` (R, C): (B,) labels
+    of (B, C) logits (``mask`` None), or the real tokens' entries of (B, T) labels of (B, T, V)
+    logits; ``ValueError`` if it does not fit."""
     if not isinstance(y, torch.Tensor) or y.dtype.is_floating_point or y.dtype.is_complex \
             or y.dtype == torch.bool:
         raise ValueError(f"labels[{index}] must be an integer tensor of class indices (int64), "
                          f"got {type(y).__name__} {getattr(y, 'dtype', '')}")
-    if y.shape != out.shape[:1]:
+    if mask is not None:
+        if y.shape != mask.shape:
+            raise ValueError(f"labels[{index}] has shape {tuple(y.shape)} but batch {index} has per-token logits "
+                             f"for {tuple(mask.shape)} (inputs, tokens): pass one (B, T) label tensor per batch, "
+                             "in order")
+        y = y.to(mask.device)[mask]
+    elif y.shape != out.shape[:1]:
         raise ValueError(f"labels[{index}] has shape {tuple(y.shape)} but batch {index} has "
                          f"{out.shape[0]} inputs: pass one (B,) label tensor per batch, in order")
     if y.numel() and (y.min() < 0 or y.max() >= out.shape[1]):
@@ -166,11 +197,14 @@ def empirical_fisher_diagonal(
     """Sum over inputs of the empirical Fisher diagonal ``sum_n g_n(y_n)^2``.
 
     ``g_n(y) = d/dw -log p(y | x_n, w)`` at the given ``labels`` or, when ``labels`` is None,
-    at the model's own argmax prediction ``y_n = argmax_c f(x_n; w)_c`` (label-free).
+    at the model's own argmax prediction ``y_n = argmax_c f(x_n; w)_c`` (label-free); for
+    (B, T, V) logits, the sum over the real tokens of ``-log p(y_nt | x_n, w)``, one label per
+    token (as ``fisher_diagonal``).
 
     Args:
         model, batches, layers, on_rows: as in ``fisher_diagonal``.
-        labels: one (B,) int64 tensor of class indices per batch, aligned with ``batches``.
+        labels: one (B,) int64 tensor of class indices per batch, aligned with ``batches``; for
+            (B, T, V) logits one (B, T) tensor (entries at padded tokens are not read).
 
     Returns:
         (fisher, n): name -> float64 tensor shaped like the weight; n, the number of inputs.
@@ -182,7 +216,7 @@ def empirical_fisher_diagonal(
     label_iter = iter(labels) if labels is not None else None
     count = 0
 
-    def given_or_argmax(out: torch.Tensor) -> list[torch.Tensor]:
+    def given_or_argmax(out: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
         nonlocal count
         count += 1
         if label_iter is None:
@@ -191,7 +225,7 @@ def empirical_fisher_diagonal(
         if y is None:
             raise ValueError(f"labels has fewer entries than batches ({count - 1}): "
                              "pass one (B,) label tensor per batch")
-        return [_check_labels(y, out, count - 1)]
+        return [_check_labels(y, out, mask, count - 1)]
 
     desc = "empirical-fisher"
     result = _squared_grad_sum(model, batches, layers, given_or_argmax, desc, progress, on_rows)

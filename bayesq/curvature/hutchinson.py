@@ -8,6 +8,9 @@ and for a symmetric matrix ``C = sum_n C_n`` (Hessian or generalized Gauss-Newto
     diag(C) ~= (1 / M) sum_m v_m * (C v_m),     v_m ~ Rademacher({-1, +1})^P,
 
 which is unbiased: ``E[v_i (C v)_i] = C_ii`` with variance ``sum_{j != i} C_ij^2`` per probe.
+A language model's (B, T, V) logits give one pseudo-label per real token and
+``l_n(w) = sum_{t: m_nt = 1} -log p(yhat_nt | x_n, w)`` (:mod:`bayesq.forward`; padding
+contributes nothing); ``H_out`` below is then per real token.
 Fresh probes are drawn for every batch, and the per-batch estimates are summed.
 
 Matrix-vector products, with no explicit Hessian or Jacobian:
@@ -37,7 +40,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
-from bayesq.forward import Batch, batch_size, logits
+from bayesq.forward import Batch, batch_size, prediction_rows, predictions
 
 CURVATURES = ("hessian", "ggn")
 Tensors = list[torch.Tensor]
@@ -77,25 +80,26 @@ def _vjp(outputs: Sequence[torch.Tensor], inputs: Tensors, cotangents: Sequence[
 
 
 def _hessian_matvec(out: torch.Tensor, weights: Tensors) -> MatVec:
-    """``v -> H v`` for ``H = d^2/dw^2 sum_n CE(out_n, argmax out_n)``; out is (B, C)."""
+    """``v -> H v`` for ``H = d^2/dw^2 sum_r CE(out_r, argmax out_r)``; out is (R, C) logits
+    (:func:`bayesq.forward.prediction_rows`: inputs, or real tokens)."""
     loss = F.cross_entropy(out, out.detach().argmax(-1), reduction="sum")
     grad = _vjp([loss], weights, [torch.ones_like(loss)], create_graph=True)
     return lambda v: _vjp(grad, weights, v)
 
 
 def _softmax_ce_hessian(p: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """``H_out z = p * z - p (p . z)`` per row, ``H_out = diag(p) - p p^T``; p, z are (B, C)."""
+    """``H_out z = p * z - p (p . z)`` per row, ``H_out = diag(p) - p p^T``; p, z are (R, C)."""
     return p * z - p * (p * z).sum(-1, keepdim=True)
 
 
 def _ggn_matvec(out: torch.Tensor, weights: Tensors) -> MatVec:
-    """``v -> J^T H_out J v`` with ``J = d out / dw``; out is (B, C) logits."""
-    u = torch.zeros_like(out, requires_grad=True)  # (B, C) dummy cotangent
+    """``v -> J^T H_out J v`` with ``J = d out / dw``; out is (R, C) logits (inputs, or real tokens)."""
+    u = torch.zeros_like(out, requires_grad=True)  # (R, C) dummy cotangent
     jt_u = _vjp([out], weights, [u], create_graph=True)  # linear in u
-    p = torch.softmax(out.detach().double(), -1)  # (B, C)
+    p = torch.softmax(out.detach().double(), -1)  # (R, C)
 
     def matvec(v: Tensors) -> Tensors:
-        jv = _vjp(jt_u, [u], v)[0]  # (B, C) = J v
+        jv = _vjp(jt_u, [u], v)[0]  # (R, C) = J v
         h_jv = _softmax_ce_hessian(p, jv.double()).to(out.dtype)
         return _vjp([out], weights, [h_jv])
 
@@ -140,8 +144,10 @@ def hutchinson_diagonal(
     Same contract as ``bayesq.curvature.fisher.fisher_diagonal``.
 
     Args:
-        model: classifier returning (B, C) logits (or an object with ``.logits``).
-        batches: calibration input batches (tensors or dicts of tensors; no labels).
+        model: classifier returning (B, C) logits, or language model returning (B, T, V) logits
+            (or an object with ``.logits``, see :mod:`bayesq.forward`).
+        batches: calibration input batches (tensors or dicts of tensors; no labels); padded
+            tokens contribute nothing.
         layers: name -> Linear/Conv2d module of ``model``.
         probes: Rademacher probes M per batch.
         curvature: ``"hessian"`` (may be indefinite) or ``"ggn"`` (= expected Fisher, PSD);
@@ -172,7 +178,7 @@ def hutchinson_diagonal(
         with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
             desc = f"hutchinson-{curvature}"
             for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
-                matvec = _MATVECS[curvature](logits(model, batch), weights)
+                matvec = _MATVECS[curvature](prediction_rows(*predictions(model, batch)), weights)
                 for n, d in zip(names, _batch_diagonal(matvec, weights, probes, gen)):
                     curv[n] += d
                 n_seen += batch_size(batch)

@@ -33,8 +33,15 @@ Across batches the per-batch means are combined by an exponential moving average
 (``decay``, the first batch initialises; ``decay=None`` gives the plain mean over examples).
 Grouped Conv2d: all groups share one A, the average over groups of each group's patch second
 moment (a group's own A is exact for its rows; sharing trades that for one (d_in, d_in) matrix).
-Biases are not modelled (only weights are quantised). Token inputs count every position,
-padding included. The model runs in eval mode (frozen batch norm, no dropout).
+Biases are not modelled (only weights are quantised). The model runs in eval mode (frozen
+batch norm, no dropout).
+
+Per-token outputs (a language model's (B, T, V) logits, :mod:`bayesq.forward`): the example's
+loss is the sum over its real tokens (labels sampled per token), and the positions ``t`` of a
+layer that reads one row per token are its ``T_n`` real tokens only: padded tokens' inputs do
+not enter ``A`` and ``G`` averages over the real tokens,
+``G = (1/n) sum_n (1/T_n) sum_{t real} E_y[g g^T]``. Classifiers ((B, C) logits) count every
+position of a token input, padding included.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesq.curvature.patches import input_rows, output_rows
-from bayesq.forward import Batch, batch_size, layer_calls, logits
+from bayesq.forward import Batch, batch_size, layer_calls, padding_mask, prediction_rows, predictions, token_rows
 
 LOSSES = ("ce", "ce_exact", "mse")
 
@@ -82,23 +89,31 @@ def _output_rows(mod: nn.Module, g: torch.Tensor) -> torch.Tensor:
     return output_rows(mod, g.double())
 
 
-def _batch_A(rows: torch.Tensor) -> torch.Tensor:
-    """A_b = mean over examples and groups of sum_t a a^T; rows (N, groups, T, d_in)."""
-    n, groups = rows.shape[:2]
+def _batch_A(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """A_b = mean over the n examples and the groups of sum_t a a^T; rows (n, groups, T, d_in),
+    or the (1, 1, R, d_in) real-token rows of n examples (:func:`bayesq.forward.token_rows`)."""
+    groups = rows.shape[1]
     return torch.einsum("ngti,ngtj->ij", rows, rows) / (n * groups)
 
 
-def _batch_G(rows: torch.Tensor) -> torch.Tensor:
-    """G_b contribution = mean over examples of (1/T) sum_t g g^T; rows (N, T, d_out)."""
+def _batch_G(rows: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """G_b contribution = mean over examples of (1/T) sum_t g g^T; rows (N, T, d_out).
+
+    ``mask``: (N, T) real tokens of rows read one per token: ``(1/T_n) sum_{t real} g g^T``
+    (padded tokens' rows carry no gradient; ``T_n`` counts the real ones)."""
     n, t = rows.shape[:2]
-    return torch.einsum("nto,ntp->op", rows, rows) / (n * t)
+    if mask is None or tuple(mask.shape) != (n, t):
+        return torch.einsum("nto,ntp->op", rows, rows) / (n * t)
+    per = 1.0 / mask.sum(1).clamp_min(1).to(rows)  # (N,) 1 / T_n
+    return torch.einsum("nto,ntp,n->op", rows, rows, per) / n
 
 
 def _grad_directions(
     out: torch.Tensor, loss: str, label_samples: int, gen: torch.Generator
 ) -> Iterator[tuple[torch.Tensor, float]]:
-    """(grad of the summed loss w.r.t. logits (B, C), weight) pairs whose weighted g g^T sum is
-    the per-example output Hessian / Fisher of the chosen likelihood (see module docstring)."""
+    """(grad of the summed loss w.r.t. logits (R, C), weight) pairs whose weighted g g^T sum is
+    the per-example output Hessian / Fisher of the chosen likelihood (see module docstring);
+    R rows of :func:`bayesq.forward.prediction_rows` (inputs, or real tokens)."""
     z = out.detach().double()
     c = z.shape[-1]
     eye = torch.eye(c, dtype=torch.float64, device=z.device)
@@ -177,8 +192,9 @@ def kfac_factors(
     the row-major flattened weight, so ``kfac_diagonal`` ~ ``fisher_diagonal`` sum / n.
 
     Args:
-        model: classifier returning (B, C) logits (or an object with ``.logits``).
-        batches: calibration input batches (no labels).
+        model: classifier returning (B, C) logits, or language model returning (B, T, V) logits
+            (or an object with ``.logits``, see :mod:`bayesq.forward`).
+        batches: calibration input batches (no labels); padded tokens contribute nothing.
         layers: name -> Linear/Conv2d module of ``model``.
         decay: EMA factor in [0, 1), or None for the plain mean.
         label_samples: labels drawn per input from the predictive (``loss="ce"`` only).
@@ -195,25 +211,32 @@ def kfac_factors(
     """
     _validate(loss, decay, label_samples, layers)
     gen = torch.Generator().manual_seed(seed)
-    acts: dict[str, torch.Tensor] = {}
+    inputs: dict[str, tuple[torch.Tensor, torch.Size]] = {}
     outputs: dict[str, torch.Tensor] = {}
     grads: dict[str, torch.Tensor] = {}
     accs = {name: _Accumulator(decay) for name in layers}
 
     def record(name: str, mod: nn.Module, a: torch.Tensor, output: torch.Tensor) -> None:
-        if name in acts:
+        if name in inputs:
             raise ValueError(
                 f"layer '{name}' ran twice in one forward (shared weights); K-FAC here "
                 "supports one call per forward: leave it out of `layers`"
             )
-        acts[name] = _batch_A(input_rows(mod, a.detach(), output.shape))
+        inputs[name] = (a.detach(), output.shape)  # A_b once the logits say which tokens are real
         if output.requires_grad:
             outputs[name] = output
 
     n_seen = 0
     with layer_calls(model, layers, record, weights_require_grad=True):
         for batch in tqdm(batches, desc="kfac", disable=not progress, leave=False):
-            out = logits(model, batch)
+            z, mask = predictions(model, batch)
+            out = prediction_rows(z, mask)  # (R, C)
+            rows_mask = padding_mask(batch) if mask is not None else None  # padded tokens' layer rows
+            n_b = batch_size(batch)
+            acts = {}
+            for name, (a, shape) in inputs.items():
+                rows = input_rows(layers[name], a, shape)
+                acts[name] = _batch_A(token_rows(rows, a, rows_mask), rows.shape[0])
             dirs = list(_grad_directions(out, loss, label_samples, gen))
             names = list(outputs)
             for k, (v, w) in enumerate(dirs):
@@ -222,8 +245,9 @@ def kfac_factors(
                                          retain_graph=k < len(dirs) - 1, allow_unused=True) if names else ()
                 for name, g in zip(names, gs):
                     if g is not None:
-                        grads[name] = grads.get(name, 0.0) + w * _batch_G(_output_rows(layers[name], g))
-            n_b = batch_size(batch)
+                        g_mask = rows_mask if rows_mask is not None and tuple(g.shape[:2]) == tuple(rows_mask.shape) \
+                            and g.dim() == 3 else None
+                        grads[name] = grads.get(name, 0.0) + w * _batch_G(_output_rows(layers[name], g), g_mask)
             for name, A_b in acts.items():
                 G_b = grads.get(name)
                 if G_b is None:  # output does not reach the loss
@@ -231,7 +255,7 @@ def kfac_factors(
                                       dtype=torch.float64, device=A_b.device)
                 accs[name].update(A_b, G_b, n_b)
             n_seen += n_b
-            acts.clear()
+            inputs.clear()
             outputs.clear()
             grads.clear()
     if n_seen == 0:
