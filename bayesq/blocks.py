@@ -189,9 +189,8 @@ def tied_layers(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, 
     """Modules of ``model`` (by name) that are not in ``layers`` but hold the weight of one of them
     (tied, e.g. an embedding sharing a language model's output matrix), mapped to that layer's name."""
     owner, modules = {id(m.weight): n for n, m in layers.items()}, {id(m) for m in layers.values()}
-    return {name: owner[id(mod.weight)] for name, mod in model.named_modules()
-            if id(mod) not in modules and isinstance(getattr(mod, "weight", None), torch.Tensor)
-            and id(mod.weight) in owner}
+    held = ((name, mod._parameters.get("weight")) for name, mod in model.named_modules() if id(mod) not in modules)
+    return {name: owner[id(w)] for name, w in held if w is not None and id(w) in owner}
 
 
 def unquantized_weights(model: nn.Module, layers: dict[str, nn.Module], exclude: tuple[str, ...] = ()) -> dict[str, str]:

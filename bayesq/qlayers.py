@@ -43,6 +43,12 @@ class _Packed(nn.Module):
             self._dense = dequantize(pw, torch.float32, "torch")
         return self._dense
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The decoded weight in the layer's own shape, float32 (for code that reads
+        ``module.weight``, e.g. Hugging Face T5 casts its input to the weight's dtype)."""
+        return self.weight_dense().reshape(getattr(self, "weight_shape", (self.n, self.k)))
+
     def _reference(self, device: torch.device) -> bool:
         return resolve_backend(self.backend, device, self.packed()) == "torch"
 

@@ -221,3 +221,28 @@ def test_make_canonical_is_idempotent():
     first = model[0]
     make_canonical(model)
     assert model[0] is first and isinstance(first, Conv1dAs2d)
+
+
+def test_quantize_model_conv1d_quantised_and_export_round_trip(tmp_path):
+    class Audio(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.c1 = nn.Conv1d(4, 32, 5, padding=2, padding_mode="reflect")
+            self.c2 = nn.Conv1d(32, 32, 3, padding="same", groups=4, dilation=2)
+            self.head = nn.Linear(32, 3)
+
+        def forward(self, x):
+            return self.head(self.c2(torch.relu(self.c1(x))).mean(-1))
+
+    model = Audio().eval()
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(8, 4, 24, generator=g) for _ in range(3)]
+    res = quantize_model(model, batches, BayesQConfig(budget=4.0), progress=False)
+    assert set(res.weights) == {"c1.conv", "c2.conv", "head"} and res.unquantized == {}
+    assert type(model.c1) is nn.Conv1d
+    info = save_export(tmp_path / "a.safetensors", res.model, res.weights, BayesQConfig().quant,
+                       res.allocation.total_bits)
+    loaded = load(info.path, Audio())
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(batches[0]), res.model(batches[0]), rtol=0, atol=0)
