@@ -72,8 +72,8 @@ def layer_calls(
     and the model is in eval mode (no dropout, batch-norm statistics frozen, so examples do not
     interact). A module holding the weight of one of ``layers`` (tied, same type and settings,
     :func:`bayesq.blocks.tied_layers`) calls ``on_call`` under that layer's name and module too:
-    the statistics of a shared weight sum over every place it is used. ``weights_require_grad``: the layers' weights require grad inside, so their
-    outputs join the autograd graph even when the user froze them (a curvature pass
+    the statistics of a shared weight sum over every place it is used. ``weights_require_grad``:
+    the layers' weights require grad inside, so their outputs join the autograd graph even when the user froze them (a curvature pass
     differentiates the outputs). On exit the hooks are removed and the model's training flag and
     the weights' ``requires_grad`` are as they were.
     """

@@ -19,7 +19,7 @@ from prefect import task
 
 from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.hawq import hessian_traces
-from bayesq.blocks import excluded, layer_blocks, quantizable_layers
+from bayesq.blocks import excluded, layer_blocks
 from bayesq.canonical import canonical
 from bayesq.config import BayesQConfig, Curvature, Objective, Prior, Rounding, replace
 from bayesq.curvature.kfac import KFACFactors

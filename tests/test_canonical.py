@@ -246,3 +246,40 @@ def test_quantize_model_conv1d_quantised_and_export_round_trip(tmp_path):
     loaded = load(info.path, Audio())
     with torch.no_grad():
         torch.testing.assert_close(loaded(batches[0]), res.model(batches[0]), rtol=0, atol=0)
+
+
+def test_canonical_transformer_decoder_self_and_cross_attention_vs_original():
+    torch.manual_seed(0)
+    dec = nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 2, 32, batch_first=True), 2).double().eval()
+    g = torch.Generator().manual_seed(1)
+    tgt, memory = torch.randn(3, 5, 16, dtype=D, generator=g), torch.randn(3, 7, 16, dtype=D, generator=g)
+    causal = nn.Transformer.generate_square_subsequent_mask(5, dtype=D)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, -3:] = True
+    kw = dict(tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=pad)
+    with torch.no_grad():
+        want = dec(tgt, memory, **kw)
+        with canonical(dec):
+            assert isinstance(dec.layers[0].multihead_attn, SplitAttention)
+            got = dec(tgt, memory, **kw)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_quantize_model_leaves_hooks_dtype_device_mode_and_grads_of_the_users_model():
+    model = _Encoder().train()
+    calls = []
+    handle = model.enc.layers[0].self_attn.register_forward_hook(lambda m, i, o: calls.append(1))
+    model.head.weight.grad = torch.ones_like(model.head.weight)
+    model.emb.weight.requires_grad_(False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    quantize_model(model, [_ids(g) for _ in range(2)], BayesQConfig(budget=4.0), progress=False)
+    assert model.training and all(m.training for m in model.modules())
+    assert torch.equal(model.head.weight.grad, torch.ones_like(model.head.weight))
+    assert not model.emb.weight.requires_grad and model.head.weight.requires_grad
+    assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype and v.device == before[k].device
+               for k, v in model.state_dict().items())
+    calls.clear()
+    model.eval()(**_ids(g))
+    assert calls == [1]  # the user's hook is still on the attention, and fires once
+    handle.remove()
