@@ -397,7 +397,8 @@ def _train(model: nn.Module, weights: Mapping[str, QuantizedWeight], batches: Se
     for _ in range(cfg.steps):
         i = next(order)
         over = dict(frozen)
-        over.update({f"{n}.weight": layers[n.replace(".", "/")].weight() for n in weights})
+        over.update({f"{n}.weight": layers[n.replace(".", "/")].weight().to(modules[n].weight.dtype)
+                     for n in weights})  # the codes train in float32; the model may run in float64
         over.update({f"{n}.bias": b for n, b in biases.items()})
         z = _forward(model, over, batches[i])
         if isinstance(teacher[i], TopKTeacher):  # per-token logits: mean over inputs of the token-mean KL

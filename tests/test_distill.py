@@ -602,3 +602,14 @@ def test_distill_language_model_runs_on_real_tokens_and_heldout_kl_is_exact(one_
     assert direct > 0 and out.kl_before == pytest.approx(direct, rel=1e-9)
     assert predictive_kl(model, res.weights, with_padding(held, 3)) == pytest.approx(direct, rel=1e-5)
     assert out.accepted == (out.kl_after < out.kl_before)
+
+
+def test_quantize_model_float64_model_distils_in_its_own_dtype():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).double().eval()
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(16, 16, dtype=torch.float64, generator=g) for _ in range(4)]
+    cfg = BayesQConfig(budget=3.0, distill=DistillConfig(steps=5))
+    assert cfg.distill.applies(cfg.budget)
+    res = quantize_model(model, batches, cfg, progress=False)  # the float32 codes trained against a float64 model
+    assert res.model[0].weight.dtype == torch.float64 and torch.isfinite(res.model(batches[0])).all()
