@@ -192,10 +192,10 @@ def _rewrite(model: nn.Module, exclude: tuple[str, ...]) -> list[tuple[nn.Module
         new = made[id(mod)]
         if new is None:
             continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         if not name:
             raise ValueError(f"the model itself is a {type(mod).__name__}: wrap it in a module that calls it")
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
         swaps.append((parent, child, mod))
         setattr(parent, child, new)
     return swaps

@@ -143,8 +143,6 @@ def replace_quantized(model: nn.Module, weights: dict, backend: str = "auto",
     aliases = tied_layers(model, {name: model.get_submodule(name) for name in weights})
     for name, qw in weights.items():
         mod = model.get_submodule(name)
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         if tuple(mod.weight.shape) != qw.blocks.shape:
             raise ValueError(f"layer '{name}': module weight {tuple(mod.weight.shape)} vs quantised "
                              f"{qw.blocks.shape}: the skeleton does not match")
@@ -155,7 +153,7 @@ def replace_quantized(model: nn.Module, weights: dict, backend: str = "auto",
         else:
             raise ValueError(f"layer '{name}' is a {type(mod).__name__}; BayesQ runs quantised nn.Linear "
                              "(plain forward) and nn.Conv2d layers")
-        setattr(parent, child, new)
+        _swap(model, name, new)
     for alias, owner in aliases.items():
         _tie(model, alias, model.get_submodule(owner), backend, memory_format)
     return model

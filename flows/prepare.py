@@ -60,8 +60,8 @@ def checked_exclude(name: str, model, patterns) -> tuple[str, ...]:
         ValueError: naming the model, the pattern and some of the modules' names.
     """
     with canonical(model):
-        names = sorted({n for n, _ in model.named_modules() if n})
-    names = sorted(set(names) | {n for n, _ in model.named_modules() if n})
+        rewritten = {n for n, _ in model.named_modules() if n}
+    names = sorted(rewritten | {n for n, _ in model.named_modules() if n})
     shown = names if len(names) <= 4 else [*names[:3], "...", names[-1]]
     for p in patterns:
         if not any(excluded(n, (p,)) for n in names):
