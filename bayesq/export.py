@@ -40,6 +40,7 @@ from bayesq.books import CodeBook, Field, Slot, book_class
 from bayesq.canonical import make_canonical
 from bayesq.config import QuantConfig
 from bayesq.harness.models.zoo import get_entry
+from bayesq.harness.sources import build_skeleton
 from bayesq.packing import ExportError, offsets_of, pack_bits, real_codes, unpack_bits
 from bayesq.qlayers import replace_quantized
 from bayesq.result import QuantizedWeight
@@ -277,6 +278,7 @@ def _tied_keys(model: nn.Module, layers: Iterable[str]) -> set[str]:
 def save_export(
     path: str | Path, qmodel: nn.Module, weights: Mapping[str, QuantizedWeight], quant: QuantConfig,
     accounted_bits: int, *, architecture: str = "", metadata: Mapping[str, str] | None = None,
+    skeleton: Mapping | None = None, preprocessor: Mapping | None = None,
 ) -> ExportInfo:
     """Write ``weights`` (the codes and codebooks) and the rest of ``qmodel``'s state to ``path``.
 
@@ -288,6 +290,11 @@ def save_export(
         accounted_bits: the allocation's ``total_bits`` (reported next to the file's payload).
         architecture: a zoo model name :func:`load` can rebuild the module from.
         metadata: extra strings stored in the header (lineage, method, budget, ...).
+        skeleton: how to rebuild the architecture without the producer's code
+            (:meth:`bayesq.harness.sources.ModelSource.skeleton`: a Hugging Face config and Auto
+            class, a torchvision arch and class count, ...); :func:`load` reads it.
+        preprocessor: how inputs are preprocessed (the tokenizer's or image processor's files,
+            or torchvision's transforms: :meth:`bayesq.harness.sources.ModelSource.preprocessor`).
 
     The file is written to a temporary name and renamed, so a crash leaves no partial export, and
     byte-deterministically (:mod:`bayesq.tensorfile`): the same weights and metadata give the same file.
@@ -317,6 +324,10 @@ def save_export(
             "accounted_bits": str(int(accounted_bits)), "user": json.dumps(dict(metadata or {}), sort_keys=True),
             "avg_bits": f"{accounted_bits / n:.6f}",
             "avg_bits_all": f"{(accounted_bits + fp_matrix[1]) / (n + fp_matrix[0]):.6f}"}
+    if skeleton is not None:
+        meta["skeleton"] = json.dumps(dict(skeleton), sort_keys=True)
+    if preprocessor is not None:
+        meta["preprocessor"] = json.dumps(dict(preprocessor), sort_keys=True)
     path = save_tensors(path, tensors, meta)
     size = path.stat().st_size
     return ExportInfo(str(path), size, 8 * payload, int(accounted_bits), n, fp_bytes, size - payload - fp_bytes,
@@ -338,6 +349,16 @@ class ExportContents:
     @property
     def user(self) -> dict:
         return json.loads(self.metadata.get("user", "{}"))
+
+    @property
+    def skeleton(self) -> dict | None:
+        """How to rebuild the architecture (:func:`bayesq.harness.sources.build_skeleton`), or None."""
+        return json.loads(self.metadata["skeleton"]) if "skeleton" in self.metadata else None
+
+    @property
+    def preprocessor(self) -> dict | None:
+        """How inputs are preprocessed (:func:`bayesq.harness.data.files.featurizer`), or None."""
+        return json.loads(self.metadata["preprocessor"]) if "preprocessor" in self.metadata else None
 
 
 def read_export(path: str | Path) -> ExportContents:
@@ -385,7 +406,8 @@ def load(path: str | Path, skeleton: nn.Module | None = None,
     by the kernels), in eval mode, on the CPU.
 
     ``skeleton``: a module of the same architecture (its weights are replaced); default: the
-    zoo model named in the file's ``architecture``. ``memory_format``: of every 4-D weight,
+    architecture the file describes (its ``skeleton`` header: a Hugging Face config and Auto
+    class, a torchvision arch, ...), else the zoo model named in its ``architecture``. ``memory_format``: of every 4-D weight,
     decoded ones included (``torch.channels_last``: convolutions run NHWC, faster on CPU for
     CNNs; same values up to the convolution's summation order).
 
@@ -393,7 +415,9 @@ def load(path: str | Path, skeleton: nn.Module | None = None,
         ExportError: see :func:`read_export`; also a skeleton that does not match the file.
     """
     contents = read_export(path)
-    if skeleton is None:
+    if skeleton is None and contents.skeleton is not None:
+        skeleton = build_skeleton(contents.skeleton)
+    elif skeleton is None:
         if not contents.architecture:
             raise ExportError(f"{path} names no architecture: pass skeleton= (a module of the same architecture)")
         skeleton = get_entry(contents.architecture).build(pretrained=False)

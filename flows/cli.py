@@ -55,9 +55,9 @@ def run(profile: str = typer.Option("quick", help="params.yaml profile: quick (o
 
 @app.command()
 def quantize(
-    model: str = typer.Argument(..., help="zoo model name, e.g. lite0-fmnist"),
+    model: Optional[str] = typer.Argument(None, help="embedded model name, e.g. lite0-fmnist (or use --model)"),
     budget: float = typer.Option(3.0, help="average bits per quantised weight, all metadata counted"),
-    out: Path = typer.Option(..., help="export file to write (.safetensors)"),
+    out: Path = typer.Option(..., help="export file to write (.safetensors); the report goes next to it"),
     params: Path = typer.Option(ROOT / "params.yaml", help="settings (posterior, quant, allocation, distill)"),
     models: Path = typer.Option(ROOT / "models", help="folder of fine-tuned models (<name>/model.safetensors)"),
     raw: Path = typer.Option(ROOT / "data" / "raw", help="raw data folder (calibration inputs)"),
@@ -65,10 +65,45 @@ def quantize(
     distill: bool = typer.Option(False, help="distil scales at budgets up to distill.max_budget, kept only if the "
                                              "held-out KL drops (off by default: like the pipeline's bayesq row; "
                                              "on the embedded models the check rejected it at every budget)"),
-    method: str = typer.Option("bayesq", help="bayesq, or a baseline: gptq, awq, hawq, aciq, rtn-tensor, "
-                                              "rtn-channel, rtn-group (settings from params.yaml's baselines)"),
+    method: str = typer.Option("bayesq", help="bayesq, bayesq-ef, bayesq-paper, or a baseline: gptq, awq, hawq, "
+                                              "aciq, rtn-tensor, rtn-channel, rtn-group (settings from params.yaml)"),
+    source: Optional[str] = typer.Option(None, "--model", help="your model: a Hugging Face folder, "
+                                                                "torchvision:<arch> (with --checkpoint) or "
+                                                                "package.module:function"),
+    data: Optional[Path] = typer.Option(None, help="your data: a save_to_disk folder, .parquet / .csv / .jsonl "
+                                                    "file or image folder"),
+    split: str = typer.Option("train", help="split of a dataset folder"),
+    text_column: list[str] = typer.Option([], help="text column (give it twice for sentence pairs)"),
+    image_column: str = typer.Option("", help="image column (default 'image')"),
+    label_column: str = typer.Option("", help="label column (optional: accuracy is reported with one)"),
+    max_length: int = typer.Option(128, help="tokens per text input"),
+    image_size: int = typer.Option(224, help="image side for torchvision transforms"),
+    checkpoint: str = typer.Option("", help="state dict for torchvision:<arch> / package.module:function"),
+    num_classes: int = typer.Option(0, help="torchvision: class count (default: read from the checkpoint)"),
+    tokenizer: str = typer.Option("", help="package.module:function reading text: a tokenizer folder"),
+    calibration: int = typer.Option(128, help="calibration examples drawn from --data"),
+    selection: int = typer.Option(256, help="held-out selection examples (choose among grids / variants)"),
+    test: int = typer.Option(512, help="test examples the report compares Q with FP on"),
+    name: str = typer.Option("", help="the model's name in the report and MLflow (default: the folder's)"),
+    track: bool = typer.Option(True, help="log the row to MLflow (MLFLOW_TRACKING_URI; default mlflow.db)"),
 ) -> None:
-    """Quantise one model with BayesQ (or a baseline) and write its export, without DVC or Prefect."""
+    """Quantise one model with BayesQ (or a baseline) and write its export, without DVC or Prefect.
+
+    Your own model and data: `bayesq quantize --model ./my-bert --data sst2.parquet --text-column sentence
+    --label-column label --budget 3.0 --out my-bert-3b.safetensors` (writes the export, a report next to
+    it and an MLflow run)."""
+    if source is not None or data is not None:
+        if model is not None:
+            _fail(f"give an embedded model name ({model}) or --model/--data, not both")
+        if source is None or data is None:
+            _fail("your own model needs both --model (a Hugging Face folder, torchvision:<arch> or "
+                  "package.module:function) and --data (a dataset folder or file)")
+        _quantize_byo(source, data, split, tuple(text_column), image_column, label_column, max_length, image_size,
+                      checkpoint, num_classes, tokenizer, calibration, selection, test, name, method, budget, out,
+                      params, seed, distill, track)
+        return
+    if model is None:
+        _fail("name an embedded model (e.g. lite0-fmnist), or pass --model and --data for your own")
     from bayesq.baselines.select import encoding_config
     from bayesq.config import BayesQConfig, replace
     from bayesq.export import save_export
@@ -134,6 +169,75 @@ def quantize(
     if res.correction is not None:
         skipped = "".join(f"\n  not corrected: {k} ({why})" for k, why in res.correction.skipped.items())
         typer.echo(f"bias correction: {len(res.correction.targets)} layers' mean outputs restored{skipped}")
+
+
+
+
+def _quantize_byo(source, data, split, text_columns, image_column, label_column, max_length, image_size, checkpoint,
+                  num_classes, tokenizer, calibration, selection, test, name, method, budget, out, params, seed,
+                  distill, track) -> None:
+    """``bayesq quantize --model ... --data ...`` (:mod:`flows.byo`)."""
+    from bayesq.harness.data.files import DataSource
+    from flows.byo import BYO_METHODS, ByoModel, prepare, report_paths, run_row, track_row
+    from flows.common import code_version, read_params
+    from flows.lineage import export_lineage
+
+    method = "bayesq-distill" if distill and method == "bayesq" else method
+    if method not in BYO_METHODS:
+        _fail(f"--method {method}: choose one of {', '.join(BYO_METHODS)}")
+    try:
+        p = read_params(params)
+        spec = ByoModel(name or Path(source.rstrip("/")).name.replace("torchvision:", ""), source,
+                        DataSource(str(data), split, text_columns, image_column, label_column, max_length, image_size),
+                        checkpoint, num_classes, tokenizer, calibration, selection, test, (budget,), (method,))
+        seed = p.seeds[0] if seed is None else seed
+        prep = prepare(spec, seed, say=typer.echo)
+        record = run_row(prep, method, budget, p, seed, out, export_lineage(p), code_version(), say=typer.echo)
+    except (ValueError, FileNotFoundError, TypeError) as err:
+        _fail(str(err))
+    typer.echo(report_paths(Path(record["export"]["path"]))[1].read_text())
+    if track:
+        run_id = track_row(record, p, params_path=params)
+        typer.echo(f"MLflow run {run_id} (experiment bayesq-byo)")
+
+
+@app.command("eval")
+def eval_export(
+    export: Path = typer.Argument(..., help="an export (.safetensors) written by `bayesq quantize --model ...`"),
+    data: Path = typer.Option(..., help="data to compare on (a dataset folder or file)"),
+    reference: str = typer.Option("", help="the FP model (default: the model the export names, if it is here)"),
+    checkpoint: str = typer.Option("", help="the reference's state dict (torchvision:<arch>)"),
+    split: str = typer.Option("", help="split of a dataset folder (default: the export's)"),
+    text_column: list[str] = typer.Option([], help="text column(s) (default: the export's)"),
+    image_column: str = typer.Option("", help="image column (default: the export's)"),
+    label_column: Optional[str] = typer.Option(None, help="label column (default: the export's; '' for none)"),
+    test: int = typer.Option(512, help="examples when the data is not the export's own (its test draw otherwise)"),
+    seed: int = typer.Option(0, help="seed of that draw"),
+    out: Optional[Path] = typer.Option(None, help="also write the record as JSON here"),
+) -> None:
+    """Compare an export with its FP model on data (KL, agreement; accuracy with labels; perplexity for a
+    causal LM; 95 % paired intervals), rebuilt from the export alone: no producer code needed."""
+    import json
+
+    from bayesq.export import ExportError, read_export
+    from bayesq.harness.data.files import DataSource
+    from flows.byo import evaluate_export
+    from flows.common import write_json
+
+    try:
+        meta = read_export(export).user
+        cols = json.loads(meta.get("data_columns", "{}"))
+        source = DataSource(str(data), split or meta.get("data_split", "train"),
+                            tuple(text_column) or tuple(cols.get("text", ())), image_column or cols.get("image", ""),
+                            cols.get("label", "") if label_column is None else label_column,
+                            int(cols.get("max_length", 128)), int(cols.get("image_size", 224)))
+        record, lines = evaluate_export(export, source, str(data), reference, checkpoint, test, seed, say=typer.echo)
+    except (ValueError, FileNotFoundError, ExportError, TypeError) as err:
+        _fail(str(err))
+    for line in lines:
+        typer.echo(line)
+    if out is not None:
+        write_json(out, record)
 
 
 @app.command()

@@ -1,0 +1,418 @@
+"""Bring your own model and data: one quantise-export-evaluate row for a model a user points at
+(a Hugging Face directory, ``torchvision:<arch>`` plus a checkpoint, ``package.module:function``)
+and data on disk (a ``save_to_disk`` folder, Parquet / CSV / JSON Lines, an image folder).
+
+The CLI (``bayesq quantize --model ... --data ...``), the zoo flow (entries with ``model:`` and
+``data:``) and the pipeline (``params.yaml``'s ``sources:``) all describe such a model with one
+:class:`ByoModel` and run it with :func:`run_row`:
+
+1. resolve the model (:func:`bayesq.harness.sources.resolve_model`) and read the data
+   (:func:`bayesq.harness.data.files.load_rows`), checking columns, labels and sizes first, so a
+   bad input fails before anything is written;
+2. draw disjoint seeded calibration / selection / test examples
+   (:func:`bayesq.harness.data.files.draw_examples`) and preprocess them with the model's own
+   tokenizer or image processor (or torchvision's transforms);
+3. quantise with the method (:func:`bayesq.methods.quantize_with`, params.yaml's settings);
+4. write the export with the skeleton and preprocessing it needs to be rebuilt without this code,
+   load it back with :func:`bayesq.export.load` (no skeleton given) and check its logits;
+5. compare the loaded model with the FP one on the test examples (:mod:`bayesq.fidelity`: KL and
+   agreement always, accuracy with labels, perplexity for a causal LM, each with its paired 95 %
+   interval) and write ``<export>.report.json`` / ``.md`` next to the export.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from bayesq.harness.data.files import DataSource, check_columns, draw_examples, featurizer, load_rows, make_batches
+from bayesq.harness.data.files import read_labels
+from bayesq.harness.sources import ModelSource, SourceKind, resolve_model, unpacked
+
+#: Methods ``--method`` / ``methods:`` accept (params.yaml's names).
+BYO_METHODS = ("bayesq", "bayesq-distill", "bayesq-ef", "bayesq-paper", "gptq", "awq", "hawq", "aciq",
+               "rtn-tensor", "rtn-channel", "rtn-group")
+BATCH = 32
+
+
+@dataclass(frozen=True)
+class ByoModel:
+    """One user model and its data: what the CLI's flags, a zoo file entry (``model:`` /
+    ``data:``) or an entry of params.yaml's ``sources:`` say.
+
+    Attributes:
+        name: the row's model name (reports, MLflow, export names).
+        model: Hugging Face directory, ``torchvision:<arch>`` or ``package.module:function``.
+        data: where the examples are and which columns to read.
+        checkpoint, num_classes, tokenizer: see :func:`bayesq.harness.sources.resolve_model`.
+        calibration, selection, test: sizes of the three disjoint seeded draws.
+        budgets, methods: what to run (zoo file and params.yaml entries).
+        exclude: module names or glob patterns kept in floating point.
+    """
+
+    name: str
+    model: str
+    data: DataSource
+    checkpoint: str = ""
+    num_classes: int = 0
+    tokenizer: str = ""
+    calibration: int = 128
+    selection: int = 256
+    test: int = 512
+    budgets: tuple[float, ...] = (3.0,)
+    methods: tuple[str, ...] = ("bayesq",)
+    exclude: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for key in ("calibration", "test"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"{self.name}: {key} = {getattr(self, key)}: need at least 1 example")
+        if self.selection < 0:
+            raise ValueError(f"{self.name}: selection = {self.selection}: need 0 or more examples")
+        if not self.budgets or not all(isinstance(b, (int, float)) and b > 0 for b in self.budgets):
+            raise ValueError(f"{self.name}: budgets = {list(self.budgets)}: need positive bits per weight")
+        bad = [m for m in self.methods if m not in BYO_METHODS]
+        if bad or not self.methods:
+            raise ValueError(f"{self.name}: methods = {list(self.methods)}: choose from {', '.join(BYO_METHODS)}")
+
+
+#: keys of a zoo / params.yaml entry -> ByoModel / DataSource fields
+MODEL_KEYS = ("name", "model", "checkpoint", "num_classes", "tokenizer", "calibration", "selection", "test",
+              "budgets", "methods", "exclude")
+DATA_KEYS = ("data", "split", "text_column", "image_column", "label_column", "max_length", "image_size")
+
+
+def byo_from_mapping(item: Mapping[str, Any], where: str, budgets: tuple[float, ...] = (3.0,),
+                     methods: tuple[str, ...] = ("bayesq",)) -> ByoModel:
+    """A :class:`ByoModel` from a zoo-file or params.yaml entry (``where`` names it in errors).
+
+    Raises:
+        ValueError: an unknown key (with the valid ones), a missing ``model`` / ``data``, a
+            value of the wrong type.
+    """
+    if not isinstance(item, Mapping):
+        raise ValueError(f"{where}: need a mapping with 'model' and 'data'")
+    unknown = sorted(set(item) - set(MODEL_KEYS) - set(DATA_KEYS))
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], list(MODEL_KEYS + DATA_KEYS), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ValueError(f"{where}: unknown key '{unknown[0]}'{hint}; valid keys: {', '.join(MODEL_KEYS + DATA_KEYS)}")
+    for key in ("model", "data"):
+        if not item.get(key):
+            raise ValueError(f"{where}: '{key}' is required (model: a Hugging Face folder, torchvision:<arch> or "
+                             "package.module:function; data: a dataset folder or file)")
+    text = item.get("text_column") or ()
+    try:
+        data = DataSource(str(item["data"]), str(item.get("split", "train")),
+                          (text,) if isinstance(text, str) else tuple(map(str, text)),
+                          str(item.get("image_column") or ""), str(item.get("label_column") or ""),
+                          int(item.get("max_length", 128)), int(item.get("image_size", 224)))
+        listed = {k: tuple(item[k]) if isinstance(item.get(k), (list, tuple)) else item.get(k)
+                  for k in ("budgets", "methods", "exclude") if k in item}
+        for k, v in listed.items():
+            if not isinstance(v, tuple):
+                raise ValueError(f"'{k}' must be a list, got {v!r}")
+        name = str(item.get("name") or Path(str(item["model"]).rstrip("/")).name.replace("torchvision:", ""))
+        return ByoModel(name, str(item["model"]), data, str(item.get("checkpoint") or ""),
+                        int(item.get("num_classes") or 0), str(item.get("tokenizer") or ""),
+                        int(item.get("calibration", 128)), int(item.get("selection", 256)),
+                        int(item.get("test", 512)), tuple(float(b) for b in listed.get("budgets", budgets)),
+                        tuple(map(str, listed.get("methods", methods))), tuple(map(str, listed.get("exclude", ()))))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+@dataclass
+class Prepared:
+    """A :class:`ByoModel` made ready: the FP model, its data draws as batches, the labels of
+    the test draw and what the export records about them."""
+
+    spec: ByoModel
+    source: ModelSource
+    fp: torch.nn.Module
+    draws: Any
+    calibration: list
+    selection: list | None
+    test: list
+    labels: torch.Tensor | None
+    preprocessor: dict
+    data_digest: str
+    n_rows: int
+
+
+def _num_classes(src: ModelSource, fp: torch.nn.Module, batch) -> int:
+    """The head's class count: the source's, else the width of the FP logits on one batch."""
+    if src.num_classes:
+        return src.num_classes
+    from bayesq.evaluation import predict
+
+    return int(predict(fp, [batch], "probe").shape[-1])
+
+
+def prepare(spec: ByoModel, seed: int, say=print) -> Prepared:
+    """Resolve, read, check, draw and preprocess (see the module docstring); nothing is written.
+
+    Raises:
+        FileNotFoundError / ValueError: every bad input, named (see
+        :mod:`bayesq.harness.sources`, :mod:`bayesq.harness.data.files`).
+    """
+    from flows.common import digest
+
+    start = time.perf_counter()
+    src = resolve_model(spec.model, spec.checkpoint, spec.num_classes, spec.tokenizer)
+    if src.kind is SourceKind.EMBEDDED:
+        raise ValueError(f"'{spec.model}' is an embedded model: it reads its own data (`bayesq quantize {spec.model}`); "
+                         "--data is for a Hugging Face folder, torchvision:<arch> or package.module:function")
+    ds = load_rows(spec.data)
+    check_columns(ds, spec.data, src.modality.value)
+    if src.causal_lm and spec.data.label_column:
+        raise ValueError(f"{spec.model} is a causal language model: it has no class labels to score "
+                         f"'{spec.data.label_column}' against; drop the label column (perplexity needs none)")
+    draws = draw_examples(len(ds), spec.calibration, spec.selection, spec.test, seed)
+    say(f"[byo] {spec.name}: {src.kind.value} {src.auto_class or src.arch} ({src.modality.value}), "
+        f"{len(ds)} examples in {spec.data.path}: {spec.calibration} calibration, {spec.selection} selection, "
+        f"{spec.test} test (seed {seed})")
+    fp = src.build()
+    pre = src.preprocessor(spec.data.image_size)
+    with unpacked(pre.get("files", {})) as folder:
+        feat = featurizer(pre, spec.data, folder, src.causal_lm)
+        cal, sel, test = (make_batches(ds, getattr(draws, part), feat, BATCH)
+                          for part in ("calibration", "selection", "test"))
+    label2id = getattr(getattr(fp, "config", None), "label2id", None)
+    labels = read_labels(ds, draws.test, spec.data, _num_classes(src, fp, test[0]) if spec.data.label_column else 0,
+                         label2id)
+    say(f"[byo] {spec.name}: model built and {sum(map(len, (draws.calibration, draws.selection, draws.test)))} "
+        f"examples preprocessed ({time.perf_counter() - start:.1f} s)")
+    return Prepared(spec, src, fp, draws, cal, sel or None, test, labels, pre, digest(Path(spec.data.path)), len(ds))
+
+
+def method_config(method: str, params, budget: float, seed: int):
+    """(library config, QuantConfig of a BayesQ row or None) for ``method`` with params.yaml's
+    settings: BayesQ rows through :func:`flows.prepare.method_settings` (distillation only for
+    ``bayesq-distill``), baselines through :data:`flows.quantize.BASELINE_CONFIGS`."""
+    from bayesq.config import BayesQConfig
+    from flows.params import Method
+    from flows.prepare import method_settings
+    from flows.quantize import BASELINE_CONFIGS
+
+    m = Method(method)
+    if m in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER):
+        posterior, quant = method_settings(params, m)
+        distill = params.distill if m is Method.BAYESQ_DISTILL else replace(params.distill, max_budget=0.0)
+        return BayesQConfig(budget=budget, posterior=posterior, quant=quant, allocation=params.allocation,
+                            distill=distill, seed=seed), quant
+    return BASELINE_CONFIGS[m](params.quant, params.baselines, seed), None
+
+
+def report_paths(export: Path) -> tuple[Path, Path]:
+    """``<export stem>.report.json`` and ``.report.md`` next to the export."""
+    stem = Path(export).with_suffix("")
+    return stem.with_name(stem.name + ".report.json"), stem.with_name(stem.name + ".report.md")
+
+
+def _where(spec: str) -> str:
+    """A local path made absolute (an export names what another working directory can find); other specs as given."""
+    return str(Path(spec).resolve()) if spec and Path(spec).exists() else spec
+
+
+def lineage_metadata(prep: Prepared, method: str, budget: float, seed: int, shared: Mapping[str, str],
+                     code: str) -> dict[str, str]:
+    """The export header's lineage: model source, data with its digest, the three draws (the
+    calibration indices in full, each draw's sha256), params and commit (``shared``)."""
+    from flows.lineage import row_metadata
+
+    s, d = prep.spec, prep.draws
+    src = {"model_source": _where(s.model), "checkpoint": _where(s.checkpoint or s.model), "dataset": _where(s.data.path),
+           "dataset_digest": prep.data_digest, "data_split": s.data.split,
+           "data_columns": json.dumps({"text": list(s.data.text_columns), "image": s.data.image_column,
+                                       "label": s.data.label_column, "max_length": s.data.max_length,
+                                       "image_size": s.data.image_size}),
+           "calibration_indices": ",".join(map(str, d.calibration.tolist())),
+           "draws": json.dumps({p: {"n": len(getattr(d, p)), "sha256": d.digest(p)}
+                                for p in ("calibration", "selection", "test")}),
+           "draw_seed": str(seed), "torch_threads": str(torch.get_num_threads())}
+    if s.checkpoint:
+        from bayesq.tensorfile import file_sha256
+
+        src["checkpoint_sha256"] = file_sha256(s.checkpoint)
+    return row_metadata(s.name, method, budget, seed, code, dict(shared), src,
+                        **({"exclude": ",".join(s.exclude)} if s.exclude else {}))
+
+
+def max_logit_diff(a: torch.nn.Module, b: torch.nn.Module, batches: list) -> float:
+    """Largest |logit difference| of two models on ``batches`` (any logit shape)."""
+    from bayesq.evaluation import each_batch
+    from bayesq.forward import call, output_logits
+
+    za, zb = (each_batch(m, batches, lambda m, x: output_logits(call(m, x)).float()) for m in (a, b))
+    return max(float((p - q).abs().max()) for p, q in zip(za, zb))
+
+
+def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: Path, shared: Mapping[str, str],
+            code: str, say=print) -> dict:
+    """Quantise, export (with skeleton and preprocessing), load back without a skeleton, compare
+    with FP on the test draw and write the report next to the export. Returns the row's record.
+
+    Raises:
+        ValueError: from the method (an infeasible budget, ...); nothing is written then.
+    """
+    from bayesq.baselines.select import encoding_config
+    from bayesq.export import load, save_export
+    from bayesq.fidelity import fidelity_report, score_examples
+    from bayesq.methods import Inputs, quantize_with
+
+    cfg, quant = method_config(method, params, budget, seed)
+    say(f"[byo] {prep.spec.name}: {method} at {budget} bits ...")
+    start = time.perf_counter()
+    done = quantize_with(prep.fp, cfg, budget, Inputs(calibration=prep.calibration, selection=prep.selection,
+                                                      exclude=prep.spec.exclude))
+    res = done.result
+    seconds = time.perf_counter() - start
+    quant = quant if quant is not None else encoding_config(res, params.quant)
+    out = Path(out)
+    meta = lineage_metadata(prep, method, budget, seed, shared, code)
+    info = save_export(out, res.model, res.weights, quant, res.allocation.total_bits, architecture=prep.spec.name,
+                       metadata=meta, skeleton=prep.source.skeleton(), preprocessor=prep.preprocessor)
+    try:
+        loaded = load(out)  # as a consumer would: no skeleton, no producer code
+        logit_diff = max_logit_diff(res.model, loaded, prep.test[:1])
+        say(f"[byo] {prep.spec.name}: {res.average_bits:.4f} bits/weight, export {info.file_bytes / 1e6:.2f} MB; "
+            f"comparing with FP on {len(prep.draws.test)} test examples")
+        report = fidelity_report(score_examples(prep.fp, loaded, prep.test, prep.labels, prep.source.causal_lm))
+    except BaseException:  # an export that cannot be checked is not left behind (Ctrl-C included)
+        out.unlink(missing_ok=True)
+        raise
+    record = {"model": prep.spec.name, "model_source": prep.spec.model, "method": method, "budget": budget,
+              "seed": seed, "avg_bits": res.average_bits, "avg_bits_all": res.average_bits_all,
+              "total_bits": res.allocation.total_bits, "quantize_seconds": seconds,
+              "unquantized": dict(res.unquantized), "details": {k: v for k, v in done.details.items()
+                                                                  if isinstance(v, (str, int, float))},
+              "export": info.as_dict(), "loaded_logit_max_diff": logit_diff, "fidelity": report.as_dict(),
+              "dataset": prep.spec.data.path, "dataset_digest": prep.data_digest,
+              "draws": json.loads(meta["draws"])}
+    write_report(out, record, report.lines())
+    return record
+
+
+def write_report(export: Path, record: dict, lines: list[str]) -> tuple[Path, Path]:
+    """The row's ``.report.json`` (the record) and ``.report.md`` (a table a person reads)."""
+    from flows.common import write_json
+
+    js, md = report_paths(export)
+    write_json(js, record)
+    r = record
+    body = [f"# {r['model']}: {r['method']} at {r['budget']} bits", "",
+            f"- model: `{r['model_source']}`; data: `{r['dataset']}` (sha256 {r['dataset_digest'][:12]}...)",
+            f"- export: `{r['export']['path']}`, {r['export']['file_bytes'] / 1e6:.2f} MB; "
+            f"{r['avg_bits']:.4f} bits per quantised weight, {r['avg_bits_all']:.4f} over all weight matrices",
+            f"- loaded back without a skeleton: largest logit difference to the in-memory model "
+            f"{r['loaded_logit_max_diff']:.2e}",
+            f"- draws (seed {r['seed']}): " + ", ".join(f"{k} {v['n']}" for k, v in r["draws"].items()),
+            f"- kept in floating point: {', '.join(f'{k} ({v})' for k, v in r['unquantized'].items()) or 'nothing'}",
+            "", "Quantised vs full precision on the test draw (value [95 % paired bootstrap interval]):", "",
+            "```", *lines, "```", ""]
+    md.write_text("\n".join(body))
+    return js, md
+
+
+def track_row(record: dict, params, experiment: str = "bayesq-byo", params_path: Path | None = None) -> str:
+    """One MLflow parent run with the row as its child (params, metrics, the export and report as
+    artifacts); returns the child's run id."""
+    from flows.lineage import artifact_tags
+    from flows.tracking import log_row_artifacts, mlflow_child, mlflow_parent, row_params
+
+    metrics = {k: v for k, v in record["fidelity"].items() if isinstance(v, (int, float))}
+    metrics |= {k: record[k] for k in ("avg_bits", "avg_bits_all", "total_bits", "quantize_seconds")}
+    with mlflow_parent(experiment, "quantize", "byo", {"model_source": record["model_source"]}, params_path) as parent:
+        js, md = report_paths(Path(record["export"]["path"]))
+
+        def artifacts(client, run_id: str) -> None:
+            log_row_artifacts(client, run_id, {**record, "layer_bits": {}})
+            for f in (js, md):
+                client.log_artifact(run_id, str(f), "report")
+
+        return mlflow_child(parent.info.run_id, f"{record['model']}-{record['method']}-b{record['budget']}",
+                            {"model": record["model"], "model_source": record["model_source"],
+                             "method": record["method"], "budget": record["budget"], "seed": record["seed"],
+                             "dataset": record["dataset"], **row_params(params, record["method"])},
+                            metrics, {"dataset_digest": record["dataset_digest"],
+                                      **artifact_tags(record["export"])},
+                            seconds=record["quantize_seconds"], artifacts=artifacts)
+
+
+def _recorded_test(ds, meta: Mapping[str, str], data_digest: str) -> torch.Tensor | None:
+    """The export's own test draw when ``ds`` is the data it was made from (same digest, and the
+    redrawn test indices hash to the recorded sha256), else None."""
+    if meta.get("dataset_digest") != data_digest or "draws" not in meta:
+        return None
+    d = json.loads(meta["draws"])
+    draws = draw_examples(len(ds), d["calibration"]["n"], d["selection"]["n"], d["test"]["n"], int(meta["draw_seed"]))
+    return draws.test if draws.digest("test") == d["test"]["sha256"] else None
+
+
+def evaluate_export(path: Path, data: DataSource | None, data_path: str, reference: str = "", checkpoint: str = "",
+                    test: int = 512, seed: int = 0, say=print) -> tuple[dict, list[str]]:
+    """An export against its FP model on a user's data, with no producer code: the export's own
+    skeleton and preprocessing (:func:`bayesq.export.load`, its ``preprocessor`` header).
+
+    ``data``: the columns (None: the ones the export was made with, on ``data_path``);
+    ``reference``: the FP model's source (default: the one the export names, if it is here).
+    The examples are the export's own test draw when the data is the one it was made from,
+    else a seeded draw of ``test`` examples (all when fewer).
+
+    Returns:
+        (record, report lines).
+    Raises:
+        ValueError / FileNotFoundError: an export without a skeleton, a reference that is not
+        here, bad columns (as :func:`prepare`).
+    """
+    from bayesq.export import ExportError, load, read_export
+    from bayesq.fidelity import fidelity_report, score_examples
+    from bayesq.harness.data.calibration import sample_calibration_indices
+    from flows.common import digest
+
+    contents = read_export(path)
+    meta, pre, skel = contents.user, contents.preprocessor, contents.skeleton
+    if pre is None or skel is None or pre.get("kind") == "embedded":
+        raise ExportError(f"{path} does not describe its model's inputs (written before self-describing exports, or "
+                          "an embedded model): evaluate it with the pipeline, or re-export it")
+    if data is None:
+        cols = json.loads(meta.get("data_columns", "{}"))
+        data = DataSource(data_path, meta.get("data_split", "train"), tuple(cols.get("text", ())), cols.get("image", ""),
+                          cols.get("label", ""), int(cols.get("max_length", 128)), int(cols.get("image_size", 224)))
+    reference = reference or meta.get("model_source", "")
+    checkpoint = checkpoint or (meta.get("checkpoint", "") if meta.get("checkpoint") != reference else "")
+    if not reference or not (Path(reference).exists() or reference.startswith("torchvision:") or ":" in reference):
+        raise FileNotFoundError(f"KL to the FP model needs the FP model: the export names {reference or 'none'}, "
+                                "which is not here; pass --reference (a Hugging Face folder, torchvision:<arch> "
+                                "with --checkpoint, or package.module:function)")
+    src = resolve_model(reference, checkpoint, int(skel.get("num_classes") or 0))
+    ds = load_rows(data)
+    check_columns(ds, data, src.modality.value)
+    ddig = digest(Path(data.path))
+    idx = _recorded_test(ds, meta, ddig)
+    same = idx is not None
+    if idx is None:
+        idx = sample_calibration_indices(len(ds), min(test, len(ds)), seed)  # the first of a seeded permutation
+    say(f"[eval] {path}: {len(idx)} examples of {data.path} ({'the export' + chr(39) + 's own test draw' if same else 'a seeded draw'}); "
+        f"FP reference {reference}")
+    fp, quantized = src.build(), load(path)
+    with unpacked(pre.get("files", {})) as folder:
+        batches = make_batches(ds, idx, featurizer(pre, data, folder, src.causal_lm), BATCH)
+    labels = read_labels(ds, idx, data, _num_classes(src, fp, batches[0]) if data.label_column else 0,
+                         getattr(getattr(fp, "config", None), "label2id", None))
+    report = fidelity_report(score_examples(fp, quantized, batches, labels, src.causal_lm))
+    record = {"export": str(path), "reference": reference, "dataset": data.path, "dataset_digest": ddig,
+              "examples": "export test draw" if same else f"seeded draw (seed {seed})", "fidelity": report.as_dict(),
+              "model": meta.get("model", ""), "method": meta.get("method", ""), "budget": meta.get("budget", "")}
+    return record, report.lines()
+
+
+__all__ = ["ByoModel", "byo_from_mapping", "prepare", "run_row", "method_config", "track_row", "evaluate_export"]
