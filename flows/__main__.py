@@ -3,6 +3,7 @@
     python -m flows fetch --out data/raw
     python -m flows finetune --params params.yaml --raw data/raw --out models
     python -m flows quantize --params params.yaml --raw data/raw --models models --out results
+    python -m flows sources --params params.yaml --out results-sources
     python -m flows report --results results/results.json --models models --out reports
     python -m flows ablate ... | python -m flows zoo ...
 
@@ -17,7 +18,7 @@ import sys
 
 from flows.settings import apply_defaults
 
-STAGES = ("fetch", "finetune", "quantize", "ablate", "report", "zoo")
+STAGES = ("fetch", "finetune", "quantize", "sources", "ablate", "report", "zoo")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,110 +24,41 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from prefect import task
+from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from bayesq.harness.data.files import DataSource, check_columns, draw_examples, featurizer, load_rows, make_batches
-from bayesq.harness.data.files import read_labels
+from bayesq.baselines.select import encoding_config
+from bayesq.config import BayesQConfig
+from bayesq.evaluation import each_batch, predict
+from bayesq.export import ExportError, load, read_export, save_export
+from bayesq.fidelity import fidelity_report, score_examples
+from bayesq.forward import call, output_logits
+from bayesq.harness.data.calibration import sample_calibration_indices
+from bayesq.harness.data.files import (
+    DataSource,
+    check_columns,
+    draw_examples,
+    featurizer,
+    load_rows,
+    make_batches,
+    read_labels,
+)
 from bayesq.harness.sources import ModelSource, SourceKind, resolve_model, unpacked
+from bayesq.methods import Inputs, quantize_with
+from bayesq.tensorfile import file_sha256
+from flows.common import digest, locked, write_json
+from flows.lineage import artifact_tags, row_metadata
+from flows.params import BYO_METHODS, ByoModel, Method, byo_from_mapping
+from flows.prepare import method_settings
+from flows.quantize import BASELINE_CONFIGS
+from flows.tracking import child_run_name, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say
 
-#: Methods ``--method`` / ``methods:`` accept (params.yaml's names).
-BYO_METHODS = ("bayesq", "bayesq-distill", "bayesq-ef", "bayesq-paper", "gptq", "awq", "hawq", "aciq",
-               "rtn-tensor", "rtn-channel", "rtn-group")
-BATCH = 32
-
-
-@dataclass(frozen=True)
-class ByoModel:
-    """One user model and its data: what the CLI's flags, a zoo file entry (``model:`` /
-    ``data:``) or an entry of params.yaml's ``sources:`` say.
-
-    Attributes:
-        name: the row's model name (reports, MLflow, export names).
-        model: Hugging Face directory, ``torchvision:<arch>`` or ``package.module:function``.
-        data: where the examples are and which columns to read.
-        checkpoint, num_classes, tokenizer: see :func:`bayesq.harness.sources.resolve_model`.
-        calibration, selection, test: sizes of the three disjoint seeded draws.
-        budgets, methods: what to run (zoo file and params.yaml entries).
-        exclude: module names or glob patterns kept in floating point.
-    """
-
-    name: str
-    model: str
-    data: DataSource
-    checkpoint: str = ""
-    num_classes: int = 0
-    tokenizer: str = ""
-    calibration: int = 128
-    selection: int = 256
-    test: int = 512
-    budgets: tuple[float, ...] = (3.0,)
-    methods: tuple[str, ...] = ("bayesq",)
-    exclude: tuple[str, ...] = field(default=())
-
-    def __post_init__(self) -> None:
-        for key in ("calibration", "test"):
-            if int(getattr(self, key)) < 1:
-                raise ValueError(f"{self.name}: {key} = {getattr(self, key)}: need at least 1 example")
-        if self.selection < 0:
-            raise ValueError(f"{self.name}: selection = {self.selection}: need 0 or more examples")
-        if not self.budgets or not all(isinstance(b, (int, float)) and b > 0 for b in self.budgets):
-            raise ValueError(f"{self.name}: budgets = {list(self.budgets)}: need positive bits per weight")
-        bad = [m for m in self.methods if m not in BYO_METHODS]
-        if bad or not self.methods:
-            raise ValueError(f"{self.name}: methods = {list(self.methods)}: choose from {', '.join(BYO_METHODS)}")
-
-
-#: keys of a zoo / params.yaml entry -> ByoModel / DataSource fields
-MODEL_KEYS = ("name", "model", "checkpoint", "num_classes", "tokenizer", "calibration", "selection", "test",
-              "budgets", "methods", "exclude")
-DATA_KEYS = ("data", "split", "text_column", "image_column", "label_column", "max_length", "image_size")
-
-
-def byo_from_mapping(item: Mapping[str, Any], where: str, budgets: tuple[float, ...] = (3.0,),
-                     methods: tuple[str, ...] = ("bayesq",)) -> ByoModel:
-    """A :class:`ByoModel` from a zoo-file or params.yaml entry (``where`` names it in errors).
-
-    Raises:
-        ValueError: an unknown key (with the valid ones), a missing ``model`` / ``data``, a
-            value of the wrong type.
-    """
-    if not isinstance(item, Mapping):
-        raise ValueError(f"{where}: need a mapping with 'model' and 'data'")
-    unknown = sorted(set(item) - set(MODEL_KEYS) - set(DATA_KEYS))
-    if unknown:
-        import difflib
-
-        close = difflib.get_close_matches(unknown[0], list(MODEL_KEYS + DATA_KEYS), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ValueError(f"{where}: unknown key '{unknown[0]}'{hint}; valid keys: {', '.join(MODEL_KEYS + DATA_KEYS)}")
-    for key in ("model", "data"):
-        if not item.get(key):
-            raise ValueError(f"{where}: '{key}' is required (model: a Hugging Face folder, torchvision:<arch> or "
-                             "package.module:function; data: a dataset folder or file)")
-    text = item.get("text_column") or ()
-    try:
-        data = DataSource(str(item["data"]), str(item.get("split", "train")),
-                          (text,) if isinstance(text, str) else tuple(map(str, text)),
-                          str(item.get("image_column") or ""), str(item.get("label_column") or ""),
-                          int(item.get("max_length", 128)), int(item.get("image_size", 224)))
-        listed = {k: tuple(item[k]) if isinstance(item.get(k), (list, tuple)) else item.get(k)
-                  for k in ("budgets", "methods", "exclude") if k in item}
-        for k, v in listed.items():
-            if not isinstance(v, tuple):
-                raise ValueError(f"'{k}' must be a list, got {v!r}")
-        name = str(item.get("name") or Path(str(item["model"]).rstrip("/")).name.replace("torchvision:", ""))
-        return ByoModel(name, str(item["model"]), data, str(item.get("checkpoint") or ""),
-                        int(item.get("num_classes") or 0), str(item.get("tokenizer") or ""),
-                        int(item.get("calibration", 128)), int(item.get("selection", 256)),
-                        int(item.get("test", 512)), tuple(float(b) for b in listed.get("budgets", budgets)),
-                        tuple(map(str, listed.get("methods", methods))), tuple(map(str, listed.get("exclude", ()))))
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: {err}") from None
-
+BATCH = 32  # examples per preprocessed batch
 
 @dataclass
 class Prepared:
@@ -151,21 +82,18 @@ def _num_classes(src: ModelSource, fp: torch.nn.Module, batch) -> int:
     """The head's class count: the source's, else the width of the FP logits on one batch."""
     if src.num_classes:
         return src.num_classes
-    from bayesq.evaluation import predict
 
     return int(predict(fp, [batch], "probe").shape[-1])
 
 
-def prepare(spec: ByoModel, seed: int, say=print) -> Prepared:
-    """Resolve, read, check, draw and preprocess (see the module docstring); nothing is written.
+def check(spec: ByoModel, seed: int):
+    """Resolve the model and read the data, and check everything that can be checked without
+    building the model: columns, their kinds, labels, draw sizes. Returns (source, rows, draws).
 
     Raises:
         FileNotFoundError / ValueError: every bad input, named (see
         :mod:`bayesq.harness.sources`, :mod:`bayesq.harness.data.files`).
     """
-    from flows.common import digest
-
-    start = time.perf_counter()
     src = resolve_model(spec.model, spec.checkpoint, spec.num_classes, spec.tokenizer)
     if src.kind is SourceKind.EMBEDDED:
         raise ValueError(f"'{spec.model}' is an embedded model: it reads its own data (`bayesq quantize {spec.model}`); "
@@ -176,6 +104,28 @@ def prepare(spec: ByoModel, seed: int, say=print) -> Prepared:
         raise ValueError(f"{spec.model} is a causal language model: it has no class labels to score "
                          f"'{spec.data.label_column}' against; drop the label column (perplexity needs none)")
     draws = draw_examples(len(ds), spec.calibration, spec.selection, spec.test, seed)
+    if src.num_classes:  # a callable's class count is known once it runs (prepare checks it then)
+        read_labels(ds, draws.test, spec.data, src.num_classes, _label2id(src))
+    return src, ds, draws
+
+
+def _label2id(src: ModelSource) -> dict | None:
+    if src.kind is not SourceKind.HUGGINGFACE:
+        return None
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(src.spec), "label2id", None)
+
+
+def prepare(spec: ByoModel, seed: int, say=print) -> Prepared:
+    """:func:`check`, then build the FP model and preprocess the three draws; nothing is written.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`check`.
+    """
+
+    start = time.perf_counter()
+    src, ds, draws = check(spec, seed)
     say(f"[byo] {spec.name}: {src.kind.value} {src.auto_class or src.arch} ({src.modality.value}), "
         f"{len(ds)} examples in {spec.data.path}: {spec.calibration} calibration, {spec.selection} selection, "
         f"{spec.test} test (seed {seed})")
@@ -185,9 +135,8 @@ def prepare(spec: ByoModel, seed: int, say=print) -> Prepared:
         feat = featurizer(pre, spec.data, folder, src.causal_lm)
         cal, sel, test = (make_batches(ds, getattr(draws, part), feat, BATCH)
                           for part in ("calibration", "selection", "test"))
-    label2id = getattr(getattr(fp, "config", None), "label2id", None)
     labels = read_labels(ds, draws.test, spec.data, _num_classes(src, fp, test[0]) if spec.data.label_column else 0,
-                         label2id)
+                         _label2id(src))
     say(f"[byo] {spec.name}: model built and {sum(map(len, (draws.calibration, draws.selection, draws.test)))} "
         f"examples preprocessed ({time.perf_counter() - start:.1f} s)")
     return Prepared(spec, src, fp, draws, cal, sel or None, test, labels, pre, digest(Path(spec.data.path)), len(ds))
@@ -197,10 +146,6 @@ def method_config(method: str, params, budget: float, seed: int):
     """(library config, QuantConfig of a BayesQ row or None) for ``method`` with params.yaml's
     settings: BayesQ rows through :func:`flows.prepare.method_settings` (distillation only for
     ``bayesq-distill``), baselines through :data:`flows.quantize.BASELINE_CONFIGS`."""
-    from bayesq.config import BayesQConfig
-    from flows.params import Method
-    from flows.prepare import method_settings
-    from flows.quantize import BASELINE_CONFIGS
 
     m = Method(method)
     if m in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER):
@@ -226,7 +171,6 @@ def lineage_metadata(prep: Prepared, method: str, budget: float, seed: int, shar
                      code: str) -> dict[str, str]:
     """The export header's lineage: model source, data with its digest, the three draws (the
     calibration indices in full, each draw's sha256), params and commit (``shared``)."""
-    from flows.lineage import row_metadata
 
     s, d = prep.spec, prep.draws
     src = {"model_source": _where(s.model), "checkpoint": _where(s.checkpoint or s.model), "dataset": _where(s.data.path),
@@ -239,17 +183,17 @@ def lineage_metadata(prep: Prepared, method: str, budget: float, seed: int, shar
                                 for p in ("calibration", "selection", "test")}),
            "draw_seed": str(seed), "torch_threads": str(torch.get_num_threads())}
     if s.checkpoint:
-        from bayesq.tensorfile import file_sha256
 
         src["checkpoint_sha256"] = file_sha256(s.checkpoint)
+    if Path(s.model).exists():
+
+        src["model_digest"] = digest(Path(s.model))
     return row_metadata(s.name, method, budget, seed, code, dict(shared), src,
                         **({"exclude": ",".join(s.exclude)} if s.exclude else {}))
 
 
 def max_logit_diff(a: torch.nn.Module, b: torch.nn.Module, batches: list) -> float:
     """Largest |logit difference| of two models on ``batches`` (any logit shape)."""
-    from bayesq.evaluation import each_batch
-    from bayesq.forward import call, output_logits
 
     za, zb = (each_batch(m, batches, lambda m, x: output_logits(call(m, x)).float()) for m in (a, b))
     return max(float((p - q).abs().max()) for p, q in zip(za, zb))
@@ -263,10 +207,6 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
     Raises:
         ValueError: from the method (an infeasible budget, ...); nothing is written then.
     """
-    from bayesq.baselines.select import encoding_config
-    from bayesq.export import load, save_export
-    from bayesq.fidelity import fidelity_report, score_examples
-    from bayesq.methods import Inputs, quantize_with
 
     cfg, quant = method_config(method, params, budget, seed)
     say(f"[byo] {prep.spec.name}: {method} at {budget} bits ...")
@@ -303,7 +243,6 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
 
 def write_report(export: Path, record: dict, lines: list[str]) -> tuple[Path, Path]:
     """The row's ``.report.json`` (the record) and ``.report.md`` (a table a person reads)."""
-    from flows.common import write_json
 
     js, md = report_paths(export)
     write_json(js, record)
@@ -322,29 +261,62 @@ def write_report(export: Path, record: dict, lines: list[str]) -> tuple[Path, Pa
     return js, md
 
 
+@task(cache_policy=locked((INPUTS - "lineage") + TASK_SOURCE), persist_result=True,
+      task_run_name="{method} {spec.name} b{budget} s{seed}")
+def byo_task(spec: ByoModel, model_digest: str, data_digest: str, method: str, budget: float, seed: int, params,
+             out: str, code: str, lineage: dict, threads: int | None) -> dict:
+    """One user model at one method, budget and seed (:func:`run_row`), cached on the spec, the
+    model's and data's digests, the settings, the seed and the code version; the export goes to
+    ``<out>/exports/<name>_<method>_b<budget>_s<seed>.safetensors``."""
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    prep = prepare(spec, seed, say=say)
+    path = Path(out) / "exports" / f"{spec.name}_{method}_b{budget}_s{seed}.safetensors"
+    return run_row(prep, method, budget, params, seed, path, lineage, code, say=say)
+
+
+def submit_rows(m: ByoModel, params, out: str, code: str, lineage: dict, seeds, threads: int | None = None) -> list:
+    """Submit :func:`byo_task` for every method, budget and seed of ``m`` to the running flow's task
+    runner; raises at once when its model or data is missing or does not fit (:func:`check`,
+    before anything runs)."""
+
+    check(m, seeds[0])  # every bad input fails here, not in a worker
+    mdig = digest(Path(m.model)) if Path(m.model).exists() else m.model
+    mdig += ":" + digest(Path(m.checkpoint)) if m.checkpoint else ""
+    ddig = digest(Path(m.data.path))
+    return [byo_task.submit(m, mdig, ddig, method, budget, seed, params, out, code, lineage, threads)
+            for seed in seeds for method in m.methods for budget in m.budgets]
+
+
+def track_child(parent_id: str, r: dict, params) -> str:
+    """Say and log one user-model row under ``parent_id``: a child run with its settings, the
+    fidelity metrics (and their interval bounds), the export and its report as artifacts.
+    Returns the child's run id."""
+    f = r["fidelity"]
+    acc = f" acc {100 * f['accuracy_q']:.2f} % ({f['accuracy_diff']:+.2f} pts)" if "accuracy_q" in f else ""
+    ppl = f" ppl x{f['perplexity_ratio']:.4f}" if "perplexity_ratio" in f else ""
+    say(f"[byo] {r['model']} {r['method']} budget {r['budget']}: KL {f['kl']:.5f}, agreement "
+        f"{100 * f['agreement']:.2f} %{acc}{ppl} at {r['avg_bits']:.4f} bits, {r['export']['file_bytes'] / 1e6:.2f} MB")
+    metrics = {k: v for k, v in f.items() if isinstance(v, (int, float))}
+    metrics |= {k: r[k] for k in ("avg_bits", "avg_bits_all", "total_bits", "quantize_seconds")}
+
+    def artifacts(client, run_id: str) -> None:
+        log_row_artifacts(client, run_id, {**r, "layer_bits": {}})
+        for path in report_paths(Path(r["export"]["path"])):
+            client.log_artifact(run_id, str(path), "report")
+
+    return mlflow_child(parent_id, child_run_name(r["model"], r["method"], r["budget"], r["seed"]),
+                 {"model": r["model"], "model_source": r["model_source"], "method": r["method"], "budget": r["budget"],
+                  "seed": r["seed"], "dataset": r["dataset"], **row_params(params, r["method"])}, metrics,
+                 {"dataset_digest": r["dataset_digest"], **artifact_tags(r["export"])}, seconds=r["quantize_seconds"],
+                 artifacts=artifacts)
+
+
 def track_row(record: dict, params, experiment: str = "bayesq-byo", params_path: Path | None = None) -> str:
-    """One MLflow parent run with the row as its child (params, metrics, the export and report as
-    artifacts); returns the child's run id."""
-    from flows.lineage import artifact_tags
-    from flows.tracking import log_row_artifacts, mlflow_child, mlflow_parent, row_params
-
-    metrics = {k: v for k, v in record["fidelity"].items() if isinstance(v, (int, float))}
-    metrics |= {k: record[k] for k in ("avg_bits", "avg_bits_all", "total_bits", "quantize_seconds")}
+    """One MLflow parent run with the row as its child (:func:`track_child`); returns the child's run id."""
     with mlflow_parent(experiment, "quantize", "byo", {"model_source": record["model_source"]}, params_path) as parent:
-        js, md = report_paths(Path(record["export"]["path"]))
-
-        def artifacts(client, run_id: str) -> None:
-            log_row_artifacts(client, run_id, {**record, "layer_bits": {}})
-            for f in (js, md):
-                client.log_artifact(run_id, str(f), "report")
-
-        return mlflow_child(parent.info.run_id, f"{record['model']}-{record['method']}-b{record['budget']}",
-                            {"model": record["model"], "model_source": record["model_source"],
-                             "method": record["method"], "budget": record["budget"], "seed": record["seed"],
-                             "dataset": record["dataset"], **row_params(params, record["method"])},
-                            metrics, {"dataset_digest": record["dataset_digest"],
-                                      **artifact_tags(record["export"])},
-                            seconds=record["quantize_seconds"], artifacts=artifacts)
+        return track_child(parent.info.run_id, record, params)
 
 
 def _recorded_test(ds, meta: Mapping[str, str], data_digest: str) -> torch.Tensor | None:
@@ -373,10 +345,6 @@ def evaluate_export(path: Path, data: DataSource | None, data_path: str, referen
         ValueError / FileNotFoundError: an export without a skeleton, a reference that is not
         here, bad columns (as :func:`prepare`).
     """
-    from bayesq.export import ExportError, load, read_export
-    from bayesq.fidelity import fidelity_report, score_examples
-    from bayesq.harness.data.calibration import sample_calibration_indices
-    from flows.common import digest
 
     contents = read_export(path)
     meta, pre, skel = contents.user, contents.preprocessor, contents.skeleton
@@ -415,4 +383,5 @@ def evaluate_export(path: Path, data: DataSource | None, data_path: str, referen
     return record, report.lines()
 
 
-__all__ = ["ByoModel", "byo_from_mapping", "prepare", "run_row", "method_config", "track_row", "evaluate_export"]
+__all__ = ["BYO_METHODS", "ByoModel", "byo_from_mapping", "check", "prepare", "run_row", "method_config", "track_row", "evaluate_export", "byo_task",
+           "submit_rows", "track_child"]

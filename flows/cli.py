@@ -262,19 +262,24 @@ def _flat(prefix: str, obj) -> dict[str, str]:
 
 def _check(rows: dict[str, str]) -> list[str]:
     """Re-hash the checkpoint and posterior the export names (paths relative to the repository
-    or the working directory); lines saying ok / MISMATCH / missing."""
+    or the working directory), and for a user's model (``model_digest``) its model folder and
+    data (:func:`flows.common.digest`); lines saying ok / MISMATCH / missing."""
     from bayesq.tensorfile import file_sha256
+    from flows.common import digest
 
     out = []
-    for what, key in (("checkpoint", "checkpoint_sha256"), ("posterior", "posterior_sha256")):
+    checks = [("checkpoint", "checkpoint_sha256", file_sha256), ("posterior", "posterior_sha256", file_sha256)]
+    if "model_digest" in rows:
+        checks += [("model_source", "model_digest", digest), ("dataset", "dataset_digest", digest)]
+    for what, key, hasher in checks:
         if key not in rows:
             continue
-        path = next((p for p in (ROOT / rows[what], Path(rows[what])) if p.is_file()), None)
-        if path is None:
+        path = next((p for p in (ROOT / rows[what], Path(rows[what])) if p.exists()), None)
+        if path is None or (hasher is file_sha256 and not path.is_file()):
             out.append(f"{what} {rows[what]}: missing here (`dvc pull` fetches the pipeline's artifacts)")
         else:
-            ok = file_sha256(path) == rows[key]
-            out.append(f"{what} {path}: {'ok' if ok else 'MISMATCH (the file changed since the export was written)'}")
+            ok = hasher(path) == rows[key]
+            out.append(f"{what} {path}: {'ok' if ok else 'MISMATCH (it changed since the export was written)'}")
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from enum import Enum
 from typing import Any, ClassVar, Iterator, Mapping
 
@@ -35,6 +36,7 @@ from bayesq.config import (
     within,
 )
 from bayesq.harness.corruptions import CORRUPTIONS
+from bayesq.harness.data.files import DataSource
 from bayesq.harness.data.sentiment import DOMAIN_FILES
 from bayesq.harness.models.config import DataConfig, FinetuneConfig
 from bayesq.harness.models.zoo import known_models
@@ -57,6 +59,98 @@ class Method(str, Enum):
 
 
 OOD_TEXT_DOMAINS = tuple(d for d in DOMAIN_FILES if d != "movie")  # the in-domain training source is no test
+
+
+#: Methods ``--method`` / ``methods:`` accept (params.yaml's names).
+BYO_METHODS = tuple(m.value for m in Method)
+
+
+@dataclass(frozen=True)
+class ByoModel:
+    """One user model and its data: what the CLI's flags, a zoo file entry (``model:`` /
+    ``data:``) or an entry of params.yaml's ``sources:`` say.
+
+    Attributes:
+        name: the row's model name (reports, MLflow, export names).
+        model: Hugging Face directory, ``torchvision:<arch>`` or ``package.module:function``.
+        data: where the examples are and which columns to read.
+        checkpoint, num_classes, tokenizer: see :func:`bayesq.harness.sources.resolve_model`.
+        calibration, selection, test: sizes of the three disjoint seeded draws.
+        budgets, methods: what to run (zoo file and params.yaml entries).
+        exclude: module names or glob patterns kept in floating point.
+    """
+
+    name: str
+    model: str
+    data: DataSource
+    checkpoint: str = ""
+    num_classes: int = 0
+    tokenizer: str = ""
+    calibration: int = 128
+    selection: int = 256
+    test: int = 512
+    budgets: tuple[float, ...] = (3.0,)
+    methods: tuple[str, ...] = ("bayesq",)
+    exclude: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for key in ("calibration", "test"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"{self.name}: {key} = {getattr(self, key)}: need at least 1 example")
+        if self.selection < 0:
+            raise ValueError(f"{self.name}: selection = {self.selection}: need 0 or more examples")
+        if not self.budgets or not all(isinstance(b, (int, float)) and b > 0 for b in self.budgets):
+            raise ValueError(f"{self.name}: budgets = {list(self.budgets)}: need positive bits per weight")
+        bad = [m for m in self.methods if m not in BYO_METHODS]
+        if bad or not self.methods:
+            raise ValueError(f"{self.name}: methods = {list(self.methods)}: choose from {', '.join(BYO_METHODS)}")
+
+
+#: keys of a zoo / params.yaml entry -> ByoModel / DataSource fields
+MODEL_KEYS = ("name", "model", "checkpoint", "num_classes", "tokenizer", "calibration", "selection", "test",
+              "budgets", "methods", "exclude")
+DATA_KEYS = ("data", "split", "text_column", "image_column", "label_column", "max_length", "image_size")
+
+
+def byo_from_mapping(item: Mapping[str, Any], where: str, budgets: tuple[float, ...] = (3.0,),
+                     methods: tuple[str, ...] = ("bayesq",)) -> ByoModel:
+    """A :class:`ByoModel` from a zoo-file or params.yaml entry (``where`` names it in errors).
+
+    Raises:
+        ValueError: an unknown key (with the valid ones), a missing ``model`` / ``data``, a
+            value of the wrong type.
+    """
+    if not isinstance(item, Mapping):
+        raise ValueError(f"{where}: need a mapping with 'model' and 'data'")
+    unknown = sorted(set(item) - set(MODEL_KEYS) - set(DATA_KEYS))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(MODEL_KEYS + DATA_KEYS), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ValueError(f"{where}: unknown key '{unknown[0]}'{hint}; valid keys: {', '.join(MODEL_KEYS + DATA_KEYS)}")
+    for key in ("model", "data"):
+        if not item.get(key):
+            raise ValueError(f"{where}: '{key}' is required (model: a Hugging Face folder, torchvision:<arch> or "
+                             "package.module:function; data: a dataset folder or file)")
+    text = item.get("text_column") or ()
+    try:
+        data = DataSource(str(item["data"]), str(item.get("split", "train")),
+                          (text,) if isinstance(text, str) else tuple(map(str, text)),
+                          str(item.get("image_column") or ""), str(item.get("label_column") or ""),
+                          int(item.get("max_length", 128)), int(item.get("image_size", 224)))
+        listed = {k: tuple(item[k]) if isinstance(item.get(k), (list, tuple)) else item.get(k)
+                  for k in ("budgets", "methods", "exclude") if k in item}
+        for k, v in listed.items():
+            if not isinstance(v, tuple):
+                raise ValueError(f"'{k}' must be a list, got {v!r}")
+        name = str(item.get("name") or Path(str(item["model"]).rstrip("/")).name.replace("torchvision:", ""))
+        return ByoModel(name, str(item["model"]), data, str(item.get("checkpoint") or ""),
+                        int(item.get("num_classes") or 0), str(item.get("tokenizer") or ""),
+                        int(item.get("calibration", 128)), int(item.get("selection", 256)),
+                        int(item.get("test", 512)), tuple(float(b) for b in listed.get("budgets", budgets)),
+                        tuple(map(str, listed.get("methods", methods))), tuple(map(str, listed.get("exclude", ()))))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+
 
 
 class SelectionInputs(str, Enum):
@@ -191,6 +285,10 @@ class AblationConfig:
 class Params:
     """The whole of ``params.yaml`` after the selected profile's overrides are applied.
 
+    ``sources``: a user's models and data (:class:`ByoModel`, run by the ``sources`` stage next to
+    the embedded models; each at its own ``budgets`` / ``methods``, default the profile's budgets
+    and :data:`SOURCE_METHODS`).
+
     ``exclude``: per embedded model, the module names or glob patterns (``fnmatch``, as
     :func:`bayesq.quantize.quantize_model`'s ``exclude=``) it keeps in floating point, the same
     for every method, its posterior and its statistics; a model not listed excludes nothing.
@@ -214,6 +312,7 @@ class Params:
     distill: DistillConfig = field(default_factory=DistillConfig)
     robustness: RobustnessConfig = field(default_factory=RobustnessConfig)
     ablations: AblationConfig = field(default_factory=AblationConfig)
+    sources: tuple[ByoModel, ...] = ()
     exclude: Mapping[str, tuple[str, ...]] = field(default_factory=dict, metadata=checks(
         rule(lambda v: isinstance(v, Mapping), "need a mapping {model: [module names or glob patterns]}, "
                                                "e.g. {minilm-sentiment: [classifier]}"),
@@ -252,6 +351,7 @@ _SECTIONS = {
     "ablations": AblationConfig,
 }
 _LISTS = ("models", "seeds", "budgets", "methods")
+SOURCE_METHODS = ("bayesq", "gptq")  # methods of a `sources:` entry that names none (BayesQ and its strongest rival)
 _MAPPINGS = ("exclude",)  # top-level mappings that are no section: {model: [patterns]}
 
 
@@ -278,7 +378,7 @@ def load_params(raw: Mapping[str, Any]) -> Params:
     if profile not in profiles and profiles:
         raise ValueError(f"profile = {profile!r}: unknown profile; defined: {', '.join(profiles)}")
     merged = _merge(raw, profiles.get(profile, {}) or {}, f"profiles.{profile}")
-    top = {"profile", *_LISTS, *_MAPPINGS, *_SECTIONS}
+    top = {"profile", "sources", *_LISTS, *_MAPPINGS, *_SECTIONS}
     for key in merged:
         if key not in top:
             close = difflib.get_close_matches(key, list(top), n=1)
@@ -289,7 +389,31 @@ def load_params(raw: Mapping[str, Any]) -> Params:
     kwargs |= {k: {} if merged[k] is None else merged[k] for k in _MAPPINGS if k in merged}  # `exclude:` alone: none
     for name, cls in _SECTIONS.items():
         kwargs[name] = from_mapping(cls, merged.get(name), name)
+    kwargs["sources"] = read_sources(merged.get("sources"), kwargs.get("budgets", Params.budgets))
     return Params(**kwargs)
+
+
+def read_sources(items: Any, budgets: tuple[float, ...]) -> tuple[ByoModel, ...]:
+    """params.yaml's ``sources:`` (None or a list of entries, :func:`byo_from_mapping`; each at
+    ``budgets`` and :data:`SOURCE_METHODS` unless it names its own).
+
+    Raises:
+        ValueError: not a list, a bad entry (naming ``sources[i]`` and the key), a name listed
+            twice or one of an embedded model.
+    """
+    if items is None:
+        return ()
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"params: sources = {items!r}: need a list of models, each with 'model' and 'data'")
+    out, names = [], set(known_models())
+    for i, item in enumerate(items):
+        byo = byo_from_mapping(item, f"params: sources[{i}]", tuple(budgets), SOURCE_METHODS)
+        if byo.name in names:
+            raise ValueError(f"params: sources[{i}].name = {byo.name!r}: already the name of another model; give it "
+                             "its own 'name'")
+        names.add(byo.name)
+        out.append(byo)
+    return tuple(out)
 
 
 def ablation_params(params: Params, overrides: Mapping[str, Any], where: str = "ablation") -> Params:

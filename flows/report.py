@@ -450,13 +450,18 @@ def results_summary(summary: dict, fp: dict[str, dict], paired: list[dict], timi
     return "\n".join(lines)
 
 
-def report(results: Path, models: Path, out: Path, summary_file: Path | None = None) -> None:
+def report(results: Path, models: Path, out: Path, summary_file: Path | None = None,
+           sources: Path | None = None) -> None:
+    """Every report of ``results`` (the quantize stage's) in ``out``; with ``sources`` (the
+    sources stage's ``sources.md``) also ``<out>/sources.md``, the user models' table."""
     everything = read_json(results)
     records = [r for r in everything if r["method"] != "fp"]  # FP rows: the robustness reference
     summary = summarise(records)
     budgets = sorted({r["budget"] for r in records})
     fp = {m: read_json(Path(models) / m / "fp.json") for m in summary}
     out.mkdir(parents=True, exist_ok=True)
+    if sources is not None:
+        (out / "sources.md").write_text(Path(sources).read_text())
     paired, notes = paired_comparisons(records, Path(results).parent)
     write_json(out / "paired.json", paired)
     (out / "main_table.md").write_text("\n".join((main_table(summary, fp, budgets, records), fidelity_table(summary, budgets),
@@ -643,11 +648,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--ablations", type=Path, help="ablations.json: write <out>/ablations.md only")
     p.add_argument("--summary", type=Path, help="also write the results summary here (docs/results.md)")
+    p.add_argument("--sources", type=Path, help="the sources stage's sources.md: copied to <out>/sources.md")
     a = p.parse_args()
     if a.ablations:
         ablation_report(a.ablations, a.models, a.out / "ablations.md")
     elif a.results:
-        report(a.results, a.models, a.out, a.summary)
+        report(a.results, a.models, a.out, a.summary, a.sources)
     else:
         p.error("pass --results (main table) or --ablations (ablation table)")
 

@@ -11,6 +11,12 @@ A zoo file lists the models::
         dataset: data/raw/fashion-mnist   # the raw data the entry reads (default: its file under --raw)
         checkpoint: models/lite0-fmnist/model.safetensors   # default: <models>/<name>/model.safetensors
         budgets: [3.0, 3.5]
+      - model: ./my-bert                # your own model (no loader): a Hugging Face folder,
+        data: ./sst2.parquet            # torchvision:<arch> + checkpoint, or package.module:function;
+        text_column: sentence           # data and column keys as `bayesq quantize --model ... --data ...`
+        label_column: label             # (flows/byo.py: name, checkpoint, num_classes, tokenizer, split,
+        budgets: [3.0]                  # text_column, image_column, label_column, max_length, image_size,
+        methods: [bayesq, gptq]         # calibration, selection, test, budgets, methods, exclude)
 
 Per model the flow submits a task graph to the task runner (Prefect's thread pool, or Dask
 workers): the posterior, then one loss-table task per layer (the layers fan out across workers;
@@ -20,6 +26,9 @@ the cached tasks of ``flows/prepare.py`` and ``flows/quantize.py``, so an unchan
 cache hits, a new model or budget runs only its own tasks, and a model that fails is reported
 while the others go on. One MLflow parent run per invocation, one child per model and budget,
 tagged with the lineage (``flows/lineage.py``).
+An entry with ``model:`` and ``data:`` (a user's model and data, :mod:`flows.byo`) runs one cached
+task per method and budget (:func:`byo_task`: prepare, quantise, export with its skeleton, load back,
+compare with FP on the test draw), its report next to its export.
 Writes ``<out>/zoo_results.json`` (``records``: one per model and budget; ``failures``) and the
 exports in ``<out>/exports/``.
 """
@@ -38,6 +47,7 @@ from prefect.cache_policies import NO_CACHE
 from bayesq.blocks import quantizable_layers
 from bayesq.expected_loss import LossTable
 from bayesq.harness.models.zoo import get_entry
+from flows.byo import ByoModel, byo_from_mapping, submit_rows, track_child
 from flows.common import code_version, digest, parser, read_params, write_json
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage
@@ -69,9 +79,10 @@ def _bad(path, i: int, key: str, value, why: str) -> ValueError:
     return ValueError(f"{path}: models[{i}].{key} = {value!r}: {why}")
 
 
-def read_zoo(path: Path) -> tuple[ZooModel, ...]:
+def read_zoo(path: Path) -> tuple[ZooModel | ByoModel, ...]:
     """Validated models of a zoo file (unknown keys, missing names, bad budgets or loaders and
-    duplicate names raise ``ValueError`` naming the entry and the key)."""
+    duplicate names raise ``ValueError`` naming the entry and the key). An entry with ``model:``
+    is a user's model and data (:func:`flows.byo.byo_from_mapping`, no ``loader``)."""
     raw = yaml.safe_load(Path(path).read_text()) or {}
     if set(raw) - {"models"}:
         raise ValueError(f"{path}: unknown top-level key(s) {sorted(set(raw) - {'models'})}; expected 'models'")
@@ -80,8 +91,16 @@ def read_zoo(path: Path) -> tuple[ZooModel, ...]:
         raise ValueError(f"{path}: 'models' must be a non-empty list of models")
     out, seen = [], set()
     for i, item in enumerate(items):
+        if isinstance(item, dict) and "model" in item:
+            byo = byo_from_mapping(item, f"{path}: models[{i}]")
+            if byo.name in seen:
+                raise _bad(path, i, "name", byo.name, "listed twice (give each model its own 'name')")
+            seen.add(byo.name)
+            out.append(byo)
+            continue
         if not isinstance(item, dict) or "name" not in item:
-            raise ValueError(f"{path}: models[{i}] must be a mapping with at least a 'name'")
+            raise ValueError(f"{path}: models[{i}] must be a mapping with at least a 'name' (an embedded model) "
+                             "or 'model' and 'data' (your own)")
         unknown = set(item) - {f.name for f in fields(ZooModel)}
         if unknown:
             raise _bad(path, i, sorted(unknown)[0], item[sorted(unknown)[0]],
@@ -189,6 +208,13 @@ def quantize_budget(m: ZooModel, ckpt: str, mdig: str, src: str, sdig: str, post
             "posterior_seconds": post["seconds"], "posterior_sha256": post["sha256"], "model_digest": mdig}
 
 
+def submit_byo(m: ByoModel, params, out: str, code: str, lineage: dict, threads: int | None = None) -> list:
+    """Submit one task per method and budget of a user's model; raises at once when its model or
+    data is missing or does not fit (checked before anything runs)."""
+
+    return submit_rows(m, params, out, code, lineage, params.seeds[:1], threads)
+
+
 def submit_model(m: ZooModel, params, raw: str, models: str, out: str, code: str, lineage: dict,
                  threads: int | None = None) -> list:
     """Submit one model's task graph: posterior -> one table task per layer (or one for the whole
@@ -249,7 +275,8 @@ def zoo_flow_body(zoo: Path, params_path: Path, raw: Path, models: Path, out: Pa
     futures, failures = {}, []
     for m in read_zoo(zoo):
         try:
-            futures[m.name] = submit_model(m, params, str(raw), str(models), str(out), code, lineage, threads)
+            futures[m.name] = (submit_byo(m, params, str(out), code, lineage, threads) if isinstance(m, ByoModel)
+                               else submit_model(m, params, str(raw), str(models), str(out), code, lineage, threads))
         except Exception as err:  # one failing model is reported; the others go on
             failures.append({"model": m.name, "error": f"{type(err).__name__}: {err}"})
     records = []
@@ -262,6 +289,9 @@ def zoo_flow_body(zoo: Path, params_path: Path, raw: Path, models: Path, out: Pa
                 failures.append({"model": name, "error": f"{type(err).__name__}: {err}"})
                 continue
             for r in rs:
+                if "fidelity" in r:  # a user's model (flows.byo)
+                    track_child(parent.info.run_id, r, params)
+                    continue
                 say(f"[zoo] {name} budget {r['budget']}: acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits, "
                     f"{r['export']['file_bytes'] / 1e6:.2f} MB")
                 mlflow_child(parent.info.run_id, child_run_name(name, "bayesq-distill", r["budget"], r["seed"]),

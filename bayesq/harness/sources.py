@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bayesq.harness.models.zoo import IMAGENET_MEAN, IMAGENET_STD, known_models
+from bayesq.harness.models.zoo import get_entry, known_models
 
 #: Auto class by the suffix of the config's architecture name (first match wins).
 AUTO_CLASSES = (
@@ -112,7 +112,6 @@ class ModelSource:
         if self.kind is SourceKind.HUGGINGFACE:
             return _hf_pretrained(self).eval()
         if self.kind is SourceKind.EMBEDDED:
-            from bayesq.harness.models.zoo import get_entry
             from safetensors.torch import load_model
 
             entry = get_entry(self.spec)
@@ -326,8 +325,6 @@ def build_skeleton(desc: dict[str, Any]) -> nn.Module:
     if kind == SourceKind.CALLABLE.value:
         return _call_target(desc["target"]).eval()
     if kind == SourceKind.EMBEDDED.value:
-        from bayesq.harness.models.zoo import get_entry
-
         return get_entry(desc["name"]).build(pretrained=False)
     raise ValueError(f"unknown skeleton kind {kind!r}: expected one of {[k.value for k in SourceKind]}")
 
