@@ -105,6 +105,8 @@ def score_examples(fp: nn.Module, quantized: nn.Module, batches: Sequence[Batch]
                 raise ValueError("labels were given but the model has per-token outputs: accuracy is for "
                                  "classifiers; drop the label column (KL, agreement and perplexity need none)")
             y = labels[offset:offset + b].to(z_p.device)
+            if len(y) != b:
+                raise ValueError(f"{len(labels)} labels for at least {offset + b} examples: pass one label per example")
             parts["correct_fp"].append((z_p.argmax(-1) == y).double().cpu())
             parts["correct_q"].append((z_q.argmax(-1) == y).double().cpu())
         if causal_lm:

@@ -36,17 +36,23 @@ Batch = Any  # torch.Tensor | Mapping[str, torch.Tensor]
 
 
 def output_logits(out: Any) -> torch.Tensor:
-    """The logits in a model's output: a tensor, ``out.logits``, ``out["logits"]`` or ``out[0]``.
+    """The logits in a model's output: a tensor, ``out.logits``, ``out["logits"]`` or ``out[0]``;
+    for a model without a head (a Hugging Face base model, e.g. a sentence encoder) its per-token
+    features ``out.last_hidden_state`` (B, T, H), read as per-token logits: every pass then works
+    on the softmax of the features, a proxy predictive whose KL measures how far the quantised
+    features move.
 
     Raises:
         TypeError: naming the type of ``out`` when it is none of these.
     """
     if torch.is_tensor(out):
         return out
-    if hasattr(out, "logits"):
+    if getattr(out, "logits", None) is not None:
         return out.logits
     if isinstance(out, Mapping) and "logits" in out:
         return out["logits"]
+    if getattr(out, "last_hidden_state", None) is not None:
+        return out.last_hidden_state
     if isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
         return out[0]
     raise TypeError(f"the model returned a {type(out).__name__}; BayesQ reads the logits from a tensor, an object "

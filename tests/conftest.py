@@ -64,3 +64,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def byo_models(tmp_path_factory):
+    """Tiny Hugging Face folders and a torchvision checkpoint, as a user brings them (tests/byo_fixtures.py)."""
+    from tests.byo_fixtures import make_models
+
+    return make_models(tmp_path_factory.mktemp("byo-models"))
+
+
+@pytest.fixture(scope="session")
+def byo_data(tmp_path_factory):
+    """Sentences and images in every supported format (tests/byo_fixtures.py)."""
+    from tests.byo_fixtures import make_data
+
+    return make_data(tmp_path_factory.mktemp("byo-data"))

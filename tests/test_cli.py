@@ -17,7 +17,7 @@ from flows.cli import _serve, app
 from tests.test_flows import TinyEntry, _params
 
 runner = CliRunner()
-COMMANDS = ["run", "quantize", "report", "lineage", "ui"]
+COMMANDS = ["run", "quantize", "eval", "report", "lineage", "ui"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -103,6 +103,11 @@ def test_output_logits_reads_every_supported_output_and_names_others():
 
     for out in (z, WithLogits(), {"logits": z, "hidden": None}, (z, "extra"), [z]):
         assert output_logits(out) is z
+    # a base model without a head (Hugging Face BaseModelOutput): its per-token features
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    h = torch.randn(2, 5, 4)
+    assert output_logits(BaseModelOutputWithPooling(last_hidden_state=h, pooler_output=h[:, 0])) is h
     with pytest.raises(TypeError, match="returned a str.*tensor, an object with .logits"):
         output_logits("not logits")
     with pytest.raises(TypeError, match="returned a dict"):

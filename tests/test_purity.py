@@ -145,12 +145,14 @@ def test_import_graph_has_no_loops():
 
 
 def test_method_core_reads_no_harness_but_the_export_loader():
-    """The layout: bayesq/harness (embedded models, data, corruptions) sits beside the method
-    core; only loading an export reaches into it (to rebuild an architecture by name)."""
+    """The layout: bayesq/harness (embedded models, data, corruptions, model sources) sits beside
+    the method core; only loading an export reaches into it (to rebuild an architecture by name
+    or from the skeleton the export describes)."""
     graph = _project_imports()
     core = {m: {t for t in edges if t.startswith("bayesq.harness")} for m, edges in graph.items()
             if m.startswith("bayesq") and not m.startswith("bayesq.harness")}
-    assert {m: e for m, e in core.items() if e} == {"bayesq.export": {"bayesq.harness.models.zoo"}}
+    assert {m: e for m, e in core.items() if e} == {"bayesq.export": {"bayesq.harness.models.zoo",
+                                                                      "bayesq.harness.sources"}}
 
 
 def test_cycle_finder_vs_hand_made_graphs():

@@ -99,6 +99,8 @@ def load_rows(src: DataSource):
         try:
             return datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as err:  # noqa: BLE001 - the builders raise many types on a malformed file
+            if "corresponds to no data" in str(err):
+                raise ValueError(f"{path} has no examples: pass a file with data") from None
             raise ValueError(f"{path} is not a readable {builder} file: {type(err).__name__}: {err}") from None
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         ds = datasets.load_from_disk(str(path))
