@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -36,7 +36,8 @@ from bayesq.baselines.select import encoding_config
 from bayesq.config import BayesQConfig
 from bayesq.evaluation import each_batch, predict
 from bayesq.export import ExportError, load, read_export, save_export
-from bayesq.fidelity import fidelity_report, score_examples
+from bayesq.comparison import paired_difference
+from bayesq.fidelity import ExampleScores, fidelity_report, score_examples
 from bayesq.forward import call, output_logits
 from bayesq.harness.data.calibration import sample_calibration_indices
 from bayesq.harness.data.files import (
@@ -50,7 +51,7 @@ from bayesq.harness.data.files import (
 )
 from bayesq.harness.sources import ModelSource, SourceKind, resolve_model, unpacked
 from bayesq.methods import Inputs, quantize_with
-from bayesq.tensorfile import file_sha256
+from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import digest, locked, write_json
 from flows.lineage import artifact_tags, row_metadata
 from flows.params import BYO_METHODS, ByoModel, Method, byo_from_mapping
@@ -225,7 +226,8 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
         logit_diff = max_logit_diff(res.model, loaded, prep.test[:1])
         say(f"[byo] {prep.spec.name}: {res.average_bits:.4f} bits/weight, export {info.file_bytes / 1e6:.2f} MB; "
             f"comparing with FP on {len(prep.draws.test)} test examples")
-        report = fidelity_report(score_examples(prep.fp, loaded, prep.test, prep.labels, prep.source.causal_lm))
+        scores = score_examples(prep.fp, loaded, prep.test, prep.labels, prep.source.causal_lm)
+        report = fidelity_report(scores)
     except BaseException:  # an export that cannot be checked is not left behind (Ctrl-C included)
         out.unlink(missing_ok=True)
         raise
@@ -236,9 +238,48 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
                                                                   if isinstance(v, (str, int, float))},
               "export": info.as_dict(), "loaded_logit_max_diff": logit_diff, "fidelity": report.as_dict(),
               "dataset": prep.spec.data.path, "dataset_digest": prep.data_digest,
-              "draws": json.loads(meta["draws"])}
+              "draws": json.loads(meta["draws"]), "examples_file": str(save_examples(out, scores))}
     write_report(out, record, report.lines())
     return record
+
+
+def examples_path(export: Path) -> Path:
+    """``<export stem>.examples.safetensors``: a row's per-example scores, next to its export."""
+    stem = Path(export).with_suffix("")
+    return stem.with_name(stem.name + ".examples.safetensors")
+
+
+def save_examples(export: Path, scores: ExampleScores) -> Path:
+    """Write a row's per-example scores (float64 (N,) each; absent ones left out) for paired comparisons."""
+    tensors = {k: v.contiguous() for k, v in asdict(scores).items() if v is not None}
+    return save_tensors(examples_path(export), tensors)
+
+
+def load_examples(path: Path) -> ExampleScores:
+    """The :class:`bayesq.fidelity.ExampleScores` :func:`save_examples` wrote."""
+    from safetensors.torch import load_file
+
+    return ExampleScores(**load_file(str(path)))
+
+
+def paired_rows(records: list[dict], reference: str = "bayesq") -> list[dict]:
+    """BayesQ (``reference``) minus every other method, per model, budget and seed, on the same
+    test examples (rows whose test draws hash alike): the paired bootstrap of the mean per-example
+    difference of KL (nats) and, with labels, of correct (points) (:func:`bayesq.comparison.paired_difference`)."""
+    out = []
+    key = lambda r: (r["model"], r["budget"], r["seed"], r["draws"]["test"]["sha256"])  # noqa: E731
+    refs = {key(r): r for r in records if r["method"] == reference and r.get("examples_file")}
+    for r in records:
+        ref = refs.get(key(r))
+        if r["method"] == reference or ref is None or not r.get("examples_file"):
+            continue
+        a, b = load_examples(Path(ref["examples_file"])), load_examples(Path(r["examples_file"]))
+        row = {"model": r["model"], "budget": r["budget"], "seed": r["seed"], "method": reference,
+               "baseline": r["method"], "n": a.n, "kl": paired_difference(a.kl, b.kl).as_dict()}
+        if a.correct_q is not None and b.correct_q is not None:
+            row["accuracy"] = paired_difference(a.correct_q, b.correct_q, scale=100.0).as_dict()
+        out.append(row)
+    return out
 
 
 def write_report(export: Path, record: dict, lines: list[str]) -> tuple[Path, Path]:
@@ -384,4 +425,4 @@ def evaluate_export(path: Path, data: DataSource | None, data_path: str, referen
 
 
 __all__ = ["BYO_METHODS", "ByoModel", "byo_from_mapping", "check", "prepare", "run_row", "method_config", "track_row", "evaluate_export", "byo_task",
-           "submit_rows", "track_child"]
+           "submit_rows", "track_child", "paired_rows", "load_examples"]

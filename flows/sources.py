@@ -8,7 +8,8 @@ Each entry (a Hugging Face folder, ``torchvision:<arch>`` with a checkpoint or
 runs at its budgets and methods for every seed, one cached task per row (:func:`flows.byo.byo_task`:
 quantise, export with its skeleton, load back, compare with FP on the test draw with paired 95 %
 intervals). One MLflow parent run per invocation, a child per row. Writes
-``<out>/sources.json`` (``records``, ``failures``), ``<out>/sources.md`` (the table the report
+``<out>/sources.json`` (``records``, ``failures``, ``paired``: BayesQ minus every other method on
+the same test examples, :func:`flows.byo.paired_rows`), ``<out>/sources.md`` (the table the report
 stage copies to ``reports/sources.md``) and the exports with their reports in ``<out>/exports/``.
 With no ``sources:`` it writes an empty table, so the stage costs nothing by default.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.byo import submit_rows, track_child
+from flows.byo import paired_rows, submit_rows, track_child
 from flows.common import code_version, parser, read_params, write_json
 from flows.lineage import export_lineage
 from flows.tracking import flow_run_namer, mlflow_parent, say
@@ -48,9 +49,23 @@ def sources_table(records: list[dict], failures: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['method']} | {r['budget']} | {r['seed']} | {r['avg_bits']:.4f} | "
                      f"{_cell(f, 'kl', digits=5)} | {_cell(f, 'agreement', 100, 2)} | {_cell(f, 'accuracy_diff', digits=2)} | "
                      f"{_cell(f, 'perplexity_ratio')} | {f['n']} |")
+    paired = paired_rows(records)
+    if paired:
+        lines += ["", "BayesQ minus each other method on the same test examples (paired bootstrap, 95 %; "
+                      "negative KL: BayesQ closer to FP; positive accuracy: BayesQ more accurate):", "",
+                  "| model | budget | seed | BayesQ − | KL diff (nats) | accuracy diff (pts) | examples |",
+                  "|---|---|---|---|---|---|---|"]
+        for p in paired:
+            acc = p.get("accuracy")
+            lines.append(f"| {p['model']} | {p['budget']} | {p['seed']} | {p['baseline']} | {_diff(p['kl'], 5)} | "
+                         f"{_diff(acc, 2) if acc else '-'} | {p['n']} |")
     for f in failures:
         lines.append(f"\n**{f['model']} failed:** {f['error']}")
     return "\n".join(lines + [""])
+
+
+def _diff(d: dict, digits: int) -> str:
+    return f"{d['diff']:+.{digits}f} [{d['ci_low']:+.{digits}f}, {d['ci_high']:+.{digits}f}]"
 
 
 def sources_flow_body(params_path: Path, out: Path) -> dict:
@@ -78,6 +93,7 @@ def sources_flow_body(params_path: Path, out: Path) -> dict:
     for f in failures:
         say(f"[sources] {f['model']}: FAILED: {f['error']}")
     result = {"records": records, "failures": failures}
+    result["paired"] = paired_rows(records)
     write_json(Path(out) / "sources.json", result)
     (Path(out) / "sources.md").write_text(sources_table(records, failures))
     return result

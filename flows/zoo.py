@@ -29,7 +29,8 @@ tagged with the lineage (``flows/lineage.py``).
 An entry with ``model:`` and ``data:`` (a user's model and data, :mod:`flows.byo`) runs one cached
 task per method and budget (:func:`byo_task`: prepare, quantise, export with its skeleton, load back,
 compare with FP on the test draw), its report next to its export.
-Writes ``<out>/zoo_results.json`` (``records``: one per model and budget; ``failures``) and the
+Writes ``<out>/zoo_results.json`` (``records``: one per model and budget; ``failures``; for your
+models ``paired``: BayesQ minus each other method, :func:`flows.byo.paired_rows`) and the
 exports in ``<out>/exports/``.
 """
 
@@ -47,7 +48,7 @@ from prefect.cache_policies import NO_CACHE
 from bayesq.blocks import quantizable_layers
 from bayesq.expected_loss import LossTable
 from bayesq.harness.models.zoo import get_entry
-from flows.byo import ByoModel, byo_from_mapping, submit_rows, track_child
+from flows.byo import ByoModel, byo_from_mapping, paired_rows, submit_rows, track_child
 from flows.common import code_version, digest, parser, read_params, write_json
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage
@@ -305,6 +306,9 @@ def zoo_flow_body(zoo: Path, params_path: Path, raw: Path, models: Path, out: Pa
     for f in failures:
         say(f"[zoo] {f['model']}: FAILED: {f['error']}")
     result = {"records": records, "failures": failures}
+    byo = [r for r in records if "fidelity" in r]
+    if byo:  # your models: BayesQ minus each other method on the same test examples
+        result["paired"] = paired_rows(byo)
     write_json(Path(out) / "zoo_results.json", result)
     return result
 

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from bayesq.comparison import kl_per_example
 from bayesq.export import load, read_export
 from bayesq.harness.data.files import DataSource
-from flows.byo import ByoModel, byo_from_mapping, prepare, report_paths, run_row
+from flows.byo import ByoModel, byo_from_mapping, load_examples, prepare, report_paths, run_row
 from flows.cli import app
 from flows.common import read_params
 from flows.params import load_params
@@ -209,17 +209,25 @@ def test_sources_stage_runs_declared_models(byo_models, byo_data, tmp_path, pref
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["sources"] = [{"name": "my-gpt2", "model": str(byo_models["gpt2"]), "data": str(byo_data["jsonl"]),
                        "text_column": "sentence", "calibration": 16, "selection": 16, "test": 24,
-                       "methods": ["bayesq"]}]
+                       "methods": ["bayesq", "rtn-tensor"]}]
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(raw))
     res = sources_flow(params, tmp_path / "results-sources")
-    assert not res["failures"] and [(r["model"], r["method"]) for r in res["records"]] == [("my-gpt2", "bayesq")]
+    assert not res["failures"]
+    assert sorted((r["model"], r["method"]) for r in res["records"]) == [("my-gpt2", "bayesq"), ("my-gpt2", "rtn-tensor")]
     table = (tmp_path / "results-sources" / "sources.md").read_text()
     assert "| my-gpt2 | bayesq | 3.0 |" in table and "perplexity" in table
+    # BayesQ minus RTN on the same test examples: the mean of the per-example KL differences
+    (paired,) = json.loads((tmp_path / "results-sources" / "sources.json").read_text())["paired"]
+    kl = {r["method"]: load_examples(Path(r["examples_file"])).kl for r in res["records"]}
+    assert paired["baseline"] == "rtn-tensor" and paired["n"] == 24
+    assert paired["kl"]["diff"] == pytest.approx(float((kl["bayesq"] - kl["rtn-tensor"]).mean()), rel=1e-12)
+    assert paired["kl"]["ci_low"] <= paired["kl"]["diff"] <= paired["kl"]["ci_high"]
+    assert "| my-gpt2 | 3.0 | 17 | rtn-tensor |" in table
     raw["sources"] = []
     params.write_text(yaml.safe_dump(raw))
     empty = sources_flow(params, tmp_path / "none")
-    assert empty == {"records": [], "failures": []}
+    assert empty == {"records": [], "failures": [], "paired": []}
     assert "No user models are declared" in (tmp_path / "none" / "sources.md").read_text()
 
 
