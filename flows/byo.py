@@ -126,6 +126,7 @@ def prepare(spec: ByoModel, seed: int, say=print) -> Prepared:
     """
 
     start = time.perf_counter()
+    say(f"[byo] {spec.name}: reading {spec.model} and {spec.data.path} ...")
     src, ds, draws = check(spec, seed)
     say(f"[byo] {spec.name}: {src.kind.value} {src.auto_class or src.arch} ({src.modality.value}), "
         f"{len(ds)} examples in {spec.data.path}: {spec.calibration} calibration, {spec.selection} selection, "
@@ -134,7 +135,7 @@ def prepare(spec: ByoModel, seed: int, say=print) -> Prepared:
     pre = src.preprocessor(spec.data.image_size)
     with unpacked(pre.get("files", {})) as folder:
         feat = featurizer(pre, spec.data, folder, src.causal_lm)
-        cal, sel, test = (make_batches(ds, getattr(draws, part), feat, BATCH)
+        cal, sel, test = (make_batches(ds, getattr(draws, part), feat, BATCH, f"preprocess {part}")
                           for part in ("calibration", "selection", "test"))
     labels = read_labels(ds, draws.test, spec.data, _num_classes(src, fp, test[0]) if spec.data.label_column else 0,
                          _label2id(src))
@@ -414,7 +415,7 @@ def evaluate_export(path: Path, data: DataSource | None, data_path: str, referen
         f"FP reference {reference}")
     fp, quantized = src.build(), load(path)
     with unpacked(pre.get("files", {})) as folder:
-        batches = make_batches(ds, idx, featurizer(pre, data, folder, src.causal_lm), BATCH)
+        batches = make_batches(ds, idx, featurizer(pre, data, folder, src.causal_lm), BATCH, "preprocess test")
     labels = read_labels(ds, idx, data, _num_classes(src, fp, batches[0]) if data.label_column else 0,
                          getattr(getattr(fp, "config", None), "label2id", None))
     report = fidelity_report(score_examples(fp, quantized, batches, labels, src.causal_lm))

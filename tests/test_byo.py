@@ -246,3 +246,23 @@ def test_run_row_leaves_no_export_when_the_check_fails(byo_models, byo_data, tmp
     with pytest.raises(RuntimeError, match="evaluation failed"):
         run_row(prep, "rtn-group", 4.0, read_params(ROOT / "params.yaml"), 0, out, {}, "code", say=lambda _: None)
     assert not out.exists()
+
+
+def test_eval_needs_the_fp_model_and_takes_another_path(byo_models, byo_data, tmp_path, one_thread):
+    import shutil
+
+    moved = tmp_path / "producer-bert"
+    shutil.copytree(byo_models["bert"], moved)
+    out = tmp_path / "q.safetensors"
+    res = _quantize("--model", str(moved), "--data", str(byo_data["parquet"]), "--text-column", "sentence",
+                    "--method", "rtn-group", "--out", str(out), "--no-track")
+    assert res.exit_code == 0, res.output
+    shutil.rmtree(moved)  # the consumer has the export, not the producer's folder
+    res = runner.invoke(app, ["eval", str(out), "--data", str(byo_data["parquet"])])
+    assert res.exit_code == 1 and "KL to the FP model needs the FP model" in " ".join(res.output.split())
+    res = runner.invoke(app, ["eval", str(out), "--data", str(byo_data["parquet"]), "--reference",
+                              str(byo_models["bert"]), "--out", str(tmp_path / "e.json")])
+    assert res.exit_code == 0, res.output
+    record = json.loads((tmp_path / "e.json").read_text())
+    assert record["examples"] == "export test draw" and record["fidelity"]["n"] == 40
+    assert record["fidelity"]["kl"] == pytest.approx(json.loads(report_paths(out)[0].read_text())["fidelity"]["kl"])

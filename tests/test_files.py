@@ -42,6 +42,7 @@ def test_draw_examples_disjoint_seeded_and_sized():
     again = draw_examples(100, 20, 30, 40, seed=3)
     assert all(torch.equal(a, b) for a, b in zip(parts, [again.calibration, again.selection, again.test]))
     assert not torch.equal(draw_examples(100, 20, 30, 40, seed=4).calibration, d.calibration)
+    assert torch.equal(draw_examples(100, 50, 10, 40, seed=3).test, d.test)  # the test draw: seed and size only
     assert d.digest("test") == again.digest("test") != d.digest("calibration")
     with pytest.raises(ValueError, match=r"has 50 examples but calibration \+ selection \+ test need 20 \+ 30 \+ 40 = 90"):
         draw_examples(50, 20, 30, 40, seed=0)

@@ -107,3 +107,37 @@ def test_bad_sources_are_named(tmp_path, byo_models):
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a readable torch checkpoint"):
         read_state_dict(bad)
+
+
+def test_half_precision_checkpoint_builds_in_float32(byo_models, tmp_path):
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification
+
+    AutoModelForSequenceClassification.from_pretrained(str(byo_models["bert"])).to(torch.bfloat16).save_pretrained(
+        tmp_path / "bf16")
+    shutil.copy(byo_models["bert"] / "vocab.txt", tmp_path / "bf16")
+    src = resolve_model(str(tmp_path / "bf16"))
+    assert {p.dtype for p in src.build().parameters()} == {torch.float32}
+    assert {p.dtype for p in build_skeleton(src.skeleton()).parameters()} == {torch.float32}
+
+
+def test_concurrent_builds_load_every_weight(byo_models):
+    """Two threads (a flow's task pool) building at once: transformers' loading is not thread-safe
+    (unserialised, two concurrent GPT-2 loads report the tied lm_head.weight missing every time)."""
+    import threading
+
+    src, errors = resolve_model(str(byo_models["gpt2"])), []
+
+    def build():
+        try:
+            src.build()
+        except ValueError as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors

@@ -36,6 +36,7 @@ import base64
 import contextlib
 import importlib
 import tempfile
+import threading
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -55,6 +56,9 @@ AUTO_CLASSES = (
     ("ForImageClassification", "AutoModelForImageClassification"),
 )
 BASE_AUTO = "AutoModel"
+#: transformers' loading patches module-level state (weight initialisation, tied weights), so two
+#: threads loading at once (tasks of a flow's thread pool) can corrupt each other: one at a time.
+_HF_LOAD = threading.Lock()
 #: Files of a tokenizer / image processor an export carries so its inputs can be preprocessed
 #: without the model directory.
 PREPROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
@@ -108,7 +112,8 @@ class ModelSource:
         return self.spec.split(":", 1)[1] if self.kind is SourceKind.TORCHVISION else self.spec
 
     def build(self) -> nn.Module:
-        """The model with its weights, in eval mode (CPU, float32 as stored)."""
+        """The model with its weights, in eval mode, on the CPU; a Hugging Face checkpoint stored in
+        fp16 / bf16 is loaded in float32 (the curvature and statistics passes run in it)."""
         if self.kind is SourceKind.HUGGINGFACE:
             return _hf_pretrained(self).eval()
         if self.kind is SourceKind.EMBEDDED:
@@ -234,9 +239,9 @@ def _hf_pretrained(src: ModelSource) -> nn.Module:
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise ValueError(f"{folder} has a config.json but no weights (model.safetensors or pytorch_model.bin): "
                          "save the model with model.save_pretrained(folder)")
-    with quiet_transformers():
+    with _HF_LOAD, quiet_transformers():
         try:
-            model, info = cls.from_pretrained(str(folder), output_loading_info=True)
+            model, info = cls.from_pretrained(str(folder), output_loading_info=True, dtype=torch.float32)
         except (ValueError, OSError, RuntimeError) as err:
             raise ValueError(f"{folder}: {src.auto_class} cannot load this checkpoint: {err}") from None
     bad = {k: sorted(map(str, info.get(k) or ())) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
@@ -312,10 +317,10 @@ def build_skeleton(desc: dict[str, Any]) -> nn.Module:
 
         config = dict(desc["config"])
         config_obj = AutoConfig.for_model(config.pop("model_type"), **config)
-        with quiet_transformers(), torch.random.fork_rng(devices=[]):
+        with _HF_LOAD, quiet_transformers(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             return getattr(transformers, desc["auto_class"]).from_config(
-                config_obj, attn_implementation=desc.get("attn_implementation") or "sdpa").eval()
+                config_obj, attn_implementation=desc.get("attn_implementation") or "sdpa", dtype=torch.float32).eval()
     if kind == SourceKind.TORCHVISION.value:
         from torchvision.models import get_model
 

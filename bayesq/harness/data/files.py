@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from bayesq.harness.data.calibration import _permutation
 from bayesq.harness.models.zoo import IMAGENET_MEAN, IMAGENET_STD
@@ -157,9 +158,12 @@ class Draws:
 
 
 def draw_examples(n_total: int, calibration: int, selection: int, test: int, seed: int) -> Draws:
-    """Three disjoint seeded draws: consecutive slices of one seeded permutation of ``range(n_total)``
-    (the one :func:`bayesq.harness.data.calibration.sample_calibration_indices` takes its first
-    ``calibration`` from), each sorted.
+    """Three disjoint seeded draws from one seeded permutation of ``range(n_total)`` (the one
+    :func:`bayesq.harness.data.calibration.sample_calibration_indices` takes its first indices
+    from), each sorted: the test draw is its first ``test`` entries, the selection draw the next
+    ``selection``, the calibration draw the next ``calibration``. The test examples therefore
+    depend on the seed and ``test`` only: runs with other calibration or selection sizes are
+    scored on the same examples and can be compared pairwise.
 
     Raises:
         ValueError: a size below 1 (selection may be 0), or fewer examples than the three need.
@@ -173,9 +177,9 @@ def draw_examples(n_total: int, calibration: int, selection: int, test: int, see
                          f"{calibration} + {selection} + {test} = {need}: pass smaller --calibration / --selection "
                          f"/ --test (they must add up to at most {n_total}) or more data")
     perm = _permutation(n_total, seed)
-    cuts = (0, calibration, calibration + selection, need)
-    parts = [torch.sort(perm[a:b]).values for a, b in zip(cuts, cuts[1:])]
-    return Draws(*parts)
+    cuts = (0, test, test + selection, need)
+    t, s, c = (torch.sort(perm[a:b]).values for a, b in zip(cuts, cuts[1:]))
+    return Draws(calibration=c, selection=s, test=t)
 
 
 def read_labels(ds, idx: Tensor, src: DataSource, num_classes: int, label2id: dict | None = None) -> Tensor | None:
@@ -266,7 +270,10 @@ def _rgb(image):
     return image.convert("RGB")
 
 
-def make_batches(ds, idx: Tensor, featurize: Callable[[dict[str, list]], Any], batch_size: int = 32) -> list:
-    """Batches of the rows ``idx`` (in that order), ``batch_size`` each (the last shorter)."""
+def make_batches(ds, idx: Tensor, featurize: Callable[[dict[str, list]], Any], batch_size: int = 32,
+                 desc: str | None = None) -> list:
+    """Batches of the rows ``idx`` (in that order), ``batch_size`` each (the last shorter);
+    ``desc``: a progress bar over the batches with that label."""
     rows = idx.tolist()
-    return [featurize(ds.select(rows[i:i + batch_size])[:]) for i in range(0, len(rows), batch_size)]
+    starts = tqdm(range(0, len(rows), batch_size), desc=desc, disable=None if desc else True, leave=False)
+    return [featurize(ds.select(rows[i:i + batch_size])[:]) for i in starts]
