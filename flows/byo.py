@@ -202,7 +202,7 @@ def max_logit_diff(a: torch.nn.Module, b: torch.nn.Module, batches: list) -> flo
 
 
 def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: Path, shared: Mapping[str, str],
-            code: str, say=print) -> dict:
+            code: str, say=print, examples_dir: Path | None = None) -> dict:
     """Quantise, export (with skeleton and preprocessing), load back without a skeleton, compare
     with FP on the test draw and write the report next to the export. Returns the row's record.
 
@@ -239,21 +239,22 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
                                                                   if isinstance(v, (str, int, float))},
               "export": info.as_dict(), "loaded_logit_max_diff": logit_diff, "fidelity": report.as_dict(),
               "dataset": prep.spec.data.path, "dataset_digest": prep.data_digest,
-              "draws": json.loads(meta["draws"]), "examples_file": str(save_examples(out, scores))}
+              "draws": json.loads(meta["draws"]), "examples_file": str(save_examples(out, scores, examples_dir))}
     write_report(out, record, report.lines())
     return record
 
 
-def examples_path(export: Path) -> Path:
-    """``<export stem>.examples.safetensors``: a row's per-example scores, next to its export."""
+def examples_path(export: Path, folder: Path | None = None) -> Path:
+    """``<export stem>.examples.safetensors`` in ``folder`` (default: next to the export): a row's
+    per-example scores."""
     stem = Path(export).with_suffix("")
-    return stem.with_name(stem.name + ".examples.safetensors")
+    return (Path(folder) if folder is not None else stem.parent) / f"{stem.name}.examples.safetensors"
 
 
-def save_examples(export: Path, scores: ExampleScores) -> Path:
+def save_examples(export: Path, scores: ExampleScores, folder: Path | None = None) -> Path:
     """Write a row's per-example scores (float64 (N,) each; absent ones left out) for paired comparisons."""
     tensors = {k: v.contiguous() for k, v in asdict(scores).items() if v is not None}
-    return save_tensors(examples_path(export), tensors)
+    return save_tensors(examples_path(export, folder), tensors)
 
 
 def load_examples(path: Path) -> ExampleScores:
@@ -308,14 +309,16 @@ def write_report(export: Path, record: dict, lines: list[str]) -> tuple[Path, Pa
 def byo_task(spec: ByoModel, model_digest: str, data_digest: str, method: str, budget: float, seed: int, params,
              out: str, code: str, lineage: dict, threads: int | None) -> dict:
     """One user model at one method, budget and seed (:func:`run_row`), cached on the spec, the
-    model's and data's digests, the settings, the seed and the code version; the export goes to
-    ``<out>/exports/<name>_<method>_b<budget>_s<seed>.safetensors``."""
+    model's and data's digests, the settings, the seed and the code version; the export (and its
+    report) goes to ``<out>/exports/<name>_<method>_b<budget>_s<seed>.safetensors``, its
+    per-example scores to ``<out>/examples/``."""
 
     if threads is not None:
         torch.set_num_threads(threads)
     prep = prepare(spec, seed, say=say)
     path = Path(out) / "exports" / f"{spec.name}_{method}_b{budget}_s{seed}.safetensors"
-    return run_row(prep, method, budget, params, seed, path, lineage, code, say=say)
+    return run_row(prep, method, budget, params, seed, path, lineage, code, say=say,
+                   examples_dir=Path(out) / "examples")
 
 
 def submit_rows(m: ByoModel, params, out: str, code: str, lineage: dict, seeds, threads: int | None = None) -> list:

@@ -262,14 +262,14 @@ def _flat(prefix: str, obj) -> dict[str, str]:
 
 def _check(rows: dict[str, str]) -> list[str]:
     """Re-hash the checkpoint and posterior the export names (paths relative to the repository
-    or the working directory), and for a user's model (``model_digest``) its model folder and
+    or the working directory), and for a user's model (``model_source``) its model folder and
     data (:func:`flows.common.digest`); lines saying ok / MISMATCH / missing."""
     from bayesq.tensorfile import file_sha256
     from flows.common import digest
 
     out = []
     checks = [("checkpoint", "checkpoint_sha256", file_sha256), ("posterior", "posterior_sha256", file_sha256)]
-    if "model_digest" in rows:
+    if "model_source" in rows:  # a user's model (flows/byo.py): its folder (when it is one) and its data
         checks += [("model_source", "model_digest", digest), ("dataset", "dataset_digest", digest)]
     for what, key, hasher in checks:
         if key not in rows:

@@ -193,8 +193,12 @@ def test_zoo_flow_hf_and_torchvision_models_then_lineage_check(byo_models, byo_d
     for r in res["records"]:
         path = Path(r["export"]["path"])
         assert path.parent == tmp_path / "zoo-out" / "exports" and report_paths(path)[1].is_file()
+        assert Path(r["examples_file"]).parent == tmp_path / "zoo-out" / "examples"
+        assert sorted(p.name for p in path.parent.glob("*.safetensors") if "_".join(p.name.split("_")[:1]) == r["model"]
+                      and p.name.split("_")[1] == r["method"]) == [path.name]  # exports only
         out = runner.invoke(app, ["lineage", str(path), "--check"])
-        assert out.exit_code == 0 and "MISMATCH" not in out.output and ": ok" in out.output
+        assert out.exit_code == 0 and "MISMATCH" not in out.output
+        assert "dataset " in out.output and out.output.count(": ok") == 2  # the data, and the folder or checkpoint
         loaded = load(path)
         assert loaded is not None
     again = make_zoo_flow(None, workers=1)(zoo, ROOT / "params.yaml", tmp_path, tmp_path, tmp_path / "zoo-out")
