@@ -53,6 +53,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
+from tqdm.auto import tqdm
 
 from bayesq.config import DistillConfig
 from bayesq.evaluation import token_kl
@@ -371,7 +372,7 @@ class _Trainable(nn.Module):
 
 def _train(model: nn.Module, weights: Mapping[str, QuantizedWeight], batches: Sequence[Batch],
            teacher: Sequence[torch.Tensor], cfg: DistillConfig, scale_bits: int, lut_bits: int,
-           ) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor], list[float]]:
+           progress: bool = False) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor], list[float]]:
     """AdamW on ``tau^2 KL(teacher || softmax(f_q / tau))`` (mean over the batch's inputs; per-token
     logits: of each input's mean over its real tokens, :meth:`TopKTeacher.kl`), cycling over ``batches``.
 
@@ -394,7 +395,8 @@ def _train(model: nn.Module, weights: Mapping[str, QuantizedWeight], batches: Se
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     losses = []
     order = itertools.cycle(range(len(batches)))
-    for _ in range(cfg.steps):
+    bar = tqdm(range(cfg.steps), desc="distil scales", unit="step", disable=not progress, leave=False)
+    for _ in bar:
         i = next(order)
         over = dict(frozen)
         over.update({f"{n}.weight": layers[n.replace(".", "/")].weight().to(modules[n].weight.dtype)
@@ -410,6 +412,7 @@ def _train(model: nn.Module, weights: Mapping[str, QuantizedWeight], batches: Se
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.4g}", refresh=False)
     out = {n: layers[n.replace(".", "/")].stored(scale_bits, lut_bits) for n in weights}
     return out, {n: b.detach().clone() for n, b in biases.items()}, losses
 
@@ -417,7 +420,7 @@ def _train(model: nn.Module, weights: Mapping[str, QuantizedWeight], batches: Se
 def distill(
     model: nn.Module, weights: Mapping[str, QuantizedWeight], posterior: Posterior,
     batches: Sequence[Batch], cfg: DistillConfig = DistillConfig(), *, scale_bits: int = 16,
-    lut_bits: int = 16, seed: int = 0,
+    lut_bits: int = 16, seed: int = 0, progress: bool = False,
 ) -> DistillResult:
     """Fit the stored scales / zero-points / LUT entries (and biases) to the posterior teacher.
 
@@ -436,6 +439,10 @@ def distill(
             cycled for ``cfg.steps`` steps.
         scale_bits, lut_bits: stored precision of scales and table entries (``quant``).
         seed: seeds the split, the tempering probe and the teacher's draws.
+        progress: a bar over the steps (with the running loss).
+
+    Ctrl-C stops it with ``KeyboardInterrupt``: the fit trains copies, so ``model`` and
+    ``weights`` are as they were.
 
     Raises:
         ValueError: no calibration inputs, fewer than 2, or a quantised layer the model does
@@ -457,7 +464,7 @@ def distill(
         mean_pred = [prediction_rows(*predictions(model, b)).argmax(-1) for b in fit]
     agreement = float(sum(int((t.argmax(-1) == r).sum()) for t, r in zip(teacher, mean_pred))
                       / sum(len(r) for r in mean_pred))
-    out, biases, losses = _train(model, weights, fit, teacher, cfg, scale_bits, lut_bits)
+    out, biases, losses = _train(model, weights, fit, teacher, cfg, scale_bits, lut_bits, progress)
 
     kl_before, kl_after = _mean_kls(model, [_encoding(model, weights, {}), _encoding(model, out, biases)], held)
     accepted = kl_after < kl_before or not cfg.accept

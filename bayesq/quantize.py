@@ -623,7 +623,7 @@ def quantize_model(
             the model's dtype.
         config: budget (average bits per quantised weight, all metadata included), posterior,
             codebook, table, allocation and rounding settings, and the distillation applied at
-            budgets up to ``config.distill.max_budget`` (3.5 by default; same codes and bits).
+            budgets up to ``config.distill.max_budget`` (0 by default: off; same codes and bits).
         posterior: a posterior fitted earlier (skips the curvature pass).
         selection: input batches held out of ``calibration`` (e.g. another draw of training
             inputs): the grid candidates are scored on them, which also admits the other range
@@ -667,7 +667,8 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
         enc = encode_best(model, posterior, table, q, config.budget, config.allocation, seed=config.seed,
                           calibration=calibration, column_metric=metric, correction=correction, progress=progress,
                           selection=selection)
-    qmodel, weights, _ = assemble(model, enc, posterior, calibration, config.distill, config.budget, config.seed)
+    qmodel, weights, _ = assemble(model, enc, posterior, calibration, config.distill, config.budget, config.seed,
+                                  progress)
     return QuantizationResult(qmodel, weights, enc.allocation, enc.table, posterior, enc.name, enc.selection_kl,
                               correction, unquantized_weights(model, layers, exclude))
 
@@ -683,7 +684,7 @@ def bayesq_method(model: nn.Module, config: BayesQConfig, budget: float, inputs:
 
 def assemble(
     model: nn.Module, enc: Encoding, posterior: Posterior | None, calibration: Sequence[Batch] | None,
-    distill_cfg: DistillConfig | None, budget: float, seed: int = 0,
+    distill_cfg: DistillConfig | None, budget: float, seed: int = 0, progress: bool = False,
 ) -> tuple[nn.Module, dict[str, QuantizedWeight], DistillResult | None]:
     """The last stage: the model running ``enc`` (a copy; its bias correction applied), its
     scales distilled to the posterior teacher first when ``distill_cfg.applies(budget)``
@@ -698,7 +699,7 @@ def assemble(
     if posterior is None or calibration is None:
         raise ValueError("distillation needs the posterior (its teacher) and calibration batches")
     res = distill(model, enc.weights, posterior, calibration, distill_cfg, scale_bits=enc.quant.scale_bits,
-                  lut_bits=enc.quant.lut_bits, seed=seed)
+                  lut_bits=enc.quant.lut_bits, seed=seed, progress=progress)
     qmodel = apply_distilled(model, res)
     if enc.correction is not None and not res.biases:
         enc.correction.apply(qmodel, model)

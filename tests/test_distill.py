@@ -177,7 +177,8 @@ def test_distill_leaves_model_unchanged(base, distilled):
 def test_quantize_model_distillation_keeps_allocation(base):
     res0 = base[2]
     # accept=False: kept even where the held-out KL does not drop, so the scales must move
-    res1 = quantize_model(_mlp(), _cal(), BayesQConfig(budget=3.0, quant=BASE_Q, distill=DistillConfig(accept=False)),
+    res1 = quantize_model(_mlp(), _cal(), BayesQConfig(budget=3.0, quant=BASE_Q,
+                                                       distill=DistillConfig(max_budget=3.5, accept=False)),
                           progress=False)
     assert res1.allocation.total_bits == res0.allocation.total_bits
     assert res1.allocation.unit_bits == res0.allocation.unit_bits
@@ -609,7 +610,48 @@ def test_quantize_model_float64_model_distils_in_its_own_dtype():
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).double().eval()
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(16, 16, dtype=torch.float64, generator=g) for _ in range(4)]
-    cfg = BayesQConfig(budget=3.0, distill=DistillConfig(steps=5))
+    cfg = BayesQConfig(budget=3.0, distill=DistillConfig(max_budget=3.5, steps=5))
     assert cfg.distill.applies(cfg.budget)
     res = quantize_model(model, batches, cfg, progress=False)  # the float32 codes trained against a float64 model
     assert res.model[0].weight.dtype == torch.float64 and torch.isfinite(res.model(batches[0])).all()
+
+
+def _tiny_net_and_batches():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    g = torch.Generator().manual_seed(1)
+    return model, [torch.randn(16, 16, generator=g) for _ in range(4)]
+
+
+def test_default_config_does_not_distil(monkeypatch):
+    """Off by default: the held-out check rejected it on every embedded model (docs/findings.md)."""
+    assert not BayesQConfig().distill.applies(BayesQConfig().budget) and DistillConfig().max_budget == 0
+
+    def never(*a, **k):
+        raise AssertionError("distil called with the default config")
+
+    monkeypatch.setattr("bayesq.quantize.distill", never)
+    model, batches = _tiny_net_and_batches()
+    quantize_model(model, batches, BayesQConfig(budget=3.0), progress=False)
+
+
+def test_distillation_shows_progress_and_stops_cleanly_on_ctrl_c(monkeypatch, capsys):
+    model, batches = _tiny_net_and_batches()
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = BayesQConfig(budget=3.0, distill=DistillConfig(max_budget=3.5, steps=50))
+    calls = {"n": 0}
+    step = torch.optim.AdamW.step
+
+    def interrupted(self, *args, **kwargs):  # Ctrl-C at the third optimiser step of the fit
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(model, batches, cfg, progress=True)
+    assert "distil scales" in capsys.readouterr().err  # the bar was up when Ctrl-C came
+    assert model.training and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())

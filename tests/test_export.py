@@ -272,7 +272,7 @@ _QUANTIZE_SCRIPT = """
 import sys
 import torch
 from torch import nn
-from bayesq.config import BayesQConfig
+from bayesq.config import BayesQConfig, DistillConfig
 from bayesq.export import save_export
 from bayesq.quantize import quantize_model
 
@@ -280,7 +280,7 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
 g = torch.Generator().manual_seed(1)
 cal = [torch.randn(32, 16, generator=g) for _ in range(4)]
-cfg = BayesQConfig(budget=3.0, seed=17)  # distillation on (3.0 <= distill.max_budget)
+cfg = BayesQConfig(budget=3.0, seed=17, distill=DistillConfig(max_budget=3.5))  # distillation on
 res = quantize_model(model, cal, cfg, progress=False)
 save_export(sys.argv[1], res.model, res.weights, cfg.quant, res.allocation.total_bits,
             metadata={"seed": "17", "method": "bayesq-distill", "budget": "3.0"})

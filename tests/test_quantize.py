@@ -279,7 +279,8 @@ def test_quantize_model_every_option_within_budget_and_accounted(variant):
     kw.setdefault("quant", BIG)
     model = _model()
     # distillation (on at 3.5 bits) runs on every option, shortened: it must keep codes and bits
-    res = quantize_model(model, _calibration(), BayesQConfig(budget=3.5, distill=DistillConfig(steps=20), **kw),
+    res = quantize_model(model, _calibration(), BayesQConfig(budget=3.5, distill=DistillConfig(max_budget=3.5, steps=20),
+                                                             **kw),
                          progress=False)
     assert res.allocation.total_bits <= res.allocation.budget_bits
     assert _recount_bits(res.weights, kw["quant"]) == res.allocation.total_bits
@@ -635,13 +636,13 @@ def test_library_stages_in_order_vs_quantize_model():
     with torch.no_grad():
         torch.testing.assert_close(qmodel(x), whole.model(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="distillation needs the posterior"):
-        assemble(model, enc, None, batches, DistillConfig(), 3.0)
+        assemble(model, enc, None, batches, DistillConfig(max_budget=3.5), 3.0)
 
 
 @pytest.mark.parametrize("rounding", ["error-feedback", "nearest"])
 def test_quantize_model_causal_language_model_default_config(rounding):
     """A causal LM returning (B, T, V) logits, calibrated on padded input_ids / attention_mask
-    dicts: BayesQ's default config (3 bits: distillation on; error-feedback rounding, or nearest)
+    dicts: BayesQ's default config (3 bits; error-feedback rounding, or nearest)
     with held-out selection inputs (error feedback) runs, lands within the budget, scores its grid candidates
     per input and gives finite logits; padding appended to the calibration changes nothing."""
     from nets import TinyCausalLM, lm_batches, with_padding
