@@ -1,0 +1,187 @@
+"""One-time cost and peak memory of BayesQ's default against GPTQ's strongest variant, from 5 M to
+355 M weights: one process per method and size, the same calibration and selection inputs.
+
+Models are built from configs with random weights (time and memory only): torchvision ResNet-50,
+a BERT-base sequence classifier, GPT-2 small and GPT-2 medium (causal LMs, per-token outputs),
+and the two embedded architectures (EfficientNet-Lite0 with a 10-class head, the MiniLM
+classifier). Inputs: ``--calibration`` (128) sequences of ``--tokens`` (128) tokens or images of
+``--pixels`` (224) px, and as many held-out selection inputs (both methods choose among their
+candidates on them). BayesQ: ``quantize_with(model, BayesQConfig(), budget, Inputs(...))`` (the
+library default); GPTQ: params.yaml's ``gptq`` row config (every variant, the selection KL that
+picks one). Each child process builds the model, draws the inputs and times only the
+quantisation; its peak RSS (``getrusage``'s ``ru_maxrss`` at its end) includes the model and the
+inputs, the same for both methods.
+
+    python benchmarks/scale.py [--sizes resnet50,bert-base,gpt2,gpt2-medium,lite0,minilm] [--budget 3.0]
+                               [--methods bayesq,gptq] [--calibration 128] [--tokens 128] [--pixels 224]
+                               [--limit-gib 22] [--timeout 3600]
+
+Prints a row per size (seconds and peak GiB of each method, the ratios) and says which sizes did
+not finish and why (out of memory: killed by the kernel or ``MemoryError``; over ``--timeout``;
+an error). Last line: ``max time ratio: X, max memory ratio: Y`` over the sizes both methods finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = ("lite0", "minilm", "resnet50", "bert-base", "gpt2", "gpt2-medium")
+
+
+def build(size: str):
+    """(model, kind) with seeded random weights; kind is 'image', 'text' or 'lm'."""
+    import torch
+
+    torch.manual_seed(0)
+    if size == "resnet50":
+        from torchvision.models import resnet50
+
+        return resnet50(num_classes=1000).eval(), "image"
+    if size == "lite0":
+        from bayesq.harness.models.zoo import get_entry
+
+        return get_entry("lite0-fmnist").build(pretrained=False), "image"
+    from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel)
+
+    if size == "minilm":
+        cfg = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
+                         num_labels=2)
+        return BertForSequenceClassification(cfg).eval(), "text"
+    if size == "bert-base":
+        return BertForSequenceClassification(BertConfig(num_labels=2)).eval(), "text"
+    if size == "gpt2":
+        return GPT2LMHeadModel(GPT2Config()).eval(), "lm"
+    if size == "gpt2-medium":
+        return GPT2LMHeadModel(GPT2Config(n_embd=1024, n_layer=24, n_head=16)).eval(), "lm"
+    raise SystemExit(f"unknown size {size!r}; sizes: {', '.join(SIZES)}")
+
+
+def inputs(kind: str, n: int, tokens: int, pixels: int, vocab: int, seed: int, batch: int = 8) -> list:
+    """``n`` inputs in batches of ``batch``: images (B, 3, P, P) or token dicts (B, T)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for start in range(0, n, batch):
+        b = min(batch, n - start)
+        if kind == "image":
+            out.append(torch.randn(b, 3, pixels, pixels, generator=g))
+        else:
+            ids = torch.randint(0, vocab, (b, tokens), generator=g)
+            out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    return out
+
+
+def child(a) -> None:
+    """Quantise one size with one method; print one JSON line."""
+    import torch
+
+    from bayesq.config import BayesQConfig
+    from bayesq.methods import Inputs, quantize_with
+    from flows.byo import method_config
+    from flows.common import read_params
+
+    torch.set_num_threads(a.threads or torch.get_num_threads())
+    model, kind = build(a.size)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
+    cal = inputs(kind, a.calibration, a.tokens, a.pixels, vocab, seed=1)
+    sel = inputs(kind, a.calibration, a.tokens, a.pixels, vocab, seed=2)
+    cfg = BayesQConfig() if a.method == "bayesq" else method_config(a.method, read_params(ROOT / "params.yaml"),
+                                                                    a.budget, 0)[0]
+    start = time.perf_counter()
+    out = quantize_with(model, cfg, a.budget, Inputs(calibration=cal, selection=sel))
+    seconds = time.perf_counter() - start
+    weights = sum(p.numel() for p in model.parameters())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux -> GiB
+    print(json.dumps({"seconds": seconds, "avg_bits": out.result.average_bits, "weights": weights,
+                      "rss_gib": peak}), flush=True)
+
+
+def run_one(size: str, method: str, a) -> dict:
+    """Run :func:`child` in a fresh process; its seconds, peak RSS (GiB) and how it ended."""
+    cmd = [sys.executable, __file__, "--child", "--size", size, "--method", method, "--budget", str(a.budget),
+           "--calibration", str(a.calibration), "--tokens", str(a.tokens), "--pixels", str(a.pixels),
+           "--threads", str(a.threads)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            preexec_fn=_limit(a.limit_gib))
+    start = time.perf_counter()
+    try:
+        out, err = proc.communicate(timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        return {"status": f"over the {a.timeout} s timeout"}
+    finally:
+        wall = time.perf_counter() - start
+    if proc.returncode == -signal.SIGKILL or "MemoryError" in err or "can't allocate memory" in err:
+        return {"status": f"out of memory (limit {a.limit_gib} GiB of address space)"}
+    if proc.returncode != 0:
+        return {"status": f"error: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}"}
+    rec = json.loads(out.strip().splitlines()[-1])
+    return {**rec, "wall": wall, "status": "ok"}
+
+
+def _limit(gib: float):
+    """A preexec function capping the child's address space near ``gib`` (a clear MemoryError
+    instead of the machine swapping or the kernel killing something else)."""
+    def apply() -> None:
+        if gib > 0:
+            limit = int(gib * 2**30)
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    return apply
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default=",".join(SIZES))
+    ap.add_argument("--methods", default="bayesq,gptq")
+    ap.add_argument("--budget", type=float, default=3.0)
+    ap.add_argument("--calibration", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--pixels", type=int, default=224)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per child (0: all cores)")
+    ap.add_argument("--limit-gib", type=float, default=22.0, help="address-space cap per child (0: none)")
+    ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--size", help=argparse.SUPPRESS)
+    ap.add_argument("--method", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        from flows.settings import apply_defaults
+
+        apply_defaults()
+        child(a)
+        return
+    methods = a.methods.split(",")
+    time_ratios, mem_ratios = [], []
+    for size in a.sizes.split(","):
+        res = {m: run_one(size, m, a) for m in methods}
+        cells = []
+        for m, r in res.items():
+            cells.append(f"{m} {r['seconds']:.1f} s, {r['rss_gib']:.2f} GiB" if r["status"] == "ok"
+                         else f"{m} did not finish: {r['status']}")
+        line = f"{size:12s} " + "; ".join(cells)
+        if all(r["status"] == "ok" for r in res.values()) and {"bayesq", "gptq"} <= set(res):
+            tr, mr = res["bayesq"]["seconds"] / res["gptq"]["seconds"], res["bayesq"]["rss_gib"] / res["gptq"]["rss_gib"]
+            time_ratios.append(tr)
+            mem_ratios.append(mr)
+            line += f"; {res['bayesq']['weights'] / 1e6:.0f} M weights; ratios: time {tr:.2f}, memory {mr:.2f}"
+        print(line, flush=True)
+    if time_ratios:
+        print(f"max time ratio: {max(time_ratios):.2f}, max memory ratio: {max(mem_ratios):.2f}")
+    else:
+        print("max time ratio: -, max memory ratio: - (no size finished with both methods)")
+
+
+if __name__ == "__main__":
+    main()
