@@ -106,6 +106,95 @@ def child(a) -> None:
                       "rss_gib": peak}), flush=True)
 
 
+class StagePeaks:
+    """Peak RSS (GiB) and wall seconds of named stages, RSS sampled every 20 ms by a thread."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.current, self.peaks, self.seconds, self._stop = None, {}, {}, False
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def rss() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+    def _sample(self) -> None:
+        while not self._stop:
+            if self.current is not None:
+                self.peaks[self.current] = max(self.peaks.get(self.current, 0.0), self.rss())
+            time.sleep(0.02)
+
+    def stage(self, name: str):
+        import contextlib
+
+        @contextlib.contextmanager
+        def run():
+            self.current, start = name, time.perf_counter()
+            self.peaks[name] = self.rss()
+            try:
+                yield
+            finally:
+                self.seconds[name] = time.perf_counter() - start
+                self.peaks[name] = max(self.peaks[name], self.rss())
+                self.current = None
+        return run()
+
+
+def stages(a) -> None:
+    """``--stages``: BayesQ's default and GPTQ's strongest variant stage by stage in this process
+    (as benchmarks/one_time_cost.py), each stage's wall seconds and peak RSS."""
+    import torch
+
+    from bayesq.baselines.activations import input_stats
+    from bayesq.baselines.gptq import gptq_select
+    from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.canonical import canonical
+    from bayesq.config import BayesQConfig
+    from bayesq.error_feedback import shared_factors
+    from bayesq.quantize import bias_correction, build_table, ef_column_metric, encode_best, posterior_and_stats
+    from flows.common import read_params
+
+    torch.set_num_threads(a.threads or torch.get_num_threads())
+    model, kind = build(a.size)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
+    cal = inputs(kind, a.calibration, a.tokens, a.pixels, vocab, seed=1)
+    sel = inputs(kind, a.calibration, a.tokens, a.pixels, vocab, seed=2)
+    cfg, params = BayesQConfig(), read_params(ROOT / "params.yaml")
+    q, peaks = cfg.quant, StagePeaks()
+    print(f"{a.size}: model and inputs {StagePeaks.rss():.2f} GiB", flush=True)
+    with canonical(model):
+        layers = quantizable_layers(model)
+        blocks = layer_blocks(layers, q.group_size, q.unit_groups, q.unit.value)
+        if "bayesq" in a.methods:
+            with peaks.stage("bayesq posterior + input stats"):
+                post, st = posterior_and_stats(model, cal, layers, cfg.posterior, q, progress=False)
+            with peaks.stage("bayesq metric + bias correction"):
+                metric = ef_column_metric(post, q, stats=st)
+                correction = bias_correction(model, st, cal)
+            with shared_factors():
+                with peaks.stage("bayesq table"):
+                    table = build_table(post, blocks, q, model=model, calibration=cal, progress=False,
+                                        column_metric=metric)
+                with peaks.stage("bayesq allocate + encode + select"):
+                    encode_best(model, post, table, q, a.budget, cfg.allocation, calibration=cal,
+                                column_metric=metric, correction=correction, selection=sel)
+            del post, st, metric, correction, table
+        if "gptq" in a.methods:
+            b = params.baselines
+            with peaks.stage("gptq input stats"):
+                st = input_stats(model, cal, layers, abs_mean=False)
+            with peaks.stage("gptq solve + select"):
+                gptq_select(model, st, cal, a.budget, params.quant, group_sizes=b.group_sizes,
+                            act_order=b.gptq_act_order, damp=b.gptq_damp, bias_correction=b.bias_correction,
+                            selection=sel)
+    peaks._stop = True
+    for name in peaks.seconds:
+        print(f"  {name:36s} {peaks.seconds[name]:7.1f} s  peak {peaks.peaks[name]:6.2f} GiB", flush=True)
+
+
 def run_one(size: str, method: str, a) -> dict:
     """Run :func:`child` in a fresh process; its seconds, peak RSS (GiB) and how it ended."""
     cmd = [sys.executable, __file__, "--child", "--size", size, "--method", method, "--budget", str(a.budget),
@@ -152,15 +241,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per child (0: all cores)")
     ap.add_argument("--limit-gib", type=float, default=22.0, help="address-space cap per child (0: none)")
     ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--stages", action="store_true", help="one size (--sizes NAME) stage by stage in this process")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.child:
+    if a.child or a.stages:
         from flows.settings import apply_defaults
 
         apply_defaults()
-        child(a)
+        if a.stages:
+            a.size = a.sizes
+            stages(a)
+        else:
+            child(a)
         return
     methods = a.methods.split(",")
     time_ratios, mem_ratios = [], []
