@@ -539,9 +539,10 @@ def grid_sq_error(w: torch.Tensor, weight: torch.Tensor, grids: UniformGrids) ->
     without the integer round trip.
     """
     s, z = grids.scale[..., None], grids.zero[..., None]
-    q = (torch.round(w / rounding_divisor(s)) + z).clamp_(0, grids.levels - 1)
+    q = torch.div(w, rounding_divisor(s))  # one temporary, then in place: the cost of the range search
+    q.round_().add_(z).clamp_(0, grids.levels - 1)
     err = q.sub_(z).mul_(s).sub_(w)
-    return (err * err).mul_(weight).sum(-1)
+    return err.square_().mul_(weight).sum(-1)
 
 
 def levels_sq_error(w: torch.Tensor, weight: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
