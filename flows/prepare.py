@@ -28,7 +28,7 @@ from bayesq.forward import by_length
 from bayesq.harness.data.calibration import sample_calibration_indices, sample_selection_indices
 from bayesq.harness.data.sentiment import seeded_permutation
 from bayesq.harness.models.zoo import _take, get_entry
-from bayesq.posterior import CURVATURES, DiagonalCurvature, Posterior, fit_diagonal_posterior
+from bayesq.posterior import CURVATURES, DiagonalCurvature, Posterior, WeightMeans, fit_diagonal_posterior
 from bayesq.quantize import build_table, candidate_tables, ef_column_metric, first_look_inputs, fit_posterior
 from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import CACHE, code_version, digest
@@ -233,7 +233,7 @@ def load_posterior(model, path: Path):
         kfac = {k: KFACFactors(f.get_tensor(f"kfac_A/{k}"), f.get_tensor(f"kfac_G/{k}"), n)
                 for k in layers if f"kfac_A/{k}" in keys}
         moment = {k: f.get_tensor(f"input_moment/{k}") for k in kfac}
-    mean = {k: m.weight.detach().double() for k, m in layers.items()}
+    mean = WeightMeans({k: m.weight for k, m in layers.items()})
     return Posterior(mean, var, n, kfac or None, int(meta.get("n_data", 0)), curv, prior, moment or None)
 
 
