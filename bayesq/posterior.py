@@ -209,6 +209,25 @@ def _check_curvature(name: str, f: torch.Tensor, indefinite: bool) -> None:
         )
 
 
+class Variances(Mapping[str, torch.Tensor]):
+    """name -> the clipped variance ``_variance(h, lambda, cfg, N)`` of a layer, computed on access
+    from its curvature ``h`` and prior precision ``lambda`` (the values the posterior would store;
+    8 bytes per weight less memory). ``curvature`` is the posterior's own dict (not copied)."""
+
+    def __init__(self, curvature: Mapping[str, torch.Tensor], prior: Mapping[str, float], cfg: PosteriorConfig,
+                 n_examples: int) -> None:
+        self._h, self._lam, self._cfg, self._n = curvature, prior, cfg, n_examples
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return _variance(self._h[name], self._lam[name], self._cfg, self._n)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._h)
+
+    def __len__(self) -> int:
+        return len(self._h)
+
+
 def _variance(h: torch.Tensor, lam: float, cfg: PosteriorConfig, n_examples: int) -> torch.Tensor:
     """``clip(1 / (h + lam))``, plus the small-calibration spectrum clip."""
     v = (1.0 / (h + lam)).clamp(cfg.var_min, cfg.var_max)
@@ -239,7 +258,6 @@ def fit_diagonal_posterior(
     if n_examples < 1:
         raise ValueError("empty calibration set: fit the posterior on at least one input")
     scale = cfg.n_data / n_examples if cfg.n_data else 1.0
-    var: dict[str, torch.Tensor] = {}
     curv: dict[str, torch.Tensor] = {}
     prior: dict[str, float] = {}
     mean = WeightMeans({n: weights[n] for n in fisher_sum})
@@ -248,7 +266,8 @@ def fit_diagonal_posterior(
         h = scale * f.double().clamp(min=0)
         fitted = fit_prior_precision(h, float(mean[name].pow(2).sum())) if cfg.prior == Prior.FITTED else None
         lam = layer_damping(h, cfg, n_examples, fitted)
-        var[name], curv[name], prior[name] = _variance(h, lam, cfg, n_examples), h, lam
+        curv[name], prior[name] = h, lam
+    var = Variances(curv, prior, cfg, n_examples)
     return Posterior(mean=mean, variance=var, n_examples=n_examples, n_data=cfg.n_data, curvature=curv,
                      prior_precision=prior)
 
@@ -294,7 +313,7 @@ def fit_kfac_posterior(
     if n < 1:
         raise ValueError("empty calibration set: fit the posterior on at least one input")
     big_n = cfg.n_data or n
-    var, kfac, curv, prior, moment = {}, {}, {}, {}, {}
+    kfac, curv, prior, moment = {}, {}, {}, {}
     mean = WeightMeans({k: weights[k] for k in factors})
     for name, f in factors.items():
         A, G = (_truncated(f.A, cfg), _truncated(f.G, cfg)) if lowrank else (f.A, f.G)
@@ -306,9 +325,10 @@ def fit_kfac_posterior(
             eig = big_n * torch.outer(*(torch.linalg.eigvalsh(0.5 * (m + m.T)).clamp_min(0) for m in (G, A)))
             fitted = fit_prior_precision(eig, float(mean[name].pow(2).sum()))  # eig: (d_out, d_in)
         lam = layer_damping(h, cfg, n, fitted)
-        var[name], curv[name], prior[name] = _variance(h.clamp(min=0), lam, cfg, n), h.clamp(min=0), lam
+        curv[name], prior[name] = h.clamp(min=0), lam
         kfac[name], _ = spd_backoff(KFACFactors(A, big_n * G, n), lam)
         moment[name] = A
+    var = Variances(curv, prior, cfg, n)
     return Posterior(mean=mean, variance=var, n_examples=n, kfac=kfac, n_data=cfg.n_data, curvature=curv,
                      prior_precision=prior, input_moment=moment)
 
