@@ -35,8 +35,8 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 from bayesq.baselines.select import encoding_config
 from bayesq.config import BayesQConfig
 from bayesq.evaluation import each_batch, predict
-from bayesq.export import ExportError, load, read_export, save_export
 from bayesq.comparison import paired_difference
+from bayesq.export import ExportError, load, read_export, save_export
 from bayesq.fidelity import ExampleScores, fidelity_report, score_examples
 from bayesq.forward import call, output_logits
 from bayesq.harness.data.calibration import sample_calibration_indices
@@ -61,6 +61,7 @@ from flows.tracking import child_run_name, log_row_artifacts, mlflow_child, mlfl
 
 BATCH = 32  # examples per preprocessed batch
 
+
 @dataclass
 class Prepared:
     """A :class:`ByoModel` made ready: the FP model, its data draws as batches, the labels of
@@ -76,14 +77,12 @@ class Prepared:
     labels: torch.Tensor | None
     preprocessor: dict
     data_digest: str
-    n_rows: int
 
 
 def _num_classes(src: ModelSource, fp: torch.nn.Module, batch) -> int:
     """The head's class count: the source's, else the width of the FP logits on one batch."""
     if src.num_classes:
         return src.num_classes
-
     return int(predict(fp, [batch], "probe").shape[-1])
 
 
@@ -124,7 +123,6 @@ def prepare(spec: ByoModel, seed: int, say=print) -> Prepared:
     Raises:
         FileNotFoundError / ValueError: as :func:`check`.
     """
-
     start = time.perf_counter()
     say(f"[byo] {spec.name}: reading {spec.model} and {spec.data.path} ...")
     src, ds, draws = check(spec, seed)
@@ -134,21 +132,20 @@ def prepare(spec: ByoModel, seed: int, say=print) -> Prepared:
     fp = src.build()
     pre = src.preprocessor(spec.data.image_size)
     with unpacked(pre.get("files", {})) as folder:
-        feat = featurizer(pre, spec.data, folder, src.causal_lm)
+        feat = featurizer(pre, spec.data, folder)
         cal, sel, test = (make_batches(ds, getattr(draws, part), feat, BATCH, f"preprocess {part}")
                           for part in ("calibration", "selection", "test"))
     labels = read_labels(ds, draws.test, spec.data, _num_classes(src, fp, test[0]) if spec.data.label_column else 0,
                          _label2id(src))
     say(f"[byo] {spec.name}: model built and {sum(map(len, (draws.calibration, draws.selection, draws.test)))} "
         f"examples preprocessed ({time.perf_counter() - start:.1f} s)")
-    return Prepared(spec, src, fp, draws, cal, sel or None, test, labels, pre, digest(Path(spec.data.path)), len(ds))
+    return Prepared(spec, src, fp, draws, cal, sel or None, test, labels, pre, digest(Path(spec.data.path)))
 
 
 def method_config(method: str, params, budget: float, seed: int):
     """(library config, QuantConfig of a BayesQ row or None) for ``method`` with params.yaml's
     settings: BayesQ rows through :func:`flows.prepare.method_settings` (distillation only for
     ``bayesq-distill``), baselines through :data:`flows.quantize.BASELINE_CONFIGS`."""
-
     m = Method(method)
     if m in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER):
         posterior, quant = method_settings(params, m)
@@ -173,7 +170,6 @@ def lineage_metadata(prep: Prepared, method: str, budget: float, seed: int, shar
                      code: str) -> dict[str, str]:
     """The export header's lineage: model source, data with its digest, the three draws (the
     calibration indices in full, each draw's sha256), params and commit (``shared``)."""
-
     s, d = prep.spec, prep.draws
     src = {"model_source": _where(s.model), "checkpoint": _where(s.checkpoint or s.model), "dataset": _where(s.data.path),
            "dataset_digest": prep.data_digest, "data_split": s.data.split,
@@ -185,10 +181,8 @@ def lineage_metadata(prep: Prepared, method: str, budget: float, seed: int, shar
                                 for p in ("calibration", "selection", "test")}),
            "draw_seed": str(seed), "torch_threads": str(torch.get_num_threads())}
     if s.checkpoint:
-
         src["checkpoint_sha256"] = file_sha256(s.checkpoint)
     if Path(s.model).exists():
-
         src["model_digest"] = digest(Path(s.model))
     return row_metadata(s.name, method, budget, seed, code, dict(shared), src,
                         **({"exclude": ",".join(s.exclude)} if s.exclude else {}))
@@ -209,7 +203,6 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
     Raises:
         ValueError: from the method (an infeasible budget, ...); nothing is written then.
     """
-
     cfg, quant = method_config(method, params, budget, seed)
     say(f"[byo] {prep.spec.name}: {method} at {budget} bits ...")
     start = time.perf_counter()
@@ -286,7 +279,6 @@ def paired_rows(records: list[dict], reference: str = "bayesq") -> list[dict]:
 
 def write_report(export: Path, record: dict, lines: list[str]) -> tuple[Path, Path]:
     """The row's ``.report.json`` (the record) and ``.report.md`` (a table a person reads)."""
-
     js, md = report_paths(export)
     write_json(js, record)
     r = record
@@ -312,7 +304,6 @@ def byo_task(spec: ByoModel, model_digest: str, data_digest: str, method: str, b
     model's and data's digests, the settings, the seed and the code version; the export (and its
     report) goes to ``<out>/exports/<name>_<method>_b<budget>_s<seed>.safetensors``, its
     per-example scores to ``<out>/examples/``."""
-
     if threads is not None:
         torch.set_num_threads(threads)
     prep = prepare(spec, seed, say=say)
@@ -325,7 +316,6 @@ def submit_rows(m: ByoModel, params, out: str, code: str, lineage: dict, seeds, 
     """Submit :func:`byo_task` for every method, budget and seed of ``m`` to the running flow's task
     runner; raises at once when its model or data is missing or does not fit (:func:`check`,
     before anything runs)."""
-
     check(m, seeds[0])  # every bad input fails here, not in a worker
     mdig = digest(Path(m.model)) if Path(m.model).exists() else m.model
     mdig += ":" + digest(Path(m.checkpoint)) if m.checkpoint else ""
@@ -351,11 +341,11 @@ def track_child(parent_id: str, r: dict, params) -> str:
         for path in report_paths(Path(r["export"]["path"])):
             client.log_artifact(run_id, str(path), "report")
 
-    return mlflow_child(parent_id, child_run_name(r["model"], r["method"], r["budget"], r["seed"]),
-                 {"model": r["model"], "model_source": r["model_source"], "method": r["method"], "budget": r["budget"],
-                  "seed": r["seed"], "dataset": r["dataset"], **row_params(params, r["method"])}, metrics,
-                 {"dataset_digest": r["dataset_digest"], **artifact_tags(r["export"])}, seconds=r["quantize_seconds"],
-                 artifacts=artifacts)
+    params_ = {"model": r["model"], "model_source": r["model_source"], "method": r["method"], "budget": r["budget"],
+               "seed": r["seed"], "dataset": r["dataset"], **row_params(params, r["method"])}
+    tags = {"dataset_digest": r["dataset_digest"], **artifact_tags(r["export"])}
+    return mlflow_child(parent_id, child_run_name(r["model"], r["method"], r["budget"], r["seed"]), params_, metrics,
+                        tags, seconds=r["quantize_seconds"], artifacts=artifacts)
 
 
 def track_row(record: dict, params, experiment: str = "bayesq-byo", params_path: Path | None = None) -> str:
@@ -374,15 +364,26 @@ def _recorded_test(ds, meta: Mapping[str, str], data_digest: str) -> torch.Tenso
     return draws.test if draws.digest("test") == d["test"]["sha256"] else None
 
 
-def evaluate_export(path: Path, data: DataSource | None, data_path: str, reference: str = "", checkpoint: str = "",
-                    test: int = 512, seed: int = 0, say=print) -> tuple[dict, list[str]]:
+def recorded_data(meta: Mapping[str, str], path: str, split: str = "", text_columns: tuple[str, ...] = (),
+                  image_column: str = "", label_column: str | None = None) -> DataSource:
+    """The data an export was made with, read at ``path``: its split and columns (the export's
+    ``data_columns`` header) unless given (``label_column=""``: none)."""
+    cols = json.loads(meta.get("data_columns", "{}"))
+    return DataSource(path, split or meta.get("data_split", "train"), text_columns or tuple(cols.get("text", ())),
+                      image_column or cols.get("image", ""), cols.get("label", "") if label_column is None
+                      else label_column, int(cols.get("max_length", 128)), int(cols.get("image_size", 224)))
+
+
+def evaluate_export(path: Path, data_path: str, split: str = "", text_columns: tuple[str, ...] = (),
+                    image_column: str = "", label_column: str | None = None, reference: str = "",
+                    checkpoint: str = "", test: int = 512, seed: int = 0, say=print) -> tuple[dict, list[str]]:
     """An export against its FP model on a user's data, with no producer code: the export's own
     skeleton and preprocessing (:func:`bayesq.export.load`, its ``preprocessor`` header).
 
-    ``data``: the columns (None: the ones the export was made with, on ``data_path``);
-    ``reference``: the FP model's source (default: the one the export names, if it is here).
-    The examples are the export's own test draw when the data is the one it was made from,
-    else a seeded draw of ``test`` examples (all when fewer).
+    The split and columns are the export's unless given (:func:`recorded_data`); ``reference``:
+    the FP model's source (default: the one the export names, if it is here). The examples are
+    the export's own test draw when the data is the one it was made from, else a seeded draw of
+    ``test`` examples (all when fewer).
 
     Returns:
         (record, report lines).
@@ -390,16 +391,12 @@ def evaluate_export(path: Path, data: DataSource | None, data_path: str, referen
         ValueError / FileNotFoundError: an export without a skeleton, a reference that is not
         here, bad columns (as :func:`prepare`).
     """
-
     contents = read_export(path)
     meta, pre, skel = contents.user, contents.preprocessor, contents.skeleton
     if pre is None or skel is None or pre.get("kind") == "embedded":
         raise ExportError(f"{path} does not describe its model's inputs (written before self-describing exports, or "
                           "an embedded model): evaluate it with the pipeline, or re-export it")
-    if data is None:
-        cols = json.loads(meta.get("data_columns", "{}"))
-        data = DataSource(data_path, meta.get("data_split", "train"), tuple(cols.get("text", ())), cols.get("image", ""),
-                          cols.get("label", ""), int(cols.get("max_length", 128)), int(cols.get("image_size", 224)))
+    data = recorded_data(meta, data_path, split, text_columns, image_column, label_column)
     reference = reference or meta.get("model_source", "")
     checkpoint = checkpoint or (meta.get("checkpoint", "") if meta.get("checkpoint") != reference else "")
     if not reference or not (Path(reference).exists() or reference.startswith("torchvision:") or ":" in reference):
@@ -414,11 +411,11 @@ def evaluate_export(path: Path, data: DataSource | None, data_path: str, referen
     same = idx is not None
     if idx is None:
         idx = sample_calibration_indices(len(ds), min(test, len(ds)), seed)  # the first of a seeded permutation
-    say(f"[eval] {path}: {len(idx)} examples of {data.path} ({'the export' + chr(39) + 's own test draw' if same else 'a seeded draw'}); "
-        f"FP reference {reference}")
+    drawn = "the export's own test draw" if same else "a seeded draw"
+    say(f"[eval] {path}: {len(idx)} examples of {data.path} ({drawn}); FP reference {reference}")
     fp, quantized = src.build(), load(path)
     with unpacked(pre.get("files", {})) as folder:
-        batches = make_batches(ds, idx, featurizer(pre, data, folder, src.causal_lm), BATCH, "preprocess test")
+        batches = make_batches(ds, idx, featurizer(pre, data, folder), BATCH, "preprocess test")
     labels = read_labels(ds, idx, data, _num_classes(src, fp, batches[0]) if data.label_column else 0,
                          getattr(getattr(fp, "config", None), "label2id", None))
     report = fidelity_report(score_examples(fp, quantized, batches, labels, src.causal_lm))
@@ -428,5 +425,5 @@ def evaluate_export(path: Path, data: DataSource | None, data_path: str, referen
     return record, report.lines()
 
 
-__all__ = ["BYO_METHODS", "ByoModel", "byo_from_mapping", "check", "prepare", "run_row", "method_config", "track_row", "evaluate_export", "byo_task",
-           "submit_rows", "track_child", "paired_rows", "load_examples"]
+__all__ = ["BYO_METHODS", "ByoModel", "byo_from_mapping", "check", "prepare", "run_row", "method_config", "track_row",
+           "evaluate_export", "recorded_data", "byo_task", "submit_rows", "track_child", "paired_rows", "load_examples"]

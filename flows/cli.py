@@ -177,8 +177,7 @@ def _quantize_byo(source, data, split, text_columns, image_column, label_column,
                   num_classes, tokenizer, calibration, selection, test, name, method, budget, out, params, seed,
                   distill, track) -> None:
     """``bayesq quantize --model ... --data ...`` (:mod:`flows.byo`)."""
-    from bayesq.harness.data.files import DataSource
-    from flows.byo import BYO_METHODS, ByoModel, prepare, report_paths, run_row, track_row
+    from flows.byo import BYO_METHODS, byo_from_mapping, prepare, report_paths, run_row, track_row
     from flows.common import code_version, read_params
     from flows.lineage import export_lineage
 
@@ -187,9 +186,12 @@ def _quantize_byo(source, data, split, text_columns, image_column, label_column,
         _fail(f"--method {method}: choose one of {', '.join(BYO_METHODS)}")
     try:
         p = read_params(params)
-        spec = ByoModel(name or Path(source.rstrip("/")).name.replace("torchvision:", ""), source,
-                        DataSource(str(data), split, text_columns, image_column, label_column, max_length, image_size),
-                        checkpoint, num_classes, tokenizer, calibration, selection, test, (budget,), (method,))
+        spec = byo_from_mapping({"name": name, "model": source, "data": str(data), "split": split,
+                                 "text_column": list(text_columns), "image_column": image_column,
+                                 "label_column": label_column, "max_length": max_length, "image_size": image_size,
+                                 "checkpoint": checkpoint, "num_classes": num_classes, "tokenizer": tokenizer,
+                                 "calibration": calibration, "selection": selection, "test": test,
+                                 "budgets": [budget], "methods": [method]}, "command line")
         seed = p.seeds[0] if seed is None else seed
         prep = prepare(spec, seed, say=typer.echo)
         record = run_row(prep, method, budget, p, seed, out, export_lineage(p), code_version(), say=typer.echo)
@@ -217,21 +219,13 @@ def eval_export(
 ) -> None:
     """Compare an export with its FP model on data (KL, agreement; accuracy with labels; perplexity for a
     causal LM; 95 % paired intervals), rebuilt from the export alone: no producer code needed."""
-    import json
-
-    from bayesq.export import ExportError, read_export
-    from bayesq.harness.data.files import DataSource
+    from bayesq.export import ExportError
     from flows.byo import evaluate_export
     from flows.common import write_json
 
     try:
-        meta = read_export(export).user
-        cols = json.loads(meta.get("data_columns", "{}"))
-        source = DataSource(str(data), split or meta.get("data_split", "train"),
-                            tuple(text_column) or tuple(cols.get("text", ())), image_column or cols.get("image", ""),
-                            cols.get("label", "") if label_column is None else label_column,
-                            int(cols.get("max_length", 128)), int(cols.get("image_size", 224)))
-        record, lines = evaluate_export(export, source, str(data), reference, checkpoint, test, seed, say=typer.echo)
+        record, lines = evaluate_export(export, str(data), split, tuple(text_column), image_column, label_column,
+                                        reference, checkpoint, test, seed, say=typer.echo)
     except (ValueError, FileNotFoundError, ExportError, TypeError) as err:
         _fail(str(err))
     for line in lines:

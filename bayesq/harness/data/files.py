@@ -214,8 +214,7 @@ def read_labels(ds, idx: Tensor, src: DataSource, num_classes: int, label2id: di
     return labels
 
 
-def featurizer(pre: dict[str, Any], src: DataSource, folder: Path | None = None,
-               causal_lm: bool = False) -> Callable[[dict[str, list]], Any]:
+def featurizer(pre: dict[str, Any], src: DataSource, folder: Path | None = None) -> Callable[[dict[str, list]], Any]:
     """A function from a dict of column lists (a ``Dataset`` slice) to one model batch.
 
     ``pre``: the model source's preprocessor description (:meth:`bayesq.harness.sources.ModelSource.preprocessor`);
