@@ -88,9 +88,9 @@ class LayerBlocks:
         sizes = self.group_sizes().tolist()
         return [(sum(sizes[s:e]), e - s) for s, e in self.unit_group_ranges()]
 
-    def group_unit(self) -> torch.Tensor:
-        """(n_groups,) int64: the unit each group belongs to."""
-        return torch.arange(self.n_groups) // self.unit_groups
+    def group_unit(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """(n_groups,) int64 on ``device`` (default the CPU): the unit each group belongs to."""
+        return torch.arange(self.n_groups, device=device) // self.unit_groups
 
     def to_groups(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cut a (numel,) tensor into (n_groups, group_size) rows plus a 0/1 mask.
@@ -102,13 +102,13 @@ class LayerBlocks:
             width = self.groups_per_row * self.group_size
             rows = flat.reshape(self.shape[0], self.row)  # (out, row)
             pad = width - self.row
-            mask = torch.ones(self.shape[0], width, dtype=flat.dtype)
+            mask = torch.ones(self.shape[0], width, dtype=flat.dtype, device=flat.device)
             if pad:
                 rows = torch.cat([rows, rows[:, -1:].expand(-1, pad)], 1)  # (out, width)
                 mask[:, self.row:] = 0
             return rows.reshape(-1, self.group_size), mask.reshape(-1, self.group_size)
         pad = self.n_groups * self.group_size - self.numel
-        mask = torch.ones(self.n_groups * self.group_size, dtype=flat.dtype)
+        mask = torch.ones(self.n_groups * self.group_size, dtype=flat.dtype, device=flat.device)
         if pad:
             flat = torch.cat([flat, flat[-1:].expand(pad)])
             mask[-pad:] = 0

@@ -272,7 +272,8 @@ class UniformGrids(CodeBook):
         return UniformGrids(self.bits, scale, zero)
 
     def group_levels(self) -> torch.Tensor:
-        return self.scale[:, None] * (torch.arange(2**self.bits, dtype=torch.float64)[None, :] - self.zero[:, None])
+        codes = torch.arange(2**self.bits, dtype=torch.float64, device=self.scale.device)
+        return self.scale[:, None] * (codes[None, :] - self.zero[:, None])
 
     def trainable(self) -> dict[str, torch.Tensor]:
         return {"scale": self.scale, "zero": self.zero}
@@ -467,7 +468,7 @@ def search_range(
 
     a, b = torch.full_like(wmin, min_ratio), one.clone()
     if grid > 1:
-        ratios = torch.linspace(min_ratio, 1.0, grid, dtype=wmin.dtype)[:-1]
+        ratios = torch.linspace(min_ratio, 1.0, grid, dtype=wmin.dtype, device=wmin.device)[:-1]
         if batched:  # every ratio at once, in chunks of at most _BATCH_ELEMENTS weights
             per = max(1, _BATCH_ELEMENTS // max(1, wmin.numel() * elements))
             for part in ratios.split(per):

@@ -174,9 +174,9 @@ def bootstrap_means(values: Tensor, resamples: int = RESAMPLES, seed: int = SEED
     out = []
     for start in range(0, resamples, _CHUNK):
         rows = min(_CHUNK, resamples - start)
-        idx = torch.randint(0, n, (rows, n), generator=g)
-        ones = torch.ones(rows, n, dtype=torch.float64)
-        counts = torch.zeros(rows, n, dtype=torch.float64).scatter_add_(1, idx, ones)  # (rows, N)
+        idx = torch.randint(0, n, (rows, n), generator=g).to(x.device)
+        ones = torch.ones(rows, n, dtype=torch.float64, device=x.device)
+        counts = torch.zeros(rows, n, dtype=torch.float64, device=x.device).scatter_add_(1, idx, ones)  # (rows, N)
         out.append(counts @ x / n)
     means = torch.cat(out)
     return means[:, 0] if flat else means

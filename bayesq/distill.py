@@ -105,7 +105,7 @@ class DistillResult:
 
 def _sampled_weights(posterior: Posterior, scale: float, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """One draw ``mu + scale * sigma * eps`` per layer (float64, diagonal part of the posterior)."""
-    return {n: m + scale * posterior.std(n) * torch.randn(m.shape, generator=gen, dtype=m.dtype)
+    return {n: m + scale * posterior.std(n) * torch.randn(m.shape, generator=gen, dtype=m.dtype).to(m.device)
             for n, m in posterior.mean.items()}
 
 

@@ -81,7 +81,7 @@ def _validate_order(order: torch.Tensor | None, d: int, device) -> torch.Tensor:
         return torch.arange(d, device=device)
     order = torch.as_tensor(order)
     if order.dim() != 1 or order.dtype.is_floating_point or order.numel() != d or not torch.equal(
-        torch.sort(order.cpu()).values, torch.arange(d)
+        torch.sort(order).values, torch.arange(d, device=order.device)
     ):
         raise ValueError(f"order must be a permutation of range({d}) (an int64 tensor of {d} indices)")
     return order.to(device, torch.int64)

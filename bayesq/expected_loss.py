@@ -114,8 +114,8 @@ class LossTable:
 
 
 def _unit_sum(blocks: LayerBlocks, group_values: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(blocks.n_units, dtype=torch.float64)
-    return out.index_add_(0, blocks.group_unit(), group_values)
+    out = torch.zeros(blocks.n_units, dtype=torch.float64, device=group_values.device)
+    return out.index_add_(0, blocks.group_unit(group_values.device), group_values)
 
 
 def _unit_rows(blocks: LayerBlocks, x: torch.Tensor) -> torch.Tensor:
@@ -133,13 +133,14 @@ def _unit_mask(blocks: LayerBlocks, mask: torch.Tensor) -> torch.Tensor:
     return torch.cat([mask, mask.new_zeros(pad, mask.shape[1])]).reshape(u, -1) if pad else mask.reshape(u, -1)
 
 
-def _costs(blocks: LayerBlocks, cfg: QuantConfig, kinds: Sequence[str]) -> torch.Tensor:
+def _costs(blocks: LayerBlocks, cfg: QuantConfig, kinds: Sequence[str], device: torch.device) -> torch.Tensor:
     """(U, nb) int64 exact bits of each unit under each candidate's codebook kind
-    (:meth:`bayesq.books.CodeBook.unit_cost_bits` of the kind's registered class)."""
+    (:meth:`bayesq.books.CodeBook.unit_cost_bits` of the kind's registered class), on ``device``
+    (the unit losses')."""
     nb = len(cfg.bits)
     classes = [book_class(k) for k in kinds]
     rows = [[c.unit_cost_bits(n, g, b, nb, cfg) for b, c in zip(cfg.bits, classes)] for n, g in blocks.unit_sizes()]
-    return torch.tensor(rows, dtype=torch.int64)
+    return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
 def _fixed_range_grids(mu: torch.Tensor, mask: torch.Tensor, bits: int, scale_bits: int) -> UniformGrids:
@@ -247,21 +248,21 @@ def _fit_uniform_fixed(fit: _LayerFit, b: int) -> tuple[Book, torch.Tensor]:
 def _fit_mulaw(fit: _LayerFit, b: int) -> tuple[Book, torch.Tensor]:
     """The fixed mu-law table times each group's largest magnitude."""
     levels = mulaw_levels(fit.mu.abs().max(1).values, b, fit.cfg.mulaw_mu, fit.cfg.scale_bits)  # (G, K)
-    return MulawTables(b, levels, torch.arange(levels.shape[0])), fit.units(fit.levels(levels))
+    return MulawTables(b, levels, torch.arange(levels.shape[0], device=levels.device)), fit.units(fit.levels(levels))
 
 
 @register_fit(Codebook.LLOYD.value)
 def _fit_lloyd(fit: _LayerFit, b: int) -> tuple[Book, torch.Tensor]:
     """Posterior-weighted Lloyd-Max tables, one per allocation unit."""
     levels, cost = fit.lut(b)  # (U, K), (U,)
-    return LevelTables(b, levels, fit.blocks.group_unit()), 0.5 * cost
+    return LevelTables(b, levels, fit.blocks.group_unit(levels.device)), 0.5 * cost
 
 
 @register_fit(Codebook.LLOYD_UNIFORM.value, uniform=True)
 def _fit_lloyd_uniform(fit: _LayerFit, b: int) -> tuple[Book, torch.Tensor]:
     """Lloyd-Max assignments compiled to a uniform grid per group (:func:`compile_to_uniform`)."""
     levels, _ = fit.lut(b)
-    codes = LevelTables(b, levels, fit.blocks.group_unit()).quantize(fit.mu)  # (G, g) the LUT's assignment
+    codes = LevelTables(b, levels, fit.blocks.group_unit(levels.device)).quantize(fit.mu)  # (G, g) the LUT's assignment
     g = compile_to_uniform(codes, fit.mu, b, omega=fit.omega, mask=fit.mask, scale_bits=fit.cfg.scale_bits)
     return g, fit.units(fit.uniform(g))
 
@@ -309,7 +310,7 @@ class _DeployedFit(_LayerFit):
         return fit_weighted_levels(mu, weight, _unit_mask(lb, self.mask), b, lut_bits=self.cfg.lut_bits)
 
     def vq_constant(self) -> torch.Tensor:
-        return torch.zeros(self.mu.shape[0], dtype=self.mu.dtype)
+        return torch.zeros(self.mu.shape[0], dtype=self.mu.dtype, device=self.mu.device)
 
 
 def layer_table(blocks: LayerBlocks, mu: torch.Tensor, sigma: torch.Tensor | None, cfg: QuantConfig,
@@ -341,7 +342,8 @@ def layer_table(blocks: LayerBlocks, mu: torch.Tensor, sigma: torch.Tensor | Non
         losses.append(loss)
         kinds.append(kind)
     loss = torch.stack(losses, 1)  # (U, nb)
-    return LayerTable(blocks, cfg.bits, loss, _costs(blocks, cfg, kinds), tuple(books), torch.zeros_like(loss))
+    costs = _costs(blocks, cfg, kinds, loss.device)
+    return LayerTable(blocks, cfg.bits, loss, costs, tuple(books), torch.zeros_like(loss))
 
 
 def metric_weights(posterior: Posterior, name: str, whitening: Whitening,
@@ -439,7 +441,7 @@ def rtn_table(
             books.append(g)
             losses.append(_unit_sum(lb, err.sum(1)))
         loss = torch.stack(losses, 1)
-        tables.append(LayerTable(lb, cfg.bits, loss, _costs(lb, cfg, [b.kind for b in books]),
+        tables.append(LayerTable(lb, cfg.bits, loss, _costs(lb, cfg, [b.kind for b in books], loss.device),
                                  tuple(books), torch.zeros_like(loss)))
     return LossTable(tuple(tables))
 

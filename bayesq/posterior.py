@@ -137,7 +137,8 @@ class Posterior:
     def sample(self, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """One draw ``mu + sigma * eps`` per layer (diagonal part)."""
         return {
-            n: m + self.variance[n].sqrt() * torch.randn(m.shape, generator=generator, dtype=m.dtype)
+            n: m + self.variance[n].sqrt() * torch.randn(m.shape, generator=generator, dtype=m.dtype,
+                                                         device=generator.device).to(m.device)
             for n, m in self.mean.items()
         }
 
@@ -232,7 +233,7 @@ def _variance(h: torch.Tensor, lam: float, cfg: PosteriorConfig, n_examples: int
     """``clip(1 / (h + lam))``, plus the small-calibration spectrum clip."""
     v = (1.0 / (h + lam)).clamp(cfg.var_min, cfg.var_max)
     if n_examples < cfg.small_calibration and v.numel() > 1:
-        lo, hi = torch.quantile(v.reshape(-1)[: 1 << 24], torch.tensor([0.01, 0.99], dtype=v.dtype))
+        lo, hi = torch.quantile(v.reshape(-1)[: 1 << 24], torch.tensor([0.01, 0.99], dtype=v.dtype, device=v.device))
         v = v.clamp(float(lo), float(hi))
     return v
 
@@ -508,10 +509,11 @@ def input_moments(
     error ``tr(D A D^T)``. Returns (name -> (d_in,) float64, inputs seen); Conv2d inputs are
     unfolded patches (d_in = in/groups*kh*kw), as in K-FAC.
     """
-    sums = {name: torch.zeros(math.prod(m.weight.shape[1:]), dtype=torch.float64) for name, m in layers.items()}
+    sums = {name: torch.zeros(math.prod(m.weight.shape[1:]), dtype=torch.float64, device=m.weight.device)
+            for name, m in layers.items()}
 
     def add(name: str, rows: torch.Tensor) -> None:  # rows (N, groups, T, d_in)
-        sums[name] += rows.pow(2).sum((0, 2)).double().mean(0).cpu()  # (d_in,), groups averaged
+        sums[name] += rows.pow(2).sum((0, 2)).double().mean(0)  # (d_in,), groups averaged
 
     n = forward_inputs(model, calibration, layers, add)
     if n == 0:

@@ -52,8 +52,9 @@ def _floor_bits(name: str, floors: Mapping[str, int]) -> int:
 
 
 def _candidates(table: LossTable, cfg: AllocationConfig):
-    """Per-unit candidate arrays (n, nb): bits, loss, cost, validity (floors) and layer ids."""
-    loss, cost = (x.numpy().astype(np.float64) for x in table.arrays())
+    """Per-unit candidate arrays (n, nb): bits, loss, cost, validity (floors) and layer ids (NumPy, on
+    the CPU: the allocators' bookkeeping; the table itself stays on the weights' device)."""
+    loss, cost = (x.cpu().numpy().astype(np.float64) for x in table.arrays())
     bits = np.concatenate([np.tile(np.array(t.bits), (t.blocks.n_units, 1)) for t in table.layers])
     layer = np.concatenate([np.full(t.blocks.n_units, i) for i, t in enumerate(table.layers)])
     floor = np.concatenate([np.full(t.blocks.n_units, _floor_bits(t.blocks.name, cfg.floors)) for t in table.layers])
@@ -174,8 +175,8 @@ def loss_reduction_curve(
 def element_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, Book], out: int):
     """Per-element (out, d_in) scale, zero and maxq of the groups' uniform grids."""
     g = lb.group_size
-    scale = torch.zeros(lb.n_groups, dtype=torch.float64)
-    zero = torch.zeros(lb.n_groups, dtype=torch.float64)
+    scale = torch.zeros(lb.n_groups, dtype=torch.float64, device=group_bits.device)
+    zero = torch.zeros(lb.n_groups, dtype=torch.float64, device=group_bits.device)
     for b, book in books.items():
         affine = book.affine_fields()
         if affine is None:
@@ -190,10 +191,10 @@ def element_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, 
 def _refit_books(lb: LayerBlocks, W: torch.Tensor, codes: torch.Tensor, zero: torch.Tensor,
                  group_bits: torch.Tensor, books: dict, metric: torch.Tensor, scale_bits: int) -> dict:
     """``books`` with each group's scale refitted to its codes (``refit.refit_scales``)."""
-    scale = torch.zeros(lb.n_groups, dtype=torch.float64)
+    scale = torch.zeros(lb.n_groups, dtype=torch.float64, device=W.device)
     for b, book in books.items():
         scale[group_bits == b] = book.affine_fields()[0]
-    index = torch.arange(lb.n_groups)[:, None].expand(-1, lb.group_size)
+    index = torch.arange(lb.n_groups, device=W.device)[:, None].expand(-1, lb.group_size)
     group = lb.from_groups(index.double()).reshape(W.shape).to(torch.int64)  # (out, d_in)
     new, _, _ = refit_scales(W, codes.double() - zero, group, scale, metric.double(), scale_bits=scale_bits)
     return {b: book.with_affine(new[group_bits == b], book.affine_fields()[1]) for b, book in books.items()}
@@ -304,8 +305,8 @@ def encode(
         lb = t.blocks
         w = weights[lb.name].detach().double()
         groups, _ = lb.to_groups(w.reshape(-1))
-        unit_bits = torch.tensor(allocation.unit_bits[lb.name], dtype=torch.int64)
-        group_bits = unit_bits[lb.group_unit()]  # (G,)
+        unit_bits = torch.tensor(allocation.unit_bits[lb.name], dtype=torch.int64, device=w.device)
+        group_bits = unit_bits[lb.group_unit(w.device)]  # (G,)
         books = {b: book.take(group_bits == b) for b, book in zip(t.bits, t.books) if bool((group_bits == b).any())}
         if Rounding(rounding) == Rounding.ERROR_FEEDBACK:
             if column_metric is not None:
@@ -328,7 +329,7 @@ def encode(
             widths = {p.shape[1] for p in parts.values()}
             if len(widths) != 1:
                 raise ValueError(f"layer '{lb.name}' mixes VQ and scalar codes; VQ needs quant.unit: tensor")
-            codes = torch.zeros(lb.n_groups, widths.pop(), dtype=torch.int64)
+            codes = torch.zeros(lb.n_groups, widths.pop(), dtype=torch.int64, device=w.device)
             for b, part in parts.items():
                 codes[group_bits == b] = part
         out[lb.name] = QuantizedWeight(lb, group_bits, codes, books)

@@ -62,12 +62,13 @@ def row_block_solve(W: torch.Tensor, u: torch.Tensor, group: torch.Tensor, scale
         return None
     k = n // out
     width = d // k
-    if not torch.equal(group, torch.arange(out)[:, None] * k + torch.arange(d)[None] // width):
+    dev = group.device
+    if not torch.equal(group, torch.arange(out, device=dev)[:, None] * k + torch.arange(d, device=dev)[None] // width):
         return None
     Hs = H if H.dim() == 3 else H.unsqueeze(0)
     per = out // Hs.shape[0]
-    M = torch.empty(out, k, k, dtype=torch.float64)
-    b = torch.empty(out, k, dtype=torch.float64)
+    M = torch.empty(out, k, k, dtype=torch.float64, device=W.device)
+    b = torch.empty(out, k, dtype=torch.float64, device=W.device)
     for c, Hc in enumerate(Hs):  # convolution groups: rows c*per ... (c+1)*per - 1
         rows = slice(c * per, (c + 1) * per)
         Uc = u[rows]
@@ -129,13 +130,13 @@ def _descend(W: torch.Tensor, u: torch.Tensor, group: torch.Tensor, scale: torch
     n = scale.shape[0]
     flat = group.reshape(-1)
     diag = (H if H.dim() == 3 else H.unsqueeze(0)).diagonal(dim1=-2, dim2=-1)  # (groups, d)
-    hdiag = torch.zeros(n, dtype=torch.float64).index_add_(  # sum of u^2 H_jj per group
+    hdiag = torch.zeros(n, dtype=torch.float64, device=W.device).index_add_(  # sum of u^2 H_jj per group
         0, flat, (u * u * diag.repeat_interleave(W.shape[0] // diag.shape[0], 0)).reshape(-1))
     a = scale.clone()
     R = a[group] * u - W
     RH = metric_apply(R, H)  # kept current: R H after a step is RH - alpha * D H (one product per step)
     for _ in range(iters):
-        grad = torch.zeros(n, dtype=torch.float64).index_add_(0, flat, (u * RH).reshape(-1))
+        grad = torch.zeros(n, dtype=torch.float64, device=W.device).index_add_(0, flat, (u * RH).reshape(-1))
         step = torch.where(hdiag > 0, grad / hdiag.clamp_min(1e-300), torch.zeros_like(grad))
         D = step[group] * u  # (out, d) change of W_hat per unit alpha
         HD = metric_apply(D, H)

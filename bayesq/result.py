@@ -71,7 +71,7 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """Weight of ``blocks.shape`` (float64) from the codes, codebooks (and col_scale) only."""
-        w = torch.zeros(self.codes.shape[0], self.blocks.group_size, dtype=torch.float64)
+        w = torch.zeros(self.codes.shape[0], self.blocks.group_size, dtype=torch.float64, device=self.codes.device)
         for b, book in self.books.items():
             sel = self.group_bits == b
             w[sel] = book.dequantize(self.codes[sel])

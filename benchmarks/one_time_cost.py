@@ -10,11 +10,13 @@ fine-tuned model, same calibration and selection inputs, same budget, one thread
 other.
 
     python benchmarks/one_time_cost.py [--models lite0-fmnist,minilm-sentiment] [--budget 3.0] [--seed 17]
-                                       [--threads 1] [--profile N]
+                                       [--threads 1] [--profile N] [--device cpu|cuda]
 
 Prints each stage's wall seconds, each model's two totals and their ratio, and last
 ``max ratio: X`` (the larger ratio). ``--profile N`` also prints the N functions with the most
-cumulative time inside BayesQ (cProfile). Needs ``models/`` and ``data/raw`` from ``make run``.
+cumulative time inside BayesQ (cProfile). ``--device cuda``: model and batches on the GPU (each
+stage timed after a synchronisation). Needs ``models/`` and ``data/raw`` from ``make run``
+(``benchmarks/scale.py --device cuda`` measures the same architectures without them).
 """
 
 from __future__ import annotations
@@ -29,8 +31,13 @@ from pathlib import Path
 
 @contextmanager
 def _timed(stages: dict, name: str):
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
+    sync()
     start = time.perf_counter()
     yield
+    sync()
     stages[name] = time.perf_counter() - start
 
 
@@ -47,6 +54,14 @@ def load_inputs(model_name: str, seed: int, params_path: Path):
     splits = entry.load_splits(params.data, raw_path(entry, Path("data/raw")))
     _, batches = calibration_batches(entry, splits, params.data, params.calibration, seed)
     return params, model, batches, selection_batches(entry, splits, params.data, params.calibration, seed)
+
+
+def on_device(model, calibration, selection, device: str):
+    """Model and batches (tensors, dicts of tensors) moved to ``device``."""
+    def move(b):
+        return {k: v.to(device) for k, v in b.items()} if isinstance(b, dict) else b.to(device)
+
+    return model.to(device), [move(b) for b in calibration], [move(b) for b in selection]
 
 
 def bayesq_stages(model, calibration, params, budget: float, seed: int, selection=None) -> tuple[dict, object]:
@@ -104,6 +119,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
     ap.add_argument("--profile", type=int, default=0, help="print the N top cumulative functions of BayesQ")
+    ap.add_argument("--device", default="cpu", help="where the model and the batches are (cuda: the GPU)")
     a = ap.parse_args()
     import torch
 
@@ -111,6 +127,7 @@ def main() -> None:
     ratios = {}
     for name in a.models.split(","):
         params, model, calibration, selection = load_inputs(name, a.seed, a.params)
+        model, calibration, selection = on_device(model, calibration, selection, a.device)
         prof = cProfile.Profile() if a.profile else None
         if prof:
             prof.enable()

@@ -13,12 +13,15 @@ quantisation; its peak RSS (``getrusage``'s ``ru_maxrss`` at its end) includes t
 inputs, the same for both methods.
 
     python benchmarks/scale.py [--sizes resnet50,bert-base,gpt2,gpt2-medium,lite0,minilm] [--budget 3.0]
-                               [--methods bayesq,gptq] [--calibration 128] [--tokens 128] [--pixels 224]
-                               [--limit-gib 22] [--timeout 3600]
+                               [--methods bayesq,gptq] [--calibration 128] [--selection 0] [--tokens 128] [--pixels 224]
+                               [--limit-gib 22] [--timeout 3600] [--device cpu|cuda] [--errors DIR]
 
 Prints a row per size (seconds and peak GiB of each method, the ratios) and says which sizes did
 not finish and why (out of memory: killed by the kernel or ``MemoryError``; over ``--timeout``;
-an error). Last line: ``max time ratio: X, max memory ratio: Y`` over the sizes both methods finish.
+an error; ``--errors DIR`` keeps each failed child's stderr). Last line: ``max time ratio: X, max
+memory ratio: Y`` over the sizes both methods finish. ``--device cuda``: model and inputs on the GPU
+(give ``--limit-gib 0``: CUDA reserves more address space than any cap); the memory ratio then
+compares the GPU's peak allocated memory.
 """
 
 from __future__ import annotations
@@ -65,8 +68,10 @@ def build(size: str):
     raise SystemExit(f"unknown size {size!r}; sizes: {', '.join(SIZES)}")
 
 
-def inputs(kind: str, n: int, tokens: int, pixels: int, vocab: int, seed: int, batch: int = 8) -> list:
-    """``n`` inputs in batches of ``batch``: images (B, 3, P, P) or token dicts (B, T)."""
+def inputs(kind: str, n: int, tokens: int, pixels: int, vocab: int, seed: int, batch: int = 8,
+           device: str = "cpu") -> list:
+    """``n`` inputs in batches of ``batch`` on ``device``: images (B, 3, P, P) or token dicts (B, T)
+    (drawn on the CPU: the same inputs on every device)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -74,9 +79,9 @@ def inputs(kind: str, n: int, tokens: int, pixels: int, vocab: int, seed: int, b
     for start in range(0, n, batch):
         b = min(batch, n - start)
         if kind == "image":
-            out.append(torch.randn(b, 3, pixels, pixels, generator=g))
+            out.append(torch.randn(b, 3, pixels, pixels, generator=g).to(device))
         else:
-            ids = torch.randint(0, vocab, (b, tokens), generator=g)
+            ids = torch.randint(0, vocab, (b, tokens), generator=g).to(device)
             out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     return out
 
@@ -87,23 +92,32 @@ def child(a) -> None:
 
     from bayesq.config import BayesQConfig
     from bayesq.methods import Inputs, quantize_with
-    from flows.byo import method_config
-    from flows.common import read_params
+    from flows.configs import method_config
+    from flows.params import read_params
 
     torch.set_num_threads(a.threads or torch.get_num_threads())
     model, kind = build(a.size)
+    model.to(a.device)
     vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
-    cal = inputs(kind, a.calibration, a.tokens, a.pixels, vocab, seed=1)
-    sel = inputs(kind, a.calibration, a.tokens, a.pixels, vocab, seed=2)
+    cal = inputs(kind, a.calibration, a.tokens, a.pixels, vocab, seed=1, device=a.device)
+    sel = inputs(kind, a.selection or a.calibration, a.tokens, a.pixels, vocab, seed=2, device=a.device)
     cfg = BayesQConfig() if a.method == "bayesq" else method_config(a.method, read_params(ROOT / "params.yaml"),
                                                                     a.budget, 0)[0]
+    cuda = a.device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     out = quantize_with(model, cfg, a.budget, Inputs(calibration=cal, selection=sel))
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     weights = sum(p.numel() for p in model.parameters())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux -> GiB
+    where = {str(p.device) for p in out.result.model.parameters()} | {str(b.device) for b in out.result.model.buffers()}
     print(json.dumps({"seconds": seconds, "avg_bits": out.result.average_bits, "weights": weights,
-                      "rss_gib": peak}), flush=True)
+                      "rss_gib": peak, "gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                      "result_devices": sorted(where)}), flush=True)
 
 
 class StagePeaks:
@@ -155,13 +169,14 @@ def stages(a) -> None:
     from bayesq.config import BayesQConfig
     from bayesq.error_feedback import shared_factors
     from bayesq.quantize import bias_correction, build_table, ef_column_metric, encode_best, posterior_and_stats
-    from flows.common import read_params
+    from flows.params import read_params
 
     torch.set_num_threads(a.threads or torch.get_num_threads())
     model, kind = build(a.size)
+    model.to(a.device)
     vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
-    cal = inputs(kind, a.calibration, a.tokens, a.pixels, vocab, seed=1)
-    sel = inputs(kind, a.calibration, a.tokens, a.pixels, vocab, seed=2)
+    cal = inputs(kind, a.calibration, a.tokens, a.pixels, vocab, seed=1, device=a.device)
+    sel = inputs(kind, a.selection or a.calibration, a.tokens, a.pixels, vocab, seed=2, device=a.device)
     cfg, params = BayesQConfig(), read_params(ROOT / "params.yaml")
     q, peaks = cfg.quant, StagePeaks()
     print(f"{a.size}: model and inputs {StagePeaks.rss():.2f} GiB", flush=True)
@@ -198,9 +213,9 @@ def stages(a) -> None:
 def run_one(size: str, method: str, a) -> dict:
     """Run :func:`child` in a fresh process; its seconds, peak RSS (GiB) and how it ended."""
     cmd = [sys.executable, __file__, "--child", "--size", size, "--method", method, "--budget", str(a.budget),
-           "--calibration", str(a.calibration), "--tokens", str(a.tokens), "--pixels", str(a.pixels),
-           "--threads", str(a.threads)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+           "--calibration", str(a.calibration), "--selection", str(a.selection), "--tokens", str(a.tokens), "--pixels", str(a.pixels),
+           "--threads", str(a.threads), "--device", a.device]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                             preexec_fn=_limit(a.limit_gib))
     start = time.perf_counter()
@@ -215,6 +230,9 @@ def run_one(size: str, method: str, a) -> dict:
     if proc.returncode == -signal.SIGKILL or "MemoryError" in err or "can't allocate memory" in err:
         return {"status": f"out of memory (limit {a.limit_gib} GiB of address space)"}
     if proc.returncode != 0:
+        if a.errors:
+            a.errors.mkdir(parents=True, exist_ok=True)
+            (a.errors / f"{size}-{method}.txt").write_text(err)
         return {"status": f"error: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}"}
     rec = json.loads(out.strip().splitlines()[-1])
     return {**rec, "wall": wall, "status": "ok"}
@@ -236,11 +254,15 @@ def main() -> None:
     ap.add_argument("--methods", default="bayesq,gptq")
     ap.add_argument("--budget", type=float, default=3.0)
     ap.add_argument("--calibration", type=int, default=128)
+    ap.add_argument("--selection", type=int, default=0, help="held-out selection inputs (0: as many as --calibration)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--pixels", type=int, default=224)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per child (0: all cores)")
     ap.add_argument("--limit-gib", type=float, default=22.0, help="address-space cap per child (0: none)")
     ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--device", default="cpu", help="where the model and the inputs are (cuda: also the GPU's "
+                    "peak allocated memory, which the memory ratio then compares)")
+    ap.add_argument("--errors", type=Path, help="write each failed child's stderr to this folder")
     ap.add_argument("--stages", action="store_true", help="one size (--sizes NAME) stage by stage in this process")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
@@ -262,11 +284,13 @@ def main() -> None:
         res = {m: run_one(size, m, a) for m in methods}
         cells = []
         for m, r in res.items():
-            cells.append(f"{m} {r['seconds']:.1f} s, {r['rss_gib']:.2f} GiB" if r["status"] == "ok"
+            gpu = f" (GPU {r['gpu_gib']:.2f} GiB, result on {','.join(r['result_devices'])})" if r.get("gpu_gib") else ""
+            cells.append(f"{m} {r['seconds']:.1f} s, {r['rss_gib']:.2f} GiB{gpu}" if r["status"] == "ok"
                          else f"{m} did not finish: {r['status']}")
         line = f"{size:12s} " + "; ".join(cells)
         if all(r["status"] == "ok" for r in res.values()) and {"bayesq", "gptq"} <= set(res):
-            tr, mr = res["bayesq"]["seconds"] / res["gptq"]["seconds"], res["bayesq"]["rss_gib"] / res["gptq"]["rss_gib"]
+            mem = "gpu_gib" if res["gptq"].get("gpu_gib") else "rss_gib"
+            tr, mr = res["bayesq"]["seconds"] / res["gptq"]["seconds"], res["bayesq"][mem] / res["gptq"][mem]
             time_ratios.append(tr)
             mem_ratios.append(mr)
             line += f"; {res['bayesq']['weights'] / 1e6:.0f} M weights; ratios: time {tr:.2f}, memory {mr:.2f}"

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -33,7 +33,6 @@ from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from bayesq.baselines.select import encoding_config
-from bayesq.config import BayesQConfig
 from bayesq.evaluation import each_batch, predict
 from bayesq.comparison import paired_difference
 from bayesq.export import ExportError, load, read_export, save_export
@@ -53,10 +52,9 @@ from bayesq.harness.sources import ModelSource, SourceKind, resolve_model, unpac
 from bayesq.methods import Inputs, quantize_with
 from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import digest, locked, write_json
+from flows.configs import method_config
 from flows.lineage import artifact_tags, row_metadata
-from flows.params import BYO_METHODS, ByoModel, Method, byo_from_mapping
-from flows.prepare import method_settings
-from flows.quantize import BASELINE_CONFIGS
+from flows.params import BYO_METHODS, ByoModel, byo_from_mapping
 from flows.tracking import child_run_name, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say
 
 BATCH = 32  # examples per preprocessed batch
@@ -140,19 +138,6 @@ def prepare(spec: ByoModel, seed: int, say=print) -> Prepared:
     say(f"[byo] {spec.name}: model built and {sum(map(len, (draws.calibration, draws.selection, draws.test)))} "
         f"examples preprocessed ({time.perf_counter() - start:.1f} s)")
     return Prepared(spec, src, fp, draws, cal, sel or None, test, labels, pre, digest(Path(spec.data.path)))
-
-
-def method_config(method: str, params, budget: float, seed: int):
-    """(library config, QuantConfig of a BayesQ row or None) for ``method`` with params.yaml's
-    settings: BayesQ rows through :func:`flows.prepare.method_settings` (distillation only for
-    ``bayesq-distill``), baselines through :data:`flows.quantize.BASELINE_CONFIGS`."""
-    m = Method(method)
-    if m in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER):
-        posterior, quant = method_settings(params, m)
-        distill = params.distill if m is Method.BAYESQ_DISTILL else replace(params.distill, max_budget=0.0)
-        return BayesQConfig(budget=budget, posterior=posterior, quant=quant, allocation=params.allocation,
-                            distill=distill, seed=seed), quant
-    return BASELINE_CONFIGS[m](params.quant, params.baselines, seed), None
 
 
 def report_paths(export: Path) -> tuple[Path, Path]:
@@ -425,5 +410,5 @@ def evaluate_export(path: Path, data_path: str, split: str = "", text_columns: t
     return record, report.lines()
 
 
-__all__ = ["BYO_METHODS", "ByoModel", "byo_from_mapping", "check", "prepare", "run_row", "method_config", "track_row",
+__all__ = ["BYO_METHODS", "ByoModel", "byo_from_mapping", "check", "prepare", "run_row", "track_row",
            "evaluate_export", "recorded_data", "byo_task", "submit_rows", "track_child", "paired_rows", "load_examples"]

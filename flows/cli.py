@@ -114,7 +114,7 @@ def quantize(
     from flows.lineage import export_lineage, input_lineage, row_metadata
     from flows.params import Method
     from flows.prepare import calibration_batches, checked_exclude, selection_batches
-    from flows.quantize import BASELINE_CONFIGS
+    from flows.configs import BASELINE_CONFIGS
 
     choices = ["bayesq"] + [m.value for m in BASELINE_CONFIGS]
     if method not in choices:

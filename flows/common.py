@@ -11,12 +11,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-import yaml
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from flows import ROOT
 from flows.locks import locked as with_locks
-from flows.params import Params, load_params
+from flows.params import read_params  # noqa: F401 - the flows' way in (defined where the params are)
 
 
 def locked(policy):
@@ -28,12 +27,6 @@ def locked(policy):
 
 
 CACHE = locked(INPUTS + TASK_SOURCE)  # plus an explicit `code` input: TASK_SOURCE sees only the wrapper
-
-
-def read_params(path: Path) -> Params:
-    """Validated params with the selected profile applied."""
-    with open(path) as f:
-        return load_params(yaml.safe_load(f) or {})
 
 
 def digest(path: Path) -> str:

@@ -17,6 +17,8 @@ from pathlib import Path
 from enum import Enum
 from typing import Any, ClassVar, Iterator, Mapping
 
+import yaml
+
 from bayesq.config import (
     AllocationConfig,
     BayesQConfig,
@@ -363,6 +365,12 @@ def _merge(base: dict, over: Mapping[str, Any], where: str) -> dict:
         else:
             out[key] = value
     return out
+
+
+def read_params(path: Path) -> Params:
+    """Validated params of the file ``path`` with the selected profile applied."""
+    with open(path) as f:
+        return load_params(yaml.safe_load(f) or {})
 
 
 def load_params(raw: Mapping[str, Any]) -> Params:

@@ -21,7 +21,7 @@ from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.hawq import hessian_traces
 from bayesq.blocks import excluded, layer_blocks
 from bayesq.canonical import canonical
-from bayesq.config import BayesQConfig, Curvature, Objective, Prior, Rounding, replace
+from bayesq.config import BayesQConfig, Curvature, replace
 from bayesq.curvature.kfac import KFACFactors
 from bayesq.evaluation import reference_log_probs
 from bayesq.forward import by_length
@@ -32,6 +32,7 @@ from bayesq.posterior import CURVATURES, DiagonalCurvature, Posterior, WeightMea
 from bayesq.quantize import build_table, candidate_tables, ef_column_metric, first_look_inputs, fit_posterior
 from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import CACHE, code_version, digest
+from flows.configs import method_settings
 from flows.finetune import load_model
 from flows.params import CalibrationConfig, Method, SelectionInputs
 from flows.timings import plain_call
@@ -389,20 +390,6 @@ def hawq_traces_task(name: str, model_file: str, model_digest: str, raw: str, ra
     start = time.perf_counter()
     traces = hessian_traces(model, batches, probes=probes, seed=seed, exclude=exclude)
     return {"traces": traces, "seconds": time.perf_counter() - start}
-
-
-def method_settings(params, method) -> tuple:
-    """(posterior, quant) settings a BayesQ row runs with: params.yaml's, except ``bayesq-ef``
-    (K-FAC posterior, error-feedback rounding) and ``bayesq-paper`` (the paper-literal
-    configuration: prior precision fixed at ``posterior.damping``, the ``draws`` objective, nearest
-    rounding, no bias correction)."""
-    if Method(method) == Method.BAYESQ_EF:
-        return (replace(params.posterior, curvature=Curvature.KFAC),
-                replace(params.quant, rounding=Rounding.ERROR_FEEDBACK))
-    if Method(method) == Method.BAYESQ_PAPER:
-        return (replace(params.posterior, prior=Prior.FIXED),
-                replace(params.quant, objective=Objective.DRAWS, rounding=Rounding.NEAREST, bias_correction=False))
-    return params.posterior, params.quant
 
 
 def _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call=plain_call):

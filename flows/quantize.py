@@ -28,13 +28,7 @@ from typing import Any
 from prefect import flow, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from bayesq.baselines.aciq import ACIQConfig
-from bayesq.baselines.awq import AWQConfig
-from bayesq.baselines.gptq import GPTQConfig
-from bayesq.baselines.hawq import HAWQConfig
-from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.select import encoding_config
-from bayesq.config import Granularity
 from bayesq.evaluation import predict
 from bayesq.export import load as load_export, save_export
 from bayesq.harness.models.zoo import _take, get_entry
@@ -42,6 +36,7 @@ from bayesq.methods import Inputs, Outcome, quantize_with
 from bayesq.quantize import allocate, assemble, encode_best, needs_input_stats
 from bayesq.tensorfile import file_sha256
 from flows.common import code_version, digest, locked, parser, read_params, write_json
+from flows.configs import BASELINE_CONFIGS, method_settings
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage, input_lineage, row_metadata
 from flows.params import Method, RobustnessConfig
@@ -52,7 +47,6 @@ from flows.prepare import (
     load_posterior,
     load_reference,
     load_stats,
-    method_settings,
     prep_code,
     prepare,
     reference_task,
@@ -98,22 +92,6 @@ def row_code(method: Method) -> str:
     """Code version of ``method``'s rows: every source under ``bayesq/`` and ``flows/`` but
     :func:`row_excluded`."""
     return code_version(exclude=row_excluded(method))
-
-
-# the library config of each baseline row (bayesq.methods): params.yaml's quant and baselines settings
-# (quant, baselines, seed) -> config
-BASELINE_CONFIGS = {
-    Method.RTN_TENSOR: lambda q, b, seed: RTNConfig(Granularity.TENSOR, q),
-    Method.RTN_CHANNEL: lambda q, b, seed: RTNConfig(Granularity.CHANNEL, q),
-    Method.RTN_GROUP: lambda q, b, seed: RTNConfig(Granularity.GROUP, q),
-    Method.ACIQ: lambda q, b, seed: ACIQConfig(quant=q),
-    Method.HAWQ: lambda q, b, seed: HAWQConfig(quant=q, probes=b.hawq_probes, seed=seed),
-    Method.GPTQ: lambda q, b, seed: GPTQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
-                                         act_order=b.gptq_act_order, damp=b.gptq_damp,
-                                         bias_correction=b.bias_correction),
-    Method.AWQ: lambda q, b, seed: AWQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes), grid=b.awq_grid,
-                                       bias_correction=b.bias_correction),
-}
 
 
 def _baseline(method: Method, model, entry, splits, data, calibration, quant, baselines, budget: float,

@@ -216,10 +216,9 @@ def test_load_wrong_skeleton_is_clear(written):
 EMBEDDED = ["lite0-fmnist", "resnet18-fmnist", "minilm-sentiment"]
 
 
-@pytest.mark.parametrize("name", EMBEDDED)
-def test_export_embedded_models_round_trip(tmp_path, name, one_thread):
-    """Every layer type of the embedded architectures (depthwise convs, BERT linears) packs and
-    loads back to identical logits (RTN per-group at 3 bits: a mix of widths)."""
+def _embedded_export(name, tmp_path):
+    """(RTN per-group 3-bit result, export info, loaded export, input batches) of an embedded
+    architecture with seeded random weights (a mix of widths)."""
     from bayesq.baselines.rtn import rtn_quantize
     from bayesq.harness.models.config import DataConfig
     from bayesq.harness.models.zoo import get_entry
@@ -231,16 +230,47 @@ def test_export_embedded_models_round_trip(tmp_path, name, one_thread):
     res = rtn_quantize(model, Granularity.GROUP, 3.0, q)
     path = tmp_path / f"{name}.safetensors"
     info = save_export(path, res.model, res.weights, q, res.allocation.total_bits, architecture=name)
-    assert info.payload_bits - res.allocation.total_bits < 8 * 3 * len(res.weights)
-    loaded = load(path)  # rebuilt from the architecture named in the file
     if entry.task == "image":
         x = [torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(2))]
     else:
         x = entry.batches(["a fine film", "dull and long"], 2, DataConfig())
+    return res, info, load(path), x  # rebuilt from the architecture named in the file
+
+
+@pytest.mark.parametrize("name", EMBEDDED)
+def test_export_embedded_models_round_trip(tmp_path, name, one_thread):
+    """Every layer type of the embedded architectures (depthwise convs, BERT linears) packs and
+    loads back to identical logits (RTN per-group at 3 bits: a mix of widths)."""
     from bayesq.evaluation import predict
 
+    res, info, loaded, x = _embedded_export(name, tmp_path)
+    assert info.payload_bits - res.allocation.total_bits < 8 * 3 * len(res.weights)
     assert torch.equal(predict(loaded, x), predict(res.model, x))
     assert math.isclose(info.payload_avg_bits, res.average_bits, rel_tol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", EMBEDDED)
+def test_export_embedded_models_on_cuda_vs_cpu(tmp_path, name, monkeypatch):
+    """A loaded export moved to the GPU (Triton GEMV / GEMM for Linear, dequantise + cuDNN for
+    Conv2d) gives the CPU reference's logits in float32 (TF32 off), and close ones in float16."""
+    from bayesq.evaluation import predict
+    from bayesq.forward import logits
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    _, _, loaded, x = _embedded_export(name, tmp_path)
+    cpu = predict(loaded, x)
+    gpu_model = loaded.cuda()
+    def on_gpu(b, dtype):  # token ids as they are, images in the model's dtype
+        return {k: v.cuda() for k, v in b.items()} if isinstance(b, dict) else b.to("cuda", dtype)
+
+    with torch.inference_mode():
+        out = torch.cat([logits(gpu_model, on_gpu(b, torch.float32)).float().cpu() for b in x])
+        torch.testing.assert_close(out, cpu, rtol=1e-4, atol=1e-4)
+        half = gpu_model.half()
+        out16 = torch.cat([logits(half, on_gpu(b, torch.float16)).float().cpu() for b in x])
+    assert (out16 - cpu).abs().max() <= 0.05 * cpu.abs().max()
 
 
 def test_save_export_all_avg_bits_vs_result(tmp_path):

@@ -653,7 +653,8 @@ def test_reprior_task_vs_posterior_task_fit_with_that_prior(tmp_path, tiny_entry
 
     from bayesq.config import replace
     from flows.params import Method
-    from flows.prepare import method_settings, posterior_task, reprior_task
+    from flows.configs import method_settings
+    from flows.prepare import posterior_task, reprior_task
 
     params, entry, model_file, src, args = _tiny_task_inputs(tmp_path)
     base = posterior_task.fn(*args, params.calibration, params.posterior, 17, str(tmp_path / "post"), "c")

@@ -1,6 +1,9 @@
-"""Kernels vs the PyTorch reference (Triton under TRITON_INTERPRET=1 on CPU, set in conftest)
-and the reference vs ``QuantizedWeight.dequantize``: exact unpacking, fp32 matmul within
-tolerance, across bit-widths, group sizes, layouts and odd shapes."""
+"""Kernels vs the PyTorch reference and the reference vs ``QuantizedWeight.dequantize``: exact
+unpacking, fp32 matmul within tolerance, across bit-widths, group sizes, layouts and odd shapes.
+
+The ``test_triton_*`` tests run the compiled kernels on a CUDA GPU when there is one, else
+Triton's interpreter on the CPU (TRITON_INTERPRET=1, set in conftest); ``test_cuda_*`` need a GPU.
+"""
 
 import pytest
 import torch
@@ -20,6 +23,8 @@ CASES = [  # shape, group size, unit groups, bit choices, row-aligned, LUT width
     ((9, 27), 8, 2, (3, 4), True, (3, 4)),
 ]
 IDS = ["4bit", "3bit", "mixed-straddle", "2-8bit-tall", "row-aligned", "lut-mixed", "lut-row-aligned"]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton, or its interpreter
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _codes_matrix(qw):
@@ -73,7 +78,7 @@ def test_quant_linear_half_keeps_packed_types():
 def test_triton_dequant_vs_reference(case):
     shape, gs, ug, bits, aligned, lut = case
     pw = pack_weight(random_quantized(shape, gs, ug, bits, aligned, lut, seed=3))
-    assert torch.equal(dequantize(pw, torch.float32, "triton"), reference.dequantize(pw))
+    assert torch.equal(dequantize(pw.to(DEVICE), torch.float32, "triton").cpu(), reference.dequantize(pw))
 
 
 @pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS])
@@ -83,7 +88,7 @@ def test_triton_gemv_vs_reference(case, rows):
     pw = pack_weight(random_quantized(shape, gs, ug, bits, aligned, lut, seed=4))
     g = torch.Generator().manual_seed(5)
     x, bias = torch.randn(rows, shape[1], generator=g), torch.randn(shape[0], generator=g)
-    y = dequant_linear(x, pw, bias, "triton")
+    y = dequant_linear(x.to(DEVICE), pw.to(DEVICE), bias.to(DEVICE), "triton").cpu()
     ref = x.double() @ reference.dequantize(pw).double().T + bias.double()
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
 
@@ -93,7 +98,7 @@ def test_triton_gemm_vs_reference(case):
     shape, gs, ug, bits, aligned, lut = case
     pw = pack_weight(random_quantized(shape, gs, ug, bits, aligned, lut, seed=6))
     x = torch.randn(2, 19, shape[1], generator=torch.Generator().manual_seed(7))  # 38 rows: GEMM, ragged tile
-    y = dequant_linear(x, pw, None, "triton")
+    y = dequant_linear(x.to(DEVICE), pw.to(DEVICE), None, "triton").cpu()
     assert y.shape == (2, 19, shape[0])
     ref = x.double() @ reference.dequantize(pw).double().T
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
@@ -111,8 +116,35 @@ def test_triton_column_scale_vs_reference():
     x = torch.randn(20, 40, generator=torch.Generator().manual_seed(10))
     ref = x.double() @ reference.dequantize(pw).double().T
     for rows in (x[:2], x):
-        torch.testing.assert_close(dequant_linear(rows, pw, None, "triton").double(), ref[: len(rows)],
-                                   rtol=1e-5, atol=1e-5)
+        y = dequant_linear(rows.to(DEVICE), pw.to(DEVICE), None, "triton").cpu()
+        torch.testing.assert_close(y.double(), ref[: len(rows)], rtol=1e-5, atol=1e-5)
+
+
+def test_aligned_gemv_applies_to_one_word_aligned_width():
+    """The word-aligned GEMV serves the 4-bit and 3-bit cases above (so the GEMV tests check it);
+    short groups, mixed widths and tables go to the general one."""
+    from bayesq.kernels.launcher import aligned
+
+    assert [aligned(pack_weight(random_quantized(*c[:6], seed=3))) for c in CASES] == [
+        True, True, False, False, False, False, False]
+    assert aligned(pack_weight(random_quantized((8, 256), 64, 1, (2,))))
+    assert aligned(pack_weight(random_quantized((8, 256), 64, 1, (8,))))
+    assert not aligned(pack_weight(random_quantized((8, 80), 16, 1, (4,))))  # K % 32 != 0
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_triton_aligned_gemv_column_scale_and_bias_vs_reference(bits):
+    """Word-aligned GEMV with AWQ's column scale and a bias, K spanning two tiles with a partial last one."""
+    from dataclasses import replace
+
+    qw = random_quantized((20, 320), 64, 1, (bits,), seed=bits)
+    s = torch.rand(1, 320, generator=torch.Generator().manual_seed(9), dtype=torch.float64).add(0.5).half().double()
+    pw = pack_weight(replace(qw, col_scale=s))
+    g = torch.Generator().manual_seed(10)
+    x, bias = torch.randn(5, 320, generator=g), torch.randn(20, generator=g)
+    ref = x.double() @ reference.dequantize(pw).double().T + bias.double()
+    y = dequant_linear(x.to(DEVICE), pw.to(DEVICE), bias.to(DEVICE), "triton").cpu()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_launcher_auto_on_cpu_is_reference():
@@ -148,7 +180,7 @@ def test_launcher_dense_weight_needs_torch_backend():
     torch.testing.assert_close(dequant_linear(x, pw), x @ qw.dequantize().float().T)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_cuda_kernels_vs_reference(case):
     shape, gs, ug, bits, aligned, lut = case
@@ -160,3 +192,43 @@ def test_cuda_kernels_vs_reference(case):
         x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(12))
         y = dequant_linear(x.cuda().half(), gpu).float().cpu()
         torch.testing.assert_close(y, x.half().float() @ ref.T, rtol=2e-2, atol=2e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("shape", [(3072, 768), (768, 3072), (1000, 4096)], ids=["3072x768", "768x3072", "1000x4096"])
+def test_cuda_large_shapes_vs_reference(shape, bits):
+    """The benchmark's layer shapes on many programs: every batch size the launcher routes
+    differently (GEMV 1 / 8 rows, GEMM 16 / 64 / 200 rows), fp16 / bf16 / fp32 inputs, uniform
+    fast path (full 64-groups) against the float64 reference."""
+    pw = pack_weight(random_quantized(shape, 64, 1, (bits,), seed=bits))
+    assert pw.uniform_bits == bits
+    w = reference.dequantize(pw).double()
+    gpu = pw.to("cuda")
+    assert torch.equal(dequantize(gpu, torch.float32).cpu(), w.float())
+    for rows in (1, 8, 16, 64, 200):
+        x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows), dtype=torch.float64)
+        for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-2), (torch.bfloat16, 5e-2)):
+            xd = x.to(dtype)
+            y = dequant_linear(xd.cuda(), gpu).cpu().double()
+            ref = xd.double() @ w.to(dtype).double().T  # the weight as F.linear would see it in dtype
+            scale = ref.abs().max()
+            assert (y - ref).abs().max() <= tol * scale, (rows, dtype)
+
+
+@needs_cuda
+def test_cuda_quant_layers_follow_model_to_gpu():
+    """A loaded export moved with ``.cuda()`` runs the Triton path and gives the CPU's logits;
+    ``.half()`` keeps the packed buffers' types (the kernels read them)."""
+    from bayesq.qlayers import QuantLinear
+
+    qw = random_quantized((96, 160), 32, 1, (2, 3, 4, 8), lut_bits=(3,), seed=14)
+    layer = QuantLinear(pack_weight(qw), torch.randn(96, generator=torch.Generator().manual_seed(15)))
+    x = torch.randn(5, 160, generator=torch.Generator().manual_seed(16))
+    ref = layer(x)
+    gpu = layer.cuda()
+    assert gpu.words.is_cuda and gpu.backend == "auto"
+    torch.testing.assert_close(gpu(x.cuda()).cpu(), ref, rtol=1e-5, atol=1e-5)
+    half = gpu.half()
+    assert half.scale.dtype == torch.float16 and half.lut.dtype == torch.float32
+    torch.testing.assert_close(half(x.cuda().half()).float().cpu(), ref, rtol=2e-2, atol=2e-2)

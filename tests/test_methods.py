@@ -87,7 +87,7 @@ def test_register_refuses_a_second_handler_for_one_config():
 
 def test_pipeline_runs_every_baseline_through_the_registry():
     from flows.params import BaselinesConfig
-    from flows.quantize import BASELINE_CONFIGS
+    from flows.configs import BASELINE_CONFIGS
 
     bayesq_rows = {Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER}
     assert set(BASELINE_CONFIGS) == set(Method) - bayesq_rows

@@ -10,7 +10,7 @@ from pathlib import Path
 from bayesq.config import Curvature, Rounding
 from flows.params import Method
 from flows.params import load_params
-from flows.prepare import method_settings
+from flows.configs import method_settings
 from flows.tracking import (
     artifact_root, child_run_name, dvc_cache_path, flatten, parent_run_name, row_params,
 )

@@ -205,8 +205,8 @@ def given_allocation(table: LossTable, unit_bits: Mapping[str, Sequence[int]], b
         if bad:
             raise ValueError(f"allocation gives layer '{name}' bit-widths {bad}, not among the candidates "
                              f"{list(t.bits)}")
-        col = torch.tensor([t.bits.index(b) for b in bits])
-        rows = torch.arange(n_units)
+        col = torch.tensor([t.bits.index(b) for b in bits], device=t.unit_cost.device)
+        rows = torch.arange(n_units, device=t.unit_cost.device)
         total += int(t.unit_cost[rows, col].sum())
         loss += float(t.unit_loss[rows, col].sum())
         chosen[name] = bits

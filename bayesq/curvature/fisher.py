@@ -142,7 +142,7 @@ def fisher_diagonal(
             (``attention_mask`` 0) contribute nothing.
         layers: name -> Linear/Conv2d module of ``model``.
         label_samples: labels drawn per input (per real token) from the model's predictive.
-        seed: seed of the label sampler.
+        seed: seed of the label sampler (a generator on the logits' device).
         on_rows: called with each layer's input rows per batch (see ``_squared_grad_sum``), e.g.
             :class:`bayesq.baselines.activations.StatsSums`.
 
@@ -153,11 +153,13 @@ def fisher_diagonal(
     Raises:
         ValueError: if ``batches`` is empty.
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen: list[torch.Generator] = []  # on the logits' device, made on the first batch
 
     def sampled_labels(out: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
         probs = torch.softmax(out.double(), -1)  # (R, C)
-        return [torch.multinomial(probs, 1, generator=gen).squeeze(1) for _ in range(label_samples)]
+        if not gen:
+            gen.append(torch.Generator(device=probs.device).manual_seed(seed))
+        return [torch.multinomial(probs, 1, generator=gen[0]).squeeze(1) for _ in range(label_samples)]
 
     return _squared_grad_sum(model, batches, layers, sampled_labels, "fisher", progress, on_rows)
 

@@ -18,6 +18,7 @@ from bayesq.kernels import reference
 from bayesq.kernels.packed import PackedWeight
 
 GEMV_MAX_ROWS = 8  # batch rows up to which the GEMV kernel (no tl.dot) is used
+ALIGNED_MIN_K = 128  # fewest input columns per step of the word-aligned GEMV (its tiles: triton_dequant)
 
 
 def triton_available() -> bool:
@@ -72,6 +73,14 @@ def _args(pw: PackedWeight):
             pw.lut if pw.lut.numel() else pw.words, pw.lutoff if pw.lutoff.numel() else pw.words)
 
 
+def aligned(pw: PackedWeight) -> bool:
+    """The word-aligned GEMV applies: one width in {2, 3, 4, 8}, affine, full power-of-two groups
+    dividing both K and the tile, K a multiple of 32 (every row starts on a word)."""
+    gs = pw.group_size
+    return (pw.uniform_bits in (2, 3, 4, 8) and pw.mode == "affine" and pw.k % 32 == 0 and pw.k % gs == 0
+            and gs & (gs - 1) == 0 and ALIGNED_MIN_K % gs == 0)
+
+
 def _block_n(n: int) -> int:
     """Output rows per GEMV program: the widest of 64 / 32 / 16 that still gives >= 256 programs
     (two waves on a 132-SM H100), so small layers are not served by a few SMs."""
@@ -85,8 +94,10 @@ def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None 
                    backend: str = "auto", weight: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x W^T + bias``: x (..., K) float16/bfloat16/float32 -> (..., N) in x's dtype.
 
-    Triton: GEMV kernel for at most ``GEMV_MAX_ROWS`` rows, else the tiled GEMM (tensor cores
-    in x's dtype, float32 accumulation; float32 inputs use TF32 on GPUs). ``weight``: a cached
+    Triton: GEMV kernel for at most ``GEMV_MAX_ROWS`` rows (the word-aligned one where
+    :func:`aligned`), else the tiled GEMM (tensor cores
+    in x's dtype, float32 accumulation; float32 inputs in IEEE float32, or TF32 where
+    ``torch.backends.cuda.matmul.allow_tf32`` allows it, as for ``F.linear``). ``weight``: a cached
     dequantised weight for the reference path.
     """
     _check(x, pw, bias)
@@ -103,7 +114,13 @@ def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None 
     b = bias if bias is not None else pw.words
     common = dict(ROW_ALIGNED=bool(pw.groups_per_row), LUT=pw.mode == "lut", UNIFORM_B=pw.uniform_bits,
                   HAS_BIAS=bias is not None, HAS_COL=pw.col_scale is not None)
-    if m <= GEMV_MAX_ROWS:
+    if m <= GEMV_MAX_ROWS and aligned(pw):
+        n = pw.n
+        tk.gemv_aligned_kernel[lambda meta: (_cdiv(n, meta["BLOCK_N"]),)](
+            x2, out, b, col, pw.words, pw.scale, pw.zero, m, pw.n, pw.k, x2.stride(0), out.stride(0),
+            B=pw.uniform_bits, GS=pw.group_size, HAS_BIAS=bias is not None, HAS_COL=pw.col_scale is not None,
+            BLOCK_M=max(1, 1 << (m - 1).bit_length()))
+    elif m <= GEMV_MAX_ROWS:
         bn = _block_n(pw.n)
         tk.gemv_kernel[(_cdiv(pw.n, bn),)](x2, out, b, col, *_args(pw), m, pw.n, pw.k, pw.group_size,
                                            pw.groups_per_row, x2.stride(0), out.stride(0), **common,
@@ -111,8 +128,10 @@ def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None 
     else:
         bm = 16 if m <= 16 else 32 if m <= 64 else 64
         grid = (_cdiv(m, bm), _cdiv(pw.n, 64))
+        ieee = x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32  # else the default (tf32)
         tk.gemm_kernel[grid](x2, out, b, col, *_args(pw), m, pw.n, pw.k, pw.group_size, pw.groups_per_row,
-                             x2.stride(0), out.stride(0), **common, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64)
+                             x2.stride(0), out.stride(0), **common, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64,
+                             PRECISION="ieee" if ieee else "tf32")
     return out.reshape(*x.shape[:-1], pw.n)
 
 

@@ -9,7 +9,10 @@ layout of ``packed.py``: group ``g`` and position ``p`` of each element, its str
 
 * ``gemv_kernel``: up to 8 batch rows per program, each weight tile decoded once; reduction
   in registers (no ``tl.dot``: M < 16).
-* ``gemm_kernel``: tiles with ``tl.dot`` (M >= 16).
+* ``gemv_aligned_kernel``: the same for one width in {2, 3, 4, 8} with rows on word
+  boundaries: contiguous word loads unpacked by shifts, scale applied per group.
+* ``gemm_kernel``: tiles with ``tl.dot`` (M > 8; float32 inputs in IEEE float32 unless PyTorch
+  allows TF32 for matmuls, as ``F.linear`` does).
 * ``dequant_kernel``: writes the dense weight (Conv2d runs cuDNN on it, see ``launcher.py``).
 
 All accumulate in float32. Run on CPU with ``TRITON_INTERPRET=1`` (set before the first launch).
@@ -17,8 +20,16 @@ All accumulate in float32. Run on CPU with ``TRITON_INTERPRET=1`` (set before th
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# word-aligned GEMV tiles tried once per (N, K, batch rows) on a GPU (triton.autotune; the
+# interpreter runs the first alone)
+ALIGNED_TILES = [(32, 256, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4), (64, 128, 4), (16, 128, 4),
+                 (32, 512, 8), (64, 256, 8)]  # BLOCK_N, BLOCK_K, warps
+_TILES = ALIGNED_TILES[:1] if os.environ.get("TRITON_INTERPRET", "0") == "1" else ALIGNED_TILES
 
 
 @triton.jit
@@ -90,8 +101,10 @@ def gemv_kernel(x_ptr, out_ptr, bias_ptr, col_ptr, words_ptr, goff_ptr, gbits_pt
 def gemm_kernel(x_ptr, out_ptr, bias_ptr, col_ptr, words_ptr, goff_ptr, gbits_ptr, scale_ptr, zero_ptr,
                 lut_ptr, lutoff_ptr, M, N, K, GS, GPR, stride_xm, stride_om,
                 ROW_ALIGNED: tl.constexpr, LUT: tl.constexpr, UNIFORM_B: tl.constexpr, HAS_BIAS: tl.constexpr,
-                HAS_COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out = x W^T (+ bias) by (BLOCK_M, BLOCK_N) tiles; grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))."""
+                HAS_COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """out = x W^T (+ bias) by (BLOCK_M, BLOCK_N) tiles; grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N));
+    ``PRECISION``: tl.dot's input precision for float32 inputs ("ieee" or "tf32")."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -107,7 +120,7 @@ def gemm_kernel(x_ptr, out_ptr, bias_ptr, col_ptr, words_ptr, goff_ptr, gbits_pt
         mask = (rows[:, None] < N) & kmask[None, :]
         w = _decode(words_ptr, goff_ptr, gbits_ptr, scale_ptr, zero_ptr, lut_ptr, lutoff_ptr,
                     rows, cols, mask, K, GS, GPR, ROW_ALIGNED, LUT, UNIFORM_B)
-        acc += tl.dot(x.to(x_ptr.dtype.element_ty), tl.trans(w).to(x_ptr.dtype.element_ty))
+        acc += tl.dot(x.to(x_ptr.dtype.element_ty), tl.trans(w).to(x_ptr.dtype.element_ty), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
     omask = (rm[:, None] < M) & (rows[None, :] < N)
@@ -125,3 +138,70 @@ def dequant_kernel(out_ptr, words_ptr, goff_ptr, gbits_ptr, scale_ptr, zero_ptr,
     w = _decode(words_ptr, goff_ptr, gbits_ptr, scale_ptr, zero_ptr, lut_ptr, lutoff_ptr,
                 rows, cols, mask, K, GS, GPR, ROW_ALIGNED, LUT, UNIFORM_B)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.autotune([triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in _TILES],
+                 key=["N", "K", "BLOCK_M"])
+@triton.jit
+def gemv_aligned_kernel(x_ptr, out_ptr, bias_ptr, col_ptr, words_ptr, scale_ptr, zero_ptr, M, N, K,
+                        stride_xm, stride_om, B: tl.constexpr, GS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        HAS_COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """GEMV for one bit-width ``B`` in {2, 3, 4, 8}, affine codes, full groups of ``GS`` (a power
+    of two dividing ``BLOCK_K``), ``K % 32 == 0`` and ``K % GS == 0``: each row starts on a word and
+    every 32 codes are ``B`` whole words. A tile's words are loaded as one contiguous block and
+    unpacked with shifts (no per-element address arithmetic); ``c - z`` is formed exactly in
+    float32 as ``float(2**23 + c) - (2**23 + z)`` (one OR, one subtraction) and the scale is
+    applied once per group and row:
+
+        y[m, n] = sum_g s[n, g] * sum_{k in g} x[m, k] * (c[n, k] - z[n, g])
+
+    grid (cdiv(N, BLOCK_N),); float32 accumulation; BLOCK_N, BLOCK_K from :data:`ALIGNED_TILES`."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rm = tl.arange(0, BLOCK_M)
+    NG: tl.constexpr = BLOCK_K // GS
+    row_word = rows.to(tl.int64) * (K // 32 * B)  # (BLOCK_N,) first word of each row
+    row_group = rows.to(tl.int64) * (K // GS)
+    gi = tl.arange(0, NG)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        kmask = cols < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + cols[None, :], mask=(rm[:, None] < M) & kmask[None, :],
+                    other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_K)
+        if HAS_COL:
+            x = x / tl.load(col_ptr + cols, mask=kmask, other=1.0)[None, :]
+        if 32 % B == 0:  # 32 // B codes per word
+            PER: tl.constexpr = 32 // B
+            wi = tl.arange(0, BLOCK_K // PER)
+            wmask = rmask[:, None] & ((k0 + wi * PER) < K)[None, :]
+            w = tl.load(words_ptr + row_word[:, None] + (k0 // PER) + wi[None, :], mask=wmask,
+                        other=0).to(tl.uint32, bitcast=True)  # (BLOCK_N, BLOCK_K / PER)
+            shifts = (tl.arange(0, PER) * B).to(tl.uint32)
+            c = tl.reshape((w[:, :, None] >> shifts[None, None, :]) & ((1 << B) - 1), (BLOCK_N, BLOCK_K))
+        else:  # B == 3: 32 codes in 3 words; codes 10 and 21 straddle two
+            ch = tl.arange(0, BLOCK_K // 32)
+            base = row_word[:, None] + (k0 // 32 * 3) + ch[None, :] * 3  # (BLOCK_N, BLOCK_K / 32)
+            cmask = rmask[:, None] & ((k0 + ch * 32) < K)[None, :]
+            w0 = tl.load(words_ptr + base, mask=cmask, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)[:, :, None]
+            w1 = tl.load(words_ptr + base + 1, mask=cmask, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)[:, :, None]
+            w2 = tl.load(words_ptr + base + 2, mask=cmask, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)[:, :, None]
+            bit = tl.arange(0, 32) * 3
+            word = (bit >> 5)[None, None, :]
+            lo = tl.where(word == 0, w0, tl.where(word == 1, w1, w2))
+            hi = tl.where(word == 0, w1, w2)
+            both = (lo | (hi << 32)) >> (bit & 31).to(tl.uint64)[None, None, :]
+            c = tl.reshape((both & 7).to(tl.uint32), (BLOCK_N, BLOCK_K))
+        g = row_group[:, None] + (k0 // GS) + gi[None, :]  # (BLOCK_N, NG)
+        gmask = rmask[:, None] & ((k0 + gi * GS) < K)[None, :]
+        s = tl.load(scale_ptr + g, mask=gmask, other=0.0).to(tl.float32)
+        z = tl.load(zero_ptr + g, mask=gmask, other=0).to(tl.float32)
+        magic = tl.reshape(c | 0x4B000000, (BLOCK_N, NG, GS)).to(tl.float32, bitcast=True)  # 2**23 + c
+        wz = magic - (z + 8388608.0)[:, :, None]  # c - z, exact
+        part = tl.sum(tl.reshape(x, (BLOCK_M, NG, GS))[:, None, :, :] * wz[None, :, :, :], axis=3)  # (BM, BN, NG)
+        acc += tl.sum(part * s[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    omask = (rm[:, None] < M) & rmask[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Everything one short GPU session checks, in one call (the kernels, the exported models, the
+# one-time cost on CUDA), each step bounded so the rest still runs:
+#
+#   bash benchmarks/gpu.sh [OUT]          # OUT: where the logs go (default: reports/gpu)
+#
+# 1. correctness: the kernel and export tests with compiled Triton on the GPU (every bit-width,
+#    mixed widths, LUT codebooks, every test shape, the benchmark's shapes) -> OUT/pytest.txt
+# 2. speed: benchmarks/kernels.py -> OUT/kernels.json and reports/kernels.md (copied to OUT);
+#    the exported embedded models from results/exports when the pipeline ran here, else each
+#    embedded architecture with random weights (--random-weights)
+# 3. one-time cost on CUDA: BayesQ's default against GPTQ's strongest variant, model and
+#    inputs on the GPU (benchmarks/scale.py --device cuda; the embedded architectures at the
+#    pipeline's input sizes and counts, random weights) -> OUT/scale.txt; failures' stderr
+#    -> OUT/errors.txt
+# PYTHON (default python3) runs it; SIZES (default resnet50,bert-base,gpt2,gpt2-medium; empty: none) the
+# model sizes of step 5; SWEEP=1 adds step 4: both GEMV kernels over tile shapes at batch 1
+# (kernels.py --sweep -> OUT/sweep.json).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${1:-reports/gpu}
+PY=${PYTHON:-python3}
+SIZES=${SIZES-resnet50,bert-base,gpt2,gpt2-medium}
+mkdir -p "$OUT" reports
+unset TRITON_INTERPRET  # compiled kernels
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+echo "== $(date -u +%FT%TZ) device" | tee "$OUT/gpu.log"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee -a "$OUT/gpu.log"
+
+echo "== 1. kernel and export tests on CUDA" | tee -a "$OUT/gpu.log"
+timeout 300 $PY -m pytest -p no:cacheprovider -rfs tests/test_kernels.py tests/test_packing.py tests/test_export.py \
+    > "$OUT/pytest.txt" 2>&1
+echo "pytest exit $?: $(grep -E "[0-9]+ (passed|failed)" "$OUT/pytest.txt" | tail -1)" | tee -a "$OUT/gpu.log"
+
+echo "== 2. kernel speed" | tee -a "$OUT/gpu.log"
+E2E=(--random-weights)
+[ -d results/exports ] && [ -d models ] && E2E=()
+timeout 130 $PY benchmarks/kernels.py --models lite0-fmnist minilm-sentiment "${E2E[@]}" \
+    --out "$OUT/kernels.json" --report reports/kernels.md 2>&1 | grep -v "it/s\]" | tee -a "$OUT/gpu.log"
+cp reports/kernels.md "$OUT/" 2>/dev/null
+
+echo "== 3. one-time cost on CUDA: the embedded architectures at the pipeline's sizes" | tee -a "$OUT/gpu.log"
+rm -rf "$OUT/errors" "$OUT/errors.txt"
+scale() {  # timeout, scale.py arguments; failed children's stderr gathered in OUT/errors.txt
+    timeout "$1" $PY benchmarks/scale.py --device cuda --limit-gib 0 --errors "$OUT/errors" "${@:2}" 2>&1 \
+        | tee -a "$OUT/scale.txt" | tee -a "$OUT/gpu.log"
+    for f in "$OUT"/errors/*; do [ -f "$f" ] && { echo "--- $f"; tail -60 "$f"; }; done >> "$OUT/errors.txt"
+    rm -rf "$OUT/errors"
+}
+: > "$OUT/scale.txt"
+scale 120 --sizes lite0 --pixels 64 --calibration 500 --selection 2000 --timeout 55
+scale 190 --sizes minilm --tokens 64 --calibration 1000 --selection 2000 --timeout 90
+if [ -n "${SWEEP:-}" ]; then
+    echo "== 4. GEMV tile sweep" | tee -a "$OUT/gpu.log"
+    timeout 240 $PY benchmarks/kernels.py --sweep --out "$OUT/sweep.json" 2>&1 | tee -a "$OUT/gpu.log"
+fi
+if [ -n "$SIZES" ]; then
+    echo "== 5. one-time cost on CUDA: $SIZES" | tee -a "$OUT/gpu.log"
+    scale 600 --sizes "$SIZES" --timeout 240
+fi
+echo "== done $(date -u +%FT%TZ)" | tee -a "$OUT/gpu.log"

@@ -1,0 +1,59 @@
+"""The library config each pipeline row runs with, from params.yaml (no Prefect, no MLflow: the
+benchmarks and a GPU machine without the pipeline's packages read it too).
+
+* :func:`method_settings`: (posterior, quant) of a BayesQ row.
+* :data:`BASELINE_CONFIGS`: the config of each baseline row.
+* :func:`method_config`: either, for any row name.
+"""
+
+from __future__ import annotations
+
+from bayesq.baselines.aciq import ACIQConfig
+from bayesq.baselines.awq import AWQConfig
+from bayesq.baselines.gptq import GPTQConfig
+from bayesq.baselines.hawq import HAWQConfig
+from bayesq.baselines.rtn import RTNConfig
+from bayesq.config import BayesQConfig, Curvature, Granularity, Objective, Prior, Rounding, replace
+from flows.params import Method
+
+# the library config of each baseline row (bayesq.methods): params.yaml's quant and baselines settings
+# (quant, baselines, seed) -> config
+BASELINE_CONFIGS = {
+    Method.RTN_TENSOR: lambda q, b, seed: RTNConfig(Granularity.TENSOR, q),
+    Method.RTN_CHANNEL: lambda q, b, seed: RTNConfig(Granularity.CHANNEL, q),
+    Method.RTN_GROUP: lambda q, b, seed: RTNConfig(Granularity.GROUP, q),
+    Method.ACIQ: lambda q, b, seed: ACIQConfig(quant=q),
+    Method.HAWQ: lambda q, b, seed: HAWQConfig(quant=q, probes=b.hawq_probes, seed=seed),
+    Method.GPTQ: lambda q, b, seed: GPTQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
+                                         act_order=b.gptq_act_order, damp=b.gptq_damp,
+                                         bias_correction=b.bias_correction),
+    Method.AWQ: lambda q, b, seed: AWQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes), grid=b.awq_grid,
+                                       bias_correction=b.bias_correction),
+}
+
+
+def method_settings(params, method) -> tuple:
+    """(posterior, quant) settings a BayesQ row runs with: params.yaml's, except ``bayesq-ef``
+    (K-FAC posterior, error-feedback rounding) and ``bayesq-paper`` (the paper-literal
+    configuration: prior precision fixed at ``posterior.damping``, the ``draws`` objective, nearest
+    rounding, no bias correction)."""
+    if Method(method) == Method.BAYESQ_EF:
+        return (replace(params.posterior, curvature=Curvature.KFAC),
+                replace(params.quant, rounding=Rounding.ERROR_FEEDBACK))
+    if Method(method) == Method.BAYESQ_PAPER:
+        return (replace(params.posterior, prior=Prior.FIXED),
+                replace(params.quant, objective=Objective.DRAWS, rounding=Rounding.NEAREST, bias_correction=False))
+    return params.posterior, params.quant
+
+
+def method_config(method: str, params, budget: float, seed: int):
+    """(library config, QuantConfig of a BayesQ row or None) for ``method`` with params.yaml's
+    settings: BayesQ rows through :func:`method_settings` (distillation only for
+    ``bayesq-distill``), baselines through :data:`BASELINE_CONFIGS`."""
+    m = Method(method)
+    if m in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER):
+        posterior, quant = method_settings(params, m)
+        distill = params.distill if m is Method.BAYESQ_DISTILL else replace(params.distill, max_budget=0.0)
+        return BayesQConfig(budget=budget, posterior=posterior, quant=quant, allocation=params.allocation,
+                            distill=distill, seed=seed), quant
+    return BASELINE_CONFIGS[m](params.quant, params.baselines, seed), None
