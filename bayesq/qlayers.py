@@ -1,5 +1,5 @@
 """Quantised Linear / Conv2d modules that hold packed codes (:mod:`bayesq.kernels`) and run
-them: fused dequantising GEMV / GEMM for Linear, dequantise-then-conv for Conv2d (through the
+them: fused dequantising GEMV for Linear (dequantise-then-matmul past 8 rows), dequantise-then-conv for Conv2d (through the
 original module's forward, so Conv2d subclasses keep their padding logic).
 
 On the CPU (the reference backend) the dequantised weight is computed once from the packed

@@ -94,14 +94,16 @@ def test_triton_gemv_vs_reference(case, rows):
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_triton_gemm_vs_reference(case):
+def test_triton_many_rows_vs_reference(case):
+    """More than 8 rows: the Triton dequantise kernel, then F.linear."""
     shape, gs, ug, bits, aligned, lut = case
     pw = pack_weight(random_quantized(shape, gs, ug, bits, aligned, lut, seed=6))
-    x = torch.randn(2, 19, shape[1], generator=torch.Generator().manual_seed(7))  # 38 rows: GEMM, ragged tile
+    x = torch.randn(2, 19, shape[1], generator=torch.Generator().manual_seed(7))  # 38 rows
     y = dequant_linear(x.to(DEVICE), pw.to(DEVICE), None, "triton").cpu()
     assert y.shape == (2, 19, shape[0])
     ref = x.double() @ reference.dequantize(pw).double().T
-    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    # a float32 matmul: error relative to the output's scale (8-bit groups give terms up to ~25)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
 
 
 def test_triton_column_scale_vs_reference():
@@ -199,7 +201,7 @@ def test_cuda_kernels_vs_reference(case):
 @pytest.mark.parametrize("shape", [(3072, 768), (768, 3072), (1000, 4096)], ids=["3072x768", "768x3072", "1000x4096"])
 def test_cuda_large_shapes_vs_reference(shape, bits):
     """The benchmark's layer shapes on many programs: every batch size the launcher routes
-    differently (GEMV 1 / 8 rows, GEMM 16 / 64 / 200 rows), fp16 / bf16 / fp32 inputs, uniform
+    differently (GEMV 1 / 8 rows, dequantise + F.linear 16 / 64 / 200 rows), fp16 / bf16 / fp32 inputs, uniform
     fast path (full 64-groups) against the float64 reference."""
     pw = pack_weight(random_quantized(shape, 64, 1, (bits,), seed=bits))
     assert pw.uniform_bits == bits

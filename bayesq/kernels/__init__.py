@@ -1,7 +1,7 @@
 """Dequantising matmul kernels for packed BayesQ weights.
 
 ``packed.py`` (the in-memory layout the kernels read), ``reference.py`` (PyTorch: the CPU path
-and the test oracle), ``triton_dequant.py`` (Triton GEMV / GEMM / dequantise kernels) and
+and the test oracle), ``triton_dequant.py`` (Triton GEMV and dequantise kernels) and
 ``launcher.py`` (input checks, backend choice, fallback to the reference).
 """
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.nn import functional as F
 
 from bayesq.kernels import reference
 from bayesq.kernels.packed import PackedWeight
@@ -95,10 +96,10 @@ def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None 
     """``y = x W^T + bias``: x (..., K) float16/bfloat16/float32 -> (..., N) in x's dtype.
 
     Triton: GEMV kernel for at most ``GEMV_MAX_ROWS`` rows (the word-aligned one where
-    :func:`aligned`), else the tiled GEMM (tensor cores
-    in x's dtype, float32 accumulation; float32 inputs in IEEE float32, or TF32 where
-    ``torch.backends.cuda.matmul.allow_tf32`` allows it, as for ``F.linear``). ``weight``: a cached
-    dequantised weight for the reference path.
+    :func:`aligned`); more rows dequantise the weight once into x's dtype (a transient (N, K)
+    tensor) and run ``F.linear`` (cuBLAS: tensor cores, TF32 as PyTorch allows). The tiled Triton
+    GEMM with the decode inside ``tl.dot`` tiles measured 20-100x slower than cuBLAS on an H200
+    (reports/kernels.md). ``weight``: a cached dequantised weight for the reference path.
     """
     _check(x, pw, bias)
     if resolve_backend(backend, x.device, pw) == "torch":
@@ -107,6 +108,8 @@ def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None 
 
     x2 = x.reshape(-1, pw.k).contiguous()  # (M, K)
     m = x2.shape[0]
+    if m > GEMV_MAX_ROWS:  # dequantise once (2-D grid over the weight), then the dense matmul library
+        return F.linear(x, dequantize(pw, x.dtype, backend), None if bias is None else bias.to(x.dtype))
     out = torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], pw.n)
@@ -114,24 +117,17 @@ def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None 
     b = bias if bias is not None else pw.words
     common = dict(ROW_ALIGNED=bool(pw.groups_per_row), LUT=pw.mode == "lut", UNIFORM_B=pw.uniform_bits,
                   HAS_BIAS=bias is not None, HAS_COL=pw.col_scale is not None)
-    if m <= GEMV_MAX_ROWS and aligned(pw):
+    if aligned(pw):
         n = pw.n
         tk.gemv_aligned_kernel[lambda meta: (_cdiv(n, meta["BLOCK_N"]),)](
             x2, out, b, col, pw.words, pw.scale, pw.zero, m, pw.n, pw.k, x2.stride(0), out.stride(0),
             B=pw.uniform_bits, GS=pw.group_size, HAS_BIAS=bias is not None, HAS_COL=pw.col_scale is not None,
             BLOCK_M=max(1, 1 << (m - 1).bit_length()))
-    elif m <= GEMV_MAX_ROWS:
+    else:
         bn = _block_n(pw.n)
         tk.gemv_kernel[(_cdiv(pw.n, bn),)](x2, out, b, col, *_args(pw), m, pw.n, pw.k, pw.group_size,
                                            pw.groups_per_row, x2.stride(0), out.stride(0), **common,
                                            BLOCK_M=max(1, 1 << (m - 1).bit_length()), BLOCK_N=bn, BLOCK_K=64)
-    else:
-        bm = 16 if m <= 16 else 32 if m <= 64 else 64
-        grid = (_cdiv(m, bm), _cdiv(pw.n, 64))
-        ieee = x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32  # else the default (tf32)
-        tk.gemm_kernel[grid](x2, out, b, col, *_args(pw), m, pw.n, pw.k, pw.group_size, pw.groups_per_row,
-                             x2.stride(0), out.stride(0), **common, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64,
-                             PRECISION="ieee" if ieee else "tf32")
     return out.reshape(*x.shape[:-1], pw.n)
 
 

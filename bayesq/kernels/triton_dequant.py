@@ -11,9 +11,8 @@ layout of ``packed.py``: group ``g`` and position ``p`` of each element, its str
   in registers (no ``tl.dot``: M < 16).
 * ``gemv_aligned_kernel``: the same for one width in {2, 3, 4, 8} with rows on word
   boundaries: contiguous word loads unpacked by shifts, scale applied per group.
-* ``gemm_kernel``: tiles with ``tl.dot`` (M > 8; float32 inputs in IEEE float32 unless PyTorch
-  allows TF32 for matmuls, as ``F.linear`` does).
-* ``dequant_kernel``: writes the dense weight (Conv2d runs cuDNN on it, see ``launcher.py``).
+* ``dequant_kernel``: writes the dense weight (Conv2d runs cuDNN on it, and Linear layers with
+  more than 8 input rows cuBLAS: see ``launcher.py``).
 
 All accumulate in float32. Run on CPU with ``TRITON_INTERPRET=1`` (set before the first launch).
 """
@@ -91,36 +90,6 @@ def gemv_kernel(x_ptr, out_ptr, bias_ptr, col_ptr, words_ptr, goff_ptr, gbits_pt
         w = _decode(words_ptr, goff_ptr, gbits_ptr, scale_ptr, zero_ptr, lut_ptr, lutoff_ptr,
                     rows, cols, mask, K, GS, GPR, ROW_ALIGNED, LUT, UNIFORM_B)  # (BLOCK_N, BLOCK_K)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
-    omask = (rm[:, None] < M) & (rows[None, :] < N)
-    tl.store(out_ptr + rm[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
-
-
-@triton.jit
-def gemm_kernel(x_ptr, out_ptr, bias_ptr, col_ptr, words_ptr, goff_ptr, gbits_ptr, scale_ptr, zero_ptr,
-                lut_ptr, lutoff_ptr, M, N, K, GS, GPR, stride_xm, stride_om,
-                ROW_ALIGNED: tl.constexpr, LUT: tl.constexpr, UNIFORM_B: tl.constexpr, HAS_BIAS: tl.constexpr,
-                HAS_COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """out = x W^T (+ bias) by (BLOCK_M, BLOCK_N) tiles; grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N));
-    ``PRECISION``: tl.dot's input precision for float32 inputs ("ieee" or "tf32")."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        kmask = cols < K
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + cols[None, :], mask=(rm[:, None] < M) & kmask[None, :],
-                    other=0.0).to(tl.float32)
-        if HAS_COL:
-            x = x / tl.load(col_ptr + cols, mask=kmask, other=1.0)[None, :]
-        mask = (rows[:, None] < N) & kmask[None, :]
-        w = _decode(words_ptr, goff_ptr, gbits_ptr, scale_ptr, zero_ptr, lut_ptr, lutoff_ptr,
-                    rows, cols, mask, K, GS, GPR, ROW_ALIGNED, LUT, UNIFORM_B)
-        acc += tl.dot(x.to(x_ptr.dtype.element_ty), tl.trans(w).to(x_ptr.dtype.element_ty), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
     omask = (rm[:, None] < M) & (rows[None, :] < N)
