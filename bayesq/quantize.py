@@ -37,6 +37,7 @@ from bayesq.error_feedback import (
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import Book, LossTable, apply_mc_proxy, posterior_table
 from bayesq.forward import Batch, batch_size, first_inputs, kept_state, model_batches
+from bayesq.memory import check as check_memory_fits, estimate as estimate_memory
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.posterior import ROWS_IN_PASS, Posterior, fit_posterior as _fit_posterior, input_moments
 from bayesq.refit import refit_scales
@@ -609,7 +610,7 @@ def build_table(
 def quantize_model(
     model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig = BayesQConfig(),
     *, posterior: Posterior | None = None, progress: bool = True, selection: Iterable[Batch] | None = None,
-    exclude: Sequence[str] = (),
+    exclude: Sequence[str] = (), check_memory: bool = True,
 ) -> QuantizationResult:
     """BayesQ: posterior -> expected-loss tables -> allocation -> quantised model.
 
@@ -631,6 +632,8 @@ def quantize_model(
             search as a candidate (:func:`grid_candidates`); None scores on ``calibration``.
         exclude: module names or glob patterns (``"classifier"``, ``"encoder.layer.0.*"``) kept in
             floating point; they are listed in the result's ``unquantized``.
+        check_memory: before any work, estimate the peak memory (:mod:`bayesq.memory`) and stop
+            with an error when the model's device has less free.
 
     Returns:
         :class:`QuantizationResult` with the quantised copy of the model, the codes and
@@ -641,13 +644,17 @@ def quantize_model(
         ValueError: NaN/Inf in a parameter, buffer or calibration input (naming it); an
             infeasible budget.
         TypeError: batches or model outputs of a kind the library cannot read (naming it).
+        bayesq.memory.InsufficientMemoryError: the estimated peak exceeds the free memory
+            (naming the estimate, its terms and what lowers each); nothing was changed.
     """
     with kept_state(model):
         model.eval()  # every pass reads the model as deployed (frozen BatchNorm, no dropout)
-        return _quantize_model(model, calibration, config, posterior, progress, selection, tuple(exclude))
+        return _quantize_model(model, calibration, config, posterior, progress, selection, tuple(exclude),
+                               check_memory)
 
 
-def _quantize_model(model, calibration, config, posterior, progress, selection, exclude) -> QuantizationResult:
+def _quantize_model(model, calibration, config, posterior, progress, selection, exclude,
+                    check_memory=True) -> QuantizationResult:
     layers = quantizable_layers(model, exclude)
     check_finite(layers)
     check_model_finite(model)
@@ -655,6 +662,8 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
     blocks = layer_blocks(layers, q.group_size, q.unit_groups, q.unit.value)
     calibration = model_batches(model, calibration)
     selection = model_batches(model, selection, "selection")
+    if check_memory and calibration and layers:
+        check_memory_fits(estimate_memory(model, layers, calibration), next(iter(layers.values())).weight.device)
     if posterior is None:
         posterior, stats = posterior_and_stats(model, calibration, layers, config.posterior, q, seed=config.seed,
                                                progress=progress)

@@ -107,6 +107,15 @@ def child(a) -> None:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    est = None
+    if a.method == "bayesq":  # the library's own estimate of its peak beyond the model and inputs
+        from bayesq.blocks import quantizable_layers
+        from bayesq.canonical import canonical
+        from bayesq.memory import estimate
+
+        with canonical(model):
+            est = estimate(model, quantizable_layers(model), cal).total / 2**30
+    before = torch.cuda.memory_allocated() / 2**30 if cuda else StagePeaks.rss()
     start = time.perf_counter()
     out = quantize_with(model, cfg, a.budget, Inputs(calibration=cal, selection=sel))
     if cuda:
@@ -117,6 +126,7 @@ def child(a) -> None:
     where = {str(p.device) for p in out.result.model.parameters()} | {str(b.device) for b in out.result.model.buffers()}
     print(json.dumps({"seconds": seconds, "avg_bits": out.result.average_bits, "weights": weights,
                       "rss_gib": peak, "gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                      "estimate_gib": est, "before_gib": before,
                       "result_devices": sorted(where)}), flush=True)
 
 
@@ -227,6 +237,8 @@ def run_one(size: str, method: str, a) -> dict:
         return {"status": f"over the {a.timeout} s timeout"}
     finally:
         wall = time.perf_counter() - start
+    if "InsufficientMemoryError" in err:  # BayesQ's own estimate said it cannot fit, before any work
+        return {"status": "does not fit: " + err.strip().splitlines()[-1].split(": ", 1)[-1]}
     if proc.returncode == -signal.SIGKILL or "MemoryError" in err or "can't allocate memory" in err:
         return {"status": f"out of memory (limit {a.limit_gib} GiB of address space)"}
     if proc.returncode != 0:
@@ -285,7 +297,11 @@ def main() -> None:
         cells = []
         for m, r in res.items():
             gpu = f" (GPU {r['gpu_gib']:.2f} GiB, result on {','.join(r['result_devices'])})" if r.get("gpu_gib") else ""
-            cells.append(f"{m} {r['seconds']:.1f} s, {r['rss_gib']:.2f} GiB{gpu}" if r["status"] == "ok"
+            est = ""
+            if r.get("estimate_gib") is not None:
+                used = (r.get("gpu_gib") or r["rss_gib"]) - r["before_gib"]
+                est = f" [estimate {r['estimate_gib']:.2f} GiB beyond the model and inputs, measured {used:.2f}]"
+            cells.append(f"{m} {r['seconds']:.1f} s, {r['rss_gib']:.2f} GiB{gpu}{est}" if r["status"] == "ok"
                          else f"{m} did not finish: {r['status']}")
         line = f"{size:12s} " + "; ".join(cells)
         if all(r["status"] == "ok" for r in res.values()) and {"bayesq", "gptq"} <= set(res):

@@ -147,7 +147,7 @@ def quantize(
     try:
         done = quantize_with(net, cfg, budget, Inputs(calibration=batches, selection=selection_batches(
             entry, splits, p.data, p.calibration, seed), exclude=exclude))
-    except ValueError as err:
+    except (ValueError, MemoryError) as err:  # bad input; a peak the machine cannot hold (bayesq.memory)
         _fail(str(err))
     res = done.result
     quant = p.quant if method == "bayesq" else encoding_config(res, p.quant)  # a variant's bit set
@@ -195,7 +195,7 @@ def _quantize_byo(source, data, split, text_columns, image_column, label_column,
         seed = p.seeds[0] if seed is None else seed
         prep = prepare(spec, seed, say=typer.echo)
         record = run_row(prep, method, budget, p, seed, out, export_lineage(p), code_version(), say=typer.echo)
-    except (ValueError, FileNotFoundError, TypeError) as err:
+    except (ValueError, FileNotFoundError, TypeError, MemoryError) as err:
         _fail(str(err))
     typer.echo(report_paths(Path(record["export"]["path"]))[1].read_text())
     if track:

@@ -101,6 +101,18 @@ def test_cli_quantize_errors_are_clear(tiny_models):
     assert not (tiny_models / "x.safetensors").exists()
 
 
+def test_cli_quantize_too_little_memory_is_clear(tiny_models, monkeypatch):
+    """The memory estimate's error is the command's message (no traceback), nothing written."""
+    from bayesq import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1024)
+    params = _params(tiny_models)
+    res = runner.invoke(app, ["quantize", "tiny-cnn", "--params", str(params), "--raw", str(tiny_models),
+                              "--models", str(tiny_models / "models"), "--out", str(tiny_models / "x.safetensors")])
+    assert res.exit_code == 1 and "BayesQ needs about" in res.output and "check_memory=False" in res.output
+    assert "Traceback" not in res.output and not (tiny_models / "x.safetensors").exists()
+
+
 def test_cli_lineage_and_report_errors_are_clear(tmp_path):
     res = runner.invoke(app, ["lineage", str(tmp_path / "absent.safetensors")])
     assert res.exit_code == 1 and "no export at" in res.output

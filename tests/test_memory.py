@@ -1,0 +1,69 @@
+"""The peak-memory estimate against hand counts, and the clear error before any work."""
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from bayesq import memory
+from bayesq.blocks import quantizable_layers
+from bayesq.config import BayesQConfig
+from bayesq.quantize import quantize_model
+from tests.nets import TinyCausalLM
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 5)).eval()
+
+
+def test_estimate_vs_hand_count():
+    """Weights: 71 B each; activations: 2x every module's output bytes (the two Linear, the ReLU
+    and the Sequential's own output) on the first batch; no per-token term for (B, C) logits."""
+    model, x = _net(), torch.randn(7, 12, generator=torch.Generator().manual_seed(1))
+    est = memory.estimate(model, quantizable_layers(model), [x, x[:2]])
+    outputs = 7 * (32 + 32 + 5 + 5) * 4
+    assert est.n_weights == 12 * 32 + 32 * 5 and est.weights == 71 * est.n_weights
+    assert est.activations == 2 * outputs and est.logits == 0 and est.batch == 7
+    assert est.total == est.weights + est.activations
+
+
+def test_estimate_per_token_logits_term():
+    model = TinyCausalLM()
+    ids = torch.randint(0, 23, (3, 6), generator=torch.Generator().manual_seed(2))
+    est = memory.estimate(model, quantizable_layers(model), [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
+    vocab = model(ids)["logits"].shape[-1]
+    assert est.logits == int(5.0 * 8 * 3 * 6 * vocab)
+
+
+def test_estimate_leaves_model_and_generators_alone():
+    model, x = _net(), torch.randn(4, 12)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    memory.estimate(model, quantizable_layers(model), [x])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_quantize_model_too_little_memory_is_clear(monkeypatch):
+    """Before any work: the error names the estimate, its terms and the fixes; the model is as it was."""
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 2**10)
+    model, x = _net(), torch.randn(16, 12, generator=torch.Generator().manual_seed(3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(memory.InsufficientMemoryError, match=r"needs about .* GiB .* 544 weights to quantise.*"
+                       r"only 0\.00 GiB is free.*calibration batches.*exclude=.*check_memory=False"):
+        quantize_model(model, [x], BayesQConfig(), progress=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    out = quantize_model(model, [x], BayesQConfig(), progress=False, check_memory=False)
+    assert out.average_bits <= BayesQConfig().budget
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/meminfo")
+def test_available_bytes_cpu_reads_meminfo_and_data_limit():
+    free = memory.available_bytes(torch.device("cpu"))
+    meminfo = open("/proc/meminfo").read()
+    avail = int(next(line for line in meminfo.splitlines() if line.startswith("MemAvailable:")).split()[1]) * 1024
+    assert 0 < free <= avail * 1.5  # read a moment apart
+    assert memory.available_bytes(torch.device("meta")) is None
