@@ -55,7 +55,7 @@ scale 120 --sizes lite0 --pixels 64 --calibration 500 --selection 2000 --timeout
 scale 190 --sizes minilm --tokens 64 --calibration 1000 --selection 2000 --timeout 90
 if [ -n "${SWEEP:-}" ]; then
     echo "== 4. GEMV tile sweep" | tee -a "$OUT/gpu.log"
-    timeout 240 $PY benchmarks/kernels.py --sweep --out "$OUT/sweep.json" 2>&1 | tee -a "$OUT/gpu.log"
+    timeout 300 $PY benchmarks/kernels.py --sweep --out "$OUT/sweep.json" --report "$OUT/sweep.md" 2>&1 | tee -a "$OUT/gpu.log"
 fi
 if [ -n "$SIZES" ]; then
     echo "== 5. one-time cost on CUDA: $SIZES" | tee -a "$OUT/gpu.log"

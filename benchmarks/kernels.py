@@ -300,12 +300,17 @@ def end_to_end(a) -> list[dict]:
 
 
 def sweep_rows(peak: float, seed: int) -> list[dict]:
-    """``--sweep``: both GEMV kernels at batch 1 over tile shapes and warp counts on the large
-    shapes at 3 and 4 bits (what the launcher's fixed choice leaves on the table)."""
+    """``--sweep``: the library's two GEMV kernels and the candidates of
+    ``benchmarks/kernel_variants.py`` (decode by per-element word gather, split-K, and the loads
+    alone as a ceiling; 4 bits) at batch 1 over tile shapes, warps and K splits, on the large
+    shapes at 3 and 4 bits; each checked against the float32 reference in the same run."""
     from bayesq.kernels import launcher
     from bayesq.kernels import triton_dequant as tk
 
-    def launcher_for(kernel, pw, x, out, bn, bk, warps):
+    def launcher_for(kernel, pw, x, out, bn, bk, warps, split=1):
+        if kernel in ("gather", "loads-only"):  # benchmarks/kernel_variants.py: fp32 output of its own
+            run, gout = kernel_variants.gather_gemv(x, pw, bn, bk, split, warps, loads_only=kernel == "loads-only")
+            return lambda: (run(), out.copy_(gout[None, :]))[0]
         common = dict(HAS_BIAS=False, HAS_COL=False, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
         grid = (launcher._cdiv(pw.n, bn),)
         if kernel == "aligned":
@@ -317,18 +322,23 @@ def sweep_rows(peak: float, seed: int) -> list[dict]:
                                             ROW_ALIGNED=bool(pw.groups_per_row), LUT=False, UNIFORM_B=pw.uniform_bits,
                                             **common)
 
+    import kernel_variants  # noqa: E402 - benchmarks/ is on sys.path when this script runs
+
     rows = []
-    for n, k in ((8192, 8192), (16384, 16384)):
+    for n, k in ((4096, 4096), (8192, 8192), (16384, 16384)):
         for bits in (3, 4):
             pw = random_packed(n, k, bits, seed).to("cuda")
             x = torch.randn(1, k, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.float16)
             out = torch.empty(1, n, dtype=torch.float16, device="cuda")
             ref = x.float() @ launcher.dequantize(pw, torch.float32, "torch").T
-            configs = [("general", bn, bk, 4) for bn in (16, 32, 64) for bk in (64, 128, 256)]
-            configs += [("aligned", bn, bk, w) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (4, 8)]
-            for kernel, bn, bk, warps in configs:
-                run = launcher_for(kernel, pw, x, out, bn, bk, warps)
-                rec = dict(n=n, k=k, bits=bits, kernel=kernel, bn=bn, bk=bk, warps=warps)
+            configs = [("general", bn, bk, 4, 1) for bn in (16, 32, 64) for bk in (64, 128, 256)]
+            configs += [("aligned", bn, bk, w, 1) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (4, 8)]
+            if 32 % bits == 0:
+                configs += [("gather", bn, bk, 4, sp) for bn in (16, 32, 64) for bk in (128, 256) for sp in (1, 4, 8)]
+                configs += [("loads-only", 32, 256, 4, sp) for sp in (1, 4, 8)]
+            for kernel, bn, bk, warps, split in configs:
+                run = launcher_for(kernel, pw, x, out, bn, bk, warps, split)
+                rec = dict(n=n, k=k, bits=bits, kernel=kernel, bn=bn, bk=bk, warps=warps, split=split)
                 try:
                     out.fill_(float("nan"))
                     run()
@@ -340,12 +350,12 @@ def sweep_rows(peak: float, seed: int) -> list[dict]:
                 rec["gbs"] = moved_bytes(pw, 1) / (rec["us"] * 1e-6) / 1e9
                 rec["pct_peak"] = 100 * rec["gbs"] / peak
                 rows.append(rec)
-            for kernel in ("general", "aligned"):
+            for kernel in ("general", "aligned", "gather", "loads-only"):
                 done = [r for r in rows if r["n"] == n and r["bits"] == bits and r["kernel"] == kernel and "us" in r]
                 if done:
                     b = max(done, key=lambda r: r["gbs"])
                     print(f"sweep {n}x{k} {bits}-bit {kernel}: best BLOCK_N={b['bn']} BLOCK_K={b['bk']} "
-                          f"warps={b['warps']} {b['us']:.1f} us, {b['pct_peak']:.0f} % of peak "
+                          f"warps={b['warps']} split-K={b['split']} {b['us']:.1f} us, {b['pct_peak']:.0f} % of peak "
                           f"(rel err {b['err']:.1e})", flush=True)
             del pw
     return rows
@@ -391,6 +401,24 @@ def _version(package: str) -> str:
         return "-"
 
 
+def sweep_markdown(result: dict, command: str) -> str:
+    """``--sweep --report FILE``: the best tile of each kernel per shape and width."""
+    done = [r for r in result["sweep"] if "us" in r]
+    lines = [f"# GEMV kernel sweep on {result['device']}", "", f"`{command}`; copy bandwidth "
+             f"{result['peak_gbs']:.0f} GB/s. Batch 1, fp16 x, float32 accumulation; each kernel's best tile.", "",
+             "| N x K | bits | kernel | BLOCK_N | BLOCK_K | warps | split-K | us | % peak | rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for n, k, bits, kernel in sorted({(r["n"], r["k"], r["bits"], r["kernel"]) for r in done}):
+        b = max((r for r in done if (r["n"], r["k"], r["bits"], r["kernel"]) == (n, k, bits, kernel)),
+                key=lambda r: r["gbs"])
+        lines.append(f"| {n}x{k} | {bits} | {kernel} | {b['bn']} | {b['bk']} | {b['warps']} | {b['split']} | "
+                     f"{b['us']:.1f} | {b['pct_peak']:.1f} | {b['err']:.1e} |")
+    failed = [r for r in result["sweep"] if "error" in r]
+    if failed:
+        lines += ["", f"{len(failed)} configurations did not compile or run, e.g. {failed[0]}"]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(result: dict, command: str) -> str:
     """``reports/kernels.md``: the device, the bandwidth, the kernel table, the goal lines, the models."""
     v = result["versions"]
@@ -418,18 +446,6 @@ def markdown(result: dict, command: str) -> str:
         if pct:
             lines.append(f"- {bits} bits, batch 1, large shapes: {min(pct):.0f}-{max(pct):.0f} % of the copy bandwidth "
                          f"({'met' if min(pct) >= 80 else 'not met'}).")
-    done = [r for r in result.get("sweep", []) if "us" in r]
-    if done:
-        lines += ["", "## GEMV tile sweep (batch 1, `--sweep`)", "",
-                  "Best tile of each kernel: `general` decodes every element's stream bit; `aligned` loads whole "
-                  "words and unpacks them by shifts (one width, rows on word boundaries).", "",
-                  "| N x K | bits | kernel | BLOCK_N | BLOCK_K | warps | us | % peak | rel err |", "|---|---|---|---|---|---|---|---|---|"]
-        keys = sorted({(r["n"], r["k"], r["bits"], r["kernel"]) for r in done})
-        for n, k, bits, kernel in keys:
-            b = max((r for r in done if (r["n"], r["k"], r["bits"], r["kernel"]) == (n, k, bits, kernel)),
-                    key=lambda r: r["gbs"])
-            lines.append(f"| {n}x{k} | {bits} | {kernel} | {b['bn']} | {b['bk']} | {b['warps']} | {b['us']:.1f} | "
-                         f"{b['pct_peak']:.1f} | {b['err']:.1e} |")
     ok = [r for r in result["end_to_end"] if "error" not in r]
     lines += ["", "## Exported models against FP16", "",
               "Median [IQR] over 30 runs after 5 warm-up runs; latency at batch 1, throughput at the batch shown.", "",
@@ -516,11 +532,12 @@ def main() -> None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=1, default=str))
         print(f"wrote {a.out}")
-    if a.report and result["gpu"] and not a.sweep:
+    if a.report and result["gpu"]:
         import sys
 
+        command = "python benchmarks/kernels.py " + " ".join(sys.argv[1:])
         a.report.parent.mkdir(parents=True, exist_ok=True)
-        a.report.write_text(markdown(result, "python benchmarks/kernels.py " + " ".join(sys.argv[1:])))
+        a.report.write_text(sweep_markdown(result, command) if a.sweep else markdown(result, command))
         print(f"wrote {a.report}")
 
 

@@ -1,0 +1,107 @@
+"""Candidate batch-1 GEMV kernels for one bit-width, timed side by side with the library's
+(``python benchmarks/kernels.py --sweep`` runs them on a GPU; not used by the library until one
+wins there).
+
+The first H200 run (reports/kernels.md) put the library's GEMVs at 2-9 % of the copy bandwidth.
+These variants separate the suspects, one change each:
+
+* ``gather``: the word-aligned decode without reshapes: every element loads the word holding its
+  code (neighbours share it: one transaction per word) and its group's scale and zero, and
+  forms ``(c - z) * s`` in two dimensions (no 4-D broadcast, no layout conversion).
+* ``SPLIT_K > 1``: the K range cut over a second grid axis, partial sums added atomically into a
+  float32 output (more programs for short, wide layers; the caller zeroes the output).
+* ``loads_only``: the same loads summed without decoding: the bandwidth Triton reaches with this
+  access pattern, the ceiling of any decode on top of it.
+
+All index arithmetic is int32 within a row (a row's words fit easily), int64 only for the row
+offset. Run them on CPU under ``TRITON_INTERPRET=1`` to check the values (``check()``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gemv_gather_kernel(x_ptr, out_ptr, words_ptr, scale_ptr, zero_ptr, N, K,
+                       B: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, LOADS_ONLY: tl.constexpr):
+    """out[n] (+)= sum_k x[k] * s[n, g(k)] * (c[n, k] - z[n, g(k)]) over this program's K slice;
+    B in {2, 4, 8} (32 % B == 0), K % 32 == 0, K % GS == 0; out float32 (zeroed when SPLIT_K > 1)."""
+    PER: tl.constexpr = 32 // B
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    row_word = rows.to(tl.int64) * (K // PER)  # (BLOCK_N,)
+    row_group = rows.to(tl.int64) * (K // GS)
+    span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = tl.program_id(1) * span
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(k_start, k_start + span, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        kmask = cols < K
+        mask = rmask[:, None] & kmask[None, :]
+        x = tl.load(x_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
+        w = tl.load(words_ptr + row_word[:, None] + (cols // PER)[None, :], mask=mask, other=0)
+        if LOADS_ONLY:
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        else:
+            c = (w.to(tl.uint32, bitcast=True) >> ((cols % PER) * B).to(tl.uint32)[None, :]) & ((1 << B) - 1)
+            g = row_group[:, None] + (cols // GS)[None, :]
+            s = tl.load(scale_ptr + g, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(zero_ptr + g, mask=mask, other=0).to(tl.float32)
+            acc += tl.sum(x[None, :] * ((c.to(tl.float32) - z) * s), axis=1)
+    if SPLIT_K == 1:
+        tl.store(out_ptr + rows, acc, mask=rmask)
+    else:
+        tl.atomic_add(out_ptr + rows, acc, mask=rmask)
+
+
+def gather_gemv(x: torch.Tensor, pw, block_n: int, block_k: int, split_k: int, warps: int,
+                loads_only: bool = False):
+    """A launch closure computing ``x (1, K) @ W^T`` into a float32 (N,) buffer with this variant;
+    returns (run, out). ``pw``: a PackedWeight with ``uniform_bits`` in {2, 4, 8}, K % 32 == 0."""
+    out = torch.zeros(pw.n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(pw.n, block_n), split_k)
+
+    def run():
+        if split_k > 1:
+            out.zero_()
+        gemv_gather_kernel[grid](x, out, pw.words, pw.scale, pw.zero, pw.n, pw.k, B=pw.uniform_bits,
+                                 GS=pw.group_size, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                                 LOADS_ONLY=loads_only, num_warps=warps)
+    return run, out
+
+
+def check(seed: int = 0) -> float:
+    """Largest relative error of every variant against the float64 reference on small random
+    weights (CPU under TRITON_INTERPRET=1, or a GPU)."""
+    from bayesq.blocks import LayerBlocks
+    from bayesq.codebook import UniformGrids
+    from bayesq.kernels import pack_weight, reference
+    from bayesq.quantize import QuantizedWeight
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    worst = 0.0
+    for bits in (2, 4, 8):
+        gen = torch.Generator().manual_seed(seed + bits)
+        n, k = 40, 320
+        lb = LayerBlocks("w", (n, k), 64, 1)
+        codes = torch.randint(0, 2**bits, (lb.n_groups, 64), generator=gen)
+        scale = torch.rand(lb.n_groups, generator=gen, dtype=torch.float64).add(0.1).half().double()
+        zero = torch.randint(0, 2**bits, (lb.n_groups,), generator=gen).double()
+        pw = pack_weight(QuantizedWeight(lb, torch.full((lb.n_groups,), bits), codes,
+                                         {bits: UniformGrids(bits, scale, zero)}))
+        x = torch.randn(1, k, generator=gen)
+        ref = (x.double() @ reference.dequantize(pw).double().T)[0]
+        pw = pw.to(device)
+        for split in (1, 3):
+            run, out = gather_gemv(x.to(device), pw, 16, 64, split, 4)
+            run()
+            worst = max(worst, float((out.cpu().double() - ref).abs().max() / ref.abs().max()))
+    return worst
+
+
+if __name__ == "__main__":
+    print(f"largest relative error of the variants: {check():.2e}")
