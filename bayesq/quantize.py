@@ -468,6 +468,12 @@ def encode_best(
                             correction, progress, stats, selection, reference, tables)
 
 
+def _compact_codes(weights: Mapping[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+    """``weights`` with codes below 256 held as uint8 (exact; ``.long()`` restores them)."""
+    return {n: replace(w, codes=w.codes.to(torch.uint8)) if int(w.codes.max()) < 256 else w
+            for n, w in weights.items()}
+
+
 def _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calibration, column_metric, correction,
                  progress, stats, selection, reference, tables) -> Encoding:
     layers = {t.blocks.name: model.get_submodule(t.blocks.name) for t in table.layers}
@@ -507,9 +513,10 @@ def _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calib
         qw = encode(t, allocation, weights, posterior=posterior, rounding=cq.rounding, column_metric=column_metric,
                     act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits, cd_passes=cq.cd_passes,
                     progress=progress)
-        built[name] = (cq, t, allocation, qw)
         if len(cands) > 1:
             scoring[name] = quantized_copy(model, qw, correction)
+            qw = _compact_codes(qw)  # 1 byte per weight while the candidates wait for the selection
+        built[name] = (cq, t, allocation, qw)
     if len(cands) == 1:
         return Encoding(next(iter(cands)), *built[next(iter(cands))], {}, correction)
     fp = {}  # the FP log-probabilities of each look's batches
@@ -526,7 +533,9 @@ def _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calib
         raise ValueError(f"reference has {len(reference)} batches of log-probabilities for {len(scored)} input "
                          "batches: pass reference_log_probs of the same batches, in the same order")
     kept, margins, kls = sequential_choice(score, list(cands), anchor, selection_looks(scored), len(scored))
-    return Encoding(kept, *built[kept], {k: float(v.mean()) for k, v in kls.items()}, correction,
+    cq, t, allocation, qw = built[kept]
+    qw = {n: replace(w, codes=w.codes.long()) for n, w in qw.items()}  # int64 again, as encode gave them
+    return Encoding(kept, cq, t, allocation, qw, {k: float(v.mean()) for k, v in kls.items()}, correction,
                     {k: (d.ci_low, d.ci_high) for k, d in margins.items()}, {k: len(v) for k, v in kls.items()})
 
 
@@ -671,6 +680,7 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
         stats = _input_stats(posterior, model, calibration, progress) if needs_input_stats(posterior, q) else None
     metric = ef_column_metric(posterior, q, model, calibration, progress=progress, stats=stats)
     correction = bias_correction(model, stats, calibration) if q.bias_correction else None
+    del stats  # read by the two lines above only: its (d_in, d_in) sums need not wait for the end
     with shared_factors():  # the table's gains and each candidate's rounding: one factor per layer
         table = build_table(posterior, blocks, q, seed=config.seed, model=model, calibration=calibration,
                             progress=progress, column_metric=metric)

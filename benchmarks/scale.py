@@ -199,6 +199,7 @@ def stages(a) -> None:
             with peaks.stage("bayesq metric + bias correction"):
                 metric = ef_column_metric(post, q, stats=st)
                 correction = bias_correction(model, st, cal)
+            del st  # as quantize_model: the sums are not read after the metric and the correction
             with shared_factors():
                 with peaks.stage("bayesq table"):
                     table = build_table(post, blocks, q, model=model, calibration=cal, progress=False,
@@ -206,7 +207,7 @@ def stages(a) -> None:
                 with peaks.stage("bayesq allocate + encode + select"):
                     encode_best(model, post, table, q, a.budget, cfg.allocation, calibration=cal,
                                 column_metric=metric, correction=correction, selection=sel)
-            del post, st, metric, correction, table
+            del post, metric, correction, table
         if "gptq" in a.methods:
             b = params.baselines
             with peaks.stage("gptq input stats"):
