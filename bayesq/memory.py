@@ -2,9 +2,9 @@
 
 The estimate is empirical: three terms with constants fitted (least squares) to the peak resident
 memory beyond the model and inputs that ``benchmarks/scale.py`` measured for BayesQ's default at
-3.0 bits on a 2-core CPU, 2026-11-27: EfficientNet-Lite0 at 224 px 1.44 GiB, the MiniLM
-classifier 1.01, BERT-base 7.36, GPT-2 small 11.79 (128 calibration + 128 selection inputs of
-128 tokens, batches of 8). The fit gives 1.41 / 1.15 / 7.34 / 11.79 GiB (-2 % to +13 %); it has
+3.0 bits on a 2-core CPU, 2026-11-27: EfficientNet-Lite0 at 224 px 1.39 GiB, the MiniLM
+classifier 0.93, BERT-base 5.64, GPT-2 small 10.24 (128 calibration + 128 selection inputs of
+128 tokens, batches of 8). The fit gives 1.35 / 0.93 / 5.62 / 10.25 GiB (-3 % to +0 %); it has
 three constants for four points, so treat it as good to about 15 %:
 
     peak ~ BYTES_PER_WEIGHT * P_q                 (posterior, tables, candidates, encodings)
@@ -30,9 +30,9 @@ from torch import nn
 
 from bayesq.forward import Batch, batch_size, call, output_logits
 
-BYTES_PER_WEIGHT = 71
+BYTES_PER_WEIGHT = 49
 ACTIVATION_FACTOR = 2.0
-LOGIT_FACTOR = 5.0
+LOGIT_FACTOR = 7.5
 GIB = 2**30
 
 

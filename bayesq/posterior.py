@@ -245,12 +245,16 @@ def fit_diagonal_posterior(
     cfg: PosteriorConfig,
     *,
     indefinite: bool = False,
+    consume: bool = False,
 ) -> Posterior:
     """Damped, clipped diagonal Laplace posterior from a summed curvature diagonal.
 
     Args:
         fisher_sum: name -> curvature diagonal summed over the ``n_examples`` inputs.
         indefinite: the curvature may be negative (a Hessian); it is clamped at 0.
+        consume: ``fisher_sum`` is the caller's to give away: its float64 entries are emptied
+            from the dict and clamped and scaled in place (one copy of the curvature at a time,
+            not two; the same values).
 
     Raises:
         ValueError: no calibration examples, or a curvature entry that is not finite (or
@@ -262,9 +266,15 @@ def fit_diagonal_posterior(
     curv: dict[str, torch.Tensor] = {}
     prior: dict[str, float] = {}
     mean = WeightMeans({n: weights[n] for n in fisher_sum})
-    for name, f in fisher_sum.items():
+    for name in list(fisher_sum):
+        f = fisher_sum.pop(name) if consume else fisher_sum[name]
         _check_curvature(name, f, indefinite)
-        h = scale * f.double().clamp(min=0)
+        if consume and f.dtype == torch.float64:
+            h = f.clamp_(min=0)
+            if scale != 1.0:
+                h.mul_(scale)
+        else:
+            h = scale * f.double().clamp(min=0)
         fitted = fit_prior_precision(h, float(mean[name].pow(2).sum())) if cfg.prior == Prior.FITTED else None
         lam = layer_damping(h, cfg, n_examples, fitted)
         curv[name], prior[name] = h, lam
@@ -366,7 +376,7 @@ class DiagonalCurvature(CurvatureBackend):
     def fit(self, model, calibration, layers, cfg, *, seed, progress, on_rows):
         diag, n = self.diagonal(model, by_length(calibration), layers, cfg, seed, progress, on_rows)
         weights = {name: m.weight for name, m in layers.items()}
-        return fit_diagonal_posterior(diag, n, weights, cfg, indefinite=self.indefinite)
+        return fit_diagonal_posterior(diag, n, weights, cfg, indefinite=self.indefinite, consume=True)
 
 
 class FisherCurvature(DiagonalCurvature):

@@ -19,12 +19,12 @@ def _net():
 
 
 def test_estimate_vs_hand_count():
-    """Weights: 71 B each; activations: 2x every module's output bytes (the two Linear, the ReLU
+    """Weights: 49 B each; activations: 2x every module's output bytes (the two Linear, the ReLU
     and the Sequential's own output) on the first batch; no per-token term for (B, C) logits."""
     model, x = _net(), torch.randn(7, 12, generator=torch.Generator().manual_seed(1))
     est = memory.estimate(model, quantizable_layers(model), [x, x[:2]])
     outputs = 7 * (32 + 32 + 5 + 5) * 4
-    assert est.n_weights == 12 * 32 + 32 * 5 and est.weights == 71 * est.n_weights
+    assert est.n_weights == 12 * 32 + 32 * 5 and est.weights == 49 * est.n_weights
     assert est.activations == 2 * outputs and est.logits == 0 and est.batch == 7
     assert est.total == est.weights + est.activations
 
@@ -34,7 +34,7 @@ def test_estimate_per_token_logits_term():
     ids = torch.randint(0, 23, (3, 6), generator=torch.Generator().manual_seed(2))
     est = memory.estimate(model, quantizable_layers(model), [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
     vocab = model(ids)["logits"].shape[-1]
-    assert est.logits == int(5.0 * 8 * 3 * 6 * vocab)
+    assert est.logits == int(7.5 * 8 * 3 * 6 * vocab)
 
 
 def test_estimate_leaves_model_and_generators_alone():

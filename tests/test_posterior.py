@@ -13,6 +13,23 @@ def test_fit_diagonal_posterior_damping_and_clipping():
     torch.testing.assert_close(post.mean["l"], w["l"].double())
 
 
+@pytest.mark.parametrize("n_data", [0, 40])
+def test_fit_diagonal_posterior_consume_vs_copy(n_data):
+    """consume=True: the same curvature and variances bit for bit, the caller's dict emptied."""
+    g = torch.Generator().manual_seed(0)
+    f = {"a": torch.randn(5, 7, generator=g, dtype=torch.float64), "b": torch.rand(3, generator=g, dtype=torch.float64)}
+    w = {"a": torch.randn(5, 7, generator=g), "b": torch.randn(3, generator=g)}
+    cfg = PosteriorConfig(n_data=n_data, small_calibration=0)
+    copied = fit_diagonal_posterior({k: v.clone() for k, v in f.items()}, 4, w, cfg, indefinite=True)
+    given = {k: v.clone() for k, v in f.items()}
+    consumed = fit_diagonal_posterior(given, 4, w, cfg, indefinite=True, consume=True)
+    assert given == {}
+    for k in f:
+        assert torch.equal(consumed.curvature[k], copied.curvature[k])
+        assert torch.equal(consumed.variance[k], copied.variance[k])
+        assert consumed.prior_precision[k] == copied.prior_precision[k]
+
+
 def test_fit_diagonal_posterior_scales_to_data_size():
     f = {"l": torch.tensor([2.0], dtype=torch.float64)}
     post = fit_diagonal_posterior(f, 4, {"l": torch.zeros(1)}, PosteriorConfig(prior="fixed", damping=1.0, n_data=40, small_calibration=0))
