@@ -663,7 +663,7 @@ def quantize_model(
 
 
 def _quantize_model(model, calibration, config, posterior, progress, selection, exclude,
-                    check_memory=True) -> QuantizationResult:
+                    check_memory) -> QuantizationResult:
     layers = quantizable_layers(model, exclude)
     check_finite(layers)
     check_model_finite(model)

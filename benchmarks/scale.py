@@ -86,6 +86,19 @@ def inputs(kind: str, n: int, tokens: int, pixels: int, vocab: int, seed: int, b
     return out
 
 
+def setup(a) -> tuple:
+    """(model, calibration batches, selection batches) of size ``a.size`` on ``a.device``, torch threads set."""
+    import torch
+
+    torch.set_num_threads(a.threads or torch.get_num_threads())
+    model, kind = build(a.size)
+    model.to(a.device)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
+    cal = inputs(kind, a.calibration, a.tokens, a.pixels, vocab, seed=1, device=a.device)
+    sel = inputs(kind, a.selection or a.calibration, a.tokens, a.pixels, vocab, seed=2, device=a.device)
+    return model, cal, sel
+
+
 def child(a) -> None:
     """Quantise one size with one method; print one JSON line."""
     import torch
@@ -95,12 +108,7 @@ def child(a) -> None:
     from flows.configs import method_config
     from flows.params import read_params
 
-    torch.set_num_threads(a.threads or torch.get_num_threads())
-    model, kind = build(a.size)
-    model.to(a.device)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
-    cal = inputs(kind, a.calibration, a.tokens, a.pixels, vocab, seed=1, device=a.device)
-    sel = inputs(kind, a.selection or a.calibration, a.tokens, a.pixels, vocab, seed=2, device=a.device)
+    model, cal, sel = setup(a)
     cfg = BayesQConfig() if a.method == "bayesq" else method_config(a.method, read_params(ROOT / "params.yaml"),
                                                                     a.budget, 0)[0]
     cuda = a.device.startswith("cuda")
@@ -170,8 +178,6 @@ class StagePeaks:
 def stages(a) -> None:
     """``--stages``: BayesQ's default and GPTQ's strongest variant stage by stage in this process
     (as benchmarks/one_time_cost.py), each stage's wall seconds and peak RSS."""
-    import torch
-
     from bayesq.baselines.activations import input_stats
     from bayesq.baselines.gptq import gptq_select
     from bayesq.blocks import layer_blocks, quantizable_layers
@@ -181,12 +187,7 @@ def stages(a) -> None:
     from bayesq.quantize import bias_correction, build_table, ef_column_metric, encode_best, posterior_and_stats
     from flows.params import read_params
 
-    torch.set_num_threads(a.threads or torch.get_num_threads())
-    model, kind = build(a.size)
-    model.to(a.device)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
-    cal = inputs(kind, a.calibration, a.tokens, a.pixels, vocab, seed=1, device=a.device)
-    sel = inputs(kind, a.selection or a.calibration, a.tokens, a.pixels, vocab, seed=2, device=a.device)
+    model, cal, sel = setup(a)
     cfg, params = BayesQConfig(), read_params(ROOT / "params.yaml")
     q, peaks = cfg.quant, StagePeaks()
     print(f"{a.size}: model and inputs {StagePeaks.rss():.2f} GiB", flush=True)

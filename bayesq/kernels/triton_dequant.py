@@ -70,6 +70,17 @@ def _decode(words_ptr, goff_ptr, gbits_ptr, scale_ptr, zero_ptr, lut_ptr, lutoff
 
 
 @triton.jit
+def _x_tile(x_ptr, col_ptr, rm, cols, kmask, M, stride_xm, HAS_COL: tl.constexpr):
+    """(BLOCK_M, BLOCK_K) float32 input rows ``rm`` at ``cols`` (0 outside), divided by AWQ's
+    column scale when ``HAS_COL``."""
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + cols[None, :], mask=(rm[:, None] < M) & kmask[None, :],
+                other=0.0).to(tl.float32)
+    if HAS_COL:
+        x = x / tl.load(col_ptr + cols, mask=kmask, other=1.0)[None, :]
+    return x
+
+
+@triton.jit
 def gemv_kernel(x_ptr, out_ptr, bias_ptr, col_ptr, words_ptr, goff_ptr, gbits_ptr, scale_ptr, zero_ptr,
                 lut_ptr, lutoff_ptr, M, N, K, GS, GPR, stride_xm, stride_om,
                 ROW_ALIGNED: tl.constexpr, LUT: tl.constexpr, UNIFORM_B: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -82,10 +93,7 @@ def gemv_kernel(x_ptr, out_ptr, bias_ptr, col_ptr, words_ptr, goff_ptr, gbits_pt
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         kmask = cols < K
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + cols[None, :], mask=(rm[:, None] < M) & kmask[None, :],
-                    other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_K)
-        if HAS_COL:
-            x = x / tl.load(col_ptr + cols, mask=kmask, other=1.0)[None, :]
+        x = _x_tile(x_ptr, col_ptr, rm, cols, kmask, M, stride_xm, HAS_COL)  # (BLOCK_M, BLOCK_K)
         mask = (rows[:, None] < N) & kmask[None, :]
         w = _decode(words_ptr, goff_ptr, gbits_ptr, scale_ptr, zero_ptr, lut_ptr, lutoff_ptr,
                     rows, cols, mask, K, GS, GPR, ROW_ALIGNED, LUT, UNIFORM_B)  # (BLOCK_N, BLOCK_K)
@@ -137,10 +145,7 @@ def gemv_aligned_kernel(x_ptr, out_ptr, bias_ptr, col_ptr, words_ptr, scale_ptr,
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         kmask = cols < K
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + cols[None, :], mask=(rm[:, None] < M) & kmask[None, :],
-                    other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_K)
-        if HAS_COL:
-            x = x / tl.load(col_ptr + cols, mask=kmask, other=1.0)[None, :]
+        x = _x_tile(x_ptr, col_ptr, rm, cols, kmask, M, stride_xm, HAS_COL)  # (BLOCK_M, BLOCK_K)
         if 32 % B == 0:  # 32 // B codes per word
             PER: tl.constexpr = 32 // B
             wi = tl.arange(0, BLOCK_K // PER)
