@@ -537,11 +537,26 @@ def grid_sq_error(w: torch.Tensor, weight: torch.Tensor, grids: UniformGrids) ->
     The grids' ``scale`` / ``zero`` may carry leading dimensions (..., G): several candidate
     grids per row scored at once (:func:`search_range`'s ratio grid). The same values as
     ``dequantize(quantize(w))`` (the codes stay integers in float64; a zero scale decodes to 0),
-    without the integer round trip.
+    without the integer round trip. Rows are scored in chunks of about ``_BATCH_ELEMENTS``
+    temporaries (cache-sized: about 2x faster than whole large layers; each row's sum is the same).
     """
-    s, z = grids.scale[..., None], grids.zero[..., None]
+    lead = math.prod(grids.scale.shape[:-1])
+    rows = max(1, _BATCH_ELEMENTS // max(1, lead * w.shape[-1]))
+    if rows >= w.shape[0]:
+        return _sq_error(w, weight, grids.scale, grids.zero, grids.levels)
+    out = torch.empty(grids.scale.shape, dtype=torch.float64, device=w.device)
+    for i in range(0, w.shape[0], rows):
+        part = slice(i, i + rows)
+        out[..., part] = _sq_error(w[part], weight[part], grids.scale[..., part], grids.zero[..., part], grids.levels)
+    return out
+
+
+def _sq_error(w: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+              levels: int) -> torch.Tensor:
+    """:func:`grid_sq_error` of rows ``w`` under (..., G) ``scale`` / ``zero``, in one temporary."""
+    s, z = scale[..., None], zero[..., None]
     q = torch.div(w, rounding_divisor(s))  # one temporary, then in place: the cost of the range search
-    q.round_().add_(z).clamp_(0, grids.levels - 1)
+    q.round_().add_(z).clamp_(0, levels - 1)
     err = q.sub_(z).mul_(s).sub_(w)
     return err.square_().mul_(weight).sum(-1)
 

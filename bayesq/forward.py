@@ -308,23 +308,27 @@ def batch_size(batch: Batch) -> int:
     return int(batch.shape[0])
 
 
-def by_length(batches: Iterable[Batch]) -> list[Batch]:
+def by_length(batches: Iterable[Batch], size: int | None = None) -> list[Batch]:
     """The same examples regrouped by length, each batch cut to its longest member.
 
     For sums over examples (curvature, layer-input statistics): tokenised batches padded to
     their longest member (a mapping with a (B, L) ``attention_mask`` of right padding) are
     concatenated, sorted by the number of real tokens (stable) and split again into batches
-    of the first batch's size, every (B, L) tensor cut to the new batch's longest example.
-    Each example's outputs are unchanged (padding is masked); a random draw of sentences in
-    batches of 32 is about half padding, so the passes run on about half the tokens. Tensor
-    batches (images) and batches without right padding come back as they are.
+    of the first batch's size (``size``: at most ``size`` inputs), every (B, L) tensor cut to the
+    new batch's longest example. Each example's outputs are unchanged (padding is masked); a
+    random draw of sentences in batches of 32 is about half padding, so the passes run on about
+    half the tokens. Tensor batches (images) and batches without right padding come back as they
+    are, or with ``size`` each split into the fewest near-equal parts of at most ``size`` inputs
+    (:func:`split_batches`).
     """
     batches = list(batches)
+    if size is not None and size < 1:
+        raise ValueError(f"size={size}: batches need at least one input")
     if not batches or not all(isinstance(b, Mapping) and "attention_mask" in b for b in batches):
-        return batches
+        return split_batches(batches, size)
     masks = [b["attention_mask"] for b in batches]
     if any(m.dim() != 2 or bool((m[:, 1:] > m[:, :-1]).any()) for m in masks):
-        return batches  # not right padding (or not (B, L)): cutting would drop real tokens
+        return split_batches(batches, size)  # not right padding (or not (B, L)): cutting would drop real tokens
     width = max(m.shape[1] for m in masks)
     keys = [k for k, v in batches[0].items() if torch.is_tensor(v) and v.dim() == 2 and v.shape == masks[0].shape]
 
@@ -334,13 +338,18 @@ def by_length(batches: Iterable[Batch]) -> list[Batch]:
 
     every = {k: torch.cat([padded(b, k) for b in batches]) for k in batches[0]}
     order = every["attention_mask"].sum(1).argsort(stable=True)
-    size = batch_size(batches[0])
+    size = min(size or batch_size(batches[0]), batch_size(batches[0]))
     out = []
     for i in range(0, len(order), size):
         idx = order[i:i + size]
         longest = int(every["attention_mask"][idx].sum(1).max())
         out.append({k: v[idx][:, :longest] if k in keys else v[idx] for k, v in every.items()})
     return out
+
+
+def _inputs(batch: Batch, start: int, stop: int) -> Batch:
+    """Inputs ``start:stop`` of ``batch`` (every value sliced along dim 0)."""
+    return {key: v[start:stop] for key, v in batch.items()} if isinstance(batch, Mapping) else batch[start:stop]
 
 
 def first_inputs(batches: Iterable[Batch], n: int) -> list[Batch]:
@@ -350,6 +359,24 @@ def first_inputs(batches: Iterable[Batch], n: int) -> list[Batch]:
         if seen >= n:
             break
         k = min(batch_size(batch), n - seen)
-        out.append({key: v[:k] for key, v in batch.items()} if isinstance(batch, Mapping) else batch[:k])
+        out.append(_inputs(batch, 0, k))
         seen += k
+    return out
+
+
+def split_batches(batches: Iterable[Batch], size: int | None) -> list[Batch]:
+    """Each batch of more than ``size`` inputs split into the fewest near-equal parts of at most
+    ``size`` (views, in order: the same inputs); None: the batches as they are."""
+    out = []
+    for batch in batches:
+        n = batch_size(batch)
+        parts = 1 if size is None else -(-n // size)
+        if parts == 1:
+            out.append(batch)
+            continue
+        start = 0
+        for i in range(parts):  # the first n % parts parts one input longer
+            stop = start + n // parts + (i < n % parts)
+            out.append(_inputs(batch, start, stop))
+            start = stop
     return out

@@ -11,9 +11,12 @@ three constants for four points, so treat it as good to about 15 %:
          + ACTIVATION_FACTOR * A                  (the curvature pass's forward + backward)
          + LOGIT_FACTOR * 8 * R * V               (per-token predictive in float64)
 
-P_q: weights of the layers to quantise; A: bytes of every module's output on the first
-calibration batch (one forward pass, no gradients); R x V: that batch's per-token logits
-(language models; 0 for one row per input). :func:`check` compares it with what the model's
+P_q: weights of the layers to quantise; A: bytes of every module's output on the inputs of one
+curvature pass (measured by one forward pass of the first calibration batch, no gradients, and
+scaled to the pass); R x V: those inputs' per-token logits (language models; 0 for one row per
+input). The curvature pass holds at most :func:`MemoryEstimate.pass_inputs` inputs, the most
+whose two last terms fit in ``PASS_BYTES`` (at least one; batches are split,
+:func:`bayesq.posterior.fit_posterior`'s ``max_inputs``). :func:`check` compares it with what the model's
 device has free (``MemAvailable`` and the process's data limit on the CPU,
 ``torch.cuda.mem_get_info`` plus PyTorch's reusable cache on a GPU) and raises
 :class:`InsufficientMemoryError` naming the estimate, each term and what lowers it.
@@ -33,6 +36,7 @@ from bayesq.forward import Batch, batch_size, call, output_logits
 BYTES_PER_WEIGHT = 49
 ACTIVATION_FACTOR = 2.0
 LOGIT_FACTOR = 7.5
+PASS_BYTES = 512 * 2**20  # activation + logit terms one curvature pass may hold (benchmarks/scale.py)
 GIB = 2**30
 
 
@@ -42,7 +46,15 @@ class InsufficientMemoryError(MemoryError):
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Estimated peak bytes of a BayesQ run beyond the model itself, by term."""
+    """Estimated peak bytes of a BayesQ run beyond the model itself, by term.
+
+    Attributes:
+        weights: the per-weight term (bytes).
+        activations, logits: the activation and per-token log-probability terms of one input
+            (bytes; logits 0 without a token axis).
+        n_weights: weights to quantise.
+        batch: inputs in the first calibration batch.
+    """
 
     weights: int
     activations: int
@@ -51,14 +63,23 @@ class MemoryEstimate:
     batch: int
 
     @property
+    def pass_inputs(self) -> int:
+        """Inputs one curvature pass holds: the most (up to a batch) whose activation and logit
+        terms fit in ``PASS_BYTES``, at least one."""
+        per = self.activations + self.logits
+        return max(1, min(self.batch, PASS_BYTES // per if per else self.batch))
+
+    @property
     def total(self) -> int:
-        return self.weights + self.activations + self.logits
+        return self.weights + self.pass_inputs * (self.activations + self.logits)
 
     def describe(self) -> str:
+        k = self.pass_inputs
         parts = [f"{self.weights / GIB:.2f} GiB for {self.n_weights:,} weights to quantise",
-                 f"{self.activations / GIB:.2f} GiB for the activations of a calibration batch of {self.batch}"]
+                 f"{k * self.activations / GIB:.2f} GiB for the activations of a curvature pass over {k} "
+                 f"input{'s' if k > 1 else ''}"]
         if self.logits:
-            parts.append(f"{self.logits / GIB:.2f} GiB for its per-token log-probabilities")
+            parts.append(f"{k * self.logits / GIB:.2f} GiB for their per-token log-probabilities")
         return f"about {self.total / GIB:.2f} GiB ({', '.join(parts)})"
 
 
@@ -85,8 +106,9 @@ def estimate(model: nn.Module, layers: dict[str, nn.Module], calibration: list[B
     forward pass of its first batch; the model's state and every random generator untouched)."""
     n_weights = sum(m.weight.numel() for m in layers.values())
     acts, logit_elements = _output_bytes(model, calibration[0])
-    return MemoryEstimate(BYTES_PER_WEIGHT * n_weights, int(ACTIVATION_FACTOR * acts),
-                          int(LOGIT_FACTOR * 8 * logit_elements), n_weights, batch_size(calibration[0]))
+    n = batch_size(calibration[0])
+    return MemoryEstimate(BYTES_PER_WEIGHT * n_weights, int(ACTIVATION_FACTOR * acts / n),
+                          int(LOGIT_FACTOR * 8 * logit_elements / n), n_weights, n)
 
 
 def _data_limit_room() -> int | None:
@@ -127,6 +149,6 @@ def check(est: MemoryEstimate, device: torch.device) -> None:
         return
     raise InsufficientMemoryError(
         f"BayesQ needs {est.describe()} on {device}, but only {free / GIB:.2f} GiB is free. "
-        "Lower it: smaller calibration batches (the activation part), `exclude=` for layers to keep in "
+        "Lower it: shorter inputs (fewer tokens or pixels: the activation part), `exclude=` for layers to keep in "
         "floating point (the weight part), or run on a device with more memory; "
         "`check_memory=False` runs anyway (the estimate was within 15 % on the models measured).")

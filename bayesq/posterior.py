@@ -358,14 +358,16 @@ class CurvatureBackend(ABC):
     @abstractmethod
     def fit(self, model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module],
             cfg: PosteriorConfig, *, seed: int, progress: bool,
-            on_rows: Callable[[str, torch.Tensor], None] | None) -> Posterior:
-        """The posterior of ``layers``' weights from ``calibration`` (unlabelled batches)."""
+            on_rows: Callable[[str, torch.Tensor], None] | None, max_inputs: int | None = None) -> Posterior:
+        """The posterior of ``layers``' weights from ``calibration`` (unlabelled batches);
+        ``max_inputs``: the most inputs one forward / backward pass may hold (None: a batch)."""
 
 
 class DiagonalCurvature(CurvatureBackend):
     """Backends that estimate ``sum_n diag C_n`` (a sum over examples, so the batches are
-    regrouped by length first, :func:`bayesq.forward.by_length`), then
-    :func:`fit_diagonal_posterior`. ``indefinite``: the estimate can be negative (Hessian probes)."""
+    regrouped by length first, :func:`bayesq.forward.by_length`, in batches of at most
+    ``max_inputs``), then :func:`fit_diagonal_posterior`. ``indefinite``: the estimate can be
+    negative (Hessian probes)."""
 
     indefinite: ClassVar[bool] = False
 
@@ -373,8 +375,8 @@ class DiagonalCurvature(CurvatureBackend):
     def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows) -> tuple[dict[str, torch.Tensor], int]:
         """(name -> float64 sum over inputs of the curvature diagonal, shaped like the weight; inputs seen)."""
 
-    def fit(self, model, calibration, layers, cfg, *, seed, progress, on_rows):
-        diag, n = self.diagonal(model, by_length(calibration), layers, cfg, seed, progress, on_rows)
+    def fit(self, model, calibration, layers, cfg, *, seed, progress, on_rows, max_inputs=None):
+        diag, n = self.diagonal(model, by_length(calibration, max_inputs), layers, cfg, seed, progress, on_rows)
         weights = {name: m.weight for name, m in layers.items()}
         return fit_diagonal_posterior(diag, n, weights, cfg, indefinite=self.indefinite, consume=True)
 
@@ -416,12 +418,13 @@ class HutchinsonCurvature(DiagonalCurvature):
 
 class KroneckerCurvature(CurvatureBackend):
     """K-FAC factors (EMA ``cfg.kfac_decay``, read in batch order), then
-    :func:`fit_kfac_posterior`; ``lowrank``: the factors truncated to low rank."""
+    :func:`fit_kfac_posterior`; ``lowrank``: the factors truncated to low rank. The EMA reads
+    the batches as given (``max_inputs`` is not applied: splitting would change the average)."""
 
     def __init__(self, lowrank: bool = False):
         self.lowrank = lowrank
 
-    def fit(self, model, calibration, layers, cfg, *, seed, progress, on_rows):
+    def fit(self, model, calibration, layers, cfg, *, seed, progress, on_rows, max_inputs=None):
         decay = cfg.kfac_decay if cfg.kfac_decay < 1 else None
         factors = kfac_factors(model, calibration, layers, decay=decay, label_samples=cfg.label_samples,
                                seed=seed, progress=progress)
@@ -448,6 +451,7 @@ def fit_posterior(
     seed: int = 0,
     progress: bool = True,
     on_rows: Callable[[str, torch.Tensor], None] | None = None,
+    max_inputs: int | None = None,
 ) -> Posterior:
     """Label-free posterior of ``layers``' weights with the backend :data:`CURVATURES` holds for
     ``cfg.curvature``.
@@ -458,13 +462,18 @@ def fit_posterior(
     ``on_rows``: with a backend whose pass reports the layer inputs (:data:`ROWS_IN_PASS`),
     called with each layer's input rows per batch of the same pass, as :func:`forward_inputs`
     calls it (so one pass also gives the layer-input statistics); with any other a ValueError.
+    ``max_inputs``: the diagonal backends' pass holds at most this many inputs at once (batches
+    split, :func:`bayesq.forward.by_length`; the same sums up to float rounding, the activation
+    memory of a part instead of a batch; e.g. :attr:`bayesq.memory.MemoryEstimate.pass_inputs`); None:
+    whole batches.
     """
     curv = Curvature(cfg.curvature)
     backend = CURVATURES[curv]
     if on_rows is not None and not backend.rows_in_pass:
         raise ValueError(f"on_rows needs a Fisher curvature pass ({', '.join(c.value for c in ROWS_IN_PASS)}), not "
                          f"'{curv.value}': take the layer inputs with forward_inputs instead")
-    return backend.fit(model, calibration, layers, cfg, seed=seed, progress=progress, on_rows=on_rows)
+    return backend.fit(model, calibration, layers, cfg, seed=seed, progress=progress, on_rows=on_rows,
+                       max_inputs=max_inputs)
 
 
 def forward_inputs(

@@ -6,6 +6,7 @@ zero-points, or look-up tables), never from the float weights.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import math
 import warnings
@@ -41,7 +42,7 @@ from bayesq.memory import check as check_memory_fits, estimate as estimate_memor
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.posterior import ROWS_IN_PASS, Posterior, fit_posterior as _fit_posterior, input_moments
 from bayesq.refit import refit_scales
-from bayesq.result import Allocation, QuantizationResult, QuantizedWeight, quantized_copy
+from bayesq.result import Allocation, QuantizationResult, QuantizedWeight, load_quantized, quantized_copy
 from bayesq.storage import budget_bits
 
 
@@ -501,7 +502,7 @@ def _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calib
     if column_metric is None:
         column_metric = ef_column_metric(posterior, q)  # the K-FAC posterior's, or None
     blocks = [t.blocks for t in table.layers]
-    built, scoring = {}, {}
+    built = {}
     given = {**(tables or {}), **{k: table for k, cq in cands.items() if cq is q}}
     missing = {k: v for k, v in cands.items() if k not in given}
     if missing:
@@ -514,19 +515,22 @@ def _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calib
                     act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits, cd_passes=cq.cd_passes,
                     progress=progress)
         if len(cands) > 1:
-            scoring[name] = quantized_copy(model, qw, correction)
             qw = _compact_codes(qw)  # 1 byte per weight while the candidates wait for the selection
         built[name] = (cq, t, allocation, qw)
     if len(cands) == 1:
         return Encoding(next(iter(cands)), *built[next(iter(cands))], {}, correction)
     fp = {}  # the FP log-probabilities of each look's batches
+    scoring = [None, copy.deepcopy(model)]  # one quantised copy, holding the candidate named first
 
     def score(name: str, part: slice) -> torch.Tensor:
         key = (part.start, part.stop)
         if key not in fp:
             fp[key] = (reference[part] if reference is not None else
                        reference_log_probs(model, scored[part], "FP on the selection inputs" if progress else None))
-        return kl_per_input(fp[key], scoring[name], scored[part], f"selection KL ({name})" if progress else None)
+        if scoring[0] != name:  # exactly quantized_copy(model, its encoding, correction)
+            load_quantized(scoring[1], model, built[name][3], correction)
+            scoring[0] = name
+        return kl_per_input(fp[key], scoring[1].eval(), scored[part], f"selection KL ({name})" if progress else None)
 
     anchor = "minmax" if "minmax" in cands else next(iter(cands))
     if reference is not None and len(reference) != len(scored):
@@ -548,28 +552,34 @@ def fit_posterior(
 ) -> Posterior:
     """Label-free posterior of the model's Linear/Conv2d weights (``config.posterior.curvature``)
     but those ``exclude`` matches (names or glob patterns, as :func:`quantize_model`); batches and
-    errors as :func:`quantize_model`, and ``model`` comes back as it was."""
+    errors as :func:`quantize_model` (the same split of batches in the curvature pass, so the same
+    posterior), and ``model`` comes back as it was."""
     layers = quantizable_layers(model, tuple(exclude))
     check_finite(layers)
     check_model_finite(model)
     with kept_state(model):
         model.eval()
-        return _fit_posterior(model, model_batches(model, calibration), layers, config.posterior, seed=config.seed,
-                              progress=progress)
+        batches = model_batches(model, calibration)
+        need = estimate_memory(model, layers, batches) if batches and layers else None
+        return _fit_posterior(model, batches, layers, config.posterior, seed=config.seed, progress=progress,
+                              max_inputs=need and need.pass_inputs)
 
 
 def posterior_and_stats(
     model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module], cfg: PosteriorConfig,
-    q: QuantConfig, *, seed: int = 0, progress: bool = True,
+    q: QuantConfig, *, seed: int = 0, progress: bool = True, max_inputs: int | None = None,
 ) -> tuple[Posterior, dict[str, InputStats] | None]:
     """The posterior of ``layers`` and, when :func:`needs_input_stats` says the encoding reads
     them, the layers' input statistics (else None): taken in the posterior's own pass when its
     curvature allows (:data:`bayesq.posterior.ROWS_IN_PASS`; the same sums as
     :func:`bayesq.baselines.activations.input_stats`, one pass fewer), else by one more forward
-    pass. ``calibration``: re-iterable batches in the model's dtype; ``model`` in eval mode."""
+    pass. ``calibration``: re-iterable batches in the model's dtype; ``model`` in eval mode;
+    ``max_inputs``: the most inputs the curvature pass holds at once
+    (:func:`bayesq.posterior.fit_posterior`)."""
     one_pass = Curvature(cfg.curvature) in ROWS_IN_PASS  # diagonal: the posterior has no K-FAC factors
     sums = StatsSums(abs_mean=False) if one_pass and _reads_stats(q, kfac=False) else None
-    posterior = _fit_posterior(model, calibration, layers, cfg, seed=seed, progress=progress, on_rows=sums)
+    posterior = _fit_posterior(model, calibration, layers, cfg, seed=seed, progress=progress, on_rows=sums,
+                               max_inputs=max_inputs)
     if not needs_input_stats(posterior, q):
         return posterior, None
     if sums is not None:
@@ -642,7 +652,9 @@ def quantize_model(
         exclude: module names or glob patterns (``"classifier"``, ``"encoder.layer.0.*"``) kept in
             floating point; they are listed in the result's ``unquantized``.
         check_memory: before any work, estimate the peak memory (:mod:`bayesq.memory`) and stop
-            with an error when the model's device has less free.
+            with an error when the model's device has less free. The estimate also sets how
+            many inputs the curvature pass holds at once (batches split so that its activations
+            stay near ``bayesq.memory.PASS_BYTES``; the same sums up to float rounding).
 
     Returns:
         :class:`QuantizationResult` with the quantised copy of the model, the codes and
@@ -671,11 +683,12 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
     blocks = layer_blocks(layers, q.group_size, q.unit_groups, q.unit.value)
     calibration = model_batches(model, calibration)
     selection = model_batches(model, selection, "selection")
-    if check_memory and calibration and layers:
-        check_memory_fits(estimate_memory(model, layers, calibration), next(iter(layers.values())).weight.device)
+    need = estimate_memory(model, layers, calibration) if calibration and layers else None
+    if check_memory and need is not None:
+        check_memory_fits(need, next(iter(layers.values())).weight.device)
     if posterior is None:
         posterior, stats = posterior_and_stats(model, calibration, layers, config.posterior, q, seed=config.seed,
-                                               progress=progress)
+                                               progress=progress, max_inputs=need and need.pass_inputs)
     else:
         stats = _input_stats(posterior, model, calibration, progress) if needs_input_stats(posterior, q) else None
     metric = ef_column_metric(posterior, q, model, calibration, progress=progress, stats=stats)

@@ -14,7 +14,9 @@ the k x k normal equations ``M_r a_r = b_r`` exactly,
 
     M_r[g, h] = u_{r,g}^T H_{gh} u_{r,h},   b_r[g] = u_{r,g}^T (H W_r)_g,
 
-built with one pass of products over the column blocks (the cost of two products ``U H``).
+built with one pass of products over the column blocks (the cost of two products ``U H``);
+with ``c_r = W_r^T H W_r`` they also give ``J(a) = sum_r a_r^T M_r a_r - 2 a_r^T b_r + c_r`` of
+any scales, so the costs before and after the refit take no further product.
 Otherwise (groups straddle rows, which couples them) ``J`` is minimised by preconditioned
 gradient steps with an exact line search: the direction is the gradient divided by the diagonal
 of the Hessian in ``a``; the step ``alpha`` minimises ``J`` along it in closed form, so ``J``
@@ -44,6 +46,61 @@ def layer_cost(W_hat: torch.Tensor, W: torch.Tensor, H: torch.Tensor) -> float:
     return float((metric_apply(R, H) * R).sum())
 
 
+def _normal_equations(W: torch.Tensor, u: torch.Tensor, group: torch.Tensor, n: int,
+                      H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(M, b, c)`` with ``J(a) = sum_r a_r^T M_r a_r - 2 a_r^T b_r + c_r`` when every row holds ``k``
+    whole groups of contiguous columns (``group[r, j] = r * k + j // (d / k)``), else None.
+
+    Returns:
+        M (out, k, k) symmetric, b (out, k), c (out,) float64 (``c_r = W_r^T H W_r``): two products
+        of the cost of ``U H`` build all of them, and J of any scales then costs O(out k^2).
+    """
+    out, d = W.shape
+    if n % out or d % (n // out):
+        return None
+    k = n // out
+    width = d // k
+    dev = group.device
+    if not torch.equal(group, torch.arange(out, device=dev)[:, None] * k + torch.arange(d, device=dev)[None] // width):
+        return None
+    Hs = H if H.dim() == 3 else H.unsqueeze(0)
+    per = out // Hs.shape[0]
+    M = torch.empty(out, k, k, dtype=torch.float64, device=W.device)
+    b = torch.empty(out, k, dtype=torch.float64, device=W.device)
+    c = torch.empty(out, dtype=torch.float64, device=W.device)
+    for i, Hc in enumerate(Hs):  # convolution groups: rows i*per ... (i+1)*per - 1
+        rows = slice(i * per, (i + 1) * per)
+        Uc, WH = u[rows], metric_apply(W[rows], Hc)
+        b[rows] = (WH * Uc).reshape(per, k, width).sum(-1)
+        c[rows] = (WH * W[rows]).sum(1)
+        for g in range(k):
+            cols = slice(g * width, (g + 1) * width)
+            M[rows, g] = ((Uc[:, cols] @ Hc[cols]) * Uc).reshape(per, k, width).sum(-1)
+    return 0.5 * (M + M.mT), b, c
+
+
+def _quadratic_cost(eq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], a: torch.Tensor) -> float:
+    """``J(a)`` from :func:`_normal_equations`' ``(M, b, c)`` for (G,) scales ``a``."""
+    M, b, c = eq
+    A = a.reshape(b.shape)
+    return float(((M @ A.unsqueeze(-1)).squeeze(-1) * A).sum() - 2.0 * (A * b).sum() + c.sum())
+
+
+def _solve_rows(eq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: torch.Tensor) -> torch.Tensor | None:
+    """Each row's k x k normal equations ``M_r a_r = b_r`` solved (Cholesky), a group whose codes
+    are all at the zero point (its row and column of M are 0) keeping its scale; None when some
+    M_r is not positive definite."""
+    M, b, _ = eq
+    M, b = M.clone(), b.clone()
+    dead = M.diagonal(dim1=1, dim2=2) <= 0  # (out, k): u = 0 in the group, so its row and column are 0
+    M.diagonal(dim1=1, dim2=2)[dead] = 1.0
+    b[dead] = scale.reshape(b.shape)[dead]
+    L, info = torch.linalg.cholesky_ex(M)
+    if bool((info != 0).any()):
+        return None
+    return torch.cholesky_solve(b.unsqueeze(-1), L).reshape(-1)
+
+
 def row_block_solve(W: torch.Tensor, u: torch.Tensor, group: torch.Tensor, scale: torch.Tensor,
                     H: torch.Tensor) -> torch.Tensor | None:
     """The exact minimiser of ``J(a)`` when every row holds ``k`` whole groups of contiguous
@@ -56,34 +113,8 @@ def row_block_solve(W: torch.Tensor, u: torch.Tensor, group: torch.Tensor, scale
         (G,) float64 scales (unrounded), or None when the layout does not decouple the rows or a
         row's normal equations are not positive definite.
     """
-    out, d = W.shape
-    n = scale.shape[0]
-    if n % out or d % (n // out):
-        return None
-    k = n // out
-    width = d // k
-    dev = group.device
-    if not torch.equal(group, torch.arange(out, device=dev)[:, None] * k + torch.arange(d, device=dev)[None] // width):
-        return None
-    Hs = H if H.dim() == 3 else H.unsqueeze(0)
-    per = out // Hs.shape[0]
-    M = torch.empty(out, k, k, dtype=torch.float64, device=W.device)
-    b = torch.empty(out, k, dtype=torch.float64, device=W.device)
-    for c, Hc in enumerate(Hs):  # convolution groups: rows c*per ... (c+1)*per - 1
-        rows = slice(c * per, (c + 1) * per)
-        Uc = u[rows]
-        b[rows] = (metric_apply(W[rows], Hc) * Uc).reshape(per, k, width).sum(-1)
-        for g in range(k):
-            cols = slice(g * width, (g + 1) * width)
-            M[rows, g] = ((Uc[:, cols] @ Hc[cols]) * Uc).reshape(per, k, width).sum(-1)
-    M = 0.5 * (M + M.mT)
-    dead = M.diagonal(dim1=1, dim2=2) <= 0  # (out, k): u = 0 in the group, so its row and column are 0
-    M.diagonal(dim1=1, dim2=2)[dead] = 1.0
-    b[dead] = scale.reshape(out, k)[dead]
-    L, info = torch.linalg.cholesky_ex(M)
-    if bool((info != 0).any()):
-        return None
-    return torch.cholesky_solve(b.unsqueeze(-1), L).reshape(n)
+    eq = _normal_equations(W, u, group, scale.shape[0], H)
+    return None if eq is None else _solve_rows(eq, scale)
 
 
 def refit_scales(
@@ -110,13 +141,18 @@ def refit_scales(
     if W.shape != u.shape or W.shape != group.shape:
         raise ValueError(f"W, u and group must share one (out, d) shape; got {tuple(W.shape)}, "
                          f"{tuple(u.shape)}, {tuple(group.shape)}")
-    before = layer_cost(scale[group] * u, W, H)
-    exact = row_block_solve(W, u, group, scale, H)
+    eq = _normal_equations(W, u, group, scale.shape[0], H)
+
+    def cost(x: torch.Tensor) -> float:  # decoupled rows: from the normal equations, no product
+        return _quadratic_cost(eq, x) if eq is not None else layer_cost(x[group] * u, W, H)
+
+    before = cost(scale)
+    exact = _solve_rows(eq, scale) if eq is not None else None
     a = exact if exact is not None else _descend(W, u, group, scale, H, iters, rtol, before)
     dtype = torch.float16 if scale_bits == 16 else torch.float32
     stored = a.to(dtype).to(torch.float64)
     stored = torch.where(torch.isfinite(stored) & (stored > 0), stored, scale)  # a scale stays positive
-    after = layer_cost(stored[group] * u, W, H)
+    after = cost(stored)
     if not after < before:
         return scale, before, before
     return stored, before, after

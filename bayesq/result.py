@@ -8,7 +8,7 @@ imports this module and none imports another method's module for them.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 import torch
@@ -127,14 +127,30 @@ def quantized_copy(
     """Deep copy of ``model`` whose quantised layers hold the dequantised weights, then (given
     ``correction``) each layer's mean output shift moved back into its bias or BatchNorm."""
     qmodel = copy.deepcopy(model)
-    modules = dict(qmodel.named_modules())
+    load_quantized(qmodel, model, weights, correction)
+    return qmodel.eval()
+
+
+def load_quantized(
+    qmodel: nn.Module, model: nn.Module, weights: Mapping[str, QuantizedWeight],
+    correction: BiasCorrection | None = None,
+) -> None:
+    """Make ``qmodel`` (a copy of ``model``, possibly holding another encoding already) exactly
+    :func:`quantized_copy` of ``weights``: the tensors a correction shifts reset to ``model``'s, the
+    dequantised weights copied in (codes of any integer dtype), then ``correction`` applied. One copy
+    then serves several candidate encodings in turn."""
+    modules, state = dict(qmodel.named_modules()), dict(qmodel.named_parameters()) | dict(qmodel.named_buffers())
+    source = dict(model.named_parameters()) | dict(model.named_buffers())
     with torch.no_grad():
+        for key in (correction.targets.values() if correction is not None else ()):
+            state[key].copy_(source[key])
         for name, qw in weights.items():
             mod = modules[name]
+            if qw.codes.dtype != torch.int64:
+                qw = replace(qw, codes=qw.codes.long())
             mod.weight.copy_(qw.dequantize().to(mod.weight.dtype))
     if correction is not None:
         correction.apply(qmodel, model)
-    return qmodel.eval()
 
 
 def baseline_result(

@@ -68,6 +68,7 @@ def bayesq_stages(model, calibration, params, budget: float, seed: int, selectio
     """Wall seconds of each BayesQ stage; the kept :class:`~bayesq.quantize.Encoding`."""
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.error_feedback import shared_factors
+    from bayesq.memory import estimate
     from bayesq.quantize import bias_correction, build_table, ef_column_metric, encode_best, posterior_and_stats
     from bayesq.config import BayesQConfig, DistillConfig
 
@@ -76,8 +77,9 @@ def bayesq_stages(model, calibration, params, budget: float, seed: int, selectio
     q, stages = cfg.quant, {}
     blocks = layer_blocks(quantizable_layers(model), q.group_size, q.unit_groups, q.unit.value)
     with _timed(stages, "posterior + input stats"):  # one pass, as quantize_model: the metric and the bias correction
-        post, stats = posterior_and_stats(model, calibration, quantizable_layers(model), cfg.posterior, q, seed=seed,
-                                          progress=False)
+        layers = quantizable_layers(model)
+        post, stats = posterior_and_stats(model, calibration, layers, cfg.posterior, q, seed=seed, progress=False,
+                                          max_inputs=estimate(model, layers, calibration).pass_inputs)
     with _timed(stages, "metric + bias correction"):
         metric = ef_column_metric(post, q, stats=stats)
         correction = bias_correction(model, stats, calibration) if q.bias_correction else None

@@ -184,6 +184,7 @@ def stages(a) -> None:
     from bayesq.canonical import canonical
     from bayesq.config import BayesQConfig
     from bayesq.error_feedback import shared_factors
+    from bayesq.memory import estimate
     from bayesq.quantize import bias_correction, build_table, ef_column_metric, encode_best, posterior_and_stats
     from flows.params import read_params
 
@@ -196,7 +197,8 @@ def stages(a) -> None:
         blocks = layer_blocks(layers, q.group_size, q.unit_groups, q.unit.value)
         if "bayesq" in a.methods:
             with peaks.stage("bayesq posterior + input stats"):
-                post, st = posterior_and_stats(model, cal, layers, cfg.posterior, q, progress=False)
+                post, st = posterior_and_stats(model, cal, layers, cfg.posterior, q, progress=False,
+                                               max_inputs=estimate(model, layers, cal).pass_inputs)
             with peaks.stage("bayesq metric + bias correction"):
                 metric = ef_column_metric(post, q, stats=st)
                 correction = bias_correction(model, st, cal)

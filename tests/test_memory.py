@@ -19,14 +19,24 @@ def _net():
 
 
 def test_estimate_vs_hand_count():
-    """Weights: 49 B each; activations: 2x every module's output bytes (the two Linear, the ReLU
-    and the Sequential's own output) on the first batch; no per-token term for (B, C) logits."""
+    """Weights: 49 B each; activations per input: 2x every module's output bytes (the two Linear,
+    the ReLU and the Sequential's own output) on the first batch over its size; no per-token term
+    for (B, C) logits; a pass holds the whole batch when it fits in PASS_BYTES."""
     model, x = _net(), torch.randn(7, 12, generator=torch.Generator().manual_seed(1))
     est = memory.estimate(model, quantizable_layers(model), [x, x[:2]])
     outputs = 7 * (32 + 32 + 5 + 5) * 4
     assert est.n_weights == 12 * 32 + 32 * 5 and est.weights == 49 * est.n_weights
-    assert est.activations == 2 * outputs and est.logits == 0 and est.batch == 7
-    assert est.total == est.weights + est.activations
+    assert est.activations == int(2 * outputs / 7) and est.logits == 0 and est.batch == 7
+    assert est.pass_inputs == 7 and est.total == est.weights + 7 * est.activations
+
+
+def test_pass_inputs_most_that_fit_at_least_one(monkeypatch):
+    est = memory.MemoryEstimate(weights=0, activations=300, logits=100, n_weights=1, batch=8)
+    for budget, want in [(10**6, 8), (1600, 4), (1599, 3), (399, 1), (0, 1)]:
+        monkeypatch.setattr(memory, "PASS_BYTES", budget)
+        assert est.pass_inputs == want, budget
+        assert est.total == want * 400
+        assert f"pass over {want} input" in est.describe()
 
 
 def test_estimate_per_token_logits_term():
@@ -34,7 +44,7 @@ def test_estimate_per_token_logits_term():
     ids = torch.randint(0, 23, (3, 6), generator=torch.Generator().manual_seed(2))
     est = memory.estimate(model, quantizable_layers(model), [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
     vocab = model(ids)["logits"].shape[-1]
-    assert est.logits == int(7.5 * 8 * 3 * 6 * vocab)
+    assert est.logits == int(7.5 * 8 * 3 * 6 * vocab / 3)  # per input
 
 
 def test_estimate_leaves_model_and_generators_alone():
@@ -53,7 +63,7 @@ def test_quantize_model_too_little_memory_is_clear(monkeypatch):
     model, x = _net(), torch.randn(16, 12, generator=torch.Generator().manual_seed(3))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(memory.InsufficientMemoryError, match=r"needs about .* GiB .* 544 weights to quantise.*"
-                       r"only 0\.00 GiB is free.*calibration batches.*exclude=.*check_memory=False"):
+                       r"only 0\.00 GiB is free.*shorter inputs.*exclude=.*check_memory=False"):
         quantize_model(model, [x], BayesQConfig(), progress=False)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     out = quantize_model(model, [x], BayesQConfig(), progress=False, check_memory=False)
@@ -67,3 +77,25 @@ def test_available_bytes_cpu_reads_meminfo_and_data_limit():
     avail = int(next(line for line in meminfo.splitlines() if line.startswith("MemAvailable:")).split()[1]) * 1024
     assert 0 < free <= avail * 1.5  # read a moment apart
     assert memory.available_bytes(torch.device("meta")) is None
+
+
+def test_quantize_model_splits_the_curvature_pass_as_estimated(monkeypatch):
+    """A pass budget of two inputs' activations: the posterior is fitted on parts of at most two
+    inputs (the same curvature up to float rounding, float64 model), and fit_posterior splits alike."""
+    from bayesq import posterior as posterior_module
+    from bayesq.quantize import fit_posterior
+
+    model, x = _net().double(), torch.randn(7, 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    whole = quantize_model(model, [x], BayesQConfig(), progress=False)
+    per = memory.estimate(model, quantizable_layers(model), [x]).activations
+    monkeypatch.setattr(memory, "PASS_BYTES", 2 * per)
+    seen = []
+    fit = posterior_module.FisherCurvature.diagonal
+    monkeypatch.setattr(posterior_module.FisherCurvature, "diagonal",
+                        lambda self, model, cal, *a: seen.append([b.shape[0] for b in cal]) or fit(self, model, cal, *a))
+    split = quantize_model(model, [x], BayesQConfig(), progress=False)
+    post = fit_posterior(model, [x], BayesQConfig(), progress=False)
+    assert seen == [[2, 2, 2, 1], [2, 2, 2, 1]]
+    for k, v in whole.posterior.curvature.items():
+        assert torch.allclose(split.posterior.curvature[k], v, rtol=1e-12, atol=0)
+        assert torch.equal(post.curvature[k], split.posterior.curvature[k])

@@ -83,3 +83,18 @@ def test_row_block_solve_vs_exact_least_squares(conv_groups):
     assert after == pytest.approx(layer_cost(want[group] * u, W, H), rel=1e-6) and after < before
     W2, u2, group2, scale2, H2 = _problem(4, d=40, group_size=32)
     assert row_block_solve(W2, u2, group2, scale2, H2) is None
+
+
+@pytest.mark.parametrize("conv_groups", [1, 2])
+def test_quadratic_cost_vs_layer_cost(conv_groups):
+    """J from the normal equations (M, b, c) equals the direct layer cost for any scales."""
+    from bayesq.refit import _normal_equations, _quadratic_cost
+
+    W, u, _, _, H = _problem(3, out=6, d=48, conv_groups=conv_groups)
+    group = torch.arange(6)[:, None] * 3 + torch.arange(48)[None] // 16  # three whole groups per row
+    eq = _normal_equations(W, u, group, 18, H)
+    assert eq is not None
+    for seed in range(3):
+        a = torch.rand(18, generator=torch.Generator().manual_seed(seed), dtype=F64) + 0.1
+        assert _quadratic_cost(eq, a) == pytest.approx(layer_cost(a[group] * u, W, H), rel=1e-11)
+    assert _normal_equations(W, u, torch.arange(6 * 48).reshape(6, 48) // 32, 9, H) is None  # groups straddle rows
