@@ -115,6 +115,15 @@ class LayerBlocks:
         g = self.group_size
         return flat.reshape(-1, g), mask.reshape(-1, g)  # (G, g)
 
+    def element_groups(self, rows: slice, device: torch.device | str | None = None) -> torch.Tensor:
+        """(r, row) int64: the group of every weight of output rows ``rows`` (step 1), the index
+        :meth:`from_groups` would put there (rows of a large layer, without a full-size map)."""
+        r = torch.arange(rows.start or 0, rows.stop, device=device)[:, None]
+        j = torch.arange(self.row, device=device)[None, :]
+        if self.row_aligned:
+            return r * self.groups_per_row + j // self.group_size
+        return (r * self.row + j) // self.group_size
+
     def from_groups(self, groups: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`to_groups`: (n_groups, group_size) -> weight of ``shape``."""
         if self.row_aligned:

@@ -42,7 +42,9 @@ from bayesq.memory import check as check_memory_fits, estimate as estimate_memor
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.posterior import ROWS_IN_PASS, Posterior, fit_posterior as _fit_posterior, input_moments
 from bayesq.refit import refit_scales
-from bayesq.result import Allocation, QuantizationResult, QuantizedWeight, load_quantized, quantized_copy
+from bayesq.result import (
+    Allocation, QuantizationResult, QuantizedWeight, compact_codes, full_codes, load_quantized, quantized_copy,
+)
 from bayesq.storage import budget_bits
 
 
@@ -174,9 +176,8 @@ def loss_reduction_curve(
 
 # ---- encoding -----------------------------------------------------------------------------------
 
-def element_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, Book], out: int):
-    """Per-element (out, d_in) scale, zero and maxq of the groups' uniform grids."""
-    g = lb.group_size
+def group_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, Book]):
+    """(n_groups,) scale, zero (float64) and maxq (int64) of the groups' uniform grids."""
     scale = torch.zeros(lb.n_groups, dtype=torch.float64, device=group_bits.device)
     zero = torch.zeros(lb.n_groups, dtype=torch.float64, device=group_bits.device)
     for b, book in books.items():
@@ -186,19 +187,38 @@ def element_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, 
         sel = group_bits == b
         scale[sel], zero[sel] = affine
     maxq = (2**group_bits - 1).to(torch.int64)  # a stored scale 0 (an all-zero group) gets its zero-point code
-    per = [lb.from_groups(x[:, None].expand(-1, g)).reshape(out, -1) for x in (scale, zero, maxq)]
-    return per[0], per[1], per[2].to(torch.int64)
+    return scale, zero, maxq
 
 
-def _refit_books(lb: LayerBlocks, W: torch.Tensor, codes: torch.Tensor, zero: torch.Tensor,
-                 group_bits: torch.Tensor, books: dict, metric: torch.Tensor, scale_bits: int) -> dict:
+def element_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, Book], out: int,
+                 rows: slice | None = None):
+    """Per-element (out, d_in) scale, zero and maxq of the groups' uniform grids; ``rows``: only
+    those output rows ((r, d_in), the same values)."""
+    idx = lb.element_groups(rows if rows is not None else slice(0, out), group_bits.device)
+    return tuple(x[idx] for x in group_grid(lb, group_bits, books))
+
+
+ENCODE_ROW_ELEMENTS = 1 << 21  # weights per error-feedback call on a layer with one column metric
+
+
+def row_chunks(n_out: int, d_in: int, metric: torch.Tensor) -> list[slice]:
+    """Output rows in chunks of about ``ENCODE_ROW_ELEMENTS`` weights when the layer has one
+    column metric (Linear, ungrouped Conv2d): rows are independent given it, so error feedback and
+    coordinate descent give the same codes chunk by chunk while their float64 working copies stay
+    the size of a chunk (a vocabulary projection of 50,257 x 768 weights needs several GiB at
+    once); one chunk for grouped convolutions (a metric per group)."""
+    if metric.dim() == 3 and metric.shape[0] > 1:
+        return [slice(0, n_out)]
+    step = max(1, ENCODE_ROW_ELEMENTS // max(1, d_in))
+    return [slice(r, min(r + step, n_out)) for r in range(0, n_out, step)]
+
+
+def _refit_books(lb: LayerBlocks, W: torch.Tensor, codes: torch.Tensor, group_bits: torch.Tensor, books: dict,
+                 metric: torch.Tensor, scale_bits: int) -> dict:
     """``books`` with each group's scale refitted to its codes (``refit.refit_scales``)."""
-    scale = torch.zeros(lb.n_groups, dtype=torch.float64, device=W.device)
-    for b, book in books.items():
-        scale[group_bits == b] = book.affine_fields()[0]
-    index = torch.arange(lb.n_groups, device=W.device)[:, None].expand(-1, lb.group_size)
-    group = lb.from_groups(index.double()).reshape(W.shape).to(torch.int64)  # (out, d_in)
-    new, _, _ = refit_scales(W, codes.double() - zero, group, scale, metric.double(), scale_bits=scale_bits)
+    scale, zero, _ = group_grid(lb, group_bits, books)
+    group = lb.element_groups(slice(0, W.shape[0]), W.device)  # (out, d_in)
+    new, _, _ = refit_scales(W, codes.double() - zero[group], group, scale, metric.double(), scale_bits=scale_bits)
     return {b: book.with_affine(new[group_bits == b], book.affine_fields()[1]) for b, book in books.items()}
 
 
@@ -288,7 +308,7 @@ def encode(
     table: LossTable, allocation: Allocation, weights: dict[str, torch.Tensor], *,
     posterior: Posterior | None = None, rounding: Rounding = Rounding.NEAREST,
     column_metric: Mapping[str, torch.Tensor] | None = None, act_order: bool = False,
-    refit: bool = False, scale_bits: int = 16, cd_passes: int = 0, progress: bool = False,
+    refit: bool = False, scale_bits: int = 16, cd_passes: int = 0, progress: bool = False, compact: bool = False,
 ) -> dict[str, QuantizedWeight]:
     """Quantise each layer with the codebooks of its units' chosen bit-widths.
 
@@ -301,12 +321,13 @@ def encode(
     (:func:`error_feedback.coordinate_descent`); ``refit`` then
     refits the groups' scales to the codes in the same metric (:func:`bayesq.refit.refit_scales`,
     stored at ``scale_bits``). Otherwise codes are the nearest levels. ``progress``: a bar over layers.
+    ``compact``: codes below 256 held as uint8, layer by layer (:func:`bayesq.result.compact_codes`:
+    encodings that wait for a selection never hold every layer's int64 codes at once).
     """
     out = {}
     for t in tqdm(table.layers, desc=f"encode ({Rounding(rounding).value})", disable=not progress, leave=False):
         lb = t.blocks
         w = weights[lb.name].detach().double()
-        groups, _ = lb.to_groups(w.reshape(-1))
         unit_bits = torch.tensor(allocation.unit_bits[lb.name], dtype=torch.int64, device=w.device)
         group_bits = unit_bits[lb.group_unit(w.device)]  # (G,)
         books = {b: book.take(group_bits == b) for b, book in zip(t.bits, t.books) if bool((group_bits == b).any())}
@@ -319,14 +340,19 @@ def encode(
                     raise ValueError(f"error-feedback rounding of '{lb.name}' needs a K-FAC or low-rank posterior")
                 metric = f.A
             mat = w.reshape(w.shape[0], -1)  # (out, d_in)
-            scale, zero, maxq = element_grid(lb, group_bits, books, mat.shape[0])
-            codes_w = error_feedback_groups(mat, metric, scale, zero, maxq, act_order=act_order)  # (out, d_in)
-            if cd_passes:
-                codes_w = coordinate_descent(mat, metric, scale, zero, maxq, codes_w, passes=cd_passes)
+            codes_w = torch.empty(mat.shape, dtype=torch.int64, device=w.device)
+            for rows in row_chunks(*mat.shape, metric):
+                scale, zero, maxq = element_grid(lb, group_bits, books, mat.shape[0], rows)
+                part = error_feedback_groups(mat[rows], metric, scale, zero, maxq, act_order=act_order)
+                if cd_passes:
+                    part = coordinate_descent(mat[rows], metric, scale, zero, maxq, part, passes=cd_passes)
+                codes_w[rows] = part
+            del scale, zero, maxq, part
             codes, _ = lb.to_groups(codes_w.reshape(-1))
             if refit:
-                books = _refit_books(lb, mat, codes_w, zero, group_bits, books, metric, scale_bits)
+                books = _refit_books(lb, mat, codes_w, group_bits, books, metric, scale_bits)
         else:
+            groups, _ = lb.to_groups(w.reshape(-1))
             parts = {b: book.quantize(groups[group_bits == b]) for b, book in books.items()}
             widths = {p.shape[1] for p in parts.values()}
             if len(widths) != 1:
@@ -334,7 +360,8 @@ def encode(
             codes = torch.zeros(lb.n_groups, widths.pop(), dtype=torch.int64, device=w.device)
             for b, part in parts.items():
                 codes[group_bits == b] = part
-        out[lb.name] = QuantizedWeight(lb, group_bits, codes, books)
+        qw = QuantizedWeight(lb, group_bits, codes, books)
+        out[lb.name] = compact_codes({lb.name: qw})[lb.name] if compact else qw
     return out
 
 
@@ -469,12 +496,6 @@ def encode_best(
                             correction, progress, stats, selection, reference, tables)
 
 
-def _compact_codes(weights: Mapping[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
-    """``weights`` with codes below 256 held as uint8 (exact; ``.long()`` restores them)."""
-    return {n: replace(w, codes=w.codes.to(torch.uint8)) if int(w.codes.max()) < 256 else w
-            for n, w in weights.items()}
-
-
 def _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calibration, column_metric, correction,
                  progress, stats, selection, reference, tables) -> Encoding:
     layers = {t.blocks.name: model.get_submodule(t.blocks.name) for t in table.layers}
@@ -513,9 +534,7 @@ def _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calib
         allocation = allocate(t, budget, allocation_cfg, seed)
         qw = encode(t, allocation, weights, posterior=posterior, rounding=cq.rounding, column_metric=column_metric,
                     act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits, cd_passes=cq.cd_passes,
-                    progress=progress)
-        if len(cands) > 1:
-            qw = _compact_codes(qw)  # 1 byte per weight while the candidates wait for the selection
+                    progress=progress, compact=len(cands) > 1)  # 1 byte per weight while they wait for the selection
         built[name] = (cq, t, allocation, qw)
     if len(cands) == 1:
         return Encoding(next(iter(cands)), *built[next(iter(cands))], {}, correction)
@@ -538,7 +557,7 @@ def _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calib
                          "batches: pass reference_log_probs of the same batches, in the same order")
     kept, margins, kls = sequential_choice(score, list(cands), anchor, selection_looks(scored), len(scored))
     cq, t, allocation, qw = built[kept]
-    qw = {n: replace(w, codes=w.codes.long()) for n, w in qw.items()}  # int64 again, as encode gave them
+    qw = full_codes(qw)  # int64 again, as encode gave them
     return Encoding(kept, cq, t, allocation, qw, {k: float(v.mean()) for k, v in kls.items()}, correction,
                     {k: (d.ci_low, d.ci_high) for k, d in margins.items()}, {k: len(v) for k, v in kls.items()})
 

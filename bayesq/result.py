@@ -131,6 +131,18 @@ def quantized_copy(
     return qmodel.eval()
 
 
+def compact_codes(weights: Mapping[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+    """``weights`` with codes below 256 held as uint8 (1 byte per weight instead of 8, exact):
+    encodings that wait for a selection; :func:`full_codes` restores them."""
+    return {n: replace(w, codes=w.codes.to(torch.uint8)) if int(w.codes.max()) < 256 else w
+            for n, w in weights.items()}
+
+
+def full_codes(weights: Mapping[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+    """``weights`` with int64 codes again, as the encoders give them."""
+    return {n: w if w.codes.dtype == torch.int64 else replace(w, codes=w.codes.long()) for n, w in weights.items()}
+
+
 def load_quantized(
     qmodel: nn.Module, model: nn.Module, weights: Mapping[str, QuantizedWeight],
     correction: BiasCorrection | None = None,

@@ -20,6 +20,16 @@ def test_layer_blocks_groups_round_trip(shape, row_aligned):
         assert g.min() == real.min() and g.max() == real.max()
 
 
+@pytest.mark.parametrize("row_aligned", [False, True])
+@pytest.mark.parametrize("shape", [(5, 7), (4, 3, 3, 3), (3, 64), (2, 130)])
+def test_element_groups_vs_from_groups_index(shape, row_aligned):
+    lb = LayerBlocks("w", shape, group_size=16, unit_groups=2, row_aligned=row_aligned)
+    index = torch.arange(lb.n_groups)[:, None].expand(-1, 16).double()
+    want = lb.from_groups(index).reshape(shape[0], -1).long()
+    assert torch.equal(lb.element_groups(slice(0, shape[0])), want)
+    assert torch.equal(lb.element_groups(slice(1, shape[0])), want[1:])
+
+
 def test_layer_blocks_row_aligned_groups_never_straddle_rows():
     lb = LayerBlocks("w", (3, 20), group_size=8, unit_groups=1, row_aligned=True)
     w = torch.arange(60, dtype=torch.float64).reshape(3, 20)

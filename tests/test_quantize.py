@@ -456,6 +456,34 @@ def test_encode_best_keeps_anchor_unless_resolved_vs_building_each_candidate(hel
             encode_best(model, post, table, q, 3.0, calibration=batches, selection=[])
 
 
+@pytest.mark.parametrize("layout", ["group", "channel"])
+def test_encode_row_chunks_vs_whole_layer(monkeypatch, layout):
+    """Error feedback, coordinate descent and the refit row chunk by row chunk (a layer larger than
+    ENCODE_ROW_ELEMENTS): the same codes and scales as the whole layer at once."""
+    import bayesq.quantize as qz
+    from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.quantize import allocate, build_table, ef_column_metric, encode, fit_posterior
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 37), nn.ReLU(), nn.Linear(37, 5)).double().eval()
+    batches = [torch.randn(16, 40, dtype=torch.float64) for _ in range(3)]
+    q = QuantConfig(group_size=16, unit_groups=2, unit=layout)
+    post = fit_posterior(model, batches, BayesQConfig(quant=q), progress=False)
+    blocks = layer_blocks(quantizable_layers(model), 16, 2, layout)
+    metric = ef_column_metric(post, q, model, batches)
+    table = build_table(post, blocks, q, model=model, calibration=batches, progress=False, column_metric=metric)
+    alloc = allocate(table, 4.0)
+    weights = {n: m.weight for n, m in quantizable_layers(model).items()}
+    opts = dict(rounding=q.rounding, column_metric=metric, act_order=True, refit=True, cd_passes=2)
+    whole = encode(table, alloc, weights, **opts)
+    monkeypatch.setattr(qz, "ENCODE_ROW_ELEMENTS", 3 * 40)
+    assert len(qz.row_chunks(37, 40, metric["0"])) == 13
+    chunked = encode(table, alloc, weights, **opts)
+    for name, qw in whole.items():
+        assert torch.equal(chunked[name].codes, qw.codes), name
+        assert torch.equal(chunked[name].dequantize(), qw.dequantize()), name
+
+
 def test_encode_best_given_stats_vs_its_own_statistics_pass():
     from bayesq.baselines.activations import input_stats
     from bayesq.blocks import layer_blocks, quantizable_layers

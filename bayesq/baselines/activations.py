@@ -98,11 +98,16 @@ class StatsSums:
         if self._last[0] is rows:
             new = self._last[1]
         else:
-            new = [None if x is None else x.double() for x in batch_sums(rows, self.abs_mean)]
-            new.append(rows.shape[0] * rows.shape[2])
+            new = list(batch_sums(rows, self.abs_mean)) + [rows.shape[0] * rows.shape[2]]
             self._last[:] = rows, new
         old = self._sums.get(name)
-        self._sums[name] = new if old is None else [None if x is None else x + y for x, y in zip(old, new)]
+        if old is None:  # float64 sums of the batches' sums (added in place: no float64 temporary)
+            self._sums[name] = [None if x is None else x.to(torch.float64, copy=True) for x in new[:-1]] + [new[-1]]
+        else:
+            for x, y in zip(old[:-1], new[:-1]):
+                if x is not None:
+                    x.add_(y)
+            old[-1] += new[-1]
 
     def stats(self, layers: dict[str, nn.Module], n: int) -> dict[str, InputStats]:
         """:class:`InputStats` of ``layers`` over the ``n`` inputs the rows came from.

@@ -48,7 +48,7 @@ from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch
 from bayesq.methods import Inputs, Outcome, read
 from bayesq.quantize import selection_looks
-from bayesq.result import Allocation, QuantizationResult
+from bayesq.result import Allocation, QuantizationResult, compact_codes, full_codes
 from bayesq.storage import budget_bits, unit_cost_bits
 
 #: Candidate group sizes of the uniform variants (per-output-channel grids are always tried last).
@@ -244,10 +244,12 @@ def stats_correction(model: nn.Module, stats: Mapping[str, InputStats], batches:
     return BiasCorrection.fit(model, {name: s.mean for name, s in stats.items()}, batches)
 
 
-def corrected(result: QuantizationResult, model: nn.Module, correction: BiasCorrection) -> QuantizationResult:
-    """``result`` with ``correction`` applied to a copy of its model (``model``: full precision);
-    weights, allocation and table unchanged."""
-    qmodel = copy.deepcopy(result.model)
+def corrected(result: QuantizationResult, model: nn.Module, correction: BiasCorrection,
+              in_place: bool = False) -> QuantizationResult:
+    """``result`` with ``correction`` applied to a copy of its model (``model``: full precision;
+    ``in_place``: to its model itself, when ``result`` is not read again); weights, allocation and
+    table unchanged."""
+    qmodel = result.model if in_place else copy.deepcopy(result.model)
     correction.apply(qmodel, model)
     return replace(result, model=qmodel.eval(), correction=correction)
 
@@ -292,8 +294,11 @@ def select_best(
     best, best_kl, best_losses = None, math.inf, None
     for name, build in candidates.items():
         res = build()
-        forms = [(name, res)] + ([(f"{name}+bc", corrected(res, model, correction))] if correction else [])
-        for label, r in forms:
+        res = replace(res, weights=compact_codes(res.weights))  # 1 byte per weight while it waits
+        for label in [name] + ([f"{name}+bc"] if correction else []):
+            if label != name:  # corrected in place, unless the plain form is the one kept so far
+                res = corrected(res, model, correction, in_place=best is None or best[1] is not res)
+            r = res
             bits[label] = r.average_bits
             losses = kl_per_input(reference[:first], r.model, batches[:first])
             if first < len(batches) and best_losses is not None and _resolved_worse(losses, best_losses[:len(losses)]):
@@ -305,7 +310,7 @@ def select_best(
             score = math.inf if math.isnan(kl[label]) else kl[label]
             if best is None or score < best_kl:
                 best, best_kl, best_losses = (label, r), score, losses
-    return BaselineChoice(best[1], best[0], kl, bits, inputs)
+    return BaselineChoice(replace(best[1], weights=full_codes(best[1].weights)), best[0], kl, bits, inputs)
 
 
 def _resolved_worse(losses: torch.Tensor, best: torch.Tensor) -> bool:

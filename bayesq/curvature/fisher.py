@@ -93,7 +93,10 @@ def _squared_grad_sum(
                             # square and sum the batch in the model's dtype, accumulate batches in
                             # float64: float32 adds a relative error <= B * 2^-24 per batch of B
                             sq = squared_grad_sum(mod, acts[name], outs.pop(name), rows)
-                            total[name] += sq.double() / len(passes)
+                            if len(passes) == 1:  # in place: no float64 temporary (the same sum)
+                                total[name].add_(sq)
+                            else:
+                                total[name] += sq.double() / len(passes)
             n_seen += batch_size(batch)
             acts.clear()
             outputs.clear()
