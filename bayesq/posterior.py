@@ -48,7 +48,9 @@ from bayesq.curvature.hutchinson import hutchinson_diagonal
 from bayesq.curvature.kfac import KFACFactors, damped, kfac_diagonal, kfac_factors
 from bayesq.curvature.lowrank import truncate
 from bayesq.curvature.patches import input_rows
-from bayesq.forward import Batch, batch_size, by_length, call, drops_padding, layer_calls, padding_mask, token_rows
+from bayesq.forward import (
+    Batch, batch_size, by_length, call, drops_padding, layer_calls, padding_mask, split_batches, token_rows,
+)
 
 BACKOFF = 3.0
 MAX_BACKOFFS = 8
@@ -365,18 +367,24 @@ class CurvatureBackend(ABC):
 
 class DiagonalCurvature(CurvatureBackend):
     """Backends that estimate ``sum_n diag C_n`` (a sum over examples, so the batches are
-    regrouped by length first, :func:`bayesq.forward.by_length`, in batches of at most
+    regrouped by length first, :func:`bayesq.forward.by_length`; passes of at most
     ``max_inputs``), then :func:`fit_diagonal_posterior`. ``indefinite``: the estimate can be
     negative (Hessian probes)."""
 
     indefinite: ClassVar[bool] = False
+    splits_batches: ClassVar[bool] = False  # diagonal() takes max_inputs itself (else it gets the batches split)
 
     @abstractmethod
     def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows) -> tuple[dict[str, torch.Tensor], int]:
-        """(name -> float64 sum over inputs of the curvature diagonal, shaped like the weight; inputs seen)."""
+        """(name -> float64 sum over inputs of the curvature diagonal, shaped like the weight; inputs
+        seen). With ``splits_batches``, also a ``max_inputs`` keyword: the most inputs of a pass."""
 
     def fit(self, model, calibration, layers, cfg, *, seed, progress, on_rows, max_inputs=None):
-        diag, n = self.diagonal(model, by_length(calibration, max_inputs), layers, cfg, seed, progress, on_rows)
+        batches = by_length(calibration)
+        if self.splits_batches:
+            diag, n = self.diagonal(model, batches, layers, cfg, seed, progress, on_rows, max_inputs=max_inputs)
+        else:
+            diag, n = self.diagonal(model, split_batches(batches, max_inputs), layers, cfg, seed, progress, on_rows)
         weights = {name: m.weight for name, m in layers.items()}
         return fit_diagonal_posterior(diag, n, weights, cfg, indefinite=self.indefinite, consume=True)
 
@@ -386,10 +394,11 @@ class FisherCurvature(DiagonalCurvature):
     predictive), :func:`bayesq.curvature.fisher.fisher_diagonal`."""
 
     rows_in_pass = True
+    splits_batches = True
 
-    def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows):
+    def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows, max_inputs=None):
         return fisher_diagonal(model, calibration, layers, label_samples=cfg.label_samples, seed=seed,
-                               progress=progress, on_rows=on_rows)
+                               progress=progress, on_rows=on_rows, max_inputs=max_inputs)
 
 
 class EmpiricalFisherCurvature(DiagonalCurvature):
@@ -397,9 +406,11 @@ class EmpiricalFisherCurvature(DiagonalCurvature):
     :func:`bayesq.curvature.fisher.empirical_fisher_diagonal`."""
 
     rows_in_pass = True
+    splits_batches = True
 
-    def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows):
-        return empirical_fisher_diagonal(model, calibration, layers, progress=progress, on_rows=on_rows)
+    def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows, max_inputs=None):
+        return empirical_fisher_diagonal(model, calibration, layers, progress=progress, on_rows=on_rows,
+                                         max_inputs=max_inputs)
 
 
 class HutchinsonCurvature(DiagonalCurvature):
@@ -463,7 +474,7 @@ def fit_posterior(
     called with each layer's input rows per batch of the same pass, as :func:`forward_inputs`
     calls it (so one pass also gives the layer-input statistics); with any other a ValueError.
     ``max_inputs``: the diagonal backends' pass holds at most this many inputs at once (batches
-    split, :func:`bayesq.forward.by_length`; the same sums up to float rounding, the activation
+    run in parts, :func:`bayesq.curvature.fisher.fisher_diagonal`; the same sums up to float rounding, the activation
     memory of a part instead of a batch; e.g. :attr:`bayesq.memory.MemoryEstimate.pass_inputs`); None:
     whole batches.
     """

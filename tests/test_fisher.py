@@ -200,3 +200,38 @@ def test_empirical_fisher_language_model_token_labels():
         torch.testing.assert_close(given[name], free[name], rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"labels\[0\] has shape \(3,\).*\(3, 5\).*\(B, T\)"):
         empirical_fisher_diagonal(model, batches, layers, labels=[y[:, 0] for y in argmax], progress=False)
+
+
+@pytest.mark.parametrize("kind", ["cnn", "tokens"])
+def test_fisher_in_parts_vs_whole_batches(kind):
+    """Batches run in parts of two inputs: the same sampled labels and Fisher sums (float64 model),
+    and the same layer-input statistics; a layer with fewer rows per part than input features
+    gets its batch's rows joined (the identical sums, also for transposed conv patches)."""
+    from bayesq.baselines.activations import StatsSums
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    if kind == "cnn":
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 6, 1), nn.Flatten(),
+                              nn.Linear(6 * 9, 5)).double().eval()
+        batches = [torch.randn(5, 3, 5, 5, generator=g, dtype=torch.float64) for _ in range(2)]
+    else:
+        from nets import TinyCausalLM
+
+        model = TinyCausalLM().double().eval()  # per-token logits: rows of real tokens (d = 16 and 32)
+        ids = torch.randint(0, 23, (5, 7), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1:, 5:] = 0
+        batches = [{"input_ids": ids, "attention_mask": mask}]
+    layers = quantizable_layers(model)
+    whole_rows, part_rows = StatsSums(), StatsSums()
+    whole, n = fisher_diagonal(model, batches, layers, seed=4, progress=False, on_rows=whole_rows)
+    parts, m = fisher_diagonal(model, batches, layers, seed=4, progress=False, on_rows=part_rows, max_inputs=2)
+    assert n == m
+    held = 0
+    want, got = whole_rows.stats(layers, n), part_rows.stats(layers, n)
+    for k in layers:
+        assert torch.allclose(parts[k], whole[k], rtol=1e-12, atol=0), k
+        assert torch.allclose(got[k].H, want[k].H, rtol=1e-12, atol=1e-15), k
+        held += torch.equal(got[k].H, want[k].H)
+    assert held >= 1  # at least one layer took the joined rows (bit for bit the whole batch's sums)

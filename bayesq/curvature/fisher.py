@@ -31,7 +31,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesq.curvature.patches import input_rows, squared_grad_sum
-from bayesq.forward import Batch, batch_size, layer_calls, padding_mask, prediction_rows, predictions, token_rows
+from bayesq.forward import (
+    Batch, batch_size, layer_calls, padding_mask, prediction_rows, predictions, split_batches, token_rows,
+)
 
 
 def _squared_grad_sum(
@@ -42,6 +44,7 @@ def _squared_grad_sum(
     desc: str,
     progress: bool,
     on_rows: Callable[[str, torch.Tensor], None] | None = None,
+    max_inputs: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """``sum_n mean_s g_n(y_s)^2`` per layer, with per-example gradients from hooks.
 
@@ -54,6 +57,13 @@ def _squared_grad_sum(
     rows dropped (:func:`bayesq.forward.token_rows`) where the logits have a token axis, as
     :func:`bayesq.posterior.forward_inputs` calls it (Linear layers reading one tensor get one
     rows object), so the same pass also gives the layer-input statistics.
+
+    ``max_inputs``: each batch runs in parts of at most this many inputs
+    (:func:`bayesq.forward.split_batches`: the activations of a part, not of a batch); a part's
+    squared gradients are summed over the batch in its dtype before the float64 sum, and a
+    layer with fewer input rows in a part than input features hands ``on_rows`` the batch's rows
+    joined once (the same rows as without parts: no d_in x d_in product per part), the others
+    their part's rows.
     Returns (name -> float64 tensor shaped like the weight, inputs seen).
     """
     if on_rows is not None:
@@ -69,42 +79,70 @@ def _squared_grad_sum(
     n_seen = 0
     with layer_calls(model, layers, record, weights_require_grad=True):
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
-            with torch.enable_grad():  # also when called under torch.no_grad()
-                z, mask = predictions(model, batch)
-                out = prediction_rows(z, mask)  # (R, C)
-                rows_mask = padding_mask(batch) if mask is not None else None  # padded tokens' layer rows
-                passes = labels_for(out.detach(), mask)
-                names = [n for n, o in outputs.items() if o.requires_grad]
-                for s, y in enumerate(passes):
-                    loss = F.cross_entropy(out, y, reduction="sum")
-                    # gradients of the layer outputs only: no weight gradient is formed
-                    grads = torch.autograd.grad(loss, [outputs[n] for n in names], allow_unused=True,
-                                                retain_graph=s < len(passes) - 1) if names else ()
-                    outs = {n: g for n, g in zip(names, grads) if g is not None}
-                    shared: dict = {}
-                    for name, mod in layers.items():
-                        if name not in acts:
-                            continue
-                        rows = _rows(mod, acts[name], outputs[name].shape, shared)
-                        if s == 0 and on_rows is not None:
-                            real = rows if rows_mask is None else _real_rows(rows, acts[name], rows_mask, shared)
-                            on_rows(name, real)
-                        if name in outs:  # a layer whose output does not reach the loss has no gradient
-                            # square and sum the batch in the model's dtype, accumulate batches in
-                            # float64: float32 adds a relative error <= B * 2^-24 per batch of B
-                            sq = squared_grad_sum(mod, acts[name], outs.pop(name), rows)
-                            if len(passes) == 1:  # in place: no float64 temporary (the same sum)
-                                total[name].add_(sq)
-                            else:
-                                total[name] += sq.double() / len(passes)
-            n_seen += batch_size(batch)
-            acts.clear()
-            outputs.clear()
+            parts = split_batches([batch], max_inputs)
+            held: dict[str, list[tuple[torch.Tensor, int]]] = {}  # rows handed on once per batch
+            summed: dict[str, torch.Tensor] = {}  # the batch's squared gradients, over its parts
+            for part in parts:
+                with torch.enable_grad():  # also when called under torch.no_grad()
+                    z, mask = predictions(model, part)
+                    out = prediction_rows(z, mask)  # (R, C)
+                    rows_mask = padding_mask(part) if mask is not None else None  # padded tokens' layer rows
+                    passes = labels_for(out.detach(), mask)
+                    names = [n for n, o in outputs.items() if o.requires_grad]
+                    for s, y in enumerate(passes):
+                        loss = F.cross_entropy(out, y, reduction="sum")
+                        # gradients of the layer outputs only: no weight gradient is formed
+                        grads = torch.autograd.grad(loss, [outputs[n] for n in names], allow_unused=True,
+                                                    retain_graph=s < len(passes) - 1) if names else ()
+                        outs = {n: g for n, g in zip(names, grads) if g is not None}
+                        shared: dict = {}
+                        for name, mod in layers.items():
+                            if name not in acts:
+                                continue
+                            rows = _rows(mod, acts[name], outputs[name].shape, shared)
+                            if s == 0 and on_rows is not None:
+                                real = rows if rows_mask is None else _real_rows(rows, acts[name], rows_mask, shared)
+                                if len(parts) > 1 and real.shape[0] * real.shape[2] < real.shape[3]:
+                                    held.setdefault(name, []).append((real, 2 if real is not rows else 0))
+                                else:
+                                    on_rows(name, real)
+                            if name in outs:  # a layer whose output does not reach the loss has no gradient
+                                # square and sum the batch in the model's dtype, accumulate batches in
+                                # float64: float32 adds a relative error <= B * 2^-24 per batch of B
+                                sq = squared_grad_sum(mod, acts[name], outs.pop(name), rows)
+                                if len(passes) > 1:
+                                    total[name] += sq.double() / len(passes)
+                                elif name in summed:
+                                    summed[name].add_(sq)
+                                else:
+                                    summed[name] = sq
+                n_seen += batch_size(part)
+                acts.clear()
+                outputs.clear()
+            for name, sq in summed.items():  # in place: no float64 temporary (the same sum)
+                total[name].add_(sq)
+            _hand_on(held, on_rows)
     if n_seen == 0:
         raise ValueError(
             "empty calibration set: the posterior needs at least one unlabelled input batch"
         )
     return total, n_seen
+
+
+def _hand_on(held: dict[str, list[tuple[torch.Tensor, int]]], on_rows) -> None:
+    """``on_rows(name, rows)`` with each layer's parts' rows joined into the batch's (the same
+    values and memory layout as one pass over the batch; layers that read one rows object per
+    part get one joined object)."""
+    joined: dict[tuple, torch.Tensor] = {}
+    for name, pieces in held.items():
+        key = tuple(id(p) for p, _ in pieces)
+        if key not in joined:
+            dim = pieces[0][1]
+            if pieces[0][0].is_contiguous():
+                joined[key] = torch.cat([p for p, _ in pieces], dim)
+            else:  # unfolded patches: a transposed view of (N, groups, d_in, T)
+                joined[key] = torch.cat([p.mT for p, _ in pieces], dim).mT
+        on_rows(name, joined[key])
 
 
 def _rows(mod: nn.Module, a: torch.Tensor, out_shape: torch.Size, shared: dict) -> torch.Tensor:
@@ -135,6 +173,7 @@ def fisher_diagonal(
     seed: int = 0,
     progress: bool = True,
     on_rows: Callable[[str, torch.Tensor], None] | None = None,
+    max_inputs: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Sum over inputs of the sampled-label Fisher diagonal of every layer in ``layers``.
 
@@ -148,6 +187,8 @@ def fisher_diagonal(
         seed: seed of the label sampler (a generator on the logits' device).
         on_rows: called with each layer's input rows per batch (see ``_squared_grad_sum``), e.g.
             :class:`bayesq.baselines.activations.StatsSums`.
+        max_inputs: the most inputs one forward / backward pass holds (batches run in parts; the
+            labels are the same: the sampler draws row by row); None: whole batches.
 
     Returns:
         (fisher, n): name -> float64 tensor shaped like the weight holding ``F_sum``; and n,
@@ -164,7 +205,7 @@ def fisher_diagonal(
             gen.append(torch.Generator(device=probs.device).manual_seed(seed))
         return [torch.multinomial(probs, 1, generator=gen[0]).squeeze(1) for _ in range(label_samples)]
 
-    return _squared_grad_sum(model, batches, layers, sampled_labels, "fisher", progress, on_rows)
+    return _squared_grad_sum(model, batches, layers, sampled_labels, "fisher", progress, on_rows, max_inputs)
 
 
 def _check_labels(y: torch.Tensor, out: torch.Tensor, mask: torch.Tensor | None, index: int) -> torch.Tensor:
@@ -198,6 +239,7 @@ def empirical_fisher_diagonal(
     labels: Iterable[torch.Tensor] | None = None,
     progress: bool = True,
     on_rows: Callable[[str, torch.Tensor], None] | None = None,
+    max_inputs: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Sum over inputs of the empirical Fisher diagonal ``sum_n g_n(y_n)^2``.
 
@@ -207,7 +249,8 @@ def empirical_fisher_diagonal(
     token (as ``fisher_diagonal``).
 
     Args:
-        model, batches, layers, on_rows: as in ``fisher_diagonal``.
+        model, batches, layers, on_rows, max_inputs: as in ``fisher_diagonal`` (``max_inputs`` only
+            without ``labels``, which come one per batch).
         labels: one (B,) int64 tensor of class indices per batch, aligned with ``batches``; for
             (B, T, V) logits one (B, T) tensor (entries at padded tokens are not read).
 
@@ -218,6 +261,9 @@ def empirical_fisher_diagonal(
         ValueError: empty ``batches``; ``labels`` with fewer or more entries than ``batches``,
             a wrong shape, a non-integer dtype or out-of-range class indices.
     """
+    if labels is not None and max_inputs is not None:
+        raise ValueError("max_inputs splits batches, but labels come one tensor per batch: pass labels= or "
+                         "max_inputs=, not both")
     label_iter = iter(labels) if labels is not None else None
     count = 0
 
@@ -233,7 +279,7 @@ def empirical_fisher_diagonal(
         return [_check_labels(y, out, mask, count - 1)]
 
     desc = "empirical-fisher"
-    result = _squared_grad_sum(model, batches, layers, given_or_argmax, desc, progress, on_rows)
+    result = _squared_grad_sum(model, batches, layers, given_or_argmax, desc, progress, on_rows, max_inputs)
     if label_iter is not None and next(label_iter, None) is not None:
         raise ValueError(f"labels has more entries than batches ({count}): "
                          "pass one (B,) label tensor per batch")
