@@ -1,25 +1,27 @@
 """Peak memory of a BayesQ run, estimated before it starts, and a clear error when it cannot fit.
 
-The estimate is empirical: three terms with constants fitted (least squares) to the peak resident
-memory beyond the model and inputs that ``benchmarks/scale.py`` measured for BayesQ's default at
-3.0 bits on a 2-core CPU, 2026-11-27: EfficientNet-Lite0 at 224 px 1.39 GiB, the MiniLM
-classifier 0.93, BERT-base 5.64, GPT-2 small 10.24 (128 calibration + 128 selection inputs of
-128 tokens, batches of 8). The fit gives 1.35 / 0.93 / 5.62 / 10.25 GiB (-3 % to +0 %); it has
-three constants for four points, so treat it as good to about 15 %:
+The estimate is empirical: four terms, the first two with constants fitted (least squares, the
+activation factors kept from an earlier fit) to the peak resident memory beyond the model and
+inputs that ``benchmarks/scale.py`` measured for BayesQ's default at 3.0 bits on a 2-core CPU,
+2026-11-27 (128 calibration + 128 selection inputs of 128 tokens or 224 px, batches of 8):
+EfficientNet-Lite0 0.70 GiB, the MiniLM classifier 0.81, ResNet-50 3.11, BERT-base 4.72, GPT-2
+small 6.88. The fit gives 0.75 / 1.05 / 2.81 / 5.33 / 6.60 GiB (-10 % to +30 %):
 
     peak ~ BYTES_PER_WEIGHT * P_q                 (posterior, tables, candidates, encodings)
+         + BYTES_PER_MOMENT * M                   (input moments, damped metrics, their factors)
          + ACTIVATION_FACTOR * A                  (the curvature pass's forward + backward)
          + LOGIT_FACTOR * 8 * R * V               (per-token predictive in float64)
 
-P_q: weights of the layers to quantise; A: bytes of every module's output on the inputs of one
-curvature pass (measured by one forward pass of the first calibration batch, no gradients, and
-scaled to the pass); R x V: those inputs' per-token logits (language models; 0 for one row per
-input). The curvature pass holds at most :func:`MemoryEstimate.pass_inputs` inputs, the most
-whose two last terms fit in ``PASS_BYTES`` (at least one; batches are split,
-:func:`bayesq.posterior.fit_posterior`'s ``max_inputs``). :func:`check` compares it with what the model's
-device has free (``MemAvailable`` and the process's data limit on the CPU,
-``torch.cuda.mem_get_info`` plus PyTorch's reusable cache on a GPU) and raises
-:class:`InsufficientMemoryError` naming the estimate, each term and what lowers it.
+P_q: weights of the layers to quantise; M: elements of their d_in x d_in input moments (per
+convolution group: wide convolutions and MLP projections hold large ones); A: bytes of every
+module's output on the inputs of one curvature pass (measured by one forward pass of the first
+calibration batch, no gradients, and scaled to the pass); R x V: those inputs' per-token logits
+(language models; 0 for one row per input). The curvature pass holds at most
+:attr:`MemoryEstimate.pass_inputs` inputs, the most whose two last terms fit in ``PASS_BYTES``
+(at least one; batches run in parts, :func:`bayesq.posterior.fit_posterior`'s ``max_inputs``).
+:func:`check` compares it with what the model's device has free (``MemAvailable`` and the
+process's data limit on the CPU, ``torch.cuda.mem_get_info`` plus PyTorch's reusable cache on a
+GPU) and raises :class:`InsufficientMemoryError` naming the estimate, each term and what lowers it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from torch import nn
 
 from bayesq.forward import Batch, batch_size, call, output_logits
 
-BYTES_PER_WEIGHT = 49
+BYTES_PER_WEIGHT = 37
+BYTES_PER_MOMENT = 14
 ACTIVATION_FACTOR = 2.0
 LOGIT_FACTOR = 7.5
 PASS_BYTES = 512 * 2**20  # activation + logit terms one curvature pass may hold (benchmarks/scale.py)
@@ -54,6 +57,8 @@ class MemoryEstimate:
             (bytes; logits 0 without a token axis).
         n_weights: weights to quantise.
         batch: inputs in the first calibration batch.
+        moments: the input-moment term (bytes).
+        n_moments: elements of the layers' d_in x d_in input moments.
     """
 
     weights: int
@@ -61,6 +66,8 @@ class MemoryEstimate:
     logits: int
     n_weights: int
     batch: int
+    moments: int = 0
+    n_moments: int = 0
 
     @property
     def pass_inputs(self) -> int:
@@ -71,11 +78,12 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return self.weights + self.pass_inputs * (self.activations + self.logits)
+        return self.weights + self.moments + self.pass_inputs * (self.activations + self.logits)
 
     def describe(self) -> str:
         k = self.pass_inputs
         parts = [f"{self.weights / GIB:.2f} GiB for {self.n_weights:,} weights to quantise",
+                 f"{self.moments / GIB:.2f} GiB for their layers' input moments ({self.n_moments:,} elements)",
                  f"{k * self.activations / GIB:.2f} GiB for the activations of a curvature pass over {k} "
                  f"input{'s' if k > 1 else ''}"]
         if self.logits:
@@ -105,10 +113,12 @@ def estimate(model: nn.Module, layers: dict[str, nn.Module], calibration: list[B
     """:class:`MemoryEstimate` for quantising ``layers`` of ``model`` on ``calibration`` (one
     forward pass of its first batch; the model's state and every random generator untouched)."""
     n_weights = sum(m.weight.numel() for m in layers.values())
+    n_moments = sum(getattr(m, "groups", 1) * (m.weight[0].numel()) ** 2 for m in layers.values())
     acts, logit_elements = _output_bytes(model, calibration[0])
     n = batch_size(calibration[0])
     return MemoryEstimate(BYTES_PER_WEIGHT * n_weights, int(ACTIVATION_FACTOR * acts / n),
-                          int(LOGIT_FACTOR * 8 * logit_elements / n), n_weights, n)
+                          int(LOGIT_FACTOR * 8 * logit_elements / n), n_weights, n,
+                          BYTES_PER_MOMENT * n_moments, n_moments)
 
 
 def _data_limit_room() -> int | None:
@@ -150,5 +160,5 @@ def check(est: MemoryEstimate, device: torch.device) -> None:
     raise InsufficientMemoryError(
         f"BayesQ needs {est.describe()} on {device}, but only {free / GIB:.2f} GiB is free. "
         "Lower it: shorter inputs (fewer tokens or pixels: the activation part), `exclude=` for layers to keep in "
-        "floating point (the weight part), or run on a device with more memory; "
-        "`check_memory=False` runs anyway (the estimate was within 15 % on the models measured).")
+        "floating point (the weight and input-moment parts), or run on a device with more memory; "
+        "`check_memory=False` runs anyway (the estimate was within -10 % to +30 % of the peaks measured).")

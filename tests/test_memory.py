@@ -19,15 +19,23 @@ def _net():
 
 
 def test_estimate_vs_hand_count():
-    """Weights: 49 B each; activations per input: 2x every module's output bytes (the two Linear,
-    the ReLU and the Sequential's own output) on the first batch over its size; no per-token term
-    for (B, C) logits; a pass holds the whole batch when it fits in PASS_BYTES."""
+    """Weights: 37 B each; input moments: 14 B per element of each layer's d_in x d_in; activations
+    per input: 2x every module's output bytes (the two Linear, the ReLU and the Sequential's own
+    output) on the first batch over its size; no per-token term for (B, C) logits; a pass holds
+    the whole batch when it fits in PASS_BYTES."""
     model, x = _net(), torch.randn(7, 12, generator=torch.Generator().manual_seed(1))
     est = memory.estimate(model, quantizable_layers(model), [x, x[:2]])
     outputs = 7 * (32 + 32 + 5 + 5) * 4
-    assert est.n_weights == 12 * 32 + 32 * 5 and est.weights == 49 * est.n_weights
+    assert est.n_weights == 12 * 32 + 32 * 5 and est.weights == 37 * est.n_weights
+    assert est.n_moments == 12**2 + 32**2 and est.moments == 14 * est.n_moments
     assert est.activations == int(2 * outputs / 7) and est.logits == 0 and est.batch == 7
-    assert est.pass_inputs == 7 and est.total == est.weights + 7 * est.activations
+    assert est.pass_inputs == 7 and est.total == est.weights + est.moments + 7 * est.activations
+
+
+def test_estimate_moments_of_grouped_convolutions():
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, groups=2), nn.Conv2d(8, 8, 1)).eval()
+    est = memory.estimate(model, quantizable_layers(model), [torch.randn(2, 4, 6, 6)])
+    assert est.n_moments == 2 * (2 * 9) ** 2 + 8**2  # two groups of 2 x 3 x 3 inputs, then 8 inputs
 
 
 def test_pass_inputs_most_that_fit_at_least_one(monkeypatch):
