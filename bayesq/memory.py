@@ -4,8 +4,8 @@ The estimate is empirical: four terms, the first two with constants fitted (leas
 activation factors kept from an earlier fit) to the peak resident memory beyond the model and
 inputs that ``benchmarks/scale.py`` measured for BayesQ's default at 3.0 bits on a 2-core CPU,
 2026-11-27 (128 calibration + 128 selection inputs of 128 tokens or 224 px, batches of 8):
-EfficientNet-Lite0 0.70 GiB, the MiniLM classifier 0.81, ResNet-50 3.11, BERT-base 4.72, GPT-2
-small 6.88. The fit gives 0.75 / 1.05 / 2.81 / 5.33 / 6.60 GiB (-10 % to +30 %):
+EfficientNet-Lite0 0.57 GiB, the MiniLM classifier 0.82, ResNet-50 3.11, BERT-base 4.72, GPT-2
+small 6.88. The fit gives 0.44 / 1.05 / 2.81 / 5.12 / 6.59 GiB (-22 % to +29 %):
 
     peak ~ BYTES_PER_WEIGHT * P_q                 (posterior, tables, candidates, encodings)
          + BYTES_PER_MOMENT * M                   (input moments, damped metrics, their factors)
@@ -17,8 +17,9 @@ convolution group: wide convolutions and MLP projections hold large ones); A: by
 module's output on the inputs of one curvature pass (measured by one forward pass of the first
 calibration batch, no gradients, and scaled to the pass); R x V: those inputs' per-token logits
 (language models; 0 for one row per input). The curvature pass holds at most
-:attr:`MemoryEstimate.pass_inputs` inputs, the most whose two last terms fit in ``PASS_BYTES``
-(at least one; batches run in parts, :func:`bayesq.posterior.fit_posterior`'s ``max_inputs``).
+:attr:`MemoryEstimate.pass_inputs` inputs: the batch when its two last terms fit in
+``PASS_BYTES``, else the most that fit in ``PART_BYTES`` (at least one; batches run in parts,
+:func:`bayesq.posterior.fit_posterior`'s ``max_inputs``).
 :func:`check` compares it with what the model's device has free (``MemAvailable`` and the
 process's data limit on the CPU, ``torch.cuda.mem_get_info`` plus PyTorch's reusable cache on a
 GPU) and raises :class:`InsufficientMemoryError` naming the estimate, each term and what lowers it.
@@ -39,7 +40,8 @@ BYTES_PER_WEIGHT = 37
 BYTES_PER_MOMENT = 14
 ACTIVATION_FACTOR = 2.0
 LOGIT_FACTOR = 7.5
-PASS_BYTES = 512 * 2**20  # activation + logit terms one curvature pass may hold (benchmarks/scale.py)
+PASS_BYTES = 512 * 2**20  # activation + logit terms of a batch that one curvature pass holds whole ...
+PART_BYTES = 256 * 2**20  # ... else of each part it runs in (benchmarks/scale.py)
 GIB = 2**30
 
 
@@ -71,10 +73,13 @@ class MemoryEstimate:
 
     @property
     def pass_inputs(self) -> int:
-        """Inputs one curvature pass holds: the most (up to a batch) whose activation and logit
-        terms fit in ``PASS_BYTES``, at least one."""
+        """Inputs one curvature pass holds: the whole batch when its activation and logit terms
+        fit in ``PASS_BYTES``, else the most whose terms fit in ``PART_BYTES`` (at least one): a
+        batch that has to run in parts runs in parts small enough to lower the peak."""
         per = self.activations + self.logits
-        return max(1, min(self.batch, PASS_BYTES // per if per else self.batch))
+        if per * self.batch <= PASS_BYTES:
+            return self.batch
+        return max(1, min(self.batch, PART_BYTES // per))
 
     @property
     def total(self) -> int:
@@ -161,4 +166,4 @@ def check(est: MemoryEstimate, device: torch.device) -> None:
         f"BayesQ needs {est.describe()} on {device}, but only {free / GIB:.2f} GiB is free. "
         "Lower it: shorter inputs (fewer tokens or pixels: the activation part), `exclude=` for layers to keep in "
         "floating point (the weight and input-moment parts), or run on a device with more memory; "
-        "`check_memory=False` runs anyway (the estimate was within -10 % to +30 % of the peaks measured).")
+        "`check_memory=False` runs anyway (the estimate was within -22 % to +29 % of the peaks measured).")

@@ -673,7 +673,7 @@ def quantize_model(
         check_memory: before any work, estimate the peak memory (:mod:`bayesq.memory`) and stop
             with an error when the model's device has less free. The estimate also sets how
             many inputs the curvature pass holds at once (batches split so that its activations
-            stay near ``bayesq.memory.PASS_BYTES``; the same sums up to float rounding).
+            stay within ``bayesq.memory.PASS_BYTES`` / ``PART_BYTES``; the same sums up to float rounding).
 
     Returns:
         :class:`QuantizationResult` with the quantised copy of the model, the codes and

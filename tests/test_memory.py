@@ -38,11 +38,16 @@ def test_estimate_moments_of_grouped_convolutions():
     assert est.n_moments == 2 * (2 * 9) ** 2 + 8**2  # two groups of 2 x 3 x 3 inputs, then 8 inputs
 
 
-def test_pass_inputs_most_that_fit_at_least_one(monkeypatch):
+def test_pass_inputs_whole_batch_or_most_that_fit_in_a_part(monkeypatch):
     est = memory.MemoryEstimate(weights=0, activations=300, logits=100, n_weights=1, batch=8)
-    for budget, want in [(10**6, 8), (1600, 4), (1599, 3), (399, 1), (0, 1)]:
+    monkeypatch.setattr(memory, "PART_BYTES", 1600)
+    for budget, want in [(10**6, 8), (3200, 8), (3199, 4), (0, 4)]:
         monkeypatch.setattr(memory, "PASS_BYTES", budget)
         assert est.pass_inputs == want, budget
+    monkeypatch.setattr(memory, "PASS_BYTES", 0)
+    for part, want in [(10**6, 8), (1599, 3), (399, 1), (0, 1)]:
+        monkeypatch.setattr(memory, "PART_BYTES", part)
+        assert est.pass_inputs == want, part
         assert est.total == want * 400
         assert f"pass over {want} input" in est.describe()
 
@@ -96,6 +101,7 @@ def test_quantize_model_splits_the_curvature_pass_as_estimated(monkeypatch):
     whole = quantize_model(model, [x], BayesQConfig(), progress=False)
     per = memory.estimate(model, quantizable_layers(model), [x]).activations
     monkeypatch.setattr(memory, "PASS_BYTES", 2 * per)
+    monkeypatch.setattr(memory, "PART_BYTES", 2 * per)
     seen = []  # inputs of every forward pass with gradients (the curvature pass's)
     hook = model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]) if torch.is_grad_enabled()
                                            else None)
