@@ -341,7 +341,8 @@ def encode(
                 metric = f.A
             mat = w.reshape(w.shape[0], -1)  # (out, d_in)
             codes_w = torch.empty(mat.shape, dtype=torch.int64, device=w.device)
-            for rows in row_chunks(*mat.shape, metric):
+            chunks = row_chunks(*mat.shape, metric)  # a large layer (a vocabulary projection) shows its own bar
+            for rows in tqdm(chunks, desc=lb.name, disable=not progress or len(chunks) == 1, leave=False):
                 scale, zero, maxq = element_grid(lb, group_bits, books, mat.shape[0], rows)
                 part = error_feedback_groups(mat[rows], metric, scale, zero, maxq, act_order=act_order)
                 if cd_passes:

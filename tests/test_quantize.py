@@ -457,7 +457,7 @@ def test_encode_best_keeps_anchor_unless_resolved_vs_building_each_candidate(hel
 
 
 @pytest.mark.parametrize("layout", ["group", "channel"])
-def test_encode_row_chunks_vs_whole_layer(monkeypatch, layout):
+def test_encode_row_chunks_vs_whole_layer(monkeypatch, capsys, layout):
     """Error feedback, coordinate descent and the refit row chunk by row chunk (a layer larger than
     ENCODE_ROW_ELEMENTS): the same codes and scales as the whole layer at once."""
     import bayesq.quantize as qz
@@ -478,7 +478,8 @@ def test_encode_row_chunks_vs_whole_layer(monkeypatch, layout):
     whole = encode(table, alloc, weights, **opts)
     monkeypatch.setattr(qz, "ENCODE_ROW_ELEMENTS", 3 * 40)
     assert len(qz.row_chunks(37, 40, metric["0"])) == 13
-    chunked = encode(table, alloc, weights, **opts)
+    chunked = encode(table, alloc, weights, **opts, progress=True)
+    assert "0/13" in capsys.readouterr().err  # the chunked layer shows its own bar over its 13 chunks
     for name, qw in whole.items():
         assert torch.equal(chunked[name].codes, qw.codes), name
         assert torch.equal(chunked[name].dequantize(), qw.dequantize()), name
