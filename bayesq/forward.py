@@ -308,27 +308,23 @@ def batch_size(batch: Batch) -> int:
     return int(batch.shape[0])
 
 
-def by_length(batches: Iterable[Batch], size: int | None = None) -> list[Batch]:
+def by_length(batches: Iterable[Batch]) -> list[Batch]:
     """The same examples regrouped by length, each batch cut to its longest member.
 
     For sums over examples (curvature, layer-input statistics): tokenised batches padded to
     their longest member (a mapping with a (B, L) ``attention_mask`` of right padding) are
     concatenated, sorted by the number of real tokens (stable) and split again into batches
-    of the first batch's size (``size``: at most ``size`` inputs), every (B, L) tensor cut to the
-    new batch's longest example. Each example's outputs are unchanged (padding is masked); a
-    random draw of sentences in batches of 32 is about half padding, so the passes run on about
-    half the tokens. Tensor batches (images) and batches without right padding come back as they
-    are, or with ``size`` each split into the fewest near-equal parts of at most ``size`` inputs
-    (:func:`split_batches`).
+    of the first batch's size, every (B, L) tensor cut to the new batch's longest example.
+    Each example's outputs are unchanged (padding is masked); a random draw of sentences in
+    batches of 32 is about half padding, so the passes run on about half the tokens. Tensor
+    batches (images) and batches without right padding come back as they are.
     """
     batches = list(batches)
-    if size is not None and size < 1:
-        raise ValueError(f"size={size}: batches need at least one input")
     if not batches or not all(isinstance(b, Mapping) and "attention_mask" in b for b in batches):
-        return split_batches(batches, size)
+        return batches
     masks = [b["attention_mask"] for b in batches]
     if any(m.dim() != 2 or bool((m[:, 1:] > m[:, :-1]).any()) for m in masks):
-        return split_batches(batches, size)  # not right padding (or not (B, L)): cutting would drop real tokens
+        return batches  # not right padding (or not (B, L)): cutting would drop real tokens
     width = max(m.shape[1] for m in masks)
     keys = [k for k, v in batches[0].items() if torch.is_tensor(v) and v.dim() == 2 and v.shape == masks[0].shape]
 
@@ -338,7 +334,7 @@ def by_length(batches: Iterable[Batch], size: int | None = None) -> list[Batch]:
 
     every = {k: torch.cat([padded(b, k) for b in batches]) for k in batches[0]}
     order = every["attention_mask"].sum(1).argsort(stable=True)
-    size = min(size or batch_size(batches[0]), batch_size(batches[0]))
+    size = batch_size(batches[0])
     out = []
     for i in range(0, len(order), size):
         idx = order[i:i + size]

@@ -190,14 +190,6 @@ def group_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, Bo
     return scale, zero, maxq
 
 
-def element_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, Book], out: int,
-                 rows: slice | None = None):
-    """Per-element (out, d_in) scale, zero and maxq of the groups' uniform grids; ``rows``: only
-    those output rows ((r, d_in), the same values)."""
-    idx = lb.element_groups(rows if rows is not None else slice(0, out), group_bits.device)
-    return tuple(x[idx] for x in group_grid(lb, group_bits, books))
-
-
 ENCODE_ROW_ELEMENTS = 1 << 21  # weights per error-feedback call on a layer with one column metric
 
 
@@ -341,14 +333,16 @@ def encode(
                 metric = f.A
             mat = w.reshape(w.shape[0], -1)  # (out, d_in)
             codes_w = torch.empty(mat.shape, dtype=torch.int64, device=w.device)
+            grid = group_grid(lb, group_bits, books)
             chunks = row_chunks(*mat.shape, metric)  # a large layer (a vocabulary projection) shows its own bar
             for rows in tqdm(chunks, desc=lb.name, disable=not progress or len(chunks) == 1, leave=False):
-                scale, zero, maxq = element_grid(lb, group_bits, books, mat.shape[0], rows)
+                idx = lb.element_groups(rows, w.device)  # (r, d_in): the per-element grid of these rows
+                scale, zero, maxq = (x[idx] for x in grid)
                 part = error_feedback_groups(mat[rows], metric, scale, zero, maxq, act_order=act_order)
                 if cd_passes:
                     part = coordinate_descent(mat[rows], metric, scale, zero, maxq, part, passes=cd_passes)
                 codes_w[rows] = part
-            del scale, zero, maxq, part
+            del idx, scale, zero, maxq, part
             codes, _ = lb.to_groups(codes_w.reshape(-1))
             if refit:
                 books = _refit_books(lb, mat, codes_w, group_bits, books, metric, scale_bits)

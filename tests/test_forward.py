@@ -91,27 +91,12 @@ def test_empirical_fisher_by_length_vs_original_batches():
         assert torch.allclose(got[k], want[k], rtol=1e-9, atol=1e-15), k
 
 
-def test_by_length_size_regroups_sentences_into_smaller_batches():
-    model = _bert()
-    batches = _padded_batches([[3, 9, 2, 9], [5, 1, 7, 4], [8, 2]])
-    regrouped = by_length(batches, 3)
-    assert [batch_size(b) for b in regrouped] == [3, 3, 3, 1]
-    lengths = torch.cat([b["attention_mask"].sum(1) for b in regrouped])
-    assert torch.equal(lengths, lengths.sort().values)
-    want, got = _by_example(model, batches), _by_example(model, regrouped)
-    assert want.keys() == got.keys() and all(torch.allclose(got[k], want[k], rtol=0, atol=1e-12) for k in want)
-    assert [batch_size(b) for b in by_length(batches, 99)] == [4, 4, 2]  # never larger than the batches given
-    with pytest.raises(ValueError, match="size=0"):
-        by_length(batches, 0)
-
-
 def test_split_batches_fewest_near_equal_parts_same_inputs():
     images = [torch.randn(7, 3, 2, 2), torch.randn(2, 3, 2, 2)]
     parts = split_batches(images, 3)
     assert [batch_size(b) for b in parts] == [3, 2, 2, 2]  # 7 -> three parts, 2 stays whole
     assert torch.equal(torch.cat(parts), torch.cat(images))
     assert split_batches(images, None)[0] is images[0]
-    assert [batch_size(b) for b in by_length(images, 4)] == [4, 3, 2]  # tensor batches: split
     d = split_batches([{"input_ids": torch.arange(10).reshape(5, 2), "mask": torch.ones(5, 2)}], 2)
     assert [b["input_ids"][:, 0].tolist() for b in d] == [[0, 2], [4, 6], [8]]
 

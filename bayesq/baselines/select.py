@@ -298,18 +298,17 @@ def select_best(
         for label in [name] + ([f"{name}+bc"] if correction else []):
             if label != name:  # corrected in place, unless the plain form is the one kept so far
                 res = corrected(res, model, correction, in_place=best is None or best[1] is not res)
-            r = res
-            bits[label] = r.average_bits
-            losses = kl_per_input(reference[:first], r.model, batches[:first])
+            bits[label] = res.average_bits
+            losses = kl_per_input(reference[:first], res.model, batches[:first])
             if first < len(batches) and best_losses is not None and _resolved_worse(losses, best_losses[:len(losses)]):
                 kl[label], inputs[label] = float(losses.mean()), len(losses)
                 continue
             if first < len(batches):
-                losses = torch.cat([losses, kl_per_input(reference[first:], r.model, batches[first:])])
+                losses = torch.cat([losses, kl_per_input(reference[first:], res.model, batches[first:])])
             kl[label], inputs[label] = float(losses.mean()), len(losses)
             score = math.inf if math.isnan(kl[label]) else kl[label]
             if best is None or score < best_kl:
-                best, best_kl, best_losses = (label, r), score, losses
+                best, best_kl, best_losses = (label, res), score, losses
     return BaselineChoice(replace(best[1], weights=full_codes(best[1].weights)), best[0], kl, bits, inputs)
 
 
