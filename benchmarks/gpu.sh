@@ -18,7 +18,8 @@
 #    -> OUT/errors.txt
 # PYTHON (default python3) runs it; SIZES (default resnet50,bert-base,gpt2,gpt2-medium; empty: none) the
 # model sizes of step 5; SWEEP=1 adds step 4: both GEMV kernels over tile shapes at batch 1
-# (kernels.py --sweep -> OUT/sweep.json, OUT/sweep.md); COST=0 skips step 3.
+# (kernels.py --sweep -> OUT/sweep.json, OUT/sweep.md); COST=0 skips step 3. PYTEST_S, KERNELS_S,
+# SWEEP_S: the time limits of steps 1, 2 and 4 in seconds (150, 230, 140; KERNELS_S=0 skips step 2).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-reports/gpu}
@@ -34,16 +35,22 @@ echo "== $(date -u +%FT%TZ) device" | tee "$OUT/gpu.log"
 } 2>&1 | tee -a "$OUT/gpu.log"
 
 echo "== 1. kernel and export tests on CUDA" | tee -a "$OUT/gpu.log"
-timeout 300 $PY -m pytest -p no:cacheprovider -rfs tests/test_kernels.py tests/test_packing.py tests/test_export.py \
+# -o addopts= drops the project's -q, so -v names each test as it finishes (a run cut short
+# still says which failed); pytest-timeout, where installed, stops a test stuck for 90 s
+PER_TEST=$($PY -c "import pytest_timeout" 2>/dev/null && echo --timeout=90)
+timeout --kill-after=10 ${PYTEST_S:-150} $PY -m pytest -p no:cacheprovider -o addopts= -m "not ui" -n auto -v -rfE \
+    --tb=short --durations=15 $PER_TEST tests/test_kernels.py tests/test_packing.py tests/test_export.py \
     > "$OUT/pytest.txt" 2>&1
-echo "pytest exit $?: $(grep -E "[0-9]+ (passed|failed)" "$OUT/pytest.txt" | tail -1)" | tee -a "$OUT/gpu.log"
+echo "pytest exit $?: $(grep -E "[0-9]+ (passed|failed)" "$OUT/pytest.txt" | tail -1); $(grep -c " PASSED " "$OUT/pytest.txt") passed and $(grep -c " FAILED " "$OUT/pytest.txt") failed so far" | tee -a "$OUT/gpu.log"
 
-echo "== 2. kernel speed" | tee -a "$OUT/gpu.log"
-E2E=(--random-weights)
-[ -d results/exports ] && [ -d models ] && E2E=()
-timeout 200 $PY benchmarks/kernels.py --models lite0-fmnist minilm-sentiment "${E2E[@]}" \
-    --out "$OUT/kernels.json" --report reports/kernels.md 2>&1 | grep -v "it/s\]" | tee -a "$OUT/gpu.log"
-cp reports/kernels.md "$OUT/" 2>/dev/null
+if [ "${KERNELS_S:-230}" != 0 ]; then
+    echo "== 2. kernel speed" | tee -a "$OUT/gpu.log"
+    E2E=(--random-weights)
+    [ -d results/exports ] && [ -d models ] && E2E=()
+    timeout ${KERNELS_S:-230} $PY benchmarks/kernels.py --models lite0-fmnist minilm-sentiment "${E2E[@]}" \
+        --out "$OUT/kernels.json" --report reports/kernels.md 2>&1 | grep -v "it/s\]" | tee -a "$OUT/gpu.log"
+    cp reports/kernels.md "$OUT/" 2>/dev/null
+fi
 
 rm -rf "$OUT/errors" "$OUT/errors.txt"
 scale() {  # timeout, scale.py arguments; failed children's stderr gathered in OUT/errors.txt
@@ -60,7 +67,7 @@ if [ "${COST:-1}" = 1 ]; then
 fi
 if [ -n "${SWEEP:-}" ]; then
     echo "== 4. GEMV tile sweep" | tee -a "$OUT/gpu.log"
-    timeout 300 $PY benchmarks/kernels.py --sweep --out "$OUT/sweep.json" --report "$OUT/sweep.md" 2>&1 | tee -a "$OUT/gpu.log"
+    timeout ${SWEEP_S:-140} $PY benchmarks/kernels.py --sweep --out "$OUT/sweep.json" --report "$OUT/sweep.md" 2>&1 | tee -a "$OUT/gpu.log"
 fi
 if [ -n "$SIZES" ]; then
     echo "== 5. one-time cost on CUDA: $SIZES" | tee -a "$OUT/gpu.log"

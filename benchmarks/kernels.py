@@ -300,49 +300,39 @@ def end_to_end(a) -> list[dict]:
 
 
 def sweep_rows(peak: float, seed: int) -> list[dict]:
-    """``--sweep``: the library's two GEMV kernels and the candidates of
-    ``benchmarks/kernel_variants.py`` (decode by per-element word gather, split-K, and the loads
-    alone as a ceiling; 4 bits) at batch 1 over tile shapes, warps and K splits, on the large
-    shapes at 3 and 4 bits; each checked against the float32 reference in the same run."""
-    from bayesq.kernels import launcher
-    from bayesq.kernels import triton_dequant as tk
-
-    def launcher_for(kernel, pw, x, out, bn, bk, warps, split=1):
-        """(launch, the tensor it writes): the variants of kernel_variants.py write float32 of their own."""
-        if kernel in ("gather", "loads-only"):
-            return kernel_variants.gather_gemv(x, pw, bn, bk, split, warps, loads_only=kernel == "loads-only")
-        common = dict(HAS_BIAS=False, HAS_COL=False, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
-        grid = (launcher._cdiv(pw.n, bn),)
-        if kernel == "aligned":
-            return (lambda: tk.gemv_aligned_kernel.fn[grid](x, out, pw.words, pw.words, pw.words, pw.scale, pw.zero,
-                                                            1, pw.n, pw.k, x.stride(0), out.stride(0),
-                                                            B=pw.uniform_bits, GS=pw.group_size, **common)), out
-        return (lambda: tk.gemv_kernel[grid](x, out, pw.words, pw.words, *launcher._args(pw), 1, pw.n, pw.k,
-                                             pw.group_size, pw.groups_per_row, x.stride(0), out.stride(0),
-                                             ROW_ALIGNED=bool(pw.groups_per_row), LUT=False,
-                                             UNIFORM_B=pw.uniform_bits, **common)), out
+    """``--sweep``: batch-1 GEMVs side by side on the large and the BERT-sized shapes at 3 and 4
+    bits, each checked against the float32 reference: the library's choice (``dequant_linear``),
+    the unit GEMV (``gemv_words_kernel``) at the tiles that led the first H200 sweep, and the unit
+    GEMV on a transposed copy of the codes (``kernel_variants.gemv_cols_kernel``) over tiles
+    (units per step, rows per program) and K splits."""
+    from bayesq.kernels import dequant_linear, launcher
 
     import kernel_variants  # noqa: E402 - benchmarks/ is on sys.path when this script runs
 
     rows = []
-    for n, k in ((4096, 4096), (8192, 8192), (16384, 16384)):
+    words = [(8, 512, 4, 1), (8, 512, 4, 4), (8, 128, 4, 4), (16, 128, 4, 8), (16, 256, 8, 4)]
+    for n, k in ((4096, 4096), (16384, 16384), (768, 3072), (3072, 768)):
         for bits in (3, 4):
             pw = random_packed(n, k, bits, seed).to("cuda")
+            parts = kernel_variants.transposed(pw)
             x = torch.randn(1, k, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.float16)
-            out = torch.empty(1, n, dtype=torch.float16, device="cuda")
             ref = x.float() @ launcher.dequantize(pw, torch.float32, "torch").T
-            configs = [("general", bn, bk, 4, 1) for bn in (16, 32, 64) for bk in (64, 128, 256)]
-            configs += [("aligned", bn, bk, w, 1) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (4, 8)]
-            if 32 % bits == 0:
-                configs += [("gather", bn, bk, 4, sp) for bn in (16, 32, 64) for bk in (128, 256) for sp in (1, 4, 8)]
-                configs += [("loads-only", 32, 256, 4, sp) for sp in (1, 4, 8)]
+            configs = [("library", 0, 0, 0, 0)]
+            configs += [("words", *t) for t in words if launcher._cdiv(k, t[1]) >= t[3]]
+            units = (2, 4, 8) if bits == 3 else (8, 16, 32)
+            configs += [("cols", bn, bu, 4, sp) for bu in units for bn in (64, 128, 256) for sp in (1, 4)]
             for kernel, bn, bk, warps, split in configs:
-                run, written = launcher_for(kernel, pw, x, out, bn, bk, warps, split)
                 rec = dict(n=n, k=k, bits=bits, kernel=kernel, bn=bn, bk=bk, warps=warps, split=split)
                 try:
-                    written.fill_(float("nan"))
-                    run()
-                    rec["err"] = float((written.float().reshape(-1) - ref[0]).abs().max() / ref.abs().max())
+                    if kernel == "cols":
+                        run = kernel_variants.cols_gemv(x, pw, parts, bk, bn, split, warps)
+                    elif kernel == "words":
+                        def run(t=(bn, bk, warps, split)):
+                            return launcher._words_gemv(x, pw, None, t)
+                    else:
+                        def run():
+                            return dequant_linear(x, pw, None, "triton")
+                    rec["err"] = float((run().float().reshape(-1) - ref[0]).abs().max() / ref.abs().max())
                     rec["us"] = bench_ms(run) * 1e3
                 except Exception as e:  # noqa: BLE001 - a tile the compiler refuses: say so, go on
                     rows.append({**rec, "error": str(e)[:160]})
@@ -350,14 +340,15 @@ def sweep_rows(peak: float, seed: int) -> list[dict]:
                 rec["gbs"] = moved_bytes(pw, 1) / (rec["us"] * 1e-6) / 1e9
                 rec["pct_peak"] = 100 * rec["gbs"] / peak
                 rows.append(rec)
-            for kernel in ("general", "aligned", "gather", "loads-only"):
-                done = [r for r in rows if r["n"] == n and r["bits"] == bits and r["kernel"] == kernel and "us" in r]
+            for kernel in ("library", "words", "cols"):
+                done = [r for r in rows if r["n"] == n and r["k"] == k and r["bits"] == bits
+                        and r["kernel"] == kernel and "us" in r]
                 if done:
                     b = max(done, key=lambda r: r["gbs"])
-                    print(f"sweep {n}x{k} {bits}-bit {kernel}: best BLOCK_N={b['bn']} BLOCK_K={b['bk']} "
+                    print(f"sweep {n}x{k} {bits}-bit {kernel}: best BLOCK_N={b['bn']} BLOCK_K/U={b['bk']} "
                           f"warps={b['warps']} split-K={b['split']} {b['us']:.1f} us, {b['pct_peak']:.0f} % of peak "
                           f"(rel err {b['err']:.1e})", flush=True)
-            del pw
+            del pw, parts
     return rows
 
 
@@ -366,6 +357,8 @@ def gpu(a) -> dict:
     measured, nominal, name = peak_bandwidth()
     print(f"device {name}: measured copy bandwidth {measured:.0f} GB/s; datasheet "
           + (f"{nominal:.0f} GB/s ({100 * measured / nominal:.0f} % of it)" if nominal else "unknown"))
+    if a.sweep:  # the sweep alone
+        return dict(device=name, peak_gbs=measured, datasheet_gbs=nominal, sweep=sweep_rows(measured, a.seed))
     rows = kernel_rows(QUICK_SHAPES if a.quick else SHAPES, QUICK_BITS if a.quick else BITS, measured, a.seed)
     show("dequantising matmul (Triton) vs FP16 F.linear; % of the measured copy bandwidth",
          ["N x K", "bits", "M", "us", "fp16 us", "GB/s", "% peak", "fp16 GB/s", "speedup", "limit", "limit mem",
@@ -376,8 +369,6 @@ def gpu(a) -> dict:
         if pct:
             print(f"goal {bits}-bit batch 1: {min(pct):.0f}-{max(pct):.0f} % of peak "
                   f"({'met' if min(pct) >= 80 else 'NOT met'}: >= 80 %)")
-    if a.sweep:  # the sweep alone
-        return dict(device=name, peak_gbs=measured, datasheet_gbs=nominal, sweep=sweep_rows(measured, a.seed))
     sweep = []
     e2e = end_to_end(a)
     if any("error" not in r for r in e2e):
@@ -406,12 +397,13 @@ def sweep_markdown(result: dict, command: str) -> str:
     done = [r for r in result["sweep"] if "us" in r]
     lines = [f"# GEMV kernel sweep on {result['device']}", "", f"`{command}`; copy bandwidth "
              f"{result['peak_gbs']:.0f} GB/s. Batch 1, fp16 x, float32 accumulation; each kernel's best tile.", "",
-             "| N x K | bits | kernel | BLOCK_N | BLOCK_K | warps | split-K | us | % peak | rel err |",
+             "| N x K | bits | kernel | BLOCK_N | BLOCK_K (cols: units) | warps | split-K | us | % peak | rel err |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for n, k, bits, kernel in sorted({(r["n"], r["k"], r["bits"], r["kernel"]) for r in done}):
         b = max((r for r in done if (r["n"], r["k"], r["bits"], r["kernel"]) == (n, k, bits, kernel)),
                 key=lambda r: r["gbs"])
-        lines.append(f"| {n}x{k} | {bits} | {kernel} | {b['bn']} | {b['bk']} | {b['warps']} | {b['split']} | "
+        tile = "| - | - | - | - |" if kernel == "library" else f"| {b['bn']} | {b['bk']} | {b['warps']} | {b['split']} |"
+        lines.append(f"| {n}x{k} | {bits} | {kernel} {tile} "
                      f"{b['us']:.1f} | {b['pct_peak']:.1f} | {b['err']:.1e} |")
     failed = [r for r in result["sweep"] if "error" in r]
     if failed:

@@ -149,6 +149,29 @@ def test_triton_aligned_gemv_column_scale_and_bias_vs_reference(bits):
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_triton_words_gemv_vs_reference(bits):
+    """The batch-1 unit GEMV at every tile shape the launcher may pick (K split 1-3 ways with atomic
+    sums, a partial last tile, groups of 32 and 64) with AWQ's column scale and a bias."""
+    from dataclasses import replace
+
+    from bayesq.kernels.launcher import _words_gemv, unit_aligned
+
+    for (n, k, gs), tile in (((20, 320, 64), (16, 128, 4, 1)), ((37, 1024, 32), (8, 256, 4, 3)),
+                             ((5, 96, 32), (16, 128, 4, 1)), ((20, 320, 64), (16, 128, 4, 2))):
+        qw = random_quantized((n, k), gs, 1, (bits,), seed=bits)
+        s = torch.rand(1, k, generator=torch.Generator().manual_seed(9), dtype=torch.float64).add(0.5).half().double()
+        g = torch.Generator().manual_seed(n)
+        x, bias = torch.randn(1, k, generator=g), torch.randn(n, generator=g)
+        for pw in (pack_weight(qw), pack_weight(replace(qw, col_scale=s))):
+            assert unit_aligned(pw)
+            ref = x.double() @ reference.dequantize(pw).double().T + bias.double()
+            y = _words_gemv(x.to(DEVICE), pw.to(DEVICE), bias.to(DEVICE), tile).cpu().double()
+            assert (y - ref).abs().max() <= 1e-6 * ref.abs().max(), tile  # float32 sums
+            y = dequant_linear(x.to(DEVICE), pw.to(DEVICE), None, "triton").cpu().double()  # the launcher's tile
+            assert (y - (ref - bias.double())).abs().max() <= 1e-6 * ref.abs().max()
+
+
 def test_launcher_auto_on_cpu_is_reference():
     pw = pack_weight(random_quantized((8, 32), 16, 1, (4,)))
     x = torch.randn(3, 32)

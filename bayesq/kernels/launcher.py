@@ -20,6 +20,10 @@ from bayesq.kernels.packed import PackedWeight
 
 GEMV_MAX_ROWS = 8  # batch rows up to which the GEMV kernel (no tl.dot) is used
 ALIGNED_MIN_K = 128  # fewest input columns per step of the word-aligned GEMV (its tiles: triton_dequant)
+# batch-1 unit GEMV (triton_dequant.gemv_words_kernel): BLOCK_N, BLOCK_K, warps, K slices. The
+# fastest tile at 3 and 4 bits on 4096^2, 16384^2 and 3072x768 in a sweep on an H200
+# (reports/kernels.md); splitting K (atomic sums, two extra launches) was slower there.
+WORDS_TILE = (8, 512, 4, 1)
 
 
 def triton_available() -> bool:
@@ -82,6 +86,27 @@ def aligned(pw: PackedWeight) -> bool:
             and gs & (gs - 1) == 0 and ALIGNED_MIN_K % gs == 0)
 
 
+def unit_aligned(pw: PackedWeight) -> bool:
+    """The batch-1 unit GEMV applies: :func:`aligned`, and groups of a multiple of 32 (a unit of
+    32 codes never straddles two groups)."""
+    return aligned(pw) and pw.group_size % 32 == 0
+
+
+def _words_gemv(x2: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, tile=None) -> torch.Tensor:
+    """(1, N) ``x2 W^T (+ bias)`` by ``gemv_words_kernel``; ``tile`` (BLOCK_N, BLOCK_K, warps,
+    K slices) overrides :data:`WORDS_TILE` (benchmarks/kernels.py's sweep)."""
+    from bayesq.kernels import triton_dequant as tk
+
+    bn, bk, warps, split = tile or WORDS_TILE
+    out = torch.zeros(1, pw.n, dtype=torch.float32, device=x2.device) if split > 1 else \
+        torch.empty(1, pw.n, dtype=x2.dtype, device=x2.device)
+    tk.gemv_words_kernel[(_cdiv(pw.n, bn), split)](
+        x2, out, bias if bias is not None else pw.words, pw.col_scale if pw.col_scale is not None else pw.words,
+        pw.words, pw.scale, pw.zero, pw.n, pw.k, B=pw.uniform_bits, GS=pw.group_size, HAS_BIAS=bias is not None,
+        HAS_COL=pw.col_scale is not None, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps)
+    return out.to(x2.dtype)
+
+
 def _block_n(n: int) -> int:
     """Output rows per GEMV program: the widest of 64 / 32 / 16 that still gives >= 256 programs
     (two waves on a 132-SM H100), so small layers are not served by a few SMs."""
@@ -95,8 +120,8 @@ def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None 
                    backend: str = "auto", weight: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x W^T + bias``: x (..., K) float16/bfloat16/float32 -> (..., N) in x's dtype.
 
-    Triton: GEMV kernel for at most ``GEMV_MAX_ROWS`` rows (the word-aligned one where
-    :func:`aligned`); more rows dequantise the weight once into x's dtype (a transient (N, K)
+    Triton: one row by the unit GEMV where :func:`unit_aligned`; up to ``GEMV_MAX_ROWS`` rows by a
+    GEMV kernel (the word-aligned one where :func:`aligned`); more rows dequantise the weight once into x's dtype (a transient (N, K)
     tensor) and run ``F.linear`` (cuBLAS: tensor cores, TF32 as PyTorch allows). The tiled Triton
     GEMM with the decode inside ``tl.dot`` tiles measured 20-100x slower than cuBLAS on an H200
     (reports/kernels.md). ``weight``: a cached dequantised weight for the reference path.
@@ -113,6 +138,8 @@ def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None 
     out = torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], pw.n)
+    if m == 1 and unit_aligned(pw):
+        return _words_gemv(x2, pw, bias).reshape(*x.shape[:-1], pw.n)
     col = pw.col_scale if pw.col_scale is not None else pw.words
     b = bias if bias is not None else pw.words
     common = dict(ROW_ALIGNED=bool(pw.groups_per_row), LUT=pw.mode == "lut", UNIFORM_B=pw.uniform_bits,

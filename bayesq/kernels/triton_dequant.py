@@ -179,3 +179,90 @@ def gemv_aligned_kernel(x_ptr, out_ptr, bias_ptr, col_ptr, words_ptr, scale_ptr,
         acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
     omask = (rm[:, None] < M) & rmask[None, :]
     tl.store(out_ptr + rm[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _field(w0, w1, w2, J: tl.constexpr, B: tl.constexpr):
+    """Code ``J`` (0 <= J < 32) of a unit of 32 ``B``-bit codes held in ``B`` words, as uint32; the
+    unit's words are ``w0`` (B in {2, 4, 8}: one word of 32 // B codes, w1 and w2 unused) or ``w0,
+    w1, w2`` (B == 3: codes 10 and 21 straddle two words). Shifts and masks are compile-time."""
+    BIT: tl.constexpr = J * B
+    OFF: tl.constexpr = BIT % 32
+    MASK: tl.constexpr = (1 << B) - 1
+    if B != 3:
+        c = (w0 >> OFF) & MASK
+    elif BIT < 32:
+        if OFF + B <= 32:
+            c = (w0 >> OFF) & MASK
+        else:
+            c = ((w0 >> OFF) | (w1 << (32 - OFF))) & MASK
+    elif BIT < 64:
+        if OFF + B <= 32:
+            c = (w1 >> OFF) & MASK
+        else:
+            c = ((w1 >> OFF) | (w2 << (32 - OFF))) & MASK
+    else:
+        c = (w2 >> OFF) & MASK
+    return c
+
+
+@triton.jit
+def gemv_words_kernel(x_ptr, out_ptr, bias_ptr, col_ptr, words_ptr, scale_ptr, zero_ptr, N, K,
+                      B: tl.constexpr, GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COL: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K):
+    """Batch-1 GEMV for one bit-width ``B`` in {2, 3, 4, 8}, affine codes, full groups of ``GS``
+    (``GS % 32 == 0``), ``K % 32 == 0``: every row starts on a word, and its codes come in units
+    (one word of 32 // B codes; for B == 3, three words of 32 codes). Tiles stay two-dimensional,
+    (rows, units): code ``j`` of every unit is one shift and mask of the unit's words (``j``
+    unrolled, shifts known at compile time), ``c - z`` is exact in float32 as
+    ``float(2**23 + c) - (2**23 + z)`` and meets the input column ``unit * codes + j``:
+
+        y[n] = sum_units s[n, g(u)] * sum_j x[col(u, j)] * (c[n, col(u, j)] - z[n, g(u)])
+
+    grid (cdiv(N, BLOCK_N), SPLIT_K): program (i, s) sums K slice s of rows i; with ``SPLIT_K > 1``
+    the slices add atomically into a zeroed float32 ``out`` (the bias from slice 0), else ``out``
+    is written in its own dtype (``SPLIT_K`` is a runtime argument: one compilation serves every
+    split > 1). float32 accumulation; x (1, K) contiguous."""
+    CPU: tl.constexpr = 32 if B == 3 else 32 // B  # codes per unit
+    WPU: tl.constexpr = 3 if B == 3 else 1  # words per unit
+    U: tl.constexpr = BLOCK_K // CPU  # units per tile
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    row_word = rows.to(tl.int64) * (K // 32 * B)  # (BLOCK_N,) first word of each row
+    row_group = rows.to(tl.int64) * (K // GS)
+    span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = tl.program_id(1) * span
+    ui = tl.arange(0, U)
+    acc = tl.zeros((BLOCK_N, U), dtype=tl.float32)
+    for k0 in range(k_lo, tl.minimum(k_lo + span, K), BLOCK_K):
+        ucol = k0 + ui * CPU  # (U,) first input column of each unit
+        umask = ucol < K
+        mask = rmask[:, None] & umask[None, :]
+        wp = words_ptr + row_word[:, None] + (ucol // CPU * WPU)[None, :]
+        w0 = tl.load(wp, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        w1 = w0
+        w2 = w0
+        if B == 3:
+            w1 = tl.load(wp + 1, mask=mask, other=0).to(tl.uint32, bitcast=True)
+            w2 = tl.load(wp + 2, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        g = row_group[:, None] + (ucol // GS)[None, :]
+        s = tl.load(scale_ptr + g, mask=mask, other=0.0).to(tl.float32)
+        zz = tl.load(zero_ptr + g, mask=mask, other=0).to(tl.float32) + 8388608.0  # 2**23 + z
+        part = tl.zeros((BLOCK_N, U), dtype=tl.float32)
+        for j in tl.static_range(CPU):
+            xj = tl.load(x_ptr + ucol + j, mask=umask, other=0.0).to(tl.float32)
+            if HAS_COL:
+                xj = xj / tl.load(col_ptr + ucol + j, mask=umask, other=1.0)
+            magic = (_field(w0, w1, w2, j, B) | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + c
+            part += (magic - zz) * xj[None, :]
+        acc += part * s
+    y = tl.sum(acc, axis=1)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+    else:
+        if HAS_BIAS:
+            first = (tl.program_id(1) == 0).to(tl.float32)
+            y += first * tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.atomic_add(out_ptr + rows, y, mask=rmask)
