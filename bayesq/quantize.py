@@ -301,6 +301,7 @@ def encode(
     posterior: Posterior | None = None, rounding: Rounding = Rounding.NEAREST,
     column_metric: Mapping[str, torch.Tensor] | None = None, act_order: bool = False,
     refit: bool = False, scale_bits: int = 16, cd_passes: int = 0, progress: bool = False, compact: bool = False,
+    solver=None,
 ) -> dict[str, QuantizedWeight]:
     """Quantise each layer with the codebooks of its units' chosen bit-widths.
 
@@ -315,6 +316,9 @@ def encode(
     stored at ``scale_bits``). Otherwise codes are the nearest levels. ``progress``: a bar over layers.
     ``compact``: codes below 256 held as uint8, layer by layer (:func:`bayesq.result.compact_codes`:
     encodings that wait for a selection never hold every layer's int64 codes at once).
+    ``solver``: another rounding of the rows on the same grids and metric in place of error
+    feedback and coordinate descent (``solver(rows, metric, scale, zero, maxq, name=layer)`` ->
+    int64 codes; AdaRound, :mod:`bayesq.baselines.adaround`).
     """
     out = {}
     for t in tqdm(table.layers, desc=f"encode ({Rounding(rounding).value})", disable=not progress, leave=False):
@@ -338,9 +342,12 @@ def encode(
             for rows in tqdm(chunks, desc=lb.name, disable=not progress or len(chunks) == 1, leave=False):
                 idx = lb.element_groups(rows, w.device)  # (r, d_in): the per-element grid of these rows
                 scale, zero, maxq = (x[idx] for x in grid)
-                part = error_feedback_groups(mat[rows], metric, scale, zero, maxq, act_order=act_order)
-                if cd_passes:
-                    part = coordinate_descent(mat[rows], metric, scale, zero, maxq, part, passes=cd_passes)
+                if solver is not None:
+                    part = solver(mat[rows], metric, scale, zero, maxq, name=lb.name)
+                else:
+                    part = error_feedback_groups(mat[rows], metric, scale, zero, maxq, act_order=act_order)
+                    if cd_passes:
+                        part = coordinate_descent(mat[rows], metric, scale, zero, maxq, part, passes=cd_passes)
                 codes_w[rows] = part
             del idx, scale, zero, maxq, part
             codes, _ = lb.to_groups(codes_w.reshape(-1))

@@ -246,6 +246,7 @@ def stats_task(name: str, model_file: str, model_digest: str, raw: str, raw_dige
     ``<out>/<model>_s<seed>.safetensors``: one pass read by every row that needs them (GPTQ and
     AWQ; BayesQ's error-feedback metric and bias correction), instead of one pass per row.
     Returns ``{"path", "sha256", "seconds"}``."""
+    import torch
 
     entry = get_entry(name)
     model = load_model(entry, Path(model_file))
@@ -256,7 +257,7 @@ def stats_task(name: str, model_file: str, model_digest: str, raw: str, raw_dige
     tensors = {}
     for k, st in stats.items():
         tensors |= {f"H/{k}": st.H.contiguous(), f"abs_mean/{k}": st.abs_mean.contiguous(),
-                    f"mean/{k}": st.mean.contiguous()}
+                    f"mean/{k}": st.mean.contiguous(), f"positions/{k}": torch.tensor([st.positions], dtype=torch.float64)}
     n = {st.n for st in stats.values()}
     path = save_tensors(Path(out) / f"{name}_s{seed}.safetensors", tensors, {"n": str(n.pop()), "seed": str(seed)})
     return {"path": str(path), "sha256": file_sha256(path), "seconds": seconds}
@@ -311,7 +312,8 @@ def load_stats(path: Path) -> dict:
     with safe_open(str(path), "pt") as f:
         n = int(f.metadata()["n"])
         names = [k[2:] for k in f.keys() if k.startswith("H/")]
-        return {k: InputStats(f.get_tensor(f"H/{k}"), f.get_tensor(f"abs_mean/{k}"), n, f.get_tensor(f"mean/{k}"))
+        return {k: InputStats(f.get_tensor(f"H/{k}"), f.get_tensor(f"abs_mean/{k}"), n, f.get_tensor(f"mean/{k}"),
+                              float(f.get_tensor(f"positions/{k}")))
                 for k in names}
 
 

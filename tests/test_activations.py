@@ -32,6 +32,7 @@ def test_input_stats_trace_vs_conv_output_error(groups):
     ref = sum(_conv_output_error(conv, x, D) * x.shape[0] for x in batches) / 6
     assert st.H.shape == (groups, 4 // groups * 9, 4 // groups * 9) and st.n == 6
     assert trace == pytest.approx(ref, rel=1e-10)
+    assert st.positions == 3 * 3  # output pixels per input: 5x6 at stride 2, padding 1
 
 
 def test_input_stats_same_padding_inside_forward_vs_output_error():
@@ -54,6 +55,7 @@ def test_input_stats_linear_tokens_vs_explicit_sums():
     assert torch.allclose(st.H[0], X.T @ X / 12, rtol=1e-12)
     assert torch.allclose(st.abs_mean[0], X.abs().mean(0), rtol=1e-12)
     assert torch.equal(st.row_diag(3), st.H[0].diagonal().expand(3, -1))
+    assert st.positions == 7  # tokens per input
 
 
 class _QKV(nn.Module):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from bayesq.baselines.adaround import AdaRoundConfig
 from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.rtn import RTNConfig
@@ -31,6 +32,7 @@ METHODS = {
     "gptq": GPTQConfig(),
     "awq": AWQConfig(),
     "rtn": RTNConfig(Granularity.GROUP),
+    "adaround": AdaRoundConfig(iters=40, progress=False),  # few steps: the same code path
 }
 
 

@@ -5,6 +5,7 @@ from torch import nn
 import bayesq
 from bayesq.baselines.aciq import ACIQConfig
 from bayesq.baselines.activations import input_stats
+from bayesq.baselines.adaround import AdaRoundConfig
 from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.gptq import GPTQConfig, gptq_select
 from bayesq.baselines.hawq import HAWQConfig
@@ -33,6 +34,7 @@ CONFIGS = [
     HAWQConfig(quant=Q, probes=2), GPTQConfig(Q, select=False), GPTQConfig(Q, group_sizes=(32,)),
     AWQConfig(Q, select=False, grid=4), AWQConfig(Q, group_sizes=(32,), grid=4),
     BayesQConfig(quant=Q, distill=DistillConfig(max_budget=0)),
+    AdaRoundConfig(Q, group_sizes=(32,), iters=30, progress=False),
 ]
 
 

@@ -39,12 +39,15 @@ class InputStats:
             activation scale); None when not taken (``input_stats(..., abs_mean=False)``).
         n: calibration inputs seen.
         mean: (groups, d_in) float64 mean of ``a`` over inputs and positions (bias correction).
+        positions: mean positions (tokens, output pixels) per input, ``T``: ``H / T`` is the
+            second moment per position (AdaRound's loss scale).
     """
 
     H: torch.Tensor
     abs_mean: torch.Tensor | None
     n: int
     mean: torch.Tensor | None = None
+    positions: float = 1.0
 
     @property
     def groups(self) -> int:
@@ -123,7 +126,7 @@ class StatsSums:
             raise ValueError(f"layers {missing[:3]} never ran in the forward pass (a weight used functionally, "
                              "or a module the model holds but never calls): keep them in floating point with "
                              "exclude=[...] (names or glob patterns)")
-        return {k: InputStats(h / n, None if a is None else a / t, n, m / t)
+        return {k: InputStats(h / n, None if a is None else a / t, n, m / t, t / n)
                 for k, (h, a, m, t) in self._sums.items() if k in layers}
 
 

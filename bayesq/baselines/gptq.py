@@ -49,6 +49,21 @@ from bayesq.storage import budget_bits
 
 DAMP = 0.01
 
+#: (rows W (out, d_in), column metric, scale, zero, maxq (out, d_in)) -> (out, d_in) int64 codes
+Solver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerRounding:
+    """How a layer's rows are rounded on their fixed grids, for methods that share GPTQ's grids,
+    budgets and variants and differ in the rounding (AdaRound): ``metric(stats, out)`` maps a
+    layer's input statistics and output features to the column metric handed to ``solver``;
+    ``method`` names it in errors."""
+
+    method: str
+    metric: Callable[[InputStats, int], torch.Tensor]
+    solver: Solver
+
 
 def damped_hessian(H: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
     """GPTQ's dampening of (groups, d, d) or (d, d) float64 ``H``.
@@ -76,11 +91,16 @@ def _table(layers: dict[str, nn.Module], stats: dict[str, InputStats], blocks: l
 
 
 def _solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, InputStats], table: LossTable,
-           allocation: Allocation, act_order: bool, damp: float, exclude: Sequence[str]) -> QuantizationResult:
-    """GPTQ's error-feedback codes on the grids of ``allocation``'s bit-widths."""
-    metric = {n: damped_hessian(stats[n].H, damp) for n in layers}
+           allocation: Allocation, act_order: bool, damp: float, exclude: Sequence[str],
+           rounding: LayerRounding | None = None) -> QuantizationResult:
+    """GPTQ's error-feedback codes on the grids of ``allocation``'s bit-widths (``rounding``:
+    another method's rounding of the same grids)."""
+    if rounding is None:
+        metric, solver = {n: damped_hessian(stats[n].H, damp) for n in layers}, None
+    else:
+        metric, solver = {n: rounding.metric(stats[n], m.weight.shape[0]) for n, m in layers.items()}, rounding.solver
     qweights = encode(table, allocation, {n: m.weight for n, m in layers.items()},
-                      rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, act_order=act_order)
+                      rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, act_order=act_order, solver=solver)
     return baseline_result(model, layers, qweights, allocation, table, exclude)
 
 
@@ -88,6 +108,7 @@ def _solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, Inpu
 def gptq_quantize(
     model: nn.Module, stats: dict[str, InputStats], granularity: Granularity, budget: float,
     cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP, exclude: Sequence[str] = (),
+    rounding: LayerRounding | None = None,
 ) -> QuantizationResult:
     """GPTQ at ``budget`` average bits (all metadata counted) with channel or group grids.
 
@@ -98,6 +119,7 @@ def gptq_quantize(
         budget: average bits per quantised weight.
         exclude: module names or glob patterns kept in floating point (the result's
             ``unquantized``; they need no statistics).
+        rounding: another method's rounding on the same grids (AdaRound), else error feedback.
 
     Raises:
         ValueError: per-tensor granularity (GPTQ uses channel or group grids), missing stats,
@@ -106,13 +128,14 @@ def gptq_quantize(
     granularity = _granularity(granularity)
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     table = _table(layers, stats, baseline_blocks(layers, granularity, cfg), cfg)
-    return _solve(model, layers, stats, table, allocate(table, budget), act_order, damp, exclude)
+    return _solve(model, layers, stats, table, allocate(table, budget), act_order, damp, exclude, rounding)
 
 
 @on_canonical
 def gptq_allocation_quantize(
     model: nn.Module, stats: dict[str, InputStats], unit_bits: Mapping[str, Sequence[int]], budget: float,
     cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP, exclude: Sequence[str] = (),
+    rounding: LayerRounding | None = None,
 ) -> QuantizationResult:
     """GPTQ's error-feedback solver on a supplied allocation (e.g. BayesQ's ``Allocation.unit_bits``).
 
@@ -122,7 +145,7 @@ def gptq_allocation_quantize(
 
     Args:
         unit_bits: layer name -> bit-width of each unit, every width in ``cfg.bits``.
-        exclude: as :func:`gptq_quantize`.
+        exclude, rounding: as :func:`gptq_quantize`.
 
     Raises:
         ValueError: missing stats, a layer's unit count or a width not matching ``cfg``, a cost
@@ -130,7 +153,8 @@ def gptq_allocation_quantize(
     """
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     table = _table(layers, stats, layer_blocks(layers, cfg.group_size, cfg.unit_groups, cfg.unit.value), cfg)
-    return _solve(model, layers, stats, table, given_allocation(table, unit_bits, budget), act_order, damp, exclude)
+    return _solve(model, layers, stats, table, given_allocation(table, unit_bits, budget), act_order, damp, exclude,
+                  rounding)
 
 
 @on_canonical
@@ -138,14 +162,14 @@ def gptq_candidates(
     model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(), *,
     granularity: Granularity = Granularity.GROUP, group_sizes: Sequence[int] = GROUP_SIZES,
     allocation: Mapping[str, Sequence[int]] | None = None, act_order: bool = True, damp: float = DAMP,
-    exclude: Sequence[str] = (),
+    exclude: Sequence[str] = (), rounding: LayerRounding | None = None,
 ) -> dict[str, Callable[[], QuantizationResult]]:
     """Budget-feasible GPTQ variants (module docstring of :mod:`bayesq.baselines.select`), unbuilt.
 
     ``allocation`` (:func:`gptq_allocation_quantize`) unless ``allocation`` is None, ``mixed``
     (:func:`gptq_quantize` at ``granularity``) when its cheapest allocation fits and
     ``uniform-<b>-g<G>`` / ``uniform-<b>-channel`` for each width of ``cfg.bits`` with a fitting
-    layout from ``group_sizes``, in that order. ``exclude``: as :func:`gptq_quantize`.
+    layout from ``group_sizes``, in that order. ``exclude``, ``rounding``: as :func:`gptq_quantize`.
 
     Raises:
         ValueError: missing stats, or no variant fits the budget (naming the minimum feasible one).
@@ -153,7 +177,7 @@ def gptq_candidates(
     granularity = _granularity(granularity)
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     n = sum(m.weight.numel() for m in layers.values())
-    opts = dict(act_order=act_order, damp=damp, exclude=exclude)
+    opts = dict(act_order=act_order, damp=damp, exclude=exclude, rounding=rounding)
     out: dict[str, Callable[[], QuantizationResult]] = {}
     if allocation is not None:  # first: usually the best, so the selection drops the others early
         out["allocation"] = partial(gptq_allocation_quantize, model, stats, allocation, budget, cfg, **opts)
@@ -161,7 +185,7 @@ def gptq_candidates(
         out["mixed"] = partial(gptq_quantize, model, stats, granularity, budget, cfg, **opts)
     for v in uniform_variants(layers, budget, cfg, group_sizes):
         out[v.name] = partial(gptq_quantize, model, stats, v.granularity, budget, v.config(cfg), **opts)
-    check_feasible(out, "GPTQ", budget, cheapest_bits(layers, granularity, cfg, group_sizes))
+    check_feasible(out, rounding.method if rounding else "GPTQ", budget, cheapest_bits(layers, granularity, cfg, group_sizes))
     return out
 
 
@@ -172,20 +196,21 @@ def gptq_select(
     group_sizes: Sequence[int] = GROUP_SIZES, allocation: Mapping[str, Sequence[int]] | None = None,
     act_order: bool = True, damp: float = DAMP, bias_correction: bool = False,
     selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
-    exclude: Sequence[str] = (),
+    exclude: Sequence[str] = (), rounding: LayerRounding | None = None,
 ) -> BaselineChoice:
     """The GPTQ variant of :func:`gptq_candidates` with the least mean calibration
     ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from); ``bias_correction``:
     each variant also in its bias-corrected form (:func:`bayesq.baselines.select.select_best`).
     ``selection``: inputs held out of ``batches`` to score the variants on instead (the
     bias correction is still fitted on ``batches``). ``reference``: the FP model's log-probabilities
-    on the scored inputs, when the caller already has them (:func:`select_best`).
+    on the scored inputs, when the caller already has them (:func:`select_best`). ``rounding``: as
+    :func:`gptq_quantize`.
 
     Raises:
         ValueError: as :func:`gptq_candidates`; an empty ``batches``.
     """
     cands = gptq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes,
-                            allocation=allocation, act_order=act_order, damp=damp, exclude=exclude)
+                            allocation=allocation, act_order=act_order, damp=damp, exclude=exclude, rounding=rounding)
     batches = list(batches)  # read by the correction's target search and by the selection
     correction = stats_correction(model, stats, batches) if bias_correction else None
     return select_best(cands, model, batches if selection is None else selection, correction, reference)
@@ -211,8 +236,15 @@ def gptq_method(model: nn.Module, config: GPTQConfig, budget: float, inputs: Inp
     """GPTQ from ``inputs.stats`` (else computed from the calibration batches); with
     ``config.select``, ``inputs.allocation`` is one more variant and the variants are scored on
     ``inputs.selection`` (else the calibration batches) against ``inputs.reference`` when given."""
-    batches, stats = stats_of(model, inputs, "GPTQ")
-    opts = dict(act_order=config.act_order, damp=config.damp, exclude=tuple(inputs.exclude))
+    return grid_method_outcome(model, config, budget, inputs, "GPTQ", act_order=config.act_order, damp=config.damp)
+
+
+def grid_method_outcome(model: nn.Module, config, budget: float, inputs: Inputs, method: str, **opts) -> Outcome:
+    """The handler of a method on GPTQ's grids and variants (GPTQ, AdaRound): ``config``'s
+    ``select``, ``granularity``, ``quant``, ``group_sizes`` and ``bias_correction`` as in
+    :class:`GPTQConfig`; ``opts`` go to :func:`gptq_quantize` / :func:`gptq_select`."""
+    batches, stats = stats_of(model, inputs, method)
+    opts["exclude"] = tuple(inputs.exclude)
     if not config.select:
         return mixed_outcome(gptq_quantize(model, stats, config.granularity, budget, config.quant, **opts), inputs)
     choice = gptq_select(model, stats, batches, budget, config.quant, granularity=config.granularity,

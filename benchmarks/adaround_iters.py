@@ -1,0 +1,101 @@
+"""Does AdaRound converge before the paper's 10,000 steps? Its layer objective against the step count.
+
+On the pipeline's fine-tuned embedded models and calibration inputs (``make run`` first, or at
+least its fine-tune stage: ``models/<name>/model.safetensors``), for a few layers of each model:
+min/max grids per group of 64 at ``--bits`` (GPTQ's static grids, the ones AdaRound rounds on in
+this project), then the hard-rounded layer-output error ``tr(D H D^T)`` of
+
+* nearest rounding, GPTQ's error feedback (its damped metric), and
+* AdaRound after each step count of ``--iters`` (each a separate run of the full schedule with that
+  many steps, as the method would run),
+
+each relative to nearest rounding, with the seconds AdaRound took. The last lines say, per model,
+the smallest step count whose mean ratio over the layers is within ``--tol`` (1 %) of the
+10,000-step one: the count a scaled-down default may use.
+
+    python benchmarks/adaround_iters.py [--models lite0-fmnist minilm-sentiment] [--layers 4]
+                                        [--iters 250 500 1000 2000 4000 10000] [--bits 3] [--tol 0.01]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+
+def layer_grid(W: torch.Tensor, bits: int, group: int = 64):
+    """Per-element min/max grid (scale, zero, maxq) of ``bits`` bits over groups of ``group`` columns."""
+    from bayesq.blocks import LayerBlocks
+    from bayesq.codebook import minmax_grids
+    from bayesq.quantize import group_grid
+
+    lb = LayerBlocks("w", tuple(W.shape), group, 1)
+    groups, _ = lb.to_groups(W.reshape(-1))
+    book = minmax_grids(groups, bits)
+    scale, zero, maxq = group_grid(lb, torch.full((lb.n_groups,), bits), {bits: book})
+    idx = lb.element_groups(slice(0, W.shape[0]), W.device)
+    return scale[idx], zero[idx], maxq[idx]
+
+
+def error(W, H, scale, zero, codes) -> float:
+    D = scale * (codes.double() - zero) - W
+    return float((D * (D @ H)).sum())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["lite0-fmnist", "minilm-sentiment"])
+    ap.add_argument("--layers", type=int, default=4, help="layers per model, spread over its depth")
+    ap.add_argument("--iters", type=int, nargs="+", default=[250, 500, 1000, 2000, 4000, 10000])
+    ap.add_argument("--bits", type=int, default=3)
+    ap.add_argument("--tol", type=float, default=0.01)
+    ap.add_argument("--seed", type=int, default=17)
+    a = ap.parse_args()
+
+    from one_time_cost import load_inputs
+
+    from bayesq.baselines.activations import input_stats
+    from bayesq.baselines.adaround import adaround_rows, output_mse_metric
+    from bayesq.blocks import quantizable_layers
+    from bayesq.canonical import canonical
+    from bayesq.error_feedback import damped_metric, error_feedback_groups
+
+    for name in a.models:
+        _, model, batches, _ = load_inputs(name, a.seed, ROOT / "params.yaml")
+        with canonical(model) as m:
+            layers = quantizable_layers(m, ())
+            names = [k for k in layers if getattr(layers[k], "groups", 1) == 1]
+            picked = names[:: max(1, len(names) // a.layers)][: a.layers]
+            stats = input_stats(m, batches, {k: layers[k] for k in picked}, abs_mean=False)
+            ratios = {it: [] for it in a.iters}
+            for k in picked:
+                W = layers[k].weight.detach().double().reshape(layers[k].weight.shape[0], -1)
+                H = stats[k].H[0]
+                scale, zero, maxq = layer_grid(W, a.bits)
+                s = torch.where(scale > 0, scale, torch.ones_like(scale))
+                nearest = error(W, H, scale, zero, torch.clamp(torch.round(W / s) + zero, torch.zeros_like(maxq), maxq))
+                ef = error(W, H, scale, zero, error_feedback_groups(W, damped_metric(stats[k].H, 0.01), scale, zero,
+                                                                    maxq, act_order=True))
+                line = f"{name} {k} {tuple(W.shape)}: GPTQ {ef / nearest:.3f}"
+                for it in a.iters:
+                    t0 = time.perf_counter()
+                    codes = adaround_rows(W, output_mse_metric(stats[k], W.shape[0]), scale, zero, maxq, iters=it)
+                    ratios[it].append(error(W, H, scale, zero, codes) / nearest)
+                    line += f"  {it}: {ratios[it][-1]:.3f} ({time.perf_counter() - t0:.0f} s)"
+                print(line, flush=True)
+        final = sum(ratios[a.iters[-1]]) / len(picked)
+        enough = next(it for it in a.iters if sum(ratios[it]) / len(picked) <= final * (1 + a.tol))
+        print(f"{name}: mean error vs nearest rounding " +
+              ", ".join(f"{it}: {sum(r) / len(r):.3f}" for it, r in ratios.items()) +
+              f"; within {a.tol:.0%} of {a.iters[-1]} steps from {enough} steps", flush=True)
+
+
+if __name__ == "__main__":
+    main()
