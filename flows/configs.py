@@ -9,6 +9,7 @@ benchmarks and a GPU machine without the pipeline's packages read it too).
 from __future__ import annotations
 
 from bayesq.baselines.aciq import ACIQConfig
+from bayesq.baselines.adaround import AdaRoundConfig
 from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.hawq import HAWQConfig
@@ -29,6 +30,9 @@ BASELINE_CONFIGS = {
                                          bias_correction=b.bias_correction),
     Method.AWQ: lambda q, b, seed: AWQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes), grid=b.awq_grid,
                                        bias_correction=b.bias_correction),
+    Method.ADAROUND: lambda q, b, seed: AdaRoundConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
+                                                 bias_correction=b.bias_correction, iters=b.adaround_iters,
+                                                 lam=b.adaround_lambda),
 }
 
 

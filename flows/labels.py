@@ -6,7 +6,8 @@ METHOD_LABEL = {"bayesq": "BayesQ", "bayesq-distill": "BayesQ + distillation", "
                 "bayesq-paper": "BayesQ (paper-literal)",
                 "gptq": "GPTQ (best variant, act-order)",
                 "awq": "AWQ (g64)", "hawq": "HAWQ-style (per layer)", "aciq": "ACIQ (per channel)",
-                "rtn-tensor": "RTN per-tensor", "rtn-channel": "RTN per-channel", "rtn-group": "RTN per-group (g64)"}
+                "rtn-tensor": "RTN per-tensor", "rtn-channel": "RTN per-channel", "rtn-group": "RTN per-group (g64)",
+                "adaround": "AdaRound (best variant)"}
 
 
 LAYER_KINDS = (  # (substring of the module name, kind) -- first match wins

@@ -58,6 +58,7 @@ class Method(str, Enum):
     AWQ = "awq"
     HAWQ = "hawq"
     ACIQ = "aciq"
+    ADAROUND = "adaround"  # AdaRound's learned up/down rounding on GPTQ's grids and variants
 
 
 OOD_TEXT_DOMAINS = tuple(d for d in DOMAIN_FILES if d != "movie")  # the in-domain training source is no test
@@ -214,6 +215,8 @@ class BaselinesConfig:
              "need a non-empty list of integer group sizes >= 1, e.g. [32, 64, 128, 256]"),
         ascending("[32, 64, 128, 256]"), convert=tuple)
     bias_correction: bool = True  # GPTQ / AWQ selection: each variant also with bias correction
+    adaround_iters: int = setting(10000, integer(1))  # AdaRound: Adam steps per layer (the paper's 10,000)
+    adaround_lambda: float = setting(0.01, at_least(0))  # AdaRound: weight of the rounding regulariser
 
     def __post_init__(self) -> None:
         validate(self, "baselines")

@@ -77,6 +77,7 @@ METHOD_SOURCES = {
     Method.HAWQ: ("bayesq/baselines/hawq.py",),
     Method.ACIQ: ("bayesq/baselines/aciq.py",),
     Method.BAYESQ_DISTILL: ("bayesq/distill.py",),
+    Method.ADAROUND: ("bayesq/baselines/adaround.py", "bayesq/baselines/gptq.py"),  # GPTQ's grids and variants
 }
 NOT_IN_ROWS = ("flows/ablate.py", "flows/report.py", "flows/robustness_report.py", "flows/labels.py", "flows/cli.py",
                "flows/zoo.py", "flows/settings.py", "flows/__main__.py")
@@ -84,7 +85,8 @@ NOT_IN_ROWS = ("flows/ablate.py", "flows/report.py", "flows/robustness_report.py
 
 def row_excluded(method: Method) -> tuple[str, ...]:
     """Sources (relative to the repository root) left out of ``method``'s row cache key."""
-    others = (f for m, files in METHOD_SOURCES.items() if m != Method(method) for f in files)
+    own = set(METHOD_SOURCES.get(Method(method), ()))
+    others = sorted({f for m, files in METHOD_SOURCES.items() if m != Method(method) for f in files} - own)
     return NOT_IN_ROWS + tuple(others)
 
 
@@ -113,7 +115,7 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
     without ``select`` they name the ``mixed`` rule; other baselines add none.
     """
     config = BASELINE_CONFIGS[method](quant, baselines, seed)
-    if method not in (Method.GPTQ, Method.AWQ):
+    if method not in (Method.GPTQ, Method.AWQ, Method.ADAROUND):
         return quantize_with(model, config, budget, Inputs(traces=traces, exclude=exclude))
     batches = list(calibration_batches(entry, splits, data, calibration, seed)[1])
     selection = selection_batches(entry, splits, data, calibration, seed) if baselines.select else None
@@ -414,7 +416,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                         # baselines read no BayesQ posterior or table (and are not keyed on them)
                         p_post, p_tab, p_key, p_quant = prep.get(method, (None, None, "", params.quant))
                         given = ((kept.get(budget) or bayesq_unit_bits(prep, params, budget, seed))
-                                 if method == Method.GPTQ and params.baselines.select else None)
+                                 if method in (Method.GPTQ, Method.ADAROUND) and params.baselines.select else None)
                         row = Row(source, method.value, budget, seed, codes[method], params.data, p_quant,
                                   params.allocation, str(Path(out) / "exports"), calibration=params.calibration,
                                   baselines=params.baselines, distill=params.distill, robustness=rob,

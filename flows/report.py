@@ -212,7 +212,7 @@ def export_table(records: list[dict]) -> str:
 
 
 PAIRED_METHODS = ("bayesq", "bayesq-ef", "bayesq-distill", "bayesq-paper")
-PAIRED_BASELINES = ("gptq", "rtn-group")
+PAIRED_BASELINES = ("gptq", "adaround", "awq", "hawq", "aciq", "rtn-group", "rtn-channel", "rtn-tensor")  # every one run
 PAIRED_METRICS = (("accuracy", "correct", 100.0), ("kl", "kl", 1.0))  # (metric, example array, scale)
 
 
@@ -248,8 +248,8 @@ def _pooled(rows: dict, seeds: list[int], key: str):
 
 def paired_comparisons(records: list[dict], results_dir: Path, resamples: int | None = None,
                        seed: int | None = None) -> tuple[list[dict], list[str]]:
-    """Every BayesQ row against GPTQ and RTN per-group at the same model and budget, on the same
-    test examples (:func:`bayesq.comparison.paired_differences`).
+    """Every BayesQ row against every baseline row (:data:`PAIRED_BASELINES`) at the same model and
+    budget, on the same test examples (:func:`bayesq.comparison.paired_differences`).
 
     ``diff`` = method − baseline: accuracy in points (from ``correct``), KL to FP in nats (from
     ``kl``), with the paired-bootstrap 95 % interval; one bootstrap (the same resampled example
@@ -325,7 +325,7 @@ def paired_table(rows: list[dict], notes: list[str]) -> str:
         lines[-1] += " One seed: " + ", ".join(str(s[0]) for s in seeds) + "."
     lines.append("")
     if not rows:
-        lines += ["No paired comparison: no BayesQ row and GPTQ / RTN per-group row with per-example files "
+        lines += ["No paired comparison: no BayesQ row and baseline row with per-example files "
                   "at the same model and budget.", ""]
     else:
         cell = {(r["model"], r["budget"], r["method"], r["baseline"], r["metric"]): r for r in rows}

@@ -153,7 +153,7 @@ def row_params(params, method, posterior=None, quant=None) -> dict[str, str]:
                      "calibration": params.calibration}
     if method == Method.BAYESQ_DISTILL:
         sections["distill"] = params.distill
-    if method in (Method.GPTQ, Method.AWQ, Method.HAWQ):
+    if method in (Method.GPTQ, Method.AWQ, Method.HAWQ, Method.ADAROUND):
         sections |= {"calibration": params.calibration, "baselines": params.baselines}
     return flatten(sections)
 

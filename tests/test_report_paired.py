@@ -53,11 +53,11 @@ def test_report_paired_json_schema_and_vs_library(tmp_path):
     results, models, arrays = _folder(tmp_path)
     report(results / "results.json", models, tmp_path / "reports")
     paired = read_json(tmp_path / "reports" / "paired.json")
-    assert len(paired) == 2 * 2 * 2 * 2  # budgets x methods x baselines x metrics
+    assert len(paired) == 2 * 2 * 3 * 2  # budgets x methods x baselines (gptq, awq, rtn-group: every one run) x metrics
     for row in paired:
         assert set(row) == {"model", "budget", "method", "baseline", "metric", "diff", "ci_low", "ci_high",
                             "n", "seeds"}
-        assert row["method"] in ("bayesq", "bayesq-ef") and row["baseline"] in ("gptq", "rtn-group")
+        assert row["method"] in ("bayesq", "bayesq-ef") and row["baseline"] in ("gptq", "awq", "rtn-group")
         assert row["metric"] in ("kl", "accuracy") and row["n"] == N and row["seeds"] == [17]
         assert row["ci_low"] <= row["diff"] <= row["ci_high"]
         key = "correct" if row["metric"] == "accuracy" else "kl"
