@@ -58,7 +58,7 @@ def main() -> None:
             start = time.perf_counter()
             ada = encode(enc.table, enc.allocation, {n: l.weight for n, l in layers.items()},
                          rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, refit=enc.quant.refit,
-                         scale_bits=enc.quant.scale_bits, solver=partial(adaround_rows, iters=a.iters))
+                         scale_bits=enc.quant.scale_bits, solver=partial(adaround_rows, iters=a.iters, progress=True))
             seconds = time.perf_counter() - start
             reference = reference_log_probs(m, selection)
             kl = {}
