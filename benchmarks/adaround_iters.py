@@ -86,7 +86,8 @@ def main() -> None:
                 line = f"{name} {k} {tuple(W.shape)}: GPTQ {ef / nearest:.3f}"
                 for it in a.iters:
                     t0 = time.perf_counter()
-                    codes = adaround_rows(W, output_mse_metric(stats[k], W.shape[0]), scale, zero, maxq, iters=it)
+                    codes = adaround_rows(W, output_mse_metric(stats[k], W.shape[0]), scale, zero, maxq, iters=it,
+                                          progress=True, name=f"{k} ({it} steps)")
                     ratios[it].append(error(W, H, scale, zero, codes) / nearest)
                     line += f"  {it}: {ratios[it][-1]:.3f} ({time.perf_counter() - t0:.0f} s)"
                 print(line, flush=True)

@@ -91,7 +91,7 @@ def test_baselines_config_bad_value_names_field(key, value, match):
 
 
 def test_params_yaml_loads_with_every_method():
-    """The quick profile runs every method but AdaRound (about 20 minutes per encoding at the
+    """The quick profile runs every method but AdaRound (about 26 minutes per MiniLM encoding at the
     paper's 10,000 steps); the full profile runs all of them."""
     raw = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
     p = load_params(raw)

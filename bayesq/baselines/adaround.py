@@ -13,9 +13,10 @@ the layer-output reconstruction error on the calibration inputs plus the regular
 ``h`` to 0 or 1. ``H`` are the layer's input second moments (:mod:`bayesq.baselines.activations`:
 mean over inputs of the sum over positions), ``T`` the positions per input and ``out`` the
 output features, so the first term is the mean squared error over output elements, the loss of
-the authors' implementation that ``lambda = 0.01`` was set for (a sum over output features
-instead leaves ``h`` short of 0 / 1 on wide layers: tests/test_adaround.py). ``beta`` anneals linearly from 20 to 2 after a
-warm-up (the first 20 % of the iterations, without the regulariser). The codes are
+the authors' implementation that ``lambda = 0.01`` was set for. A sum over output features
+weighs the error ``out`` times more against the regulariser: on the 2 x 6 layers of
+tests/test_adaround.py a factor of 2-4 already left some ``h`` between 0 and 1 and the codes worse
+than nearest rounding. ``beta`` anneals linearly from 20 to 2 after a warm-up (the first 20 % of the iterations, without the regulariser). The codes are
 ``c0 + [h(V) >= 1/2]``, clipped to the grid.
 
 Differences from the paper, all of them neutral or in AdaRound's favour:

@@ -49,7 +49,7 @@ from bayesq.storage import budget_bits
 
 DAMP = 0.01
 
-#: (rows W (out, d_in), column metric, scale, zero, maxq (out, d_in)) -> (out, d_in) int64 codes
+#: (rows W (out, d_in), column metric, scale, zero, maxq (out, d_in), *, name=layer) -> (out, d_in) int64 codes
 Solver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

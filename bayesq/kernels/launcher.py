@@ -121,8 +121,8 @@ def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None 
     """``y = x W^T + bias``: x (..., K) float16/bfloat16/float32 -> (..., N) in x's dtype.
 
     Triton: one row by the unit GEMV where :func:`unit_aligned`; up to ``GEMV_MAX_ROWS`` rows by a
-    GEMV kernel (the word-aligned one where :func:`aligned`); more rows dequantise the weight once into x's dtype (a transient (N, K)
-    tensor) and run ``F.linear`` (cuBLAS: tensor cores, TF32 as PyTorch allows). The tiled Triton
+    GEMV kernel (the word-aligned one where :func:`aligned`); more rows dequantise the weight once
+    into x's dtype (a transient (N, K) tensor) and run ``F.linear`` (cuBLAS: tensor cores, TF32 as PyTorch allows). The tiled Triton
     GEMM with the decode inside ``tl.dot`` tiles measured 20-100x slower than cuBLAS on an H200
     (reports/kernels.md). ``weight``: a cached dequantised weight for the reference path.
     """
@@ -135,11 +135,11 @@ def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None 
     m = x2.shape[0]
     if m > GEMV_MAX_ROWS:  # dequantise once (2-D grid over the weight), then the dense matmul library
         return F.linear(x, dequantize(pw, x.dtype, backend), None if bias is None else bias.to(x.dtype))
+    if m == 1 and unit_aligned(pw):  # its own output buffer (float32 when K is split)
+        return _words_gemv(x2, pw, bias).reshape(*x.shape[:-1], pw.n)
     out = torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], pw.n)
-    if m == 1 and unit_aligned(pw):
-        return _words_gemv(x2, pw, bias).reshape(*x.shape[:-1], pw.n)
     col = pw.col_scale if pw.col_scale is not None else pw.words
     b = bias if bias is not None else pw.words
     common = dict(ROW_ALIGNED=bool(pw.groups_per_row), LUT=pw.mode == "lut", UNIFORM_B=pw.uniform_bits,
