@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -47,6 +47,61 @@ def damped_metric(H: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     diag[diag <= 0] = 1.0
     diag += damp * diag.mean(-1, keepdim=True)
     return H
+
+
+class LazyMetrics(Mapping[str, torch.Tensor]):
+    """Layer name -> column metric, made by ``make(name)`` on each access and never kept.
+
+    Every layer's (d_in, d_in) metric (and its factor, :func:`shared_factors`) held at once is the
+    largest memory term of error-feedback rounding on a large model (1 GiB each at GPT-2 small):
+    a caller that reads one layer at a time holds one (the layer read last is kept, so that
+    repeated reads of it return one object, whose factor :func:`shared_factors` memoises; a
+    ``shared_factors`` scope around several layers would keep all of theirs). ``gains(act_order)`` keeps the small
+    per-layer :func:`feedback_gain` vectors instead, so that several tables of the same metric
+    (grid candidates) factor each layer once for them.
+
+    Args:
+        names: the layers, in order.
+        make: name -> (d_in, d_in) or (groups, d_in, d_in) float64 SPD metric (e.g.
+            ``lambda n: damped_metric(H[n])``).
+    """
+
+    def __init__(self, names: Iterable[str], make: Callable[[str], torch.Tensor]) -> None:
+        self._names = tuple(names)
+        self._known = frozenset(self._names)
+        self._make = make
+        self._last: tuple[str | None, torch.Tensor | None] = (None, None)  # the layer read last, its metric
+        self._gains: dict[bool, dict[str, torch.Tensor]] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._known:
+            raise KeyError(name)
+        if self._last[0] != name:  # the same object for repeated reads of one layer (shared_factors' key)
+            self._last = (name, None)
+            self._last = (name, self._make(name))
+        return self._last[1]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def gains(self, act_order: bool) -> dict[str, torch.Tensor]:
+        """:func:`feedback_gain` of every layer's metric in ``act_order``'s column order (made once)."""
+        if bool(act_order) not in self._gains:
+            self._gains[bool(act_order)] = {n: feedback_gain(self[n], act_order=act_order) for n in self._names}
+        return self._gains[bool(act_order)]
+
+
+def damped_metrics(moments: Mapping[str, torch.Tensor], damp: float = 0.01) -> LazyMetrics:
+    """:class:`LazyMetrics` of :func:`damped_metric` of each layer's moment (``moments``: layer name
+    -> (d_in, d_in) or (groups, d_in, d_in) tensor, kept by reference; the damped float64 copy is
+    made on access)."""
+    if damp <= 0:
+        raise ValueError(f"damp={damp}: the relative dampening must be > 0 (GPTQ's default 0.01)")
+    moments = dict(moments)
+    return LazyMetrics(moments, lambda name: damped_metric(moments[name], damp))
 
 
 def _broadcast(name: str, x: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

@@ -411,7 +411,8 @@ def posterior_table(
             entry = feedback_weights(omega, gains[lb.name])
             if cfg.feedback_search:
                 omega, entry = entry, None
-        tables.append(layer_table(lb, posterior.mean[lb.name], posterior.std(lb.name), cfg, omega, entry))
+        sigma = None if Objective(cfg.objective) == Objective.DEPLOYED else posterior.std(lb.name)  # draws only
+        tables.append(layer_table(lb, posterior.mean[lb.name], sigma, cfg, omega, entry))
     return LossTable(tuple(tables))
 
 

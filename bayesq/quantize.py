@@ -33,10 +33,10 @@ from bayesq.config import (
 )
 from bayesq.distill import DistillResult, apply_distilled, distill
 from bayesq.error_feedback import (
-    coordinate_descent, damped_metric, error_feedback_groups, feedback_gain, shared_factors,
+    LazyMetrics, coordinate_descent, damped_metrics, error_feedback_groups, feedback_gain, shared_factors,
 )
 from bayesq.evaluation import kl_per_input, reference_log_probs
-from bayesq.expected_loss import Book, LossTable, apply_mc_proxy, posterior_table
+from bayesq.expected_loss import Book, LayerTable, LossTable, apply_mc_proxy, posterior_table
 from bayesq.forward import Batch, batch_size, first_inputs, kept_state, model_batches
 from bayesq.memory import check as check_memory_fits, estimate as estimate_memory
 from bayesq.methods import Inputs, Outcome, register
@@ -229,9 +229,10 @@ def ef_column_metric(
     posterior: Posterior, q: QuantConfig, model: nn.Module | None = None,
     calibration: Iterable[Batch] | None = None, damp: float = 0.01, progress: bool = False,
     stats: Mapping[str, InputStats] | None = None,
-) -> dict[str, torch.Tensor] | None:
+) -> LazyMetrics | None:
     """Column metric of error-feedback rounding, or None (nearest rounding; or ``encode`` uses
-    the K-FAC posterior's damped input factor A').
+    the K-FAC posterior's damped input factor A'). The damped metric of a layer is made when it
+    is read (:class:`bayesq.error_feedback.LazyMetrics`): only the undamped moments are held.
 
     * Diagonal posterior: the layers' input second moments ``H = mean_n sum_t a a^T`` on the
       calibration inputs (``stats``, else :func:`bayesq.baselines.activations.input_stats`) with
@@ -247,11 +248,11 @@ def ef_column_metric(
     if posterior.kfac:
         if (Objective(q.objective) == Objective.DEPLOYED and CostTerms(q.cost_terms) == CostTerms.DATA
                 and posterior.input_moment):
-            return {name: damped_metric(a, damp) for name, a in posterior.input_moment.items()}
+            return damped_metrics(posterior.input_moment, damp)
         return None
     if stats is None:
         stats = _input_stats(posterior, model, calibration, progress)
-    return {name: damped_metric(stats[name].H, damp) for name in posterior.mean}
+    return damped_metrics({name: stats[name].H for name in posterior.mean}, damp)
 
 
 def _input_stats(posterior: Posterior, model: nn.Module | None, calibration: Iterable[Batch] | None,
@@ -291,6 +292,8 @@ def feedback_gains(
     """
     if not q.feeds_back_table:
         return None
+    if isinstance(column_metric, LazyMetrics):
+        return column_metric.gains(q.act_order)  # made once for every table of this metric
     if column_metric is None:
         column_metric = {name: f.A for name, f in (posterior.kfac or {}).items()}
     return {name: feedback_gain(h, act_order=q.act_order) for name, h in column_metric.items()}
@@ -319,52 +322,76 @@ def encode(
     ``solver``: another rounding of the rows on the same grids and metric in place of error
     feedback and coordinate descent (``solver(rows, metric, scale, zero, maxq, name=layer)`` ->
     int64 codes; AdaRound, :mod:`bayesq.baselines.adaround`).
+
+    Layers are encoded one at a time: ``column_metric[name]`` is read once per layer (a
+    :class:`bayesq.error_feedback.LazyMetrics` then holds one layer's metric and factor at a time).
     """
+    opts = dict(rounding=rounding, act_order=act_order, refit=refit, scale_bits=scale_bits, cd_passes=cd_passes,
+                compact=compact, solver=solver, progress=progress)
     out = {}
     for t in tqdm(table.layers, desc=f"encode ({Rounding(rounding).value})", disable=not progress, leave=False):
-        lb = t.blocks
-        w = weights[lb.name].detach().double()
-        unit_bits = torch.tensor(allocation.unit_bits[lb.name], dtype=torch.int64, device=w.device)
-        group_bits = unit_bits[lb.group_unit(w.device)]  # (G,)
-        books = {b: book.take(group_bits == b) for b, book in zip(t.bits, t.books) if bool((group_bits == b).any())}
-        if Rounding(rounding) == Rounding.ERROR_FEEDBACK:
-            if column_metric is not None:
-                metric = column_metric[lb.name]
-            else:
-                f = (posterior.kfac or {}).get(lb.name) if posterior is not None else None
-                if f is None:
-                    raise ValueError(f"error-feedback rounding of '{lb.name}' needs a K-FAC or low-rank posterior")
-                metric = f.A
-            mat = w.reshape(w.shape[0], -1)  # (out, d_in)
-            codes_w = torch.empty(mat.shape, dtype=torch.int64, device=w.device)
-            grid = group_grid(lb, group_bits, books)
-            chunks = row_chunks(*mat.shape, metric)  # a large layer (a vocabulary projection) shows its own bar
-            for rows in tqdm(chunks, desc=lb.name, disable=not progress or len(chunks) == 1, leave=False):
-                idx = lb.element_groups(rows, w.device)  # (r, d_in): the per-element grid of these rows
-                scale, zero, maxq = (x[idx] for x in grid)
-                if solver is not None:
-                    part = solver(mat[rows], metric, scale, zero, maxq, name=lb.name)
-                else:
-                    part = error_feedback_groups(mat[rows], metric, scale, zero, maxq, act_order=act_order)
-                    if cd_passes:
-                        part = coordinate_descent(mat[rows], metric, scale, zero, maxq, part, passes=cd_passes)
-                codes_w[rows] = part
-            del idx, scale, zero, maxq, part
-            codes, _ = lb.to_groups(codes_w.reshape(-1))
-            if refit:
-                books = _refit_books(lb, mat, codes_w, group_bits, books, metric, scale_bits)
-        else:
-            groups, _ = lb.to_groups(w.reshape(-1))
-            parts = {b: book.quantize(groups[group_bits == b]) for b, book in books.items()}
-            widths = {p.shape[1] for p in parts.values()}
-            if len(widths) != 1:
-                raise ValueError(f"layer '{lb.name}' mixes VQ and scalar codes; VQ needs quant.unit: tensor")
-            codes = torch.zeros(lb.n_groups, widths.pop(), dtype=torch.int64, device=w.device)
-            for b, part in parts.items():
-                codes[group_bits == b] = part
-        qw = QuantizedWeight(lb, group_bits, codes, books)
-        out[lb.name] = compact_codes({lb.name: qw})[lb.name] if compact else qw
+        name = t.blocks.name
+        with shared_factors():  # the layer's row chunks share its factor
+            metric = _layer_metric(name, rounding, column_metric, posterior)
+            out[name] = encode_layer(t, allocation.unit_bits[name], weights[name], metric, **opts)
     return out
+
+
+def _layer_metric(name: str, rounding: Rounding, column_metric: Mapping[str, torch.Tensor] | None,
+                  posterior: Posterior | None) -> torch.Tensor | None:
+    """The column metric ``encode`` rounds layer ``name`` in (None for nearest rounding)."""
+    if Rounding(rounding) != Rounding.ERROR_FEEDBACK:
+        return None
+    if column_metric is not None:
+        return column_metric[name]
+    f = (posterior.kfac or {}).get(name) if posterior is not None else None
+    if f is None:
+        raise ValueError(f"error-feedback rounding of '{name}' needs a K-FAC or low-rank posterior")
+    return f.A
+
+
+def encode_layer(
+    t: LayerTable, unit_bits: Sequence[int], weight: torch.Tensor, metric: torch.Tensor | None, *,
+    rounding: Rounding = Rounding.NEAREST, act_order: bool = False, refit: bool = False, scale_bits: int = 16,
+    cd_passes: int = 0, compact: bool = False, solver=None, progress: bool = False,
+) -> QuantizedWeight:
+    """One layer of :func:`encode`: ``weight`` with the books of ``t`` at ``unit_bits`` (one
+    width per unit), rounded in ``metric`` (error feedback) or to the nearest levels."""
+    lb = t.blocks
+    w = weight.detach().double()
+    unit_bits = torch.tensor(unit_bits, dtype=torch.int64, device=w.device)
+    group_bits = unit_bits[lb.group_unit(w.device)]  # (G,)
+    books = {b: book.take(group_bits == b) for b, book in zip(t.bits, t.books) if bool((group_bits == b).any())}
+    if Rounding(rounding) == Rounding.ERROR_FEEDBACK:
+        mat = w.reshape(w.shape[0], -1)  # (out, d_in)
+        codes_w = torch.empty(mat.shape, dtype=torch.int64, device=w.device)
+        grid = group_grid(lb, group_bits, books)
+        chunks = row_chunks(*mat.shape, metric)  # a large layer (a vocabulary projection) shows its own bar
+        for rows in tqdm(chunks, desc=lb.name, disable=not progress or len(chunks) == 1, leave=False):
+            idx = lb.element_groups(rows, w.device)  # (r, d_in): the per-element grid of these rows
+            scale, zero, maxq = (x[idx] for x in grid)
+            if solver is not None:
+                part = solver(mat[rows], metric, scale, zero, maxq, name=lb.name)
+            else:
+                part = error_feedback_groups(mat[rows], metric, scale, zero, maxq, act_order=act_order)
+                if cd_passes:
+                    part = coordinate_descent(mat[rows], metric, scale, zero, maxq, part, passes=cd_passes)
+            codes_w[rows] = part
+        del idx, scale, zero, maxq, part
+        codes, _ = lb.to_groups(codes_w.reshape(-1))
+        if refit:
+            books = _refit_books(lb, mat, codes_w, group_bits, books, metric, scale_bits)
+    else:
+        groups, _ = lb.to_groups(w.reshape(-1))
+        parts = {b: book.quantize(groups[group_bits == b]) for b, book in books.items()}
+        widths = {p.shape[1] for p in parts.values()}
+        if len(widths) != 1:
+            raise ValueError(f"layer '{lb.name}' mixes VQ and scalar codes; VQ needs quant.unit: tensor")
+        codes = torch.zeros(lb.n_groups, widths.pop(), dtype=torch.int64, device=w.device)
+        for b, part in parts.items():
+            codes[group_bits == b] = part
+    qw = QuantizedWeight(lb, group_bits, codes, books)
+    return compact_codes({lb.name: qw})[lb.name] if compact else qw
 
 
 def grid_candidates(q: QuantConfig, held_out: bool = False) -> dict[str, QuantConfig]:
@@ -493,9 +520,8 @@ def encode_best(
     other candidates' tables by name (:func:`candidate_tables`; they do not depend on the
     budget, so a caller encoding several budgets builds them once); those absent are built here.
     """
-    with shared_factors():  # the other candidates' gains and every rounding: one factor per layer
-        return _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calibration, column_metric,
-                            correction, progress, stats, selection, reference, tables)
+    return _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calibration, column_metric,
+                        correction, progress, stats, selection, reference, tables)
 
 
 def _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calibration, column_metric, correction,
@@ -525,19 +551,22 @@ def _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calib
     if column_metric is None:
         column_metric = ef_column_metric(posterior, q)  # the K-FAC posterior's, or None
     blocks = [t.blocks for t in table.layers]
-    built = {}
     given = {**(tables or {}), **{k: table for k, cq in cands.items() if cq is q}}
     missing = {k: v for k, v in cands.items() if k not in given}
     if missing:
         given |= candidate_tables(posterior, blocks, q, seed=seed, model=model, calibration=calibration,
                                   column_metric=column_metric, progress=progress, only=missing)
-    for name, cq in cands.items():
-        t = given[name]
-        allocation = allocate(t, budget, allocation_cfg, seed)
-        qw = encode(t, allocation, weights, posterior=posterior, rounding=cq.rounding, column_metric=column_metric,
-                    act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits, cd_passes=cq.cd_passes,
-                    progress=progress, compact=len(cands) > 1)  # 1 byte per weight while they wait for the selection
-        built[name] = (cq, t, allocation, qw)
+    built = {name: (cq, given[name], allocate(given[name], budget, allocation_cfg, seed), {})
+             for name, cq in cands.items()}
+    bar = f"encode ({Rounding(q.rounding).value}" + (f", {len(cands)} candidates)" if len(cands) > 1 else ")")
+    for lb in tqdm(blocks, desc=bar, disable=not progress, leave=False):
+        with shared_factors():  # every candidate's rounding of this layer: one factor, one metric held
+            metric = _layer_metric(lb.name, q.rounding, column_metric, posterior)
+            for cq, t, allocation, qw in built.values():
+                qw[lb.name] = encode_layer(
+                    t.layer(lb.name), allocation.unit_bits[lb.name], weights[lb.name], metric,
+                    rounding=cq.rounding, act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits,
+                    cd_passes=cq.cd_passes, compact=len(cands) > 1, progress=progress)  # 1 byte per weight while waiting
     if len(cands) == 1:
         return Encoding(next(iter(cands)), *built[next(iter(cands))], {}, correction)
     fp = {}  # the FP log-probabilities of each look's batches
@@ -715,12 +744,12 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
     metric = ef_column_metric(posterior, q, model, calibration, progress=progress, stats=stats)
     correction = bias_correction(model, stats, calibration) if q.bias_correction else None
     del stats  # read by the two lines above only: its (d_in, d_in) sums need not wait for the end
-    with shared_factors():  # the table's gains and each candidate's rounding: one factor per layer
-        table = build_table(posterior, blocks, q, seed=config.seed, model=model, calibration=calibration,
-                            progress=progress, column_metric=metric)
-        enc = encode_best(model, posterior, table, q, config.budget, config.allocation, seed=config.seed,
-                          calibration=calibration, column_metric=metric, correction=correction, progress=progress,
-                          selection=selection)
+    table = build_table(posterior, blocks, q, seed=config.seed, model=model, calibration=calibration,
+                        progress=progress, column_metric=metric)
+    enc = encode_best(model, posterior, table, q, config.budget, config.allocation, seed=config.seed,
+                      calibration=calibration, column_metric=metric, correction=correction, progress=progress,
+                      selection=selection)
+    del metric  # the layers' input moments: not read by the last stage
     qmodel, weights, _ = assemble(model, enc, posterior, calibration, config.distill, config.budget, config.seed,
                                   progress)
     return QuantizationResult(qmodel, weights, enc.allocation, enc.table, posterior, enc.name, enc.selection_kl,

@@ -67,7 +67,6 @@ def on_device(model, calibration, selection, device: str):
 def bayesq_stages(model, calibration, params, budget: float, seed: int, selection=None) -> tuple[dict, object]:
     """Wall seconds of each BayesQ stage; the kept :class:`~bayesq.quantize.Encoding`."""
     from bayesq.blocks import layer_blocks, quantizable_layers
-    from bayesq.error_feedback import shared_factors
     from bayesq.memory import estimate
     from bayesq.quantize import bias_correction, build_table, ef_column_metric, encode_best, posterior_and_stats
     from bayesq.config import BayesQConfig, DistillConfig
@@ -83,13 +82,12 @@ def bayesq_stages(model, calibration, params, budget: float, seed: int, selectio
     with _timed(stages, "metric + bias correction"):
         metric = ef_column_metric(post, q, stats=stats)
         correction = bias_correction(model, stats, calibration) if q.bias_correction else None
-    with shared_factors():  # as quantize_model: the table's gains and the roundings share each layer's factor
-        with _timed(stages, "table"):
-            table = build_table(post, blocks, q, seed=seed, model=model, calibration=calibration, progress=False,
-                                column_metric=metric)
-        with _timed(stages, "allocate+encode+select"):
-            enc = encode_best(model, post, table, q, budget, cfg.allocation, seed=seed, calibration=calibration,
-                              column_metric=metric, correction=correction, selection=selection)
+    with _timed(stages, "table"):
+        table = build_table(post, blocks, q, seed=seed, model=model, calibration=calibration, progress=False,
+                            column_metric=metric)
+    with _timed(stages, "allocate+encode+select"):
+        enc = encode_best(model, post, table, q, budget, cfg.allocation, seed=seed, calibration=calibration,
+                          column_metric=metric, correction=correction, selection=selection)
     return stages, enc
 
 

@@ -183,7 +183,6 @@ def stages(a) -> None:
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.canonical import canonical
     from bayesq.config import BayesQConfig
-    from bayesq.error_feedback import shared_factors
     from bayesq.memory import estimate
     from bayesq.quantize import bias_correction, build_table, ef_column_metric, encode_best, posterior_and_stats
     from flows.params import read_params
@@ -203,13 +202,12 @@ def stages(a) -> None:
                 metric = ef_column_metric(post, q, stats=st)
                 correction = bias_correction(model, st, cal)
             del st  # as quantize_model: the sums are not read after the metric and the correction
-            with shared_factors():
-                with peaks.stage("bayesq table"):
-                    table = build_table(post, blocks, q, model=model, calibration=cal, progress=False,
-                                        column_metric=metric)
-                with peaks.stage("bayesq allocate + encode + select"):
-                    encode_best(model, post, table, q, a.budget, cfg.allocation, calibration=cal,
-                                column_metric=metric, correction=correction, selection=sel)
+            with peaks.stage("bayesq table"):
+                table = build_table(post, blocks, q, model=model, calibration=cal, progress=False,
+                                    column_metric=metric)
+            with peaks.stage("bayesq allocate + encode + select"):
+                encode_best(model, post, table, q, a.budget, cfg.allocation, calibration=cal,
+                            column_metric=metric, correction=correction, selection=sel)
             del post, metric, correction, table
         if "gptq" in a.methods:
             b = params.baselines

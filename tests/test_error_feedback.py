@@ -336,3 +336,36 @@ def test_zero_scale_groups_get_the_zero_point_code_in_every_rounding():
     codes = error_feedback_groups(W, H, s, z, m)
     assert torch.equal(codes, want)
     assert torch.equal(coordinate_descent(W, H, s, z, m, codes, passes=2), want)
+
+
+def test_lazy_metrics_make_on_read_keep_the_last_and_the_gains():
+    """damped_metrics makes each layer's damped metric when read (the same values as
+    damped_metric), returns one object for repeated reads of a layer, and makes the gains of
+    every layer once per column order."""
+    from bayesq.error_feedback import LazyMetrics, damped_metric, damped_metrics
+
+    _, H1, *_ = _problem(11, 6, 9, 3)
+    _, H2, *_ = _problem(12, 5, 7, 1)
+    moments = {"a": H1.clone(), "b": H2.clone()}
+    metrics = damped_metrics(moments, 0.01)
+    assert list(metrics) == ["a", "b"] and len(metrics) == 2
+    for name, m in moments.items():
+        assert torch.equal(metrics[name], damped_metric(m, 0.01))
+    made = []
+    lazy = LazyMetrics(["a", "b"], lambda n: made.append(n) or damped_metric(moments[n]))
+    first = lazy["a"]
+    assert lazy["a"] is first and made == ["a"]  # the layer read last is kept
+    lazy["b"]
+    assert lazy["a"] is not first and made == ["a", "b", "a"]
+    gains = lazy.gains(True)
+    for name in ("a", "b"):
+        torch.testing.assert_close(gains[name], feedback_gain(damped_metric(moments[name]), act_order=True),
+                                   rtol=0, atol=0)
+    count = len(made)
+    assert lazy.gains(True) is gains and len(made) == count  # kept: no metric made again
+    lazy.gains(False)
+    assert len(made) == count + 2
+    with pytest.raises(KeyError):
+        lazy["c"]
+    with pytest.raises(ValueError, match="damp"):
+        damped_metrics(moments, 0.0)

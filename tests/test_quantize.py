@@ -577,7 +577,7 @@ def test_quantize_model_progress_names_every_step(capsys):
     cfg = BayesQConfig(budget=3.0, quant=CFG, distill=DistillConfig(max_budget=0))
     quantize_model(_model(), _calibration(), cfg, progress=True, selection=_calibration(2))
     err = capsys.readouterr().err
-    steps = ["fisher", "layer-input statistics", "loss table", "encode (error-feedback)",
+    steps = ["fisher", "layer-input statistics", "loss table", "encode (error-feedback, 2 candidates)",
              "FP on the selection inputs", "selection KL (searched)", "selection KL (searched-plain)"]
     assert [s for s in steps if s not in err] == []
 
@@ -692,3 +692,23 @@ def test_quantize_model_causal_language_model_default_config(rounding):
     again = quantize_model(model, with_padding(cal, 2), cfg, progress=False, selection=with_padding(sel, 2))
     for name, qw in res.weights.items():
         assert torch.equal(again.weights[name].codes, qw.codes), name
+
+
+def test_encode_best_layer_by_layer_vs_encode_of_the_kept_candidate():
+    """encode_best encodes every candidate layer by layer (one metric and factor held at a time):
+    the kept codes and books are exactly encode()'s of the kept table and allocation."""
+    from bayesq.quantize import ef_column_metric, encode, encode_best
+
+    model, batches, held, q, post, _, table = _fitted_with_held_out()
+    metric = ef_column_metric(post, q, model, batches)
+    for selection in (None, held):
+        enc = encode_best(model, post, table, q, 3.0, calibration=batches, column_metric=metric, selection=selection)
+        cq = enc.quant
+        weights = {n: model.get_submodule(n).weight for n in enc.weights}
+        want = encode(enc.table, enc.allocation, weights, rounding=cq.rounding, column_metric=metric,
+                      act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits, cd_passes=cq.cd_passes)
+        assert set(want) == set(enc.weights)
+        for name, qw in want.items():
+            assert enc.weights[name].codes.dtype == torch.int64
+            assert torch.equal(enc.weights[name].codes, qw.codes), name
+            assert torch.equal(enc.weights[name].dequantize(), qw.dequantize()), name

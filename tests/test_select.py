@@ -188,6 +188,29 @@ def test_select_best_kept_plain_form_stays_uncorrected_int64_codes():
     assert all(torch.equal(built.weights[n].codes, w.codes) for n, w in choice.result.weights.items())
 
 
+def test_select_best_holds_one_candidate_model_at_a_time():
+    """While a candidate is built, no earlier candidate's model is alive (the best one so far is
+    kept as its weights); the kept model is made again and scores as the chosen one did."""
+    import gc
+    import weakref
+
+    model, batches = _model(), _batches()
+    alive = []
+
+    def build(b):
+        gc.collect()
+        assert [r for r in alive if r() is not None] == []
+        res = rtn_quantize(model, Granularity.GROUP, b, CFG)
+        alive.append(weakref.ref(res.model))
+        return res
+
+    stats = input_stats(model, batches, quantizable_layers(model))
+    cands = {k: (lambda b=b: build(b)) for k, b in {"a": 4.5, "b": 3.3, "c": 4.0}.items()}
+    choice = select_best(cands, model, batches, stats_correction(model, stats, batches))
+    assert len(alive) == 3 and choice.variant.split("+")[0] == "a"  # the best was built first
+    assert explicit_kl(model, choice.result.model, batches) == pytest.approx(choice.kl[choice.variant], rel=1e-9)
+
+
 def test_stats_correction_without_means_names_the_fix():
     model, batches = _model(), _batches()
     stats = input_stats(model, batches, quantizable_layers(model))

@@ -113,7 +113,8 @@ class StatsSums:
             old[-1] += new[-1]
 
     def stats(self, layers: dict[str, nn.Module], n: int) -> dict[str, InputStats]:
-        """:class:`InputStats` of ``layers`` over the ``n`` inputs the rows came from.
+        """:class:`InputStats` of ``layers`` over the ``n`` inputs the rows came from (the sums are
+        divided in place and handed over: the object is empty afterwards).
 
         Raises:
             ValueError: empty calibration set; a layer that never ran.
@@ -126,8 +127,9 @@ class StatsSums:
             raise ValueError(f"layers {missing[:3]} never ran in the forward pass (a weight used functionally, "
                              "or a module the model holds but never calls): keep them in floating point with "
                              "exclude=[...] (names or glob patterns)")
-        return {k: InputStats(h / n, None if a is None else a / t, n, m / t, t / n)
-                for k, (h, a, m, t) in self._sums.items() if k in layers}
+        sums, self._sums = self._sums, {}  # consumed: each H is divided in place (no second copy)
+        return {k: InputStats(h.div_(n), None if a is None else a.div_(t), n, m.div_(t), t / n)
+                for k, (h, a, m, t) in sums.items() if k in layers}
 
 
 @on_canonical

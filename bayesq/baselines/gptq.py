@@ -39,7 +39,7 @@ from bayesq.baselines.select import (
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
 from bayesq.config import Granularity, QuantConfig, Rounding
-from bayesq.error_feedback import damped_metric
+from bayesq.error_feedback import LazyMetrics, damped_metric
 from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch
 from bayesq.methods import Inputs, Outcome, register
@@ -92,15 +92,18 @@ def _table(layers: dict[str, nn.Module], stats: dict[str, InputStats], blocks: l
 
 def _solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, InputStats], table: LossTable,
            allocation: Allocation, act_order: bool, damp: float, exclude: Sequence[str],
-           rounding: LayerRounding | None = None) -> QuantizationResult:
+           rounding: LayerRounding | None = None, compact: bool = False) -> QuantizationResult:
     """GPTQ's error-feedback codes on the grids of ``allocation``'s bit-widths (``rounding``:
-    another method's rounding of the same grids)."""
-    if rounding is None:
-        metric, solver = {n: damped_hessian(stats[n].H, damp) for n in layers}, None
+    another method's rounding of the same grids; ``compact``: uint8 codes, as
+    :func:`bayesq.quantize.encode`)."""
+    if rounding is None:  # made per layer as encode reads it: one damped copy and factor held at a time
+        metric, solver = LazyMetrics(layers, lambda n: damped_hessian(stats[n].H, damp)), None
     else:
-        metric, solver = {n: rounding.metric(stats[n], m.weight.shape[0]) for n, m in layers.items()}, rounding.solver
+        metric = LazyMetrics(layers, lambda n: rounding.metric(stats[n], layers[n].weight.shape[0]))
+        solver = rounding.solver
     qweights = encode(table, allocation, {n: m.weight for n, m in layers.items()},
-                      rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, act_order=act_order, solver=solver)
+                      rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, act_order=act_order, solver=solver,
+                      compact=compact)
     return baseline_result(model, layers, qweights, allocation, table, exclude)
 
 
@@ -108,7 +111,7 @@ def _solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, Inpu
 def gptq_quantize(
     model: nn.Module, stats: dict[str, InputStats], granularity: Granularity, budget: float,
     cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP, exclude: Sequence[str] = (),
-    rounding: LayerRounding | None = None,
+    rounding: LayerRounding | None = None, compact: bool = False,
 ) -> QuantizationResult:
     """GPTQ at ``budget`` average bits (all metadata counted) with channel or group grids.
 
@@ -120,6 +123,8 @@ def gptq_quantize(
         exclude: module names or glob patterns kept in floating point (the result's
             ``unquantized``; they need no statistics).
         rounding: another method's rounding on the same grids (AdaRound), else error feedback.
+        compact: codes below 256 as uint8, encoded layer by layer (candidates that wait for a
+            selection; :func:`bayesq.result.full_codes` gives int64 codes again).
 
     Raises:
         ValueError: per-tensor granularity (GPTQ uses channel or group grids), missing stats,
@@ -128,14 +133,14 @@ def gptq_quantize(
     granularity = _granularity(granularity)
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     table = _table(layers, stats, baseline_blocks(layers, granularity, cfg), cfg)
-    return _solve(model, layers, stats, table, allocate(table, budget), act_order, damp, exclude, rounding)
+    return _solve(model, layers, stats, table, allocate(table, budget), act_order, damp, exclude, rounding, compact)
 
 
 @on_canonical
 def gptq_allocation_quantize(
     model: nn.Module, stats: dict[str, InputStats], unit_bits: Mapping[str, Sequence[int]], budget: float,
     cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP, exclude: Sequence[str] = (),
-    rounding: LayerRounding | None = None,
+    rounding: LayerRounding | None = None, compact: bool = False,
 ) -> QuantizationResult:
     """GPTQ's error-feedback solver on a supplied allocation (e.g. BayesQ's ``Allocation.unit_bits``).
 
@@ -145,7 +150,7 @@ def gptq_allocation_quantize(
 
     Args:
         unit_bits: layer name -> bit-width of each unit, every width in ``cfg.bits``.
-        exclude, rounding: as :func:`gptq_quantize`.
+        exclude, rounding, compact: as :func:`gptq_quantize`.
 
     Raises:
         ValueError: missing stats, a layer's unit count or a width not matching ``cfg``, a cost
@@ -154,7 +159,7 @@ def gptq_allocation_quantize(
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     table = _table(layers, stats, layer_blocks(layers, cfg.group_size, cfg.unit_groups, cfg.unit.value), cfg)
     return _solve(model, layers, stats, table, given_allocation(table, unit_bits, budget), act_order, damp, exclude,
-                  rounding)
+                  rounding, compact)
 
 
 @on_canonical
@@ -169,7 +174,8 @@ def gptq_candidates(
     ``allocation`` (:func:`gptq_allocation_quantize`) unless ``allocation`` is None, ``mixed``
     (:func:`gptq_quantize` at ``granularity``) when its cheapest allocation fits and
     ``uniform-<b>-g<G>`` / ``uniform-<b>-channel`` for each width of ``cfg.bits`` with a fitting
-    layout from ``group_sizes``, in that order. ``exclude``, ``rounding``: as :func:`gptq_quantize`.
+    layout from ``group_sizes``, in that order. ``exclude``, ``rounding``: as :func:`gptq_quantize`;
+    each builds uint8 codes (``compact``: they wait for :func:`select_best`).
 
     Raises:
         ValueError: missing stats, or no variant fits the budget (naming the minimum feasible one).
@@ -177,7 +183,7 @@ def gptq_candidates(
     granularity = _granularity(granularity)
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     n = sum(m.weight.numel() for m in layers.values())
-    opts = dict(act_order=act_order, damp=damp, exclude=exclude, rounding=rounding)
+    opts = dict(act_order=act_order, damp=damp, exclude=exclude, rounding=rounding, compact=True)  # uint8 codes
     out: dict[str, Callable[[], QuantizationResult]] = {}
     if allocation is not None:  # first: usually the best, so the selection drops the others early
         out["allocation"] = partial(gptq_allocation_quantize, model, stats, allocation, budget, cfg, **opts)

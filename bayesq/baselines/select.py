@@ -48,7 +48,7 @@ from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch
 from bayesq.methods import Inputs, Outcome, read
 from bayesq.quantize import selection_looks
-from bayesq.result import Allocation, QuantizationResult, compact_codes, full_codes
+from bayesq.result import Allocation, QuantizationResult, compact_codes, full_codes, quantized_copy
 from bayesq.storage import budget_bits, unit_cost_bits
 
 #: Candidate group sizes of the uniform variants (per-output-channel grids are always tried last).
@@ -270,7 +270,9 @@ def select_best(
 
     Args:
         candidates: variant name -> builder of its :class:`QuantizationResult` (called once,
-            in order; only the best result so far is kept in memory).
+            in order), whose model is ``quantized_copy(model, weights)`` as every baseline's
+            (:func:`bayesq.result.baseline_result`): only the best candidate's weights are kept
+            while the others are built and scored, and its model is made again at the end.
         model: the full-precision model (the KL's reference).
         batches: the inputs the candidates are scored on (the calibration inputs, or inputs
             held out of them).
@@ -296,8 +298,8 @@ def select_best(
         res = build()
         res = replace(res, weights=compact_codes(res.weights))  # 1 byte per weight while it waits
         for label in [name] + ([f"{name}+bc"] if correction else []):
-            if label != name:  # corrected in place, unless the plain form is the one kept so far
-                res = corrected(res, model, correction, in_place=best is None or best[1] is not res)
+            if label != name:  # in place: the kept form holds no model (rebuilt at the end)
+                res = corrected(res, model, correction, in_place=True)
             bits[label] = res.average_bits
             losses = kl_per_input(reference[:first], res.model, batches[:first])
             if first < len(batches) and best_losses is not None and _resolved_worse(losses, best_losses[:len(losses)]):
@@ -307,9 +309,13 @@ def select_best(
                 losses = torch.cat([losses, kl_per_input(reference[first:], res.model, batches[first:])])
             kl[label], inputs[label] = float(losses.mean()), len(losses)
             score = math.inf if math.isnan(kl[label]) else kl[label]
-            if best is None or score < best_kl:
-                best, best_kl, best_losses = (label, res), score, losses
-    return BaselineChoice(replace(best[1], weights=full_codes(best[1].weights)), best[0], kl, bits, inputs)
+            if best is None or score < best_kl:  # its weights and correction; one model copy alive at a time
+                best, best_kl, best_losses = (label, replace(res, model=None)), score, losses
+        del res
+    label, kept = best
+    weights = full_codes(kept.weights)  # int64 again, as the encoders give them
+    return BaselineChoice(replace(kept, model=quantized_copy(model, weights, kept.correction), weights=weights),
+                          label, kl, bits, inputs)
 
 
 def _resolved_worse(losses: torch.Tensor, best: torch.Tensor) -> bool:

@@ -59,9 +59,9 @@ def _squared_grad_sum(
     rows object), so the same pass also gives the layer-input statistics.
 
     ``max_inputs``: each batch runs in parts of at most this many inputs
-    (:func:`bayesq.forward.split_batches`: the activations of a part, not of a batch); a part's
-    squared gradients are summed over the batch in its dtype before the float64 sum, and a
-    layer with fewer input rows in a part than input features hands ``on_rows`` the batch's rows
+    (:func:`bayesq.forward.split_batches`: the activations of a part, not of a batch); each
+    part's squared gradients (summed over its inputs in their dtype) go into the float64 sum,
+    and a layer with fewer input rows in a part than input features hands ``on_rows`` the batch's rows
     joined once (the same rows as without parts: no d_in x d_in product per part), the others
     their part's rows.
     Returns (name -> float64 tensor shaped like the weight, inputs seen).
@@ -81,7 +81,6 @@ def _squared_grad_sum(
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
             parts = split_batches([batch], max_inputs)
             held: dict[str, list[tuple[torch.Tensor, int]]] = {}  # rows handed on once per batch
-            summed: dict[str, torch.Tensor] = {}  # the batch's squared gradients, over its parts
             for part in parts:
                 with torch.enable_grad():  # also when called under torch.no_grad()
                     z, mask = predictions(model, part)
@@ -112,15 +111,11 @@ def _squared_grad_sum(
                                 sq = squared_grad_sum(mod, acts[name], outs.pop(name), rows)
                                 if len(passes) > 1:
                                     total[name] += sq.double() / len(passes)
-                                elif name in summed:
-                                    summed[name].add_(sq)
-                                else:
-                                    summed[name] = sq
+                                else:  # in place (no float64 temporary): one layer's squares held at a time
+                                    total[name].add_(sq)
                 n_seen += batch_size(part)
                 acts.clear()
                 outputs.clear()
-            for name, sq in summed.items():  # in place: no float64 temporary (the same sum)
-                total[name].add_(sq)
             _hand_on(held, on_rows)
     if n_seen == 0:
         raise ValueError(
