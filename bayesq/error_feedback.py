@@ -142,8 +142,8 @@ def _validate_order(order: torch.Tensor | None, d: int, device) -> torch.Tensor:
     return order.to(device, torch.int64)
 
 
-def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
-    """Upper U with ``H^-1 = U^T U``; H (..., in, in) float64, batched over leading dims.
+def _cholesky(H: torch.Tensor) -> torch.Tensor:
+    """Lower L with ``H = L L^T``; H (..., in, in) float64, batched over leading dims.
 
     Raises ValueError if some H is not SPD (naming the first failing batch index)."""
     L, info = torch.linalg.cholesky_ex(H)
@@ -153,7 +153,14 @@ def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
             f"H is not positive definite{where} (Cholesky failed); add damping, e.g. "
             "H + 0.01 * H.diagonal().mean() * I"
         )
-    return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+    return L
+
+
+def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
+    """Upper U with ``H^-1 = U^T U``; H (..., in, in) float64, batched over leading dims.
+
+    Raises ValueError if some H is not SPD (naming the first failing batch index)."""
+    return torch.linalg.cholesky(torch.cholesky_inverse(_cholesky(H)), upper=True)
 
 
 _FACTORS: ContextVar[dict | None] = ContextVar("error_feedback_factors", default=None)
@@ -161,9 +168,9 @@ _FACTORS: ContextVar[dict | None] = ContextVar("error_feedback_factors", default
 
 @contextmanager
 def shared_factors() -> Iterator[None]:
-    """Within it, :func:`error_feedback_groups` and :func:`feedback_gain` factor each metric
-    tensor once per column order (the same ``U``, bit for bit): the table's gains and the
-    rounding of every grid candidate read one factor per layer. The factors are memoised on the
+    """Within it, :func:`error_feedback_groups` factors each metric tensor once per column order
+    (the same ``U``, bit for bit): the row chunks of a layer and the rounding of every grid
+    candidate read one factor. The factors are memoised on the
     tensor object (its in-place version checked) and dropped on exit (of the outermost, when
     nested)."""
     if _FACTORS.get() is not None:
@@ -355,8 +362,9 @@ def feedback_gain(H: torch.Tensor, act_order: bool = False) -> torch.Tensor:
     Rounding column j with feedback onto the not yet quantised columns F leaves, per unit of
     squared rounding error, the cost ``d_j = 1 / [H_{F'}^-1]_jj = H_jj - H_jF H_FF^-1 H_Fj``
     (``F' = F + {j}``: the Schur complement, i.e. the conditional precision of column j given
-    the later columns; ``1 / U_jj^2`` with U the upper Cholesky factor of the permuted inverse,
-    as in :func:`error_feedback_round`). For independent zero-mean rounding errors ``e`` the
+    the later columns; ``1 / U_jj^2`` with U the upper Cholesky factor of the permuted inverse
+    of :func:`error_feedback_round`, equally ``L_jj^2`` with L the lower Cholesky factor of the
+    metric in the reversed column order, which is what is computed). For independent zero-mean rounding errors ``e`` the
     expected cost is ``sum_j d_j E[e_j^2]`` instead of nearest rounding's ``sum_j H_jj E[e_j^2]``,
     so ``0 < r_j <= 1`` and the last column quantised has ``r = 1``.
 
@@ -369,9 +377,12 @@ def feedback_gain(H: torch.Tensor, act_order: bool = False) -> torch.Tensor:
     """
     batched = H.dim() == 3
     Hg = (H if batched else H.unsqueeze(0)).double()
-    perm, U = _ordered_factor(H, Hg, act_order)  # U: (G, d, d)
-    hp = torch.gather(Hg.diagonal(dim1=1, dim2=2), 1, perm)  # diag of the permuted metric
-    r_perm = 1.0 / (U.diagonal(dim1=1, dim2=2) ** 2 * hp)  # r_j in solver order
+    perm, Hp = _solver_order(Hg, act_order)
+    # d_j given the later columns is L_jj^2 of the Cholesky factor in the reversed order: one
+    # factorisation, a third of the rounding's (inverse, then factor again)
+    L = _cholesky(Hp.flip(1, 2))
+    d = (L.diagonal(dim1=1, dim2=2) ** 2).flip(1)  # (G, d) in solver order
+    r_perm = d / Hp.diagonal(dim1=1, dim2=2)  # r_j in solver order
     out = torch.empty_like(r_perm).scatter_(1, perm, r_perm)
     return out if batched else out[0]
 

@@ -220,30 +220,41 @@ def test_feedback_gain_vs_schur_complement(act_order):
 
 @pytest.mark.parametrize("act_order", [False, True])
 def test_shared_factors_factor_each_metric_once_with_the_same_results(monkeypatch, act_order):
-    """Inside shared_factors the gains and two roundings of one metric factor it once, and give
-    the same numbers bit for bit; an in-place change of the metric, another order or leaving the
-    scope factors again."""
+    """Inside shared_factors two roundings of one metric factor it once, and give the same codes
+    bit for bit; an in-place change of the metric, another order or leaving the scope factors
+    again."""
     W, H, scale, zero, maxq = _problem(11, 6, 9, 3)
-    plain = (feedback_gain(H, act_order=act_order), error_feedback_groups(W, H, scale, zero, maxq, act_order=act_order))
+    plain = error_feedback_groups(W, H, scale, zero, maxq, act_order=act_order)
     calls = []
     real = ef._inverse_cholesky
     monkeypatch.setattr(ef, "_inverse_cholesky", lambda M: calls.append(1) or real(M))
     with shared_factors():
         with shared_factors():  # nested: the outer memo serves
-            gain = feedback_gain(H, act_order=act_order)
-        codes = [error_feedback_groups(W, H, scale, zero, maxq, act_order=act_order) for _ in range(2)]
+            first = error_feedback_groups(W, H, scale, zero, maxq, act_order=act_order)
+        codes = [first] + [error_feedback_groups(W, H, scale, zero, maxq, act_order=act_order) for _ in range(2)]
         assert len(calls) == 1
-        feedback_gain(H, act_order=not act_order)
+        error_feedback_groups(W, H, scale, zero, maxq, act_order=not act_order)
         assert len(calls) == 2
         H.mul_(2.0)  # in place: a new version, a new factor
-        torch.testing.assert_close(feedback_gain(H, act_order=act_order), gain, rtol=1e-12, atol=0)
+        error_feedback_groups(W, H, scale, zero, maxq, act_order=act_order)
         assert len(calls) == 3
-    torch.testing.assert_close(gain, plain[0], rtol=0, atol=0)
     for c in codes:
-        assert torch.equal(c, plain[1])
-    feedback_gain(H, act_order=act_order)
-    feedback_gain(H, act_order=act_order)
+        assert torch.equal(c, plain)
+    error_feedback_groups(W, H, scale, zero, maxq, act_order=act_order)
+    error_feedback_groups(W, H, scale, zero, maxq, act_order=act_order)
     assert len(calls) == 5  # outside the scope: nothing memoised
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_feedback_gain_vs_inverse_factor_diagonal(act_order):
+    """The gains from one Cholesky factor in the reversed order equal ``1 / (U_jj^2 H_jj)`` from
+    the rounding's factor U of the permuted inverse (to float64 rounding)."""
+    _, H, *_ = _problem(13, 4, 40, 3)
+    perm, Hp = ef._solver_order(H.unsqueeze(0), act_order)
+    U = ef._inverse_cholesky(Hp)[0]
+    want = torch.empty(40, dtype=torch.float64)
+    want[perm[0]] = 1.0 / (U.diagonal() ** 2 * Hp[0].diagonal())
+    torch.testing.assert_close(feedback_gain(H, act_order=act_order), want, rtol=1e-12, atol=0)
 
 
 def test_feedback_gain_predicts_error_feedback_cost_vs_simulation():
