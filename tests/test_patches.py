@@ -87,3 +87,19 @@ def test_squared_grad_sum_vs_per_example_grad(name, limit, monkeypatch):
     mod, _, a, _, g = _layer_grad(name, 3)
     ref = per_example_grad(mod, a, g).pow(2).sum(0)
     torch.testing.assert_close(patches.squared_grad_sum(mod, a, g), ref, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("n", [1, 7, (1 << 16) + 3, 3 * (1 << 16)])
+def test_add_float64_vs_mixed_dtype_add(n):
+    """Chunked conversion gives exactly torch's mixed-dtype add (float32 -> float64 is exact),
+    for sizes below, at and across the chunk, on a weight-shaped (non-flat) pair."""
+    from bayesq.curvature.patches import add_float64
+
+    g = torch.Generator().manual_seed(n)
+    total = torch.randn(n, 1, dtype=torch.float64, generator=g) * 1e3
+    x = torch.randn(n, 1, generator=g)
+    want = total.clone().add_(x)
+    out = add_float64(total, x)
+    assert out is total and torch.equal(total, want)
+    same = torch.randn(4, dtype=torch.float64, generator=g)
+    assert torch.equal(add_float64(same.clone(), same), same + same)  # one dtype: a plain add

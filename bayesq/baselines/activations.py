@@ -25,6 +25,7 @@ from torch import nn
 
 from bayesq.blocks import quantizable_layers
 from bayesq.canonical import on_canonical
+from bayesq.curvature.patches import add_float64
 from bayesq.forward import Batch
 from bayesq.posterior import forward_inputs
 
@@ -109,7 +110,7 @@ class StatsSums:
         else:
             for x, y in zip(old[:-1], new[:-1]):
                 if x is not None:
-                    x.add_(y)
+                    add_float64(x, y)
             old[-1] += new[-1]
 
     def stats(self, layers: dict[str, nn.Module], n: int) -> dict[str, InputStats]:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from bayesq.curvature.patches import input_rows, squared_grad_sum
+from bayesq.curvature.patches import add_float64, input_rows, squared_grad_sum
 from bayesq.forward import (
     Batch, batch_size, layer_calls, padding_mask, prediction_rows, predictions, split_batches, token_rows,
 )
@@ -111,8 +111,8 @@ def _squared_grad_sum(
                                 sq = squared_grad_sum(mod, acts[name], outs.pop(name), rows)
                                 if len(passes) > 1:
                                     total[name] += sq.double() / len(passes)
-                                else:  # in place (no float64 temporary): one layer's squares held at a time
-                                    total[name].add_(sq)
+                                else:  # in place (no float64 copy): one layer's squares held at a time
+                                    add_float64(total[name], sq)
                 n_seen += batch_size(part)
                 acts.clear()
                 outputs.clear()
