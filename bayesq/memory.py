@@ -3,12 +3,13 @@
 The estimate is empirical: four terms, the first two with constants fitted (least squares, the
 activation factors kept from an earlier fit) to the peak resident memory beyond the model and
 inputs that ``benchmarks/scale.py`` measured for BayesQ's default at 3.0 bits on a 2-core CPU,
-2026-11-27 (128 calibration + 128 selection inputs of 128 tokens or 224 px, batches of 8):
-EfficientNet-Lite0 0.57 GiB, the MiniLM classifier 0.82, ResNet-50 3.11, BERT-base 4.72, GPT-2
-small 6.88. The fit gives 0.44 / 1.05 / 2.81 / 5.12 / 6.59 GiB (-22 % to +29 %):
+2026-11-27 (128 calibration + 128 selection inputs of 128 tokens or 224 px, batches of 8; with
+the error-feedback metrics made one layer at a time): EfficientNet-Lite0 0.50 GiB, the MiniLM
+classifier 0.74, ResNet-50 2.52, BERT-base 3.52, GPT-2 small 5.66. The fit gives 0.37 / 0.91 /
+2.18 / 4.00 / 5.29 GiB (-26 % to +23 %):
 
     peak ~ BYTES_PER_WEIGHT * P_q                 (posterior, tables, candidates, encodings)
-         + BYTES_PER_MOMENT * M                   (input moments, damped metrics, their factors)
+         + BYTES_PER_MOMENT * M                   (input moments; one layer's damped metric and factor)
          + ACTIVATION_FACTOR * A                  (the curvature pass's forward + backward)
          + LOGIT_FACTOR * 8 * R * V               (per-token predictive in float64)
 
@@ -36,8 +37,8 @@ from torch import nn
 
 from bayesq.forward import Batch, batch_size, call, output_logits
 
-BYTES_PER_WEIGHT = 37
-BYTES_PER_MOMENT = 14
+BYTES_PER_WEIGHT = 30
+BYTES_PER_MOMENT = 10
 ACTIVATION_FACTOR = 2.0
 LOGIT_FACTOR = 7.5
 PASS_BYTES = 512 * 2**20  # activation + logit terms of a batch that one curvature pass holds whole ...
@@ -166,4 +167,4 @@ def check(est: MemoryEstimate, device: torch.device) -> None:
         f"BayesQ needs {est.describe()} on {device}, but only {free / GIB:.2f} GiB is free. "
         "Lower it: shorter inputs (fewer tokens or pixels: the activation part), `exclude=` for layers to keep in "
         "floating point (the weight and input-moment parts), or run on a device with more memory; "
-        "`check_memory=False` runs anyway (the estimate was within -22 % to +29 % of the peaks measured).")
+        "`check_memory=False` runs anyway (the estimate was within -26 % to +23 % of the peaks measured).")
