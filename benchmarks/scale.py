@@ -144,7 +144,7 @@ class StagePeaks:
     def __init__(self) -> None:
         import threading
 
-        self.current, self.peaks, self.seconds, self._stop = None, {}, {}, False
+        self.current, self.peaks, self.seconds, self.after, self._stop = None, {}, {}, {}, False
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
@@ -152,6 +152,20 @@ class StagePeaks:
     def rss() -> float:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+    @classmethod
+    def settled(cls) -> float:
+        """RSS (GiB) once garbage is collected and glibc has returned its free pages to the system
+        (``malloc_trim``; plain RSS where there is no glibc): what the next stage starts from."""
+        import ctypes
+        import gc
+
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+        return cls.rss()
 
     def _sample(self) -> None:
         while not self._stop:
@@ -172,12 +186,15 @@ class StagePeaks:
                 self.seconds[name] = time.perf_counter() - start
                 self.peaks[name] = max(self.peaks[name], self.rss())
                 self.current = None
+                self.after[name] = self.settled()
         return run()
 
 
 def stages(a) -> None:
     """``--stages``: BayesQ's default and GPTQ's strongest variant stage by stage in this process
-    (as benchmarks/one_time_cost.py), each stage's wall seconds and peak RSS."""
+    (as benchmarks/one_time_cost.py), each stage's wall seconds, peak RSS (sampled every 20 ms)
+    and RSS after it once freed memory is returned to the system (:meth:`StagePeaks.settled`:
+    what stays held, apart from what the allocator keeps)."""
     from bayesq.baselines.activations import input_stats
     from bayesq.baselines.gptq import gptq_select
     from bayesq.blocks import layer_blocks, quantizable_layers
@@ -219,7 +236,8 @@ def stages(a) -> None:
                             selection=sel)
     peaks._stop = True
     for name in peaks.seconds:
-        print(f"  {name:36s} {peaks.seconds[name]:7.1f} s  peak {peaks.peaks[name]:6.2f} GiB", flush=True)
+        print(f"  {name:36s} {peaks.seconds[name]:7.1f} s  peak {peaks.peaks[name]:6.2f} GiB  "
+              f"after {peaks.after[name]:6.2f} GiB", flush=True)
 
 
 def run_one(size: str, method: str, a) -> dict:
