@@ -77,7 +77,7 @@ class LazyMetrics(Mapping[str, torch.Tensor]):
         if name not in self._known:
             raise KeyError(name)
         if self._last[0] != name:  # the same object for repeated reads of one layer (shared_factors' key)
-            self._last = (name, None)
+            self._last = (name, None)  # the previous layer's metric freed before the next is made
             self._last = (name, self._make(name))
         return self._last[1]
 

@@ -520,12 +520,6 @@ def encode_best(
     other candidates' tables by name (:func:`candidate_tables`; they do not depend on the
     budget, so a caller encoding several budgets builds them once); those absent are built here.
     """
-    return _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calibration, column_metric,
-                        correction, progress, stats, selection, reference, tables)
-
-
-def _encode_best(model, posterior, table, q, budget, allocation_cfg, seed, calibration, column_metric, correction,
-                 progress, stats, selection, reference, tables) -> Encoding:
     layers = {t.blocks.name: model.get_submodule(t.blocks.name) for t in table.layers}
     weights = {n: m.weight for n, m in layers.items()}
     selection = list(selection) if selection is not None else None

@@ -39,7 +39,7 @@ from bayesq.baselines.select import (
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
 from bayesq.config import Granularity, QuantConfig, Rounding
-from bayesq.error_feedback import LazyMetrics, damped_metric
+from bayesq.error_feedback import LazyMetrics, damped_metric, damped_metrics
 from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch
 from bayesq.methods import Inputs, Outcome, register
@@ -97,7 +97,7 @@ def _solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, Inpu
     another method's rounding of the same grids; ``compact``: uint8 codes, as
     :func:`bayesq.quantize.encode`)."""
     if rounding is None:  # made per layer as encode reads it: one damped copy and factor held at a time
-        metric, solver = LazyMetrics(layers, lambda n: damped_hessian(stats[n].H, damp)), None
+        metric, solver = damped_metrics({n: stats[n].H for n in layers}, damp), None
     else:
         metric = LazyMetrics(layers, lambda n: rounding.metric(stats[n], layers[n].weight.shape[0]))
         solver = rounding.solver
