@@ -350,7 +350,7 @@ class _Trainable(nn.Module):
         parts, order = [], []
         for b, book in qw.books.items():
             sel = torch.nonzero(qw.group_bits == b).squeeze(1)
-            parts.append(book.decode_trained(dict(self.books[str(b)]), qw.codes[sel]))
+            parts.append(book.decode_trained(dict(self.books[str(b)]), qw.indices(sel)))
             order.append(sel)
         w = qw.blocks.from_groups(torch.cat(parts)[torch.argsort(torch.cat(order))])
         if qw.col_scale is None:
@@ -361,7 +361,7 @@ class _Trainable(nn.Module):
 
     def stored(self, scale_bits: int, lut_bits: int) -> QuantizedWeight:
         """The encoding with the trained books rounded to their stored precision."""
-        books, codes = dict(self.qw.books), self.qw.codes.clone()
+        books, codes = dict(self.qw.books), self.qw.indices()
         for b, book in self.qw.books.items():
             params = {k: v.detach().double() for k, v in self.books[str(b)].items()}
             if params:

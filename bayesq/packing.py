@@ -76,4 +76,4 @@ def offsets_of(widths: torch.Tensor) -> torch.Tensor:
 def real_codes(qw: QuantizedWeight, sizes: torch.Tensor) -> torch.Tensor:
     """The codes of the real (unpadded) fields, group by group: (sum sizes,) int64."""
     mask = torch.arange(qw.codes.shape[1])[None, :] < sizes[:, None]  # (G, width)
-    return qw.codes[mask]
+    return qw.codes[mask].long()

@@ -43,7 +43,7 @@ from bayesq.methods import Inputs, Outcome, register
 from bayesq.posterior import ROWS_IN_PASS, Posterior, fit_posterior as _fit_posterior, input_moments
 from bayesq.refit import refit_scales
 from bayesq.result import (
-    Allocation, QuantizationResult, QuantizedWeight, compact_codes, full_codes, load_quantized, quantized_copy,
+    Allocation, QuantizationResult, QuantizedWeight, load_quantized, quantized_copy,
 )
 from bayesq.storage import budget_bits
 
@@ -303,8 +303,7 @@ def encode(
     table: LossTable, allocation: Allocation, weights: dict[str, torch.Tensor], *,
     posterior: Posterior | None = None, rounding: Rounding = Rounding.NEAREST,
     column_metric: Mapping[str, torch.Tensor] | None = None, act_order: bool = False,
-    refit: bool = False, scale_bits: int = 16, cd_passes: int = 0, progress: bool = False, compact: bool = False,
-    solver=None,
+    refit: bool = False, scale_bits: int = 16, cd_passes: int = 0, progress: bool = False, solver=None,
 ) -> dict[str, QuantizedWeight]:
     """Quantise each layer with the codebooks of its units' chosen bit-widths.
 
@@ -317,8 +316,6 @@ def encode(
     (:func:`error_feedback.coordinate_descent`); ``refit`` then
     refits the groups' scales to the codes in the same metric (:func:`bayesq.refit.refit_scales`,
     stored at ``scale_bits``). Otherwise codes are the nearest levels. ``progress``: a bar over layers.
-    ``compact``: codes below 256 held as uint8, layer by layer (:func:`bayesq.result.compact_codes`:
-    encodings that wait for a selection never hold every layer's int64 codes at once).
     ``solver``: another rounding of the rows on the same grids and metric in place of error
     feedback and coordinate descent (``solver(rows, metric, scale, zero, maxq, name=layer)`` ->
     int64 codes; AdaRound, :mod:`bayesq.baselines.adaround`).
@@ -327,7 +324,7 @@ def encode(
     :class:`bayesq.error_feedback.LazyMetrics` then holds one layer's metric and factor at a time).
     """
     opts = dict(rounding=rounding, act_order=act_order, refit=refit, scale_bits=scale_bits, cd_passes=cd_passes,
-                compact=compact, solver=solver, progress=progress)
+                solver=solver, progress=progress)
     out = {}
     for t in tqdm(table.layers, desc=f"encode ({Rounding(rounding).value})", disable=not progress, leave=False):
         name = t.blocks.name
@@ -353,7 +350,7 @@ def _layer_metric(name: str, rounding: Rounding, column_metric: Mapping[str, tor
 def encode_layer(
     t: LayerTable, unit_bits: Sequence[int], weight: torch.Tensor, metric: torch.Tensor | None, *,
     rounding: Rounding = Rounding.NEAREST, act_order: bool = False, refit: bool = False, scale_bits: int = 16,
-    cd_passes: int = 0, compact: bool = False, solver=None, progress: bool = False,
+    cd_passes: int = 0, solver=None, progress: bool = False,
 ) -> QuantizedWeight:
     """One layer of :func:`encode`: ``weight`` with the books of ``t`` at ``unit_bits`` (one
     width per unit), rounded in ``metric`` (error feedback) or to the nearest levels."""
@@ -390,8 +387,7 @@ def encode_layer(
         codes = torch.zeros(lb.n_groups, widths.pop(), dtype=torch.int64, device=w.device)
         for b, part in parts.items():
             codes[group_bits == b] = part
-    qw = QuantizedWeight(lb, group_bits, codes, books)
-    return compact_codes({lb.name: qw})[lb.name] if compact else qw
+    return QuantizedWeight(lb, group_bits, codes, books)
 
 
 def grid_candidates(q: QuantConfig, held_out: bool = False) -> dict[str, QuantConfig]:
@@ -560,7 +556,7 @@ def encode_best(
                 qw[lb.name] = encode_layer(
                     t.layer(lb.name), allocation.unit_bits[lb.name], weights[lb.name], metric,
                     rounding=cq.rounding, act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits,
-                    cd_passes=cq.cd_passes, compact=len(cands) > 1, progress=progress)  # 1 byte per weight while waiting
+                    cd_passes=cq.cd_passes, progress=progress)
     if len(cands) == 1:
         return Encoding(next(iter(cands)), *built[next(iter(cands))], {}, correction)
     fp = {}  # the FP log-probabilities of each look's batches
@@ -582,7 +578,6 @@ def encode_best(
                          "batches: pass reference_log_probs of the same batches, in the same order")
     kept, margins, kls = sequential_choice(score, list(cands), anchor, selection_looks(scored), len(scored))
     cq, t, allocation, qw = built[kept]
-    qw = full_codes(qw)  # int64 again, as encode gave them
     return Encoding(kept, cq, t, allocation, qw, {k: float(v.mean()) for k, v in kls.items()}, correction,
                     {k: (d.ci_low, d.ci_high) for k, d in margins.items()}, {k: len(v) for k, v in kls.items()})
 

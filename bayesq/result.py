@@ -8,7 +8,7 @@ imports this module and none imports another method's module for them.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
@@ -55,8 +55,10 @@ class QuantizedWeight:
     Attributes:
         blocks: group / unit layout.
         group_bits: (G,) int64 bit-width of each group.
-        codes: (G, group_size) int64 codes (padding of the last group included); VQ layers
-            hold (G, group_size / vq_dim) codeword indices.
+        codes: (G, group_size) codes (padding of the last group included); VQ layers hold
+            (G, group_size / vq_dim) codeword indices. Held as uint8 when every code is below 256
+            (1 byte per weight instead of 8, exact; :meth:`indices` gives them as int64), else as
+            given.
         books: bit-width -> codebook of the groups at that width, rows in group order
             (``UniformGrids``: ``scale * (code - zero)``; ``LevelTables``: ``levels[row, code]``).
         col_scale: optional (groups, d_in) float64 stored per-input-channel scale s (AWQ): the
@@ -69,12 +71,23 @@ class QuantizedWeight:
     books: Mapping[int, Book]
     col_scale: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        c = self.codes  # uint8 when every code fits (the attribute's docstring)
+        if c.dtype in (torch.int16, torch.int32, torch.int64) and c.numel():
+            lo, hi = torch.aminmax(c)
+            if int(lo) >= 0 and int(hi) < 256:
+                object.__setattr__(self, "codes", c.to(torch.uint8))
+
+    def indices(self, sel: torch.Tensor | None = None) -> torch.Tensor:
+        """The codes (of the groups ``sel`` selects) as int64, the dtype indexing needs."""
+        return (self.codes if sel is None else self.codes[sel]).long()
+
     def dequantize(self) -> torch.Tensor:
         """Weight of ``blocks.shape`` (float64) from the codes, codebooks (and col_scale) only."""
         w = torch.zeros(self.codes.shape[0], self.blocks.group_size, dtype=torch.float64, device=self.codes.device)
         for b, book in self.books.items():
             sel = self.group_bits == b
-            w[sel] = book.dequantize(self.codes[sel])
+            w[sel] = book.dequantize(self.indices(sel))
         w = self.blocks.from_groups(w)
         if self.col_scale is None:
             return w
@@ -131,25 +144,13 @@ def quantized_copy(
     return qmodel.eval()
 
 
-def compact_codes(weights: Mapping[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
-    """``weights`` with codes below 256 held as uint8 (1 byte per weight instead of 8, exact):
-    encodings that wait for a selection; :func:`full_codes` restores them."""
-    return {n: replace(w, codes=w.codes.to(torch.uint8)) if int(w.codes.max()) < 256 else w
-            for n, w in weights.items()}
-
-
-def full_codes(weights: Mapping[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
-    """``weights`` with int64 codes again, as the encoders give them."""
-    return {n: w if w.codes.dtype == torch.int64 else replace(w, codes=w.codes.long()) for n, w in weights.items()}
-
-
 def load_quantized(
     qmodel: nn.Module, model: nn.Module, weights: Mapping[str, QuantizedWeight],
     correction: BiasCorrection | None = None,
 ) -> None:
     """Make ``qmodel`` (a copy of ``model``, possibly holding another encoding already) exactly
     :func:`quantized_copy` of ``weights``: the tensors a correction shifts reset to ``model``'s, the
-    dequantised weights copied in (codes of any integer dtype), then ``correction`` applied. One copy
+    dequantised weights copied in, then ``correction`` applied. One copy
     then serves several candidate encodings in turn."""
     modules, state = dict(qmodel.named_modules()), dict(qmodel.named_parameters()) | dict(qmodel.named_buffers())
     source = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -158,8 +159,6 @@ def load_quantized(
             state[key].copy_(source[key])
         for name, qw in weights.items():
             mod = modules[name]
-            if qw.codes.dtype != torch.int64:
-                qw = replace(qw, codes=qw.codes.long())
             mod.weight.copy_(qw.dequantize().to(mod.weight.dtype))
     if correction is not None:
         correction.apply(qmodel, model)

@@ -121,7 +121,7 @@ def test_gptq_layer_error_not_above_rtn(seed):
     # RTN's allocation may differ (its loss is unweighted): compare at GPTQ's allocation too
     nearest = res.weights[""]
     groups, _ = nearest.blocks.to_groups(W.reshape(-1))
-    codes = torch.zeros_like(nearest.codes)
+    codes = torch.zeros_like(nearest.indices())
     for b, book in nearest.books.items():
         codes[nearest.group_bits == b] = book.quantize(groups[nearest.group_bits == b])
     Dn = replace(nearest, codes=codes).dequantize() - W
@@ -279,7 +279,7 @@ def test_gptq_allocation_candidate_reproduces_unit_bits(unit):
         # error feedback: output error at most nearest rounding's on the same grids
         W, H = model.get_submodule(n).weight.detach(), stats[n].H[0]
         groups, _ = q.blocks.to_groups(W.reshape(-1))
-        codes = torch.zeros_like(q.codes)
+        codes = torch.zeros_like(q.indices())
         for b, book in q.books.items():
             codes[q.group_bits == b] = book.quantize(groups[q.group_bits == b])
         D, Dn = q.dequantize() - W, replace(q, codes=codes).dequantize() - W

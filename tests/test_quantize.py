@@ -709,6 +709,6 @@ def test_encode_best_layer_by_layer_vs_encode_of_the_kept_candidate():
                       act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits, cd_passes=cq.cd_passes)
         assert set(want) == set(enc.weights)
         for name, qw in want.items():
-            assert enc.weights[name].codes.dtype == torch.int64
+            assert enc.weights[name].codes.dtype == torch.uint8  # 3-bit codes: one byte each
             assert torch.equal(enc.weights[name].codes, qw.codes), name
             assert torch.equal(enc.weights[name].dequantize(), qw.dequantize()), name

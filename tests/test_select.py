@@ -173,7 +173,7 @@ def test_select_best_with_correction_scores_both_forms_vs_hand_corrected():
 
 def test_select_best_kept_plain_form_stays_uncorrected_int64_codes():
     """A correction fitted on other inputs hurts: a plain form wins and comes back as built (its
-    model not corrected by its own +bc form's scoring, its codes int64 as the encoder gave them)."""
+    model not corrected by its own +bc form's scoring, its codes as the encoder gave them)."""
     model, batches = _model(), _batches()
     cands = {k: (lambda b=b: rtn_quantize(model, Granularity.GROUP, b, CFG)) for k, b in {"a": 3.3, "b": 4.5}.items()}
     skewed = [5.0 * x + 3.0 for x in batches]
@@ -183,7 +183,7 @@ def test_select_best_kept_plain_form_stays_uncorrected_int64_codes():
     assert not choice.variant.endswith("+bc") and choice.kl[choice.variant] < choice.kl[choice.variant + "+bc"]
     assert explicit_kl(model, choice.result.model, batches) == pytest.approx(want[choice.variant], rel=1e-12)
     assert choice.result.correction is None
-    assert all(w.codes.dtype == torch.int64 for w in choice.result.weights.values())
+    assert all(w.codes.dtype == torch.uint8 for w in choice.result.weights.values())
     built = cands[choice.variant]()
     assert all(torch.equal(built.weights[n].codes, w.codes) for n, w in choice.result.weights.items())
 

@@ -92,18 +92,16 @@ def _table(layers: dict[str, nn.Module], stats: dict[str, InputStats], blocks: l
 
 def _solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, InputStats], table: LossTable,
            allocation: Allocation, act_order: bool, damp: float, exclude: Sequence[str],
-           rounding: LayerRounding | None = None, compact: bool = False) -> QuantizationResult:
+           rounding: LayerRounding | None = None) -> QuantizationResult:
     """GPTQ's error-feedback codes on the grids of ``allocation``'s bit-widths (``rounding``:
-    another method's rounding of the same grids; ``compact``: uint8 codes, as
-    :func:`bayesq.quantize.encode`)."""
+    another method's rounding of the same grids)."""
     if rounding is None:  # made per layer as encode reads it: one damped copy and factor held at a time
         metric, solver = damped_metrics({n: stats[n].H for n in layers}, damp), None
     else:
         metric = LazyMetrics(layers, lambda n: rounding.metric(stats[n], layers[n].weight.shape[0]))
         solver = rounding.solver
     qweights = encode(table, allocation, {n: m.weight for n, m in layers.items()},
-                      rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, act_order=act_order, solver=solver,
-                      compact=compact)
+                      rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, act_order=act_order, solver=solver)
     return baseline_result(model, layers, qweights, allocation, table, exclude)
 
 
@@ -111,7 +109,7 @@ def _solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, Inpu
 def gptq_quantize(
     model: nn.Module, stats: dict[str, InputStats], granularity: Granularity, budget: float,
     cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP, exclude: Sequence[str] = (),
-    rounding: LayerRounding | None = None, compact: bool = False,
+    rounding: LayerRounding | None = None,
 ) -> QuantizationResult:
     """GPTQ at ``budget`` average bits (all metadata counted) with channel or group grids.
 
@@ -123,8 +121,6 @@ def gptq_quantize(
         exclude: module names or glob patterns kept in floating point (the result's
             ``unquantized``; they need no statistics).
         rounding: another method's rounding on the same grids (AdaRound), else error feedback.
-        compact: codes below 256 as uint8, encoded layer by layer (candidates that wait for a
-            selection; :func:`bayesq.result.full_codes` gives int64 codes again).
 
     Raises:
         ValueError: per-tensor granularity (GPTQ uses channel or group grids), missing stats,
@@ -133,14 +129,14 @@ def gptq_quantize(
     granularity = _granularity(granularity)
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     table = _table(layers, stats, baseline_blocks(layers, granularity, cfg), cfg)
-    return _solve(model, layers, stats, table, allocate(table, budget), act_order, damp, exclude, rounding, compact)
+    return _solve(model, layers, stats, table, allocate(table, budget), act_order, damp, exclude, rounding)
 
 
 @on_canonical
 def gptq_allocation_quantize(
     model: nn.Module, stats: dict[str, InputStats], unit_bits: Mapping[str, Sequence[int]], budget: float,
     cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP, exclude: Sequence[str] = (),
-    rounding: LayerRounding | None = None, compact: bool = False,
+    rounding: LayerRounding | None = None,
 ) -> QuantizationResult:
     """GPTQ's error-feedback solver on a supplied allocation (e.g. BayesQ's ``Allocation.unit_bits``).
 
@@ -150,7 +146,7 @@ def gptq_allocation_quantize(
 
     Args:
         unit_bits: layer name -> bit-width of each unit, every width in ``cfg.bits``.
-        exclude, rounding, compact: as :func:`gptq_quantize`.
+        exclude, rounding: as :func:`gptq_quantize`.
 
     Raises:
         ValueError: missing stats, a layer's unit count or a width not matching ``cfg``, a cost
@@ -159,7 +155,7 @@ def gptq_allocation_quantize(
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     table = _table(layers, stats, layer_blocks(layers, cfg.group_size, cfg.unit_groups, cfg.unit.value), cfg)
     return _solve(model, layers, stats, table, given_allocation(table, unit_bits, budget), act_order, damp, exclude,
-                  rounding, compact)
+                  rounding)
 
 
 @on_canonical
@@ -174,8 +170,7 @@ def gptq_candidates(
     ``allocation`` (:func:`gptq_allocation_quantize`) unless ``allocation`` is None, ``mixed``
     (:func:`gptq_quantize` at ``granularity``) when its cheapest allocation fits and
     ``uniform-<b>-g<G>`` / ``uniform-<b>-channel`` for each width of ``cfg.bits`` with a fitting
-    layout from ``group_sizes``, in that order. ``exclude``, ``rounding``: as :func:`gptq_quantize`;
-    each builds uint8 codes (``compact``: they wait for :func:`select_best`).
+    layout from ``group_sizes``, in that order. ``exclude``, ``rounding``: as :func:`gptq_quantize`.
 
     Raises:
         ValueError: missing stats, or no variant fits the budget (naming the minimum feasible one).
@@ -183,7 +178,7 @@ def gptq_candidates(
     granularity = _granularity(granularity)
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     n = sum(m.weight.numel() for m in layers.values())
-    opts = dict(act_order=act_order, damp=damp, exclude=exclude, rounding=rounding, compact=True)  # uint8 codes
+    opts = dict(act_order=act_order, damp=damp, exclude=exclude, rounding=rounding)
     out: dict[str, Callable[[], QuantizationResult]] = {}
     if allocation is not None:  # first: usually the best, so the selection drops the others early
         out["allocation"] = partial(gptq_allocation_quantize, model, stats, allocation, budget, cfg, **opts)

@@ -48,7 +48,7 @@ from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch
 from bayesq.methods import Inputs, Outcome, read
 from bayesq.quantize import selection_looks
-from bayesq.result import Allocation, QuantizationResult, compact_codes, full_codes, quantized_copy
+from bayesq.result import Allocation, QuantizationResult, quantized_copy
 from bayesq.storage import budget_bits, unit_cost_bits
 
 #: Candidate group sizes of the uniform variants (per-output-channel grids are always tried last).
@@ -296,7 +296,6 @@ def select_best(
     best, best_kl, best_losses = None, math.inf, None
     for name, build in candidates.items():
         res = build()
-        res = replace(res, weights=compact_codes(res.weights))  # 1 byte per weight while it waits
         for label in [name] + ([f"{name}+bc"] if correction else []):
             if label != name:  # in place: the kept form holds no model (rebuilt at the end)
                 res = corrected(res, model, correction, in_place=True)
@@ -313,8 +312,7 @@ def select_best(
                 best, best_kl, best_losses = (label, replace(res, model=None)), score, losses
         del res
     label, kept = best
-    weights = full_codes(kept.weights)  # int64 again, as the encoders give them
-    return BaselineChoice(replace(kept, model=quantized_copy(model, weights, kept.correction), weights=weights),
+    return BaselineChoice(replace(kept, model=quantized_copy(model, kept.weights, kept.correction)),
                           label, kl, bits, inputs)
 
 
