@@ -46,6 +46,7 @@ from bayesq.codebook import (
 )
 from bayesq.config import Codebook, CostTerms, Objective, QuantConfig, Whitening
 from bayesq.monte_carlo import MCEstimate, kfac_quadratic, mc_layer_output_loss, mc_logit_kl
+from bayesq.memory import release_freed
 from bayesq.posterior import Posterior
 from bayesq.vq import MAX_CODEBOOK, VQBook, fit_vq, vq_assign
 
@@ -413,6 +414,7 @@ def posterior_table(
                 omega, entry = entry, None
         sigma = None if Objective(cfg.objective) == Objective.DEPLOYED else posterior.std(lb.name)  # draws only
         tables.append(layer_table(lb, posterior.mean[lb.name], sigma, cfg, omega, entry))
+        release_freed()
     return LossTable(tuple(tables))
 
 

@@ -38,10 +38,10 @@ from bayesq.error_feedback import (
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import Book, LayerTable, LossTable, apply_mc_proxy, posterior_table
 from bayesq.forward import Batch, batch_size, first_inputs, kept_state, model_batches
-from bayesq.memory import check as check_memory_fits, estimate as estimate_memory
+from bayesq.memory import check as check_memory_fits, estimate as estimate_memory, release_freed
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.posterior import ROWS_IN_PASS, Posterior, fit_posterior as _fit_posterior, input_moments
-from bayesq.refit import refit_scales
+from bayesq.refit import refit_rows, refit_scales, row_equations
 from bayesq.result import (
     Allocation, QuantizationResult, QuantizedWeight, load_quantized, quantized_copy,
 )
@@ -207,10 +207,22 @@ def row_chunks(n_out: int, d_in: int, metric: torch.Tensor) -> list[slice]:
 
 def _refit_books(lb: LayerBlocks, W: torch.Tensor, codes: torch.Tensor, group_bits: torch.Tensor, books: dict,
                  metric: torch.Tensor, scale_bits: int) -> dict:
-    """``books`` with each group's scale refitted to its codes (``refit.refit_scales``)."""
+    """``books`` with each group's scale refitted to its (out, d_in) codes (``refit.refit_scales``).
+    When every row holds whole groups, the rows' normal equations are built in :func:`row_chunks`
+    (``refit.refit_rows``: the same scales, float64 working copies the size of a chunk)."""
     scale, zero, _ = group_grid(lb, group_bits, books)
-    group = lb.element_groups(slice(0, W.shape[0]), W.device)  # (out, d_in)
-    new, _, _ = refit_scales(W, codes.double() - zero[group], group, scale, metric.double(), scale_bits=scale_bits)
+    metric = metric.double()
+    refit = None
+    if lb.row % lb.group_size == 0:
+        eqs = []
+        for rows in row_chunks(*W.shape, metric):
+            group = lb.element_groups(rows, W.device)  # (r, d_in)
+            eqs.append(row_equations(W[rows], codes[rows].double() - zero[group], lb.row // lb.group_size, metric))
+        refit = refit_rows(tuple(torch.cat(x) for x in zip(*eqs)), scale, scale_bits=scale_bits)
+    if refit is None:  # groups straddle rows, or some row's equations are singular: the whole layer
+        group = lb.element_groups(slice(0, W.shape[0]), W.device)  # (out, d_in)
+        refit = refit_scales(W, codes.double() - zero[group], group, scale, metric, scale_bits=scale_bits)
+    new = refit[0]
     return {b: book.with_affine(new[group_bits == b], book.affine_fields()[1]) for b, book in books.items()}
 
 
@@ -331,6 +343,7 @@ def encode(
         with shared_factors():  # the layer's row chunks share its factor
             metric = _layer_metric(name, rounding, column_metric, posterior)
             out[name] = encode_layer(t, allocation.unit_bits[name], weights[name], metric, **opts)
+        release_freed()
     return out
 
 
@@ -361,8 +374,9 @@ def encode_layer(
     books = {b: book.take(group_bits == b) for b, book in zip(t.bits, t.books) if bool((group_bits == b).any())}
     if Rounding(rounding) == Rounding.ERROR_FEEDBACK:
         mat = w.reshape(w.shape[0], -1)  # (out, d_in)
-        codes_w = torch.empty(mat.shape, dtype=torch.int64, device=w.device)
         grid = group_grid(lb, group_bits, books)
+        small = int(grid[2].max()) < 256  # every code fits a byte: 1 byte per weight instead of 8
+        codes_w = torch.empty(mat.shape, dtype=torch.uint8 if small else torch.int64, device=w.device)
         chunks = row_chunks(*mat.shape, metric)  # a large layer (a vocabulary projection) shows its own bar
         for rows in tqdm(chunks, desc=lb.name, disable=not progress or len(chunks) == 1, leave=False):
             idx = lb.element_groups(rows, w.device)  # (r, d_in): the per-element grid of these rows
@@ -557,6 +571,7 @@ def encode_best(
                     t.layer(lb.name), allocation.unit_bits[lb.name], weights[lb.name], metric,
                     rounding=cq.rounding, act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits,
                     cd_passes=cq.cd_passes, progress=progress)
+        release_freed()
     if len(cands) == 1:
         return Encoding(next(iter(cands)), *built[next(iter(cands))], {}, correction)
     fp = {}  # the FP log-probabilities of each look's batches

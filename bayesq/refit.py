@@ -26,6 +26,8 @@ precision (fp16), and a layer keeps its old scales when the rounded refit is not
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -63,6 +65,21 @@ def _normal_equations(W: torch.Tensor, u: torch.Tensor, group: torch.Tensor, n: 
     dev = group.device
     if not torch.equal(group, torch.arange(out, device=dev)[:, None] * k + torch.arange(d, device=dev)[None] // width):
         return None
+    return row_equations(W, u, k, H)
+
+
+def row_equations(W: torch.Tensor, u: torch.Tensor, k: int,
+                  H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_normal_equations` of rows that each hold ``k`` whole groups of ``d / k`` contiguous
+    columns (the caller knows the layout): each row's equations read only that row, so those of a
+    large layer can be built a chunk of rows at a time and concatenated (rows split evenly into
+    ``H.shape[0]`` convolution groups need all rows at once).
+
+    Args:
+        W, u: (out, d) float64; H: (groups, d, d) or (d, d) float64 symmetric.
+    """
+    out, d = W.shape
+    width = d // k
     Hs = H if H.dim() == 3 else H.unsqueeze(0)
     per = out // Hs.shape[0]
     M = torch.empty(out, k, k, dtype=torch.float64, device=W.device)
@@ -149,6 +166,25 @@ def refit_scales(
     before = cost(scale)
     exact = _solve_rows(eq, scale) if eq is not None else None
     a = exact if exact is not None else _descend(W, u, group, scale, H, iters, rtol, before)
+    return _kept(a, scale, cost, before, scale_bits)
+
+
+def refit_rows(eq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: torch.Tensor, *,
+               scale_bits: int = 16) -> tuple[torch.Tensor, float, float] | None:
+    """:func:`refit_scales` of a layer whose rows decouple, from their normal equations
+    (:func:`row_equations`, e.g. built a chunk of rows at a time and concatenated): the same
+    result; None when some row's equations are not positive definite (then call
+    :func:`refit_scales`, which descends)."""
+    exact = _solve_rows(eq, scale)
+    if exact is None:
+        return None
+    return _kept(exact, scale, lambda x: _quadratic_cost(eq, x), _quadratic_cost(eq, scale), scale_bits)
+
+
+def _kept(a: torch.Tensor, scale: torch.Tensor, cost: Callable[[torch.Tensor], float], before: float,
+          scale_bits: int) -> tuple[torch.Tensor, float, float]:
+    """Scales ``a`` rounded to their stored precision, kept when that lowers ``cost`` below
+    ``before`` (the cost of ``scale``), else ``scale``: (scales, J before, J after)."""
     dtype = torch.float16 if scale_bits == 16 else torch.float32
     stored = a.to(dtype).to(torch.float64)
     stored = torch.where(torch.isfinite(stored) & (stored > 0), stored, scale)  # a scale stays positive

@@ -48,6 +48,9 @@ class Allocation:
         return average_bits(self.total_bits, self.n_weights)
 
 
+DEQUANTIZE_ELEMENTS = 1 << 21  # weights decoded at a time (a 50,257 x 768 projection in 19 chunks)
+
+
 @dataclass(frozen=True)
 class QuantizedWeight:
     """Deployable encoding of one weight.
@@ -85,9 +88,13 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """Weight of ``blocks.shape`` (float64) from the codes, codebooks (and col_scale) only."""
         w = torch.zeros(self.codes.shape[0], self.blocks.group_size, dtype=torch.float64, device=self.codes.device)
+        step = max(1, DEQUANTIZE_ELEMENTS // self.blocks.group_size)  # int64 codes and decoded copies of a chunk
         for b, book in self.books.items():
-            sel = self.group_bits == b
-            w[sel] = book.dequantize(self.indices(sel))
+            sel = torch.nonzero(self.group_bits == b).squeeze(1)  # the groups of book rows 0, 1, ...
+            for i in range(0, sel.numel(), step):
+                part = sel[i : i + step]
+                rows = torch.arange(i, i + part.numel(), device=sel.device)
+                w[part] = book.take(rows).dequantize(self.indices(part))
         w = self.blocks.from_groups(w)
         if self.col_scale is None:
             return w

@@ -190,7 +190,8 @@ class VQBook(CodeBook):
         return self.dim
 
     def take(self, rows: torch.Tensor) -> "VQBook":
-        return VQBook(self.bits, self.codebook, self.omega[rows])
+        """The selected groups' book: the same codebook (a loaded book holds no omega: none taken)."""
+        return VQBook(self.bits, self.codebook, self.omega[rows] if self.omega.numel() else self.omega)
 
     def quantize(self, w: torch.Tensor) -> torch.Tensor:
         """(G, g / dim) int64 indices of the nearest codeword in the omega metric (:func:`vq_assign`)."""

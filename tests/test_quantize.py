@@ -459,14 +459,16 @@ def test_encode_best_keeps_anchor_unless_resolved_vs_building_each_candidate(hel
 @pytest.mark.parametrize("layout", ["group", "channel"])
 def test_encode_row_chunks_vs_whole_layer(monkeypatch, capsys, layout):
     """Error feedback, coordinate descent and the refit row chunk by row chunk (a layer larger than
-    ENCODE_ROW_ELEMENTS): the same codes and scales as the whole layer at once."""
+    ENCODE_ROW_ELEMENTS): the same codes and scales as the whole layer at once. The first layer's
+    rows hold whole groups (its refit's normal equations are built chunk by chunk), the last one's
+    do not (refitted whole)."""
     import bayesq.quantize as qz
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.quantize import allocate, build_table, ef_column_metric, encode, fit_posterior
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(40, 37), nn.ReLU(), nn.Linear(37, 5)).double().eval()
-    batches = [torch.randn(16, 40, dtype=torch.float64) for _ in range(3)]
+    model = nn.Sequential(nn.Linear(48, 37), nn.ReLU(), nn.Linear(37, 5)).double().eval()
+    batches = [torch.randn(16, 48, dtype=torch.float64) for _ in range(3)]
     q = QuantConfig(group_size=16, unit_groups=2, unit=layout)
     post = fit_posterior(model, batches, BayesQConfig(quant=q), progress=False)
     blocks = layer_blocks(quantizable_layers(model), 16, 2, layout)
@@ -476,8 +478,10 @@ def test_encode_row_chunks_vs_whole_layer(monkeypatch, capsys, layout):
     weights = {n: m.weight for n, m in quantizable_layers(model).items()}
     opts = dict(rounding=q.rounding, column_metric=metric, act_order=True, refit=True, cd_passes=2)
     whole = encode(table, alloc, weights, **opts)
-    monkeypatch.setattr(qz, "ENCODE_ROW_ELEMENTS", 3 * 40)
-    assert len(qz.row_chunks(37, 40, metric["0"])) == 13
+    plain = encode(table, alloc, weights, **{**opts, "refit": False})
+    assert not torch.equal(whole["0"].dequantize(), plain["0"].dequantize())  # the refit moved scales
+    monkeypatch.setattr(qz, "ENCODE_ROW_ELEMENTS", 3 * 48)
+    assert len(qz.row_chunks(37, 48, metric["0"])) == 13
     chunked = encode(table, alloc, weights, **opts, progress=True)
     assert "0/13" in capsys.readouterr().err  # the chunked layer shows its own bar over its 13 chunks
     for name, qw in whole.items():

@@ -98,3 +98,19 @@ def test_quadratic_cost_vs_layer_cost(conv_groups):
         a = torch.rand(18, generator=torch.Generator().manual_seed(seed), dtype=F64) + 0.1
         assert _quadratic_cost(eq, a) == pytest.approx(layer_cost(a[group] * u, W, H), rel=1e-11)
     assert _normal_equations(W, u, torch.arange(6 * 48).reshape(6, 48) // 32, 9, H) is None  # groups straddle rows
+
+
+def test_refit_rows_chunked_vs_refit_scales():
+    """Normal equations built three rows at a time and concatenated: the scales and costs of
+    :func:`refit_scales` on the whole layer, and None when a row's equations are singular."""
+    from bayesq.refit import refit_rows, row_equations
+
+    W, u, group, scale, H = _problem(5, out=10, d=48, group_size=16)  # three whole groups per row
+    want = refit_scales(W, u, group, scale, H)
+    eq = [row_equations(W[r:r + 3], u[r:r + 3], 3, H) for r in range(0, 10, 3)]
+    got = refit_rows(tuple(torch.cat(x) for x in zip(*eq)), scale)
+    assert torch.equal(got[0], want[0]) and got[1:] == pytest.approx(want[1:], rel=1e-12)
+    assert got[2] < got[1]
+    M, b, c = (torch.cat(x) for x in zip(*eq))
+    M[2] = -M[2]  # not positive definite
+    assert refit_rows((M, b, c), scale) is None

@@ -41,3 +41,32 @@ def test_quantized_weight_uniform_dequantize_vs_int64_reference():
     assert qw.codes.dtype == torch.uint8
     want = (grids.scale[:, None] * (codes.double() - grids.zero[:, None])).reshape(-1)[:15].reshape(3, 5)
     assert torch.equal(qw.dequantize(), want)
+
+
+def test_quantized_weight_dequantize_chunks_vs_hand_decode(monkeypatch):
+    """Mixed widths (a uniform 2-bit grid per group, 3-bit LUTs shared by units of two groups),
+    decoded a chunk of groups at a time: each group decoded by hand from its own book row."""
+    import bayesq.result as result
+
+    g = torch.Generator().manual_seed(2)
+    lb = LayerBlocks("fc", (6, 8), 4, 2)  # 12 groups of 4, 6 units
+    group_bits = torch.tensor([2, 2, 3, 3, 2, 2, 3, 3, 3, 3, 2, 2])
+    n2, n3 = int((group_bits == 2).sum()), int((group_bits == 3).sum())
+    grids = UniformGrids(2, torch.rand(n2, generator=g, dtype=torch.float64) + 0.1, torch.full((n2,), 1.0, dtype=torch.float64))
+    luts = LevelTables(3, torch.randn(3, 8, generator=g, dtype=torch.float64).sort(1).values,
+                       torch.arange(n3) // 2)  # group -> its unit's table
+    codes = torch.where((group_bits == 2)[:, None], torch.randint(0, 4, (12, 4), generator=g),
+                        torch.randint(0, 8, (12, 4), generator=g))
+    qw = QuantizedWeight(lb, group_bits, codes, {2: grids, 3: luts})
+    want = torch.empty(12, 4, dtype=torch.float64)
+    i2 = i3 = 0
+    for grp in range(12):
+        if group_bits[grp] == 2:
+            want[grp] = grids.scale[i2] * (codes[grp].double() - grids.zero[i2])
+            i2 += 1
+        else:
+            want[grp] = luts.levels[luts.row[i3], codes[grp]]
+            i3 += 1
+    for elements in (1 << 21, 8, 4):  # whole, two groups, one group per chunk
+        monkeypatch.setattr(result, "DEQUANTIZE_ELEMENTS", elements)
+        assert torch.equal(qw.dequantize(), want.reshape(6, 8))
