@@ -42,7 +42,7 @@ def damped_metric(H: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     """
     if damp <= 0:
         raise ValueError(f"damp={damp}: the relative dampening must be > 0 (GPTQ's default 0.01)")
-    H = H.double().clone()
+    H = H.to(torch.float64, copy=True)
     diag = H.diagonal(dim1=-2, dim2=-1)  # view: (..., d)
     diag[diag <= 0] = 1.0
     diag += damp * diag.mean(-1, keepdim=True)

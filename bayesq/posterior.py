@@ -93,7 +93,9 @@ class Posterior:
         n_data: data size the precision is scaled to (``posterior.n_data``; 0 = the
             calibration set itself).
         curvature: name -> the data term ``h = N * mean_n C_n`` of the precision's diagonal
-            (float64, like the weight; clamped at 0); None when only variances are known.
+            (shaped like the weight, clamped at 0; kept in the dtype it was summed in, float32 for
+            a float32 model: :func:`bayesq.curvature.patches.sum_dtype`; read it as float64
+            through :meth:`data_precision`); None when only variances are known.
         prior_precision: name -> the layer's prior precision ``lambda_l`` (fitted or fixed).
         input_moment: K-FAC / low-rank posteriors: name -> the undamped input factor A
             (d_in, d_in), the column metric of the data term's error-feedback rounding.
@@ -115,10 +117,10 @@ class Posterior:
         return 1.0 / self.variance[name]
 
     def data_precision(self, name: str) -> torch.Tensor:
-        """Data curvature ``h`` of layer ``name`` (the precision less the prior when only variances
-        are stored)."""
+        """Data curvature ``h`` of layer ``name``, float64 (the precision less the prior when only
+        variances are stored)."""
         if self.curvature is not None:
-            return self.curvature[name]
+            return self.curvature[name].double()
         lam = (self.prior_precision or {}).get(name, 0.0)
         return (1.0 / self.variance[name] - lam).clamp_min(0)
 
@@ -222,7 +224,7 @@ class Variances(Mapping[str, torch.Tensor]):
         self._h, self._lam, self._cfg, self._n = curvature, prior, cfg, n_examples
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return _variance(self._h[name], self._lam[name], self._cfg, self._n)
+        return _variance(self._h[name].double(), self._lam[name], self._cfg, self._n)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._h)
@@ -254,9 +256,9 @@ def fit_diagonal_posterior(
     Args:
         fisher_sum: name -> curvature diagonal summed over the ``n_examples`` inputs.
         indefinite: the curvature may be negative (a Hessian); it is clamped at 0.
-        consume: ``fisher_sum`` is the caller's to give away: its float64 entries are emptied
-            from the dict and clamped and scaled in place (one copy of the curvature at a time,
-            not two; the same values).
+        consume: ``fisher_sum`` is the caller's to give away: its entries are emptied from the
+            dict and clamped and scaled in place and kept in their dtype (one copy of the
+            curvature at a time, not two); otherwise they are copied to float64.
 
     Raises:
         ValueError: no calibration examples, or a curvature entry that is not finite (or
@@ -271,7 +273,7 @@ def fit_diagonal_posterior(
     for name in list(fisher_sum):
         f = fisher_sum.pop(name) if consume else fisher_sum[name]
         _check_curvature(name, f, indefinite)
-        if consume and f.dtype == torch.float64:
+        if consume and f.is_floating_point():
             h = f.clamp_(min=0)
             if scale != 1.0:
                 h.mul_(scale)

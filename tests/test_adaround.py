@@ -130,7 +130,7 @@ def test_adaround_method_end_to_end_lowers_layer_error_vs_nearest():
     stats = input_stats(model, cal, abs_mean=False)
     near = gptq_quantize(model, stats, Granularity.GROUP, 3.0, cfg.quant, rounding=_nearest_rounding())
     for name, qw in res.weights.items():
-        H = stats[name].H[0]
+        H = stats[name].H[0].double()
         W = model.get_submodule(name).weight.double()
         err = lambda q: float(((q - W) * ((q - W) @ H)).sum().detach())  # noqa: E731
         assert err(qw.dequantize().reshape(W.shape)) <= err(near.weights[name].dequantize().reshape(W.shape)) + 1e-9

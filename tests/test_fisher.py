@@ -79,8 +79,8 @@ def test_fisher_diagonal_vs_per_example_autograd_tokens():
 
 
 def test_fisher_diagonal_float32_model_vs_float64():
-    """A float32 model squares and sums each batch in float32 (accumulating in float64): the
-    diagonal matches the float64 model's to float32 accuracy, and comes back in float64."""
+    """A float32 model squares, sums and accumulates its batches in float32 (``sum_dtype``): the
+    diagonal matches the float64 model's to float32 accuracy, and comes back in float32."""
     torch.manual_seed(2)
     model = _cnn().eval()
     layers = quantizable_layers(model)
@@ -90,8 +90,8 @@ def test_fisher_diagonal_float32_model_vs_float64():
     got, _ = fisher_diagonal(model32, [b.float() for b in batches], quantizable_layers(model32), seed=4,
                              progress=False)
     for name in layers:
-        assert got[name].dtype == torch.float64
-        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-9 * float(ref[name].max()))
+        assert got[name].dtype == torch.float32  # summed in the model's dtype (sum_dtype)
+        torch.testing.assert_close(got[name].double(), ref[name], rtol=1e-4, atol=1e-9 * float(ref[name].max()))
 
 
 def test_fisher_diagonal_empty_calibration_raises():

@@ -624,7 +624,7 @@ def test_stats_task_round_trip_vs_input_stats(tmp_path, tiny_entry):
     assert set(got) == set(want) and rec["seconds"] > 0
     for k, w in want.items():
         g = got[k]
-        assert g.n == w.n and g.H.dtype == torch.float64
+        assert g.n == w.n and g.H.dtype == w.H.dtype == torch.float32  # the model's dtype (sum_dtype)
         assert torch.equal(g.H, w.H) and torch.equal(g.abs_mean, w.abs_mean) and torch.equal(g.mean, w.mean)
 
 

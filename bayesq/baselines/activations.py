@@ -3,7 +3,7 @@
 For a Linear/Conv2d layer with weight read as ``W`` (out x d_in; Conv2d: d_in = in/groups*kh*kw
 unfolded patches, as in K-FAC) and inputs ``a_{n,t}`` (example n, token / spatial position t):
 
-    H[g]        = (1/N) sum_n sum_t a_{n,t} a_{n,t}^T        (groups, d_in, d_in) float64
+    H[g]        = (1/N) sum_n sum_t a_{n,t} a_{n,t}^T        (groups, d_in, d_in), float32 or float64
     abs_mean[g] = mean_{n,t} |a_{n,t}|                        (groups, d_in) float64
     mean[g]     = mean_{n,t} a_{n,t}                          (groups, d_in) float64
 
@@ -12,7 +12,9 @@ inputs of the squared layer-output error ``sum_t ||D a_t||^2`` caused by a weigh
 rows of group g: the objective GPTQ minimises and AWQ searches its scales on. Statistics are
 taken on the full-precision model in one forward pass (not sequentially on the partly
 quantised model), so every baseline sees the same inputs; each batch is reduced in the model's
-dtype (one GEMM per group) and batches are added in float64.
+dtype (one GEMM per group) and batches are added in float64, but ``H`` in the model's dtype, at
+least float32 (:func:`bayesq.curvature.patches.sum_dtype`: the largest memory term of a large
+model halved; a relative rounding of about B * 2^-24 over B batches).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import nn
 
 from bayesq.blocks import quantizable_layers
 from bayesq.canonical import on_canonical
-from bayesq.curvature.patches import add_float64
+from bayesq.curvature.patches import add_float64, sum_dtype
 from bayesq.forward import Batch
 from bayesq.posterior import forward_inputs
 
@@ -35,7 +37,8 @@ class InputStats:
     """Second moment and mean magnitude of one layer's inputs.
 
     Attributes:
-        H: (groups, d_in, d_in) float64 mean over inputs of ``sum_t a a^T``.
+        H: (groups, d_in, d_in) mean over inputs of ``sum_t a a^T``, in ``sum_dtype`` of the
+            model's dtype (float32 for a float32 model; consumers read it as float64 per layer).
         abs_mean: (groups, d_in) float64 mean of ``|a|`` over inputs and positions (AWQ's
             activation scale); None when not taken (``input_stats(..., abs_mean=False)``).
         n: calibration inputs seen.
@@ -57,7 +60,7 @@ class InputStats:
     def row_diag(self, n_out: int) -> torch.Tensor:
         """(out, d_in) float64: ``diag(H[g])`` for each output row (rows split evenly into groups)."""
         per = n_out // self.groups
-        return self.H.diagonal(dim1=1, dim2=2).repeat_interleave(per, dim=0)
+        return self.H.diagonal(dim1=1, dim2=2).double().repeat_interleave(per, dim=0)
 
 
 def batch_sums(rows: torch.Tensor, absolute: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -86,7 +89,8 @@ def batch_sums(rows: torch.Tensor, absolute: bool = True) -> tuple[torch.Tensor,
 
 
 class StatsSums:
-    """Per-layer float64 sums of :func:`batch_sums`, fed one batch's rows at a time: the
+    """Per-layer sums of :func:`batch_sums` (``sum a a^T`` in ``sum_dtype``, the others in
+    float64), fed one batch's rows at a time: the
     ``on_rows(name, rows)`` callback of a pass over the calibration inputs
     (:func:`bayesq.posterior.forward_inputs`, or the diagonal Fisher's own pass,
     :func:`bayesq.posterior.fit_posterior`'s ``on_rows``). ``abs_mean``: also sum ``|a|``
@@ -105,8 +109,10 @@ class StatsSums:
             new = list(batch_sums(rows, self.abs_mean)) + [rows.shape[0] * rows.shape[2]]
             self._last[:] = rows, new
         old = self._sums.get(name)
-        if old is None:  # float64 sums of the batches' sums (added in place: no float64 temporary)
-            self._sums[name] = [None if x is None else x.to(torch.float64, copy=True) for x in new[:-1]] + [new[-1]]
+        if old is None:  # sums of the batches' sums (added in place: no float64 temporary)
+            h, a, m = new[:-1]
+            self._sums[name] = [h.to(sum_dtype(h.dtype), copy=True), None if a is None else a.to(torch.float64, copy=True),
+                                m.to(torch.float64, copy=True), new[-1]]
         else:
             for x, y in zip(old[:-1], new[:-1]):
                 if x is not None:

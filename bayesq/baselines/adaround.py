@@ -145,7 +145,7 @@ def adaround_rows(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: t
 def output_mse_metric(stats: InputStats, n_out: int) -> torch.Tensor:
     """(groups, d_in, d_in) float64 ``H / (T out)``: ``tr(D M D^T)`` is the mean squared error over
     a layer's output elements (positions and features)."""
-    return stats.H / (stats.positions * n_out)
+    return stats.H.double() / (stats.positions * n_out)
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float
     """``sum_g tr(D_g H[g] D_g^T)``, D = W_hat - W as (out, d_in), rows split into H's groups."""
     g = H.shape[0]
     D = (W_hat - W).reshape(g, W.shape[0] // g, -1)  # (groups, out/groups, d_in)
-    return float(torch.einsum("goi,gij,goj->", D, H, D))
+    return float(torch.einsum("goi,gij,goj->", D, H.to(D.dtype), D))
 
 
 def _rtn(W: torch.Tensor, lb: LayerBlocks, bits: int, scale_bits: int) -> torch.Tensor:

@@ -30,10 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from bayesq.curvature.patches import add_float64, input_rows, squared_grad_sum
+from bayesq.curvature.patches import add_float64, input_rows, squared_grad_sum, sum_dtype
 from bayesq.forward import (
     Batch, batch_size, layer_calls, padding_mask, prediction_rows, predictions, split_batches, token_rows,
 )
+from bayesq.memory import release_freed
 
 
 def _squared_grad_sum(
@@ -60,17 +61,18 @@ def _squared_grad_sum(
 
     ``max_inputs``: each batch runs in parts of at most this many inputs
     (:func:`bayesq.forward.split_batches`: the activations of a part, not of a batch); each
-    part's squared gradients (summed over its inputs in their dtype) go into the float64 sum,
+    part's squared gradients (summed over its inputs in their dtype) go into the sum (in
+    :func:`bayesq.curvature.patches.sum_dtype` of the weight's dtype),
     and a layer with fewer input rows in a part than input features hands ``on_rows`` the batch's rows
     joined once (the same rows as without parts: no d_in x d_in product per part), the others
     their part's rows.
-    Returns (name -> float64 tensor shaped like the weight, inputs seen).
+    Returns (name -> tensor shaped like the weight, in ``sum_dtype``, inputs seen).
     """
     if on_rows is not None:
         desc += " + layer-input statistics"
     acts: dict[str, torch.Tensor] = {}
     outputs: dict[str, torch.Tensor] = {}
-    total = {name: torch.zeros_like(m.weight, dtype=torch.float64) for name, m in layers.items()}
+    total = {name: torch.zeros_like(m.weight, dtype=sum_dtype(m.weight.dtype)) for name, m in layers.items()}
 
     def record(name: str, mod: nn.Module, a: torch.Tensor, output: torch.Tensor) -> None:
         acts[name] = a.detach()
@@ -107,16 +109,17 @@ def _squared_grad_sum(
                                     on_rows(name, real)
                             if name in outs:  # a layer whose output does not reach the loss has no gradient
                                 # square and sum the batch in the model's dtype, accumulate batches in
-                                # float64: float32 adds a relative error <= B * 2^-24 per batch of B
+                                # sum_dtype (the model's, at least float32)
                                 sq = squared_grad_sum(mod, acts[name], outs.pop(name), rows)
                                 if len(passes) > 1:
-                                    total[name] += sq.double() / len(passes)
-                                else:  # in place (no float64 copy): one layer's squares held at a time
+                                    total[name] += sq.to(total[name].dtype) / len(passes)
+                                else:  # in place (no copy): one layer's squares held at a time
                                     add_float64(total[name], sq)
                 n_seen += batch_size(part)
                 acts.clear()
                 outputs.clear()
             _hand_on(held, on_rows)
+            release_freed()
     if n_seen == 0:
         raise ValueError(
             "empty calibration set: the posterior needs at least one unlabelled input batch"
@@ -186,7 +189,8 @@ def fisher_diagonal(
             labels are the same: the sampler draws row by row); None: whole batches.
 
     Returns:
-        (fisher, n): name -> float64 tensor shaped like the weight holding ``F_sum``; and n,
+        (fisher, n): name -> tensor shaped like the weight holding ``F_sum`` (in
+        :func:`bayesq.curvature.patches.sum_dtype`: the model's dtype, at least float32); and n,
         the number of inputs seen.
 
     Raises:
@@ -250,7 +254,7 @@ def empirical_fisher_diagonal(
             (B, T, V) logits one (B, T) tensor (entries at padded tokens are not read).
 
     Returns:
-        (fisher, n): name -> float64 tensor shaped like the weight; n, the number of inputs.
+        (fisher, n): name -> tensor shaped like the weight (``sum_dtype``); n, the number of inputs.
 
     Raises:
         ValueError: empty ``batches``; ``labels`` with fewer or more entries than ``batches``,

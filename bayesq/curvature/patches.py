@@ -19,6 +19,16 @@ from torch import nn
 ADD_CHUNK = 1 << 16  # elements converted per step by add_float64
 
 
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a model's curvature and input-moment sums accumulate and are kept in: the
+    model's, at least float32 (GPTQ's reference keeps its Hessian in float32). Adding B batches in
+    float32 rounds a sum by about B * 2^-24 relative at most, orders of magnitude below the
+    sampling error of N calibration inputs (of order 1 / sqrt(N)), and halves the largest memory
+    terms of a large model (docs/method.md, section 18f); a float64 model (the tests' exact
+    references) sums in float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def add_float64(total: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``total += x`` for a float64 ``total`` and an ``x`` of another float dtype, in place: the
     same numbers as ``total.add_(x)`` (float32 -> float64 is exact), 5-7x faster on the CPU,
