@@ -166,7 +166,7 @@ def load_quantized(
             state[key].copy_(source[key])
         for name, qw in weights.items():
             mod = modules[name]
-            mod.weight.copy_(qw.dequantize().to(mod.weight.dtype))
+            mod.weight.copy_(qw.dequantize())  # converted as it is copied: no second full-size temporary
     if correction is not None:
         correction.apply(qmodel, model)
 
