@@ -19,15 +19,15 @@ def _net():
 
 
 def test_estimate_vs_hand_count():
-    """Weights: 30 B each; input moments: 10 B per element of each layer's d_in x d_in; activations
+    """Weights: BYTES_PER_WEIGHT each; input moments: BYTES_PER_MOMENT per element of each layer's d_in x d_in; activations
     per input: 2x every module's output bytes (the two Linear, the ReLU and the Sequential's own
     output) on the first batch over its size; no per-token term for (B, C) logits; a pass holds
     the whole batch when it fits in PASS_BYTES."""
     model, x = _net(), torch.randn(7, 12, generator=torch.Generator().manual_seed(1))
     est = memory.estimate(model, quantizable_layers(model), [x, x[:2]])
     outputs = 7 * (32 + 32 + 5 + 5) * 4
-    assert est.n_weights == 12 * 32 + 32 * 5 and est.weights == 30 * est.n_weights
-    assert est.n_moments == 12**2 + 32**2 and est.moments == 10 * est.n_moments
+    assert est.n_weights == 12 * 32 + 32 * 5 and est.weights == memory.BYTES_PER_WEIGHT * est.n_weights
+    assert est.n_moments == 12**2 + 32**2 and est.moments == memory.BYTES_PER_MOMENT * est.n_moments
     assert est.activations == int(2 * outputs / 7) and est.logits == 0 and est.batch == 7
     assert est.pass_inputs == 7 and est.total == est.weights + est.moments + 7 * est.activations
 
