@@ -361,7 +361,7 @@ class _Trainable(nn.Module):
 
     def stored(self, scale_bits: int, lut_bits: int) -> QuantizedWeight:
         """The encoding with the trained books rounded to their stored precision."""
-        books, codes = dict(self.qw.books), self.qw.indices()
+        books, codes = dict(self.qw.books), self.qw.codes.to(torch.int64, copy=True)  # written below
         for b, book in self.qw.books.items():
             params = {k: v.detach().double() for k, v in self.books[str(b)].items()}
             if params:
