@@ -19,8 +19,8 @@ def _net():
 
 
 def test_estimate_vs_hand_count():
-    """Weights: BYTES_PER_WEIGHT each; input moments: BYTES_PER_MOMENT per element of each layer's d_in x d_in; activations
-    per input: 2x every module's output bytes (the two Linear, the ReLU and the Sequential's own
+    """Weights: BYTES_PER_WEIGHT each; input moments: BYTES_PER_MOMENT per element of each layer's
+    d_in x d_in; activations per input: 2x every module's output bytes (the two Linear, the ReLU and the Sequential's own
     output) on the first batch over its size; no per-token term for (B, C) logits; a pass holds
     the whole batch when it fits in PASS_BYTES."""
     model, x = _net(), torch.randn(7, 12, generator=torch.Generator().manual_seed(1))

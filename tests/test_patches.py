@@ -90,16 +90,16 @@ def test_squared_grad_sum_vs_per_example_grad(name, limit, monkeypatch):
 
 
 @pytest.mark.parametrize("n", [1, 7, (1 << 16) + 3, 3 * (1 << 16)])
-def test_add_float64_vs_mixed_dtype_add(n):
+def test_add_widened_vs_mixed_dtype_add(n):
     """Chunked conversion gives exactly torch's mixed-dtype add (float32 -> float64 is exact),
     for sizes below, at and across the chunk, on a weight-shaped (non-flat) pair."""
-    from bayesq.curvature.patches import add_float64
+    from bayesq.curvature.patches import add_widened
 
     g = torch.Generator().manual_seed(n)
     total = torch.randn(n, 1, dtype=torch.float64, generator=g) * 1e3
     x = torch.randn(n, 1, generator=g)
     want = total.clone().add_(x)
-    out = add_float64(total, x)
+    out = add_widened(total, x)
     assert out is total and torch.equal(total, want)
     same = torch.randn(4, dtype=torch.float64, generator=g)
-    assert torch.equal(add_float64(same.clone(), same), same + same)  # one dtype: a plain add
+    assert torch.equal(add_widened(same.clone(), same), same + same)  # one dtype: a plain add

@@ -52,7 +52,8 @@ def test_quantized_weight_dequantize_chunks_vs_hand_decode(monkeypatch):
     lb = LayerBlocks("fc", (6, 8), 4, 2)  # 12 groups of 4, 6 units
     group_bits = torch.tensor([2, 2, 3, 3, 2, 2, 3, 3, 3, 3, 2, 2])
     n2, n3 = int((group_bits == 2).sum()), int((group_bits == 3).sum())
-    grids = UniformGrids(2, torch.rand(n2, generator=g, dtype=torch.float64) + 0.1, torch.full((n2,), 1.0, dtype=torch.float64))
+    grids = UniformGrids(2, torch.rand(n2, generator=g, dtype=torch.float64) + 0.1,
+                         torch.full((n2,), 1.0, dtype=torch.float64))
     luts = LevelTables(3, torch.randn(3, 8, generator=g, dtype=torch.float64).sort(1).values,
                        torch.arange(n3) // 2)  # group -> its unit's table
     codes = torch.where((group_bits == 2)[:, None], torch.randint(0, 4, (12, 4), generator=g),

@@ -27,7 +27,7 @@ from torch import nn
 
 from bayesq.blocks import quantizable_layers
 from bayesq.canonical import on_canonical
-from bayesq.curvature.patches import add_float64, sum_dtype
+from bayesq.curvature.patches import add_widened, sum_dtype
 from bayesq.forward import Batch
 from bayesq.posterior import forward_inputs
 
@@ -111,12 +111,12 @@ class StatsSums:
         old = self._sums.get(name)
         if old is None:  # sums of the batches' sums (added in place: no float64 temporary)
             h, a, m = new[:-1]
-            self._sums[name] = [h.to(sum_dtype(h.dtype), copy=True), None if a is None else a.to(torch.float64, copy=True),
-                                m.to(torch.float64, copy=True), new[-1]]
+            wide = [None if x is None else x.to(torch.float64, copy=True) for x in (a, m)]
+            self._sums[name] = [h.to(sum_dtype(h.dtype), copy=True), *wide, new[-1]]
         else:
             for x, y in zip(old[:-1], new[:-1]):
                 if x is not None:
-                    add_float64(x, y)
+                    add_widened(x, y)
             old[-1] += new[-1]
 
     def stats(self, layers: dict[str, nn.Module], n: int) -> dict[str, InputStats]:

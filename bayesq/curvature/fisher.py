@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from bayesq.curvature.patches import add_float64, input_rows, squared_grad_sum, sum_dtype
+from bayesq.curvature.patches import add_widened, input_rows, squared_grad_sum, sum_dtype
 from bayesq.forward import (
     Batch, batch_size, layer_calls, padding_mask, prediction_rows, predictions, split_batches, token_rows,
 )
@@ -114,7 +114,7 @@ def _squared_grad_sum(
                                 if len(passes) > 1:
                                     total[name] += sq.to(total[name].dtype) / len(passes)
                                 else:  # in place (no copy): one layer's squares held at a time
-                                    add_float64(total[name], sq)
+                                    add_widened(total[name], sq)
                 n_seen += batch_size(part)
                 acts.clear()
                 outputs.clear()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-ADD_CHUNK = 1 << 16  # elements converted per step by add_float64
+ADD_CHUNK = 1 << 16  # elements converted per step by add_widened
 
 
 def sum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -29,10 +29,11 @@ def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def add_float64(total: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``total += x`` for a float64 ``total`` and an ``x`` of another float dtype, in place: the
-    same numbers as ``total.add_(x)`` (float32 -> float64 is exact), 5-7x faster on the CPU,
-    where PyTorch's mixed-dtype add is slow, and without a float64 copy of ``x`` (it converts
+def add_widened(total: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``total += x`` in place for a ``total`` (float64, or the float32 sums of a half-precision
+    model, :func:`sum_dtype`) and an ``x`` of a narrower float dtype (plain ``add_`` when the
+    dtypes match): the same numbers as ``total.add_(x)`` (widening is exact), 5-7x faster on the CPU,
+    where PyTorch's mixed-dtype add is slow, and without a widened copy of ``x`` (it converts
     ``ADD_CHUNK`` elements at a time into one small buffer)."""
     if x.dtype == total.dtype or total.device.type != "cpu" or not total.is_contiguous():
         return total.add_(x)
