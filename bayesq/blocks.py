@@ -92,27 +92,32 @@ class LayerBlocks:
         """(n_groups,) int64 on ``device`` (default the CPU): the unit each group belongs to."""
         return torch.arange(self.n_groups, device=device) // self.unit_groups
 
+    @property
+    def padded(self) -> bool:
+        """Whether :meth:`to_groups` pads: the groups hold more slots than the layer has weights."""
+        return self.n_groups * self.group_size != self.numel
+
     def to_groups(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cut a (numel,) tensor into (n_groups, group_size) rows plus a 0/1 mask.
 
         Padding of the last group (of each row, when ``row_aligned``) repeats its last real
-        value, so min/max are unchanged.
+        value, so min/max are unchanged. Without padding the rows are a view of ``flat`` and the
+        mask a read-only broadcast of one 1 (no full-size copy of a large layer).
         """
-        if self.row_aligned:
-            width = self.groups_per_row * self.group_size
-            rows = flat.reshape(self.shape[0], self.row)  # (out, row)
-            pad = width - self.row
-            mask = torch.ones(self.shape[0], width, dtype=flat.dtype, device=flat.device)
-            if pad:
-                rows = torch.cat([rows, rows[:, -1:].expand(-1, pad)], 1)  # (out, width)
-                mask[:, self.row:] = 0
-            return rows.reshape(-1, self.group_size), mask.reshape(-1, self.group_size)
-        pad = self.n_groups * self.group_size - self.numel
-        mask = torch.ones(self.n_groups * self.group_size, dtype=flat.dtype, device=flat.device)
-        if pad:
-            flat = torch.cat([flat, flat[-1:].expand(pad)])
-            mask[-pad:] = 0
         g = self.group_size
+        if not self.padded:
+            return flat.reshape(-1, g), flat.new_ones(()).expand(self.n_groups, g)
+        if self.row_aligned:
+            width = self.groups_per_row * g
+            rows = flat.reshape(self.shape[0], self.row)  # (out, row)
+            mask = torch.ones(self.shape[0], width, dtype=flat.dtype, device=flat.device)
+            rows = torch.cat([rows, rows[:, -1:].expand(-1, width - self.row)], 1)  # (out, width)
+            mask[:, self.row:] = 0
+            return rows.reshape(-1, g), mask.reshape(-1, g)
+        pad = self.n_groups * g - self.numel
+        mask = torch.ones(self.n_groups * g, dtype=flat.dtype, device=flat.device)
+        flat = torch.cat([flat, flat[-1:].expand(pad)])
+        mask[-pad:] = 0
         return flat.reshape(-1, g), mask.reshape(-1, g)  # (G, g)
 
     def element_groups(self, rows: slice, device: torch.device | str | None = None) -> torch.Tensor:

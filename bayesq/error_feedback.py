@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 
 from bayesq.codebook import rounding_divisor
+from bayesq.memory import LazyMap
 
 
 def damped_metric(H: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
@@ -49,7 +50,7 @@ def damped_metric(H: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     return H
 
 
-class LazyMetrics(Mapping[str, torch.Tensor]):
+class LazyMetrics(LazyMap):
     """Layer name -> column metric, made by ``make(name)`` on each access and never kept.
 
     Every layer's (d_in, d_in) metric (and its factor, :func:`shared_factors`) held at once is the
@@ -67,9 +68,7 @@ class LazyMetrics(Mapping[str, torch.Tensor]):
     """
 
     def __init__(self, names: Iterable[str], make: Callable[[str], torch.Tensor]) -> None:
-        self._names = tuple(names)
-        self._known = frozenset(self._names)
-        self._make = make
+        super().__init__(names, make)
         self._last: tuple[str | None, torch.Tensor | None] = (None, None)  # the layer read last, its metric
         self._gains: dict[bool, dict[str, torch.Tensor]] = {}
 
@@ -80,12 +79,6 @@ class LazyMetrics(Mapping[str, torch.Tensor]):
             self._last = (name, None)  # the previous layer's metric freed before the next is made
             self._last = (name, self._make(name))
         return self._last[1]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
 
     def gains(self, act_order: bool) -> dict[str, torch.Tensor]:
         """:func:`feedback_gain` of every layer's metric in ``act_order``'s column order (made once)."""

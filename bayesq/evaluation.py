@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from bayesq import metrics
 from bayesq.forward import Batch, call, first_inputs, logits, output_logits, per_input, predictions
+from bayesq.memory import release_freed
 
 
 def each_batch(model: nn.Module, batches: Iterable[Batch], fn: Callable[[nn.Module, Batch], Tensor],
@@ -169,7 +170,10 @@ def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: S
         ref = reference.logits(i) if isinstance(reference, FPReference) else reference[i]
         if ref.shape != z.shape:
             raise mismatch(i, ref, tuple(z.shape))
-        return per_input(token_kl(ref, z, mask), mask)
+        kl = per_input(token_kl(ref, z, mask), mask)
+        del ref, z
+        release_freed()  # a batch's (B, T, V) logits and their chunks' temporaries: heap a large vocabulary fragments
+        return kl
 
     rows = each_batch(model, list(enumerate(batches)), one, desc)
     return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.float64)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -282,8 +282,12 @@ class _DeployedFit(_LayerFit):
         self.blocks, self.cfg = blocks, cfg
         self.mu, self.mask = blocks.to_groups(mu.reshape(-1))  # (G, g) each
         self.omega, _ = blocks.to_groups(omega.reshape(-1))
-        self.weight = self.mask * self.omega
-        self.entry_weight = None if entry_omega is None else self.mask * blocks.to_groups(entry_omega.reshape(-1))[0]
+        self.weight = self._masked(self.omega)
+        self.entry_weight = None if entry_omega is None else self._masked(blocks.to_groups(entry_omega.reshape(-1))[0])
+
+    def _masked(self, x: torch.Tensor) -> torch.Tensor:
+        """``mask * x`` of (G, g) ``x``: ``x`` itself when nothing is padded (the same values)."""
+        return self.mask * x if self.blocks.padded else x
 
     def candidate(self, bits: int) -> tuple[Book, torch.Tensor, str]:
         book, loss, kind = super().candidate(bits)
@@ -357,14 +361,14 @@ def metric_weights(posterior: Posterior, name: str, whitening: Whitening,
     (``cost_terms = data``) or the posterior precision ``h + lambda_l`` (``data-prior``); under
     ``draws`` None (``1 / sigma^2``). ``identity``: 1; ``pca``: the input moments ``A_ii``.
     """
-    mu = posterior.mean[name]
     if whitening == Whitening.POSTERIOR:
         if Objective(objective) == Objective.DRAWS:
             return None
-        h = posterior.data_precision(name).to(mu.dtype)
+        h = posterior.data_precision(name).double()  # as the float64 means (no copy when float64)
         if CostTerms(cost_terms) == CostTerms.DATA_PRIOR:
             h = h + (posterior.prior_precision or {}).get(name, 0.0)
         return h
+    mu = posterior.mean[name]
     if whitening == Whitening.IDENTITY:
         return torch.ones_like(mu)
     if input_diag is None or name not in input_diag:
@@ -387,7 +391,8 @@ def feedback_weights(omega: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
     gain = gain if gain.dim() == 2 else gain.unsqueeze(0)
     if mat.shape[0] % gain.shape[0] or gain.shape[1] != mat.shape[1]:
         raise ValueError(f"gain of shape {tuple(gain.shape)} does not fit a weight of {tuple(mat.shape)} (out, d_in)")
-    return (mat * gain.repeat_interleave(mat.shape[0] // gain.shape[0], dim=0)).reshape(omega.shape)
+    per_group = mat.reshape(gain.shape[0], -1, mat.shape[1])  # (groups, out / groups, d_in)
+    return (per_group * gain[:, None, :]).reshape(omega.shape)
 
 
 def posterior_table(
@@ -419,34 +424,43 @@ def posterior_table(
 
 
 def rtn_table(
-    weights: dict[str, torch.Tensor], blocks: list[LayerBlocks], cfg: QuantConfig,
-    element_weight: dict[str, torch.Tensor] | None = None, grids: Callable | None = None,
+    weights: Mapping[str, torch.Tensor], blocks: list[LayerBlocks], cfg: QuantConfig,
+    element_weight: Mapping[str, torch.Tensor] | None = None, grids: Callable | None = None,
 ) -> LossTable:
     """Min/max grids and their squared rounding error per unit (the baselines' own mixed rule).
 
     ``L_u(b) = sum_{i in u} omega_i (Q_b(w_i) - w_i)^2`` with ``omega = 1`` (RTN, data-free) or
     ``element_weight[name]`` (any tensor with the weight's number of elements, e.g. GPTQ / AWQ's
-    input second moments ``diag(H)`` per column: the diagonal part of the layer-output error).
+    input second moments ``diag(H)`` per column: the diagonal part of the layer-output error;
+    read once per layer, so a :class:`bayesq.memory.LazyMap` holds one layer's at a time).
     ``grids(w, bits, mask) -> UniformGrids`` replaces the min/max grids (ACIQ's clipped ranges);
     ``w`` and ``mask`` are (G, group_size) float64.
     """
     tables = []
     for lb in blocks:
-        w, real = lb.to_groups(weights[lb.name].detach().double().reshape(-1))
-        mask = real
-        if element_weight is not None:
-            omega, _ = lb.to_groups(element_weight[lb.name].double().reshape(-1))
-            mask = real * omega
-        books, losses = [], []
-        for b in cfg.bits:
-            g = grids(w, b, real) if grids is not None else minmax_grids(w, b, cfg.scale_bits)
-            err = (g.dequantize(g.quantize(w)) - w).pow(2) * mask
-            books.append(g)
-            losses.append(_unit_sum(lb, err.sum(1)))
-        loss = torch.stack(losses, 1)
-        tables.append(LayerTable(lb, cfg.bits, loss, _costs(lb, cfg, [b.kind for b in books], loss.device),
-                                 tuple(books), torch.zeros_like(loss)))
+        omega = None if element_weight is None else element_weight[lb.name]
+        tables.append(_rtn_layer(lb, weights[lb.name], omega, cfg, grids))
+        release_freed()
     return LossTable(tuple(tables))
+
+
+def _rtn_layer(lb: LayerBlocks, weight: torch.Tensor, omega: torch.Tensor | None, cfg: QuantConfig,
+               grids: Callable | None) -> LayerTable:
+    """:func:`rtn_table`'s table of one layer; the errors scored in row chunks (no full-size
+    temporaries of a large layer)."""
+    w, real = lb.to_groups(weight.detach().double().reshape(-1))
+    mask = real
+    if omega is not None:
+        omega, _ = lb.to_groups(omega.double().reshape(-1))
+        mask = real * omega if lb.padded else omega
+    books, losses = [], []
+    for b in cfg.bits:
+        g = grids(w, b, real) if grids is not None else minmax_grids(w, b, cfg.scale_bits)
+        books.append(g)
+        losses.append(_unit_sum(lb, grid_sq_error(w, mask, g)))
+    loss = torch.stack(losses, 1)
+    return LayerTable(lb, cfg.bits, loss, _costs(lb, cfg, [b.kind for b in books], loss.device), tuple(books),
+                      torch.zeros_like(loss))
 
 
 # ---- Monte Carlo proxies on the most sensitive layers ------------------------------------------

@@ -33,6 +33,7 @@ import ctypes
 import resource
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -66,6 +67,30 @@ def release_freed() -> None:
     called between layers and batches, it costs milliseconds."""
     if _TRIM is not None:
         _TRIM(0)
+
+
+class LazyMap(Mapping[str, torch.Tensor]):
+    """name -> ``make(name)``, made on every access and not kept: a per-layer tensor (e.g. a
+    float64 metric shaped like the weight) that a loop over layers reads once, so one layer's is
+    held at a time instead of the whole model's."""
+
+    def __init__(self, names: Iterable[str], make: Callable[[str], torch.Tensor]) -> None:
+        self._names, self._make = tuple(names), make
+        self._known = frozenset(self._names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._known:
+            raise KeyError(name)
+        return self._make(name)
+
+    def __contains__(self, name: object) -> bool:  # without making the value
+        return name in self._known
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 class InsufficientMemoryError(MemoryError):

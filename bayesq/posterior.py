@@ -151,8 +151,10 @@ LAMBDA_RANGE = (1e-8, 1e12)  # bracket of a fitted prior precision
 
 
 def _effective(eig: torch.Tensor, lam: float) -> float:
-    """gamma(lambda) = sum_i h_i / (h_i + lambda): parameters the data determine."""
-    return float((eig / (eig + lam)).sum())
+    """gamma(lambda) = sum_i h_i / (h_i + lambda): parameters the data determine (one temporary
+    of the layer's size: a Brent step on a large layer holds one float64 copy, not two)."""
+    ratio = eig + lam
+    return float(torch.div(eig, ratio, out=ratio).sum())
 
 
 def fit_prior_precision(eig: torch.Tensor, sq_norm: float) -> float:
@@ -173,7 +175,7 @@ def fit_prior_precision(eig: torch.Tensor, sq_norm: float) -> float:
         eig: float64 tensor of the data curvature's eigenvalues (any shape), clamped at 0.
         sq_norm: ``|mu|^2`` of the layer's trained weights.
     """
-    eig = eig.double().clamp_min(0).reshape(-1)
+    eig = eig.to(torch.float64, copy=True).clamp_min_(0).reshape(-1)  # one float64 copy
     lo, hi = LAMBDA_RANGE
 
     def f(t: float) -> float:

@@ -63,3 +63,16 @@ def test_kept_matrices_counts_shared_parameters_once():
     assert kept_matrices(model, ["2"]) == (40, 40 * 32)  # the tied table once
     assert kept_matrices(model, ["1", "2"]) == (0, 0)  # quantised in one of its places: not kept
     assert kept_matrices(model.double(), []) == (140, 140 * 64)
+
+
+def test_to_groups_unpadded_is_a_view_with_a_broadcast_mask():
+    """Without padding the rows are a view of the tensor and the mask one broadcast 1 (no
+    full-size copies of a large layer); with padding the mask is real 0s and 1s."""
+    lb = LayerBlocks("w", (4, 32), group_size=16, unit_groups=2, row_aligned=True)
+    w = torch.randn(4 * 32, dtype=torch.float64)
+    groups, mask = lb.to_groups(w)
+    assert not lb.padded and groups.data_ptr() == w.data_ptr()
+    assert mask.stride() == (0, 0) and torch.equal(mask, torch.ones(8, 16, dtype=torch.float64))
+    padded = LayerBlocks("v", (4, 30), group_size=16, unit_groups=2, row_aligned=True)
+    _, mask = padded.to_groups(torch.randn(4 * 30, dtype=torch.float64))
+    assert padded.padded and int(mask.sum()) == 120 and mask.stride() != (0, 0)

@@ -323,3 +323,32 @@ def test_posterior_table_with_gains_searches_the_plain_metric_and_prices_the_sca
         unit = lb.group_unit()  # (G,)
         want = torch.tensor([0.5 * float(err[unit == u].sum()) for u in range(int(unit.max()) + 1)], dtype=F64)
         torch.testing.assert_close(got.unit_loss[:, j], want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("chunk", [1 << 18, 40])
+def test_rtn_table_vs_hand_rounding_error(monkeypatch, chunk):
+    """Min/max grids per group and ``sum_u omega (Q(w) - w)^2`` per unit, by hand per group, for
+    a padded and an unpadded layer; the errors scored in row chunks (``chunk`` weights) or whole."""
+    import bayesq.codebook as codebook
+    from bayesq.expected_loss import rtn_table
+
+    monkeypatch.setattr(codebook, "_BATCH_ELEMENTS", chunk)
+    g = torch.Generator().manual_seed(0)
+    cfg = QuantConfig(group_size=8, bits=(2, 3))
+    blocks = [LayerBlocks("a", (6, 16), 8, 2), LayerBlocks("b", (5, 7), 8, 2)]  # b: the last group padded
+    weights = {lb.name: torch.randn(lb.shape, generator=g) for lb in blocks}
+    omega = {lb.name: torch.rand(lb.shape, generator=g, dtype=torch.float64) for lb in blocks}
+    table = rtn_table(weights, blocks, cfg, element_weight=omega)
+    for lb, t in zip(blocks, table.layers):
+        w, om = weights[lb.name].double().reshape(-1), omega[lb.name].reshape(-1)
+        for j, b in enumerate(cfg.bits):
+            err = []
+            for start in range(0, lb.numel, 8):
+                x, o = w[start:start + 8], om[start:start + 8]
+                scale = ((x.max() - x.min()) / (2**b - 1)).half().double()  # stored in fp16
+                zero = torch.round(-x.min() / scale).clamp(0, 2**b - 1)
+                q = scale * (torch.clamp(torch.round(x / scale) + zero, 0, 2**b - 1) - zero)
+                err.append(float((o * (q - x) ** 2).sum()))
+            want = [sum(err[u:u + 2]) for u in range(0, len(err), 2)]
+            torch.testing.assert_close(t.unit_loss[:, j], torch.tensor(want, dtype=torch.float64),
+                                       rtol=1e-12, atol=1e-15)

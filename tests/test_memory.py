@@ -112,3 +112,13 @@ def test_quantize_model_splits_the_curvature_pass_as_estimated(monkeypatch):
     for k, v in whole.posterior.curvature.items():
         assert torch.allclose(split.posterior.curvature[k], v, rtol=1e-12, atol=0)
         assert torch.equal(post.curvature[k], split.posterior.curvature[k])
+
+
+def test_lazy_map_makes_each_value_on_access():
+    """Values are made on every read and not kept; unknown names raise KeyError; order kept."""
+    made = []
+    lazy = memory.LazyMap(["b", "a"], lambda n: made.append(n) or torch.full((2,), float(len(made))))
+    assert list(lazy) == ["b", "a"] and len(lazy) == 2 and "a" in lazy and "c" not in lazy
+    assert float(lazy["a"][0]) == 1.0 and float(lazy["a"][0]) == 2.0 and made == ["a", "a"]
+    with pytest.raises(KeyError):
+        lazy["c"]

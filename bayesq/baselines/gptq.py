@@ -42,6 +42,7 @@ from bayesq.config import Granularity, QuantConfig, Rounding
 from bayesq.error_feedback import LazyMetrics, damped_metric, damped_metrics
 from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch
+from bayesq.memory import LazyMap
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.quantize import allocate, encode
 from bayesq.result import Allocation, QuantizationResult, baseline_result
@@ -86,7 +87,7 @@ def _table(layers: dict[str, nn.Module], stats: dict[str, InputStats], blocks: l
            cfg: QuantConfig) -> LossTable:
     """Min/max grids of every candidate with GPTQ's mixed-rule loss ``sum H_jj (Q_b(w) - w)^2``."""
     weights = {n: m.weight for n, m in layers.items()}
-    omega = {n: stats[n].row_diag(m.weight.shape[0]) for n, m in layers.items()}  # (out, d_in)
+    omega = LazyMap(layers, lambda n: stats[n].row_diag(layers[n].weight.shape[0]))  # (out, d_in), per layer
     return rtn_table(weights, blocks, cfg, element_weight=omega)
 
 

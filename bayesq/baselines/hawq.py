@@ -27,6 +27,7 @@ from bayesq.config import QuantConfig
 from bayesq.curvature.hutchinson import hutchinson_diagonal
 from bayesq.expected_loss import rtn_table
 from bayesq.forward import Batch
+from bayesq.memory import LazyMap
 from bayesq.methods import Inputs, Outcome, read, register
 from bayesq.quantize import allocate, encode
 from bayesq.result import QuantizationResult, baseline_result
@@ -63,8 +64,8 @@ def hawq_quantize(
         whole = math.ceil(math.prod(shape) / cfg.group_size)  # every group in one unit
         blocks.append(LayerBlocks(n, shape, cfg.group_size, whole))
     weights = {n: m.weight for n, m in layers.items()}
-    omega = {n: torch.full(m.weight.shape, traces[n] / m.weight.numel(), dtype=torch.float64)
-             for n, m in layers.items()}
+    omega = LazyMap(layers, lambda n: torch.full(layers[n].weight.shape, traces[n] / layers[n].weight.numel(),
+                                                 dtype=torch.float64))
     table = rtn_table(weights, blocks, cfg, element_weight=omega)
     allocation = allocate(table, budget)
     qweights = encode(table, allocation, weights)

@@ -37,6 +37,9 @@ from bayesq.forward import (
 from bayesq.memory import release_freed
 
 
+LABEL_CHUNK = 1 << 22  # float64 probabilities formed at once when labels are sampled (32 MiB)
+
+
 def _squared_grad_sum(
     model: nn.Module,
     batches: Iterable[Batch],
@@ -199,10 +202,13 @@ def fisher_diagonal(
     gen: list[torch.Generator] = []  # on the logits' device, made on the first batch
 
     def sampled_labels(out: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
-        probs = torch.softmax(out.double(), -1)  # (R, C)
         if not gen:
-            gen.append(torch.Generator(device=probs.device).manual_seed(seed))
-        return [torch.multinomial(probs, 1, generator=gen[0]).squeeze(1) for _ in range(label_samples)]
+            gen.append(torch.Generator(device=out.device).manual_seed(seed))
+        step = max(1, LABEL_CHUNK // max(1, out.shape[1]))
+        chunks = out.split(step)  # the float64 probabilities of a chunk of rows at a time; the
+        # sampler draws row by row, so the labels are those of the whole (R, C) at once
+        return [torch.cat([torch.multinomial(torch.softmax(c.double(), -1), 1, generator=gen[0]).squeeze(1)
+                           for c in chunks]) for _ in range(label_samples)]
 
     return _squared_grad_sum(model, batches, layers, sampled_labels, "fisher", progress, on_rows, max_inputs)
 
