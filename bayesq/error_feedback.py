@@ -65,12 +65,25 @@ class LazyMetrics(LazyMap):
         names: the layers, in order.
         make: name -> (d_in, d_in) or (groups, d_in, d_in) float64 SPD metric (e.g.
             ``lambda n: damped_metric(H[n])``).
+        forget: name -> None, drops what ``make`` reads for that layer (:meth:`release`).
     """
 
-    def __init__(self, names: Iterable[str], make: Callable[[str], torch.Tensor]) -> None:
+    def __init__(self, names: Iterable[str], make: Callable[[str], torch.Tensor],
+                 forget: Callable[[str], None] | None = None) -> None:
         super().__init__(names, make)
+        self._forget = forget
         self._last: tuple[str | None, torch.Tensor | None] = (None, None)  # the layer read last, its metric
         self._gains: dict[bool, dict[str, torch.Tensor]] = {}
+
+    def release(self, name: str) -> None:
+        """Free layer ``name``'s source (its input moment) for a caller that will not read it again:
+        it leaves the map (reading it raises KeyError), its gains stay."""
+        if self._forget is not None:
+            self._forget(name)
+        self._names = tuple(n for n in self._names if n != name)
+        self._known = self._known - {name}
+        if self._last[0] == name:
+            self._last = (None, None)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._known:
@@ -94,7 +107,7 @@ def damped_metrics(moments: Mapping[str, torch.Tensor], damp: float = 0.01) -> L
     if damp <= 0:
         raise ValueError(f"damp={damp}: the relative dampening must be > 0 (GPTQ's default 0.01)")
     moments = dict(moments)
-    return LazyMetrics(moments, lambda name: damped_metric(moments[name], damp))
+    return LazyMetrics(moments, lambda name: damped_metric(moments[name], damp), moments.pop)
 
 
 def _broadcast(name: str, x: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

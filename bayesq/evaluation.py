@@ -25,7 +25,9 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from bayesq import metrics
-from bayesq.forward import Batch, call, first_inputs, logits, output_logits, per_input, predictions
+from bayesq.forward import (
+    Batch, call, first_inputs, logits, output_logits, per_input, positions, predictions, split_batches,
+)
 from bayesq.memory import release_freed
 
 
@@ -64,6 +66,10 @@ def _log_probs(model: nn.Module, batch: Batch) -> torch.Tensor:
     return F.log_softmax(z.reshape(-1, z.shape[-1]).double(), dim=-1)
 
 
+KL_PART_POSITIONS = 256  # token positions per forward pass when kl_per_input scores per-token logits
+# against an FPReference: a batch is scored in parts (split_batches), so that the two models' float32
+# logits held at once are those of a part (51 MiB each at GPT-2's 50,257-token vocabulary)
+
 KL_CHUNK = 1 << 22  # float64 elements of one chunk of token rows in token_kl (32 MiB per temporary)
 
 
@@ -94,8 +100,8 @@ class FPReference(Sequence[Tensor]):
 
     What :func:`reference_log_probs` returns for a model with per-token logits: item ``i`` is
     batch ``i``'s (B, T, V) float64 log-probabilities (computed on access), a slice the
-    reference of those batches, and :func:`kl_per_input` reads :meth:`logits` batch by batch, so
-    only one batch's logits are held at a time. ``model`` must not change while the reference is
+    reference of those batches, and :func:`kl_per_input` reads :meth:`logits_of` a part of a batch
+    at a time, so only one part's logits are held. ``model`` must not change while the reference is
     in use (the quantised models scored against it are copies).
     """
 
@@ -112,7 +118,11 @@ class FPReference(Sequence[Tensor]):
 
     def logits(self, i: int) -> Tensor:
         """(B, T, V) logits of the model on batch ``i`` (eval mode, no gradients)."""
-        return each_batch(self.model, [self.batches[i]], lambda m, b: output_logits(call(m, b)))[0]
+        return self.logits_of(self.batches[i])
+
+    def logits_of(self, batch: Batch) -> Tensor:
+        """(B, T, V) logits of the model on ``batch`` (e.g. some inputs of one of its batches)."""
+        return each_batch(self.model, [batch], lambda m, b: output_logits(call(m, b)))[0]
 
 
 def _per_token(model: nn.Module, batches: Sequence[Batch]) -> bool:
@@ -137,7 +147,8 @@ def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: S
 
     Per-token logits (B, T, V): the mean over the input's real tokens of the per-token KL
     (:func:`token_kl`, :func:`bayesq.forward.per_input`; padding ignored, an input without a
-    real token scores 0).
+    real token scores 0). Against an :class:`FPReference`, each batch is scored in parts of at
+    most ``KL_PART_POSITIONS`` token positions (at least one input; the same inputs in order).
 
     Args:
         reference: :func:`reference_log_probs` on the same ``batches`` (for per-token logits an
@@ -158,22 +169,28 @@ def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: S
         return ValueError(f"reference batch {i} has shape {tuple(ref.shape)} but the model gives {got} on that "
                           "batch: pass reference_log_probs of the same batches, in the same order")
 
-    def one(m: nn.Module, item: tuple[int, Batch]) -> Tensor:
-        i, batch = item
+    def scored(m: nn.Module, i: int, batch: Batch, ref_of: Callable[[], Tensor]) -> Tensor:
         z, mask = predictions(m, batch)
         if mask is None:
             logq = F.log_softmax(z.reshape(-1, z.shape[-1]).double(), dim=-1)
-            ref = reference[i]
+            ref = ref_of()
             if ref.shape != logq.shape:
                 raise mismatch(i, ref, tuple(logq.shape))
             return (ref.exp() * (ref - logq)).sum(-1)
-        ref = reference.logits(i) if isinstance(reference, FPReference) else reference[i]
+        ref = ref_of()
         if ref.shape != z.shape:
             raise mismatch(i, ref, tuple(z.shape))
         kl = per_input(token_kl(ref, z, mask), mask)
         del ref, z
         release_freed()  # a batch's (B, T, V) logits and their chunks' temporaries: heap a large vocabulary fragments
         return kl
+
+    def one(m: nn.Module, item: tuple[int, Batch]) -> Tensor:
+        i, batch = item
+        if not isinstance(reference, FPReference):
+            return scored(m, i, batch, lambda: reference[i])
+        parts = split_batches([batch], max(1, KL_PART_POSITIONS // positions(batch)))
+        return torch.cat([scored(m, i, part, lambda part=part: reference.logits_of(part)) for part in parts])
 
     rows = each_batch(model, list(enumerate(batches)), one, desc)
     return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.float64)

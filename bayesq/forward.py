@@ -343,6 +343,14 @@ def by_length(batches: Iterable[Batch]) -> list[Batch]:
     return out
 
 
+def positions(batch: Batch) -> int:
+    """Positions per input of ``batch``: the second dimension of its (first, for a mapping) tensor
+    with two or more dimensions (a token batch's sequence length), else 1."""
+    xs = batch.values() if isinstance(batch, Mapping) else [batch]
+    x = next((v for v in xs if torch.is_tensor(v) and v.dim() >= 2), None)
+    return 1 if x is None else int(x.shape[1])
+
+
 def _inputs(batch: Batch, start: int, stop: int) -> Batch:
     """Inputs ``start:stop`` of ``batch`` (every value sliced along dim 0)."""
     return {key: v[start:stop] for key, v in batch.items()} if isinstance(batch, Mapping) else batch[start:stop]

@@ -207,8 +207,8 @@ def row_chunks(n_out: int, d_in: int, metric: torch.Tensor) -> list[slice]:
 
 def _refit_books(lb: LayerBlocks, W: torch.Tensor, codes: torch.Tensor, group_bits: torch.Tensor, books: dict,
                  metric: torch.Tensor, scale_bits: int) -> dict:
-    """``books`` with each group's scale refitted to its (out, d_in) codes (``refit.refit_scales``).
-    When every row holds whole groups, the rows' normal equations are built in :func:`row_chunks`
+    """``books`` with each group's scale refitted to its (out, d_in) codes (``refit.refit_scales``);
+    ``W``: the (out, d_in) weight in its own dtype, widened to float64 where read. When every row holds whole groups, the rows' normal equations are built in :func:`row_chunks`
     (``refit.refit_rows``: the same scales, float64 working copies the size of a chunk)."""
     scale, zero, _ = group_grid(lb, group_bits, books)
     metric = metric.double()
@@ -217,11 +217,12 @@ def _refit_books(lb: LayerBlocks, W: torch.Tensor, codes: torch.Tensor, group_bi
         eqs = []
         for rows in row_chunks(*W.shape, metric):
             group = lb.element_groups(rows, W.device)  # (r, d_in)
-            eqs.append(row_equations(W[rows], codes[rows].double() - zero[group], lb.row // lb.group_size, metric))
+            eqs.append(row_equations(W[rows].double(), codes[rows].double() - zero[group], lb.row // lb.group_size,
+                                     metric))
         refit = refit_rows(tuple(torch.cat(x) for x in zip(*eqs)), scale, scale_bits=scale_bits)
     if refit is None:  # groups straddle rows, or some row's equations are singular: the whole layer
         group = lb.element_groups(slice(0, W.shape[0]), W.device)  # (out, d_in)
-        refit = refit_scales(W, codes.double() - zero[group], group, scale, metric, scale_bits=scale_bits)
+        refit = refit_scales(W.double(), codes.double() - zero[group], group, scale, metric, scale_bits=scale_bits)
     new = refit[0]
     return {b: book.with_affine(new[group_bits == b], book.affine_fields()[1]) for b, book in books.items()}
 
@@ -368,7 +369,7 @@ def encode_layer(
     """One layer of :func:`encode`: ``weight`` with the books of ``t`` at ``unit_bits`` (one
     width per unit), rounded in ``metric`` (error feedback) or to the nearest levels."""
     lb = t.blocks
-    w = weight.detach().double()
+    w = weight.detach()  # widened to float64 a row chunk at a time (exactly: the same values)
     unit_bits = torch.tensor(unit_bits, dtype=torch.int64, device=w.device)
     group_bits = unit_bits[lb.group_unit(w.device)]  # (G,)
     books = {b: book.take(group_bits == b) for b, book in zip(t.bits, t.books) if bool((group_bits == b).any())}
@@ -381,19 +382,20 @@ def encode_layer(
         for rows in tqdm(chunks, desc=lb.name, disable=not progress or len(chunks) == 1, leave=False):
             idx = lb.element_groups(rows, w.device)  # (r, d_in): the per-element grid of these rows
             scale, zero, maxq = (x[idx] for x in grid)
+            m_rows = mat[rows].double()
             if solver is not None:
-                part = solver(mat[rows], metric, scale, zero, maxq, name=lb.name)
+                part = solver(m_rows, metric, scale, zero, maxq, name=lb.name)
             else:
-                part = error_feedback_groups(mat[rows], metric, scale, zero, maxq, act_order=act_order)
+                part = error_feedback_groups(m_rows, metric, scale, zero, maxq, act_order=act_order)
                 if cd_passes:
-                    part = coordinate_descent(mat[rows], metric, scale, zero, maxq, part, passes=cd_passes)
+                    part = coordinate_descent(m_rows, metric, scale, zero, maxq, part, passes=cd_passes)
             codes_w[rows] = part
-        del idx, scale, zero, maxq, part
+        del idx, scale, zero, maxq, part, m_rows
         codes, _ = lb.to_groups(codes_w.reshape(-1))
         if refit:
             books = _refit_books(lb, mat, codes_w, group_bits, books, metric, scale_bits)
     else:
-        groups, _ = lb.to_groups(w.reshape(-1))
+        groups, _ = lb.to_groups(w.double().reshape(-1))
         parts = {b: book.quantize(groups[group_bits == b]) for b, book in books.items()}
         widths = {p.shape[1] for p in parts.values()}
         if len(widths) != 1:
@@ -530,6 +532,44 @@ def encode_best(
     other candidates' tables by name (:func:`candidate_tables`; they do not depend on the
     budget, so a caller encoding several budgets builds them once); those absent are built here.
     """
+    cands = encode_candidates(model, posterior, table, q, budget, allocation_cfg, seed=seed, calibration=calibration,
+                              column_metric=column_metric, correction=correction, progress=progress, stats=stats,
+                              selection=selection, tables=tables)
+    return select_encoding(model, cands, reference=reference, progress=progress)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Every grid candidate of :func:`encode_best` allocated and encoded, not yet scored.
+
+    Attributes:
+        built: candidate name (:func:`grid_candidates` order) -> (its configuration, loss table,
+            allocation, encoded layers).
+        correction: the bias correction each is scored and deployed with (None: off).
+        scored: the input batches a selection scores them on (``selection``, else the calibration
+            batches); None when there is one candidate and no calibration.
+    """
+
+    built: Mapping[str, tuple[QuantConfig, LossTable, Allocation, dict[str, QuantizedWeight]]]
+    correction: BiasCorrection | None
+    scored: list[Batch] | None
+
+
+def encode_candidates(
+    model: nn.Module, posterior: Posterior, table: LossTable, q: QuantConfig, budget: float,
+    allocation_cfg: AllocationConfig = AllocationConfig(), *, seed: int = 0,
+    calibration: Iterable[Batch] | None = None, column_metric: Mapping[str, torch.Tensor] | None = None,
+    correction: BiasCorrection | None = None, progress: bool = False,
+    stats: Mapping[str, InputStats] | None = None, selection: Iterable[Batch] | None = None,
+    tables: Mapping[str, LossTable] | None = None, consume_metric: bool = False,
+) -> Candidates:
+    """The first half of :func:`encode_best` (same arguments): every candidate allocated and
+    encoded. Nothing it returns refers to ``posterior`` or ``column_metric``, so a caller can
+    release them (model-sized at scale) before :func:`select_encoding` scores the candidates.
+
+    ``consume_metric``: ``column_metric`` (a :class:`LazyMetrics`) is the caller's to give away:
+    each layer's input moment is released once every candidate has encoded the layer, so that
+    the moments of the layers done are not held while the rest are encoded."""
     layers = {t.blocks.name: model.get_submodule(t.blocks.name) for t in table.layers}
     weights = {n: m.weight for n, m in layers.items()}
     selection = list(selection) if selection is not None else None
@@ -571,9 +611,20 @@ def encode_best(
                     t.layer(lb.name), allocation.unit_bits[lb.name], weights[lb.name], metric,
                     rounding=cq.rounding, act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits,
                     cd_passes=cq.cd_passes, progress=progress)
+            del metric
+        if consume_metric and isinstance(column_metric, LazyMetrics):
+            column_metric.release(lb.name)
         release_freed()
-    if len(cands) == 1:
-        return Encoding(next(iter(cands)), *built[next(iter(cands))], {}, correction)
+    return Candidates(built, correction, scored)
+
+
+def select_encoding(model: nn.Module, cands: Candidates, *, reference: Sequence[torch.Tensor] | None = None,
+                    progress: bool = False) -> Encoding:
+    """The second half of :func:`encode_best`: the candidate kept by the selection rule described
+    there, scored on ``cands.scored`` against ``model`` (``reference``: as in :func:`encode_best`)."""
+    built, correction, scored = cands.built, cands.correction, cands.scored
+    if len(built) == 1:
+        return Encoding(next(iter(built)), *next(iter(built.values())), {}, correction)
     fp = {}  # the FP log-probabilities of each look's batches
     scoring = [None, copy.deepcopy(model)]  # one quantised copy, holding the candidate named first
 
@@ -587,11 +638,11 @@ def encode_best(
             scoring[0] = name
         return kl_per_input(fp[key], scoring[1].eval(), scored[part], f"selection KL ({name})" if progress else None)
 
-    anchor = "minmax" if "minmax" in cands else next(iter(cands))
+    anchor = "minmax" if "minmax" in built else next(iter(built))
     if reference is not None and len(reference) != len(scored):
         raise ValueError(f"reference has {len(reference)} batches of log-probabilities for {len(scored)} input "
                          "batches: pass reference_log_probs of the same batches, in the same order")
-    kept, margins, kls = sequential_choice(score, list(cands), anchor, selection_looks(scored), len(scored))
+    kept, margins, kls = sequential_choice(score, list(built), anchor, selection_looks(scored), len(scored))
     cq, t, allocation, qw = built[kept]
     return Encoding(kept, cq, t, allocation, qw, {k: float(v.mean()) for k, v in kls.items()}, correction,
                     {k: (d.ci_low, d.ci_high) for k, d in margins.items()}, {k: len(v) for k, v in kls.items()})
@@ -683,7 +734,7 @@ def build_table(
 def quantize_model(
     model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig = BayesQConfig(),
     *, posterior: Posterior | None = None, progress: bool = True, selection: Iterable[Batch] | None = None,
-    exclude: Sequence[str] = (), check_memory: bool = True,
+    exclude: Sequence[str] = (), check_memory: bool = True, keep_posterior: bool = False,
 ) -> QuantizationResult:
     """BayesQ: posterior -> expected-loss tables -> allocation -> quantised model.
 
@@ -709,6 +760,9 @@ def quantize_model(
             with an error when the model's device has less free. The estimate also sets how
             many inputs the curvature pass holds at once (batches split so that its activations
             stay within ``bayesq.memory.PASS_BYTES`` / ``PART_BYTES``; the same sums up to float rounding).
+        keep_posterior: return the posterior in the result (its ``posterior``; to distil or
+            quantise at another budget without a second curvature pass). Off by default: it is as
+            large as the model in float32, and it is released before the candidates are scored.
 
     Returns:
         :class:`QuantizationResult` with the quantised copy of the model, the codes and
@@ -725,11 +779,11 @@ def quantize_model(
     with kept_state(model):
         model.eval()  # every pass reads the model as deployed (frozen BatchNorm, no dropout)
         return _quantize_model(model, calibration, config, posterior, progress, selection, tuple(exclude),
-                               check_memory)
+                               check_memory, keep_posterior)
 
 
 def _quantize_model(model, calibration, config, posterior, progress, selection, exclude,
-                    check_memory) -> QuantizationResult:
+                    check_memory, keep_posterior) -> QuantizationResult:
     layers = quantizable_layers(model, exclude)
     check_finite(layers)
     check_model_finite(model)
@@ -750,14 +804,21 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
     del stats  # read by the two lines above only: its (d_in, d_in) sums need not wait for the end
     table = build_table(posterior, blocks, q, seed=config.seed, model=model, calibration=calibration,
                         progress=progress, column_metric=metric)
-    enc = encode_best(model, posterior, table, q, config.budget, config.allocation, seed=config.seed,
-                      calibration=calibration, column_metric=metric, correction=correction, progress=progress,
-                      selection=selection)
-    del metric  # the layers' input moments: not read by the last stage
+    cands = encode_candidates(model, posterior, table, q, config.budget, config.allocation, seed=config.seed,
+                              calibration=calibration, column_metric=metric, correction=correction,
+                              progress=progress, selection=selection, consume_metric=True)
+    # Model-sized and read by nothing from here on: the layers' input moments always, the
+    # posterior unless it is returned or distillation's teacher.
+    del metric
+    if not (keep_posterior or config.distill.applies(config.budget)):
+        posterior = None
+    release_freed()
+    enc = select_encoding(model, cands, progress=progress)
+    del cands
     qmodel, weights, _ = assemble(model, enc, posterior, calibration, config.distill, config.budget, config.seed,
                                   progress)
-    return QuantizationResult(qmodel, weights, enc.allocation, enc.table, posterior, enc.name, enc.selection_kl,
-                              correction, unquantized_weights(model, layers, exclude))
+    return QuantizationResult(qmodel, weights, enc.allocation, enc.table, posterior if keep_posterior else None,
+                              enc.name, enc.selection_kl, correction, unquantized_weights(model, layers, exclude))
 
 
 @register(BayesQConfig)

@@ -107,8 +107,10 @@ class QuantizedWeight:
 class QuantizationResult:
     """What :func:`quantize_model` returns.
 
-    ``encoding`` names the grids kept (``searched``, ``searched-plain``, ``searched-gained`` or
-    ``minmax``, :func:`grid_candidates`); ``selection_kl`` maps every candidate built to its KL to
+    ``posterior``: the posterior the tables were built from, when asked for
+    (``quantize_model(..., keep_posterior=True)``; None otherwise). ``encoding`` names the grids
+    kept (``searched``, ``searched-plain``, ``searched-gained`` or ``minmax``,
+    :func:`grid_candidates`); ``selection_kl`` maps every candidate built to its KL to
     the full-precision model on the selection inputs (the calibration inputs when none were
     given; empty when there was one candidate); ``correction`` is the bias correction
     applied to ``model`` (None: ``quant.bias_correction`` off; its ``skipped`` lists the layers

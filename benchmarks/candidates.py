@@ -84,7 +84,8 @@ def main() -> None:
     selection = c.selection  # as the pipeline: choices scored on the held-out draw
     for name, cfg in candidates.items():
         start = time.perf_counter()
-        res = quantize_model(c.model, c.calibration, cfg, progress=False, selection=selection)
+        res = quantize_model(c.model, c.calibration, cfg, progress=False, selection=selection,
+                             keep_posterior=True)
         post = res.posterior
         kept = f", kept {res.encoding} grids (selection KL {', '.join(f'{k} {v:.4g}' for k, v in res.selection_kl.items())})"
         score(name, res, time.perf_counter() - start,

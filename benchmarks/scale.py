@@ -201,7 +201,9 @@ def stages(a) -> None:
     from bayesq.canonical import canonical
     from bayesq.config import BayesQConfig
     from bayesq.memory import estimate
-    from bayesq.quantize import bias_correction, build_table, ef_column_metric, encode_best, posterior_and_stats
+    from bayesq.quantize import (
+        bias_correction, build_table, ef_column_metric, encode_candidates, posterior_and_stats, select_encoding,
+    )
     from flows.params import read_params
 
     model, cal, sel = setup(a)
@@ -222,10 +224,14 @@ def stages(a) -> None:
             with peaks.stage("bayesq table"):
                 table = build_table(post, blocks, q, model=model, calibration=cal, progress=False,
                                     column_metric=metric)
-            with peaks.stage("bayesq allocate + encode + select"):
-                encode_best(model, post, table, q, a.budget, cfg.allocation, calibration=cal,
-                            column_metric=metric, correction=correction, selection=sel)
-            del post, metric, correction, table
+            with peaks.stage("bayesq allocate + encode"):
+                cands = encode_candidates(model, post, table, q, a.budget, cfg.allocation, calibration=cal,
+                                          column_metric=metric, correction=correction, selection=sel,
+                                          consume_metric=True)
+            del post, metric, correction, table  # as quantize_model: not read by the selection
+            with peaks.stage("bayesq select"):
+                select_encoding(model, cands)
+            del cands
         if "gptq" in a.methods:
             b = params.baselines
             with peaks.stage("gptq input stats"):

@@ -60,7 +60,7 @@ def _kl(model, teacher, batches, tau):
 def base(one_thread):
     """Undistilled BayesQ result at 3 bits (uniform grids)."""
     model, cal = _mlp(), _cal()
-    res = quantize_model(model, cal, BayesQConfig(budget=3.0, quant=BASE_Q, distill=OFF), progress=False)
+    res = quantize_model(model, cal, BayesQConfig(budget=3.0, quant=BASE_Q, distill=OFF), progress=False, keep_posterior=True)
     return model, cal, res
 
 
@@ -76,7 +76,7 @@ def distilled(base):
 def lut(one_thread):
     model, cal = _mlp(), _cal()
     res = quantize_model(model, cal, BayesQConfig(budget=3.0, quant=QuantConfig(codebook="lloyd", rounding="nearest"), distill=OFF),
-                         progress=False)
+                         progress=False, keep_posterior=True)
     assert any(isinstance(b, LevelTables) for qw in res.weights.values() for b in qw.books.values())
     return model, cal, res
 
@@ -113,7 +113,7 @@ def test_trainable_weight_matches_dequantize_col_scale(base):
 def test_trainable_weight_matches_dequantize_conv(one_thread):
     g = torch.Generator().manual_seed(2)
     cal = [torch.randn(8, 3, 6, 6, generator=g) for _ in range(2)]
-    res = quantize_model(_convnet(), cal, BayesQConfig(budget=3.0, distill=OFF), progress=False)
+    res = quantize_model(_convnet(), cal, BayesQConfig(budget=3.0, distill=OFF), progress=False, keep_posterior=True)
     assert res.weights["0"].blocks.shape == (8, 3, 3, 3)
     _assert_trainable_matches(res.weights)
 
@@ -451,7 +451,7 @@ def test_distill_dict_batches_heldout_kl(one_thread):
     cal = [{"input_ids": torch.randn(6, 4, 32, generator=g), "mask": (torch.rand(6, 4, generator=g) > 0.3).float()}
            for _ in range(3)]
     cfg = BayesQConfig(budget=4.0, quant=QuantConfig(group_size=32), distill=OFF)
-    res = quantize_model(model, cal, cfg, progress=False)
+    res = quantize_model(model, cal, cfg, progress=False, keep_posterior=True)
     out = distill(model, res.weights, res.posterior, cal, DistillConfig(lr=1e-3, steps=5), seed=2)
     fit, held = split_calibration(cal, 0.25, seed=2)
     assert all(isinstance(b, dict) for b in fit + held) and sum(len(b["mask"]) for b in held) == 4
@@ -529,7 +529,7 @@ def _lm_setup():
     torch.manual_seed(0)
     model = TinyCausalLM(vocab=29, d=32, hidden=64).eval()
     cal = lm_batches([[5, 9, 3, 7], [8, 2, 6, 4], [9, 9, 1, 5]], vocab=29)
-    res = quantize_model(model, cal, BayesQConfig(budget=3.0, quant=BASE_Q, distill=OFF), progress=False)
+    res = quantize_model(model, cal, BayesQConfig(budget=3.0, quant=BASE_Q, distill=OFF), progress=False, keep_posterior=True)
     return model, cal, res
 
 

@@ -353,6 +353,28 @@ def test_kl_per_input_language_model_token_mean_and_padding_ignored():
         kl_per_input(stored[::-1], q, batches)
 
 
+def test_kl_per_input_fp_reference_in_parts_vs_whole_batches(monkeypatch):
+    """Against an FPReference a batch is scored in parts of KL_PART_POSITIONS token positions:
+    both models see parts of the batch (ceil(3 inputs / 1) or / 2), and the per-input KL is that
+    of each input run alone."""
+    import bayesq.evaluation as E
+    from nets import lm_batches, with_padding
+
+    fp, q = _lm_pair()
+    batches = with_padding(lm_batches([[3, 5, 2], [4, 1, 4]]), 2)  # 3 inputs per batch, 7 positions
+    want = torch.tensor(_hand_token_mean_kl(fp, q, batches), dtype=torch.float64)
+    for per_part, sizes in [(7, [1, 1, 1]), (14, [2, 1]), (10**6, [3])]:
+        monkeypatch.setattr(E, "KL_PART_POSITIONS", per_part)
+        seen = []
+        hooks = [m.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(kwargs["input_ids"].shape[0]),
+                                             with_kwargs=True) for m in (fp, q)]
+        got = E.kl_per_input(E.reference_log_probs(fp, batches), q, batches)
+        for h in hooks:
+            h.remove()
+        assert seen[-2 * len(sizes) * len(batches):] == [n for n in sizes for _ in (q, fp)] * len(batches)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-15)
+
+
 def test_token_kl_chunks_vs_one_pass(monkeypatch):
     import bayesq.evaluation as E
 

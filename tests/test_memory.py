@@ -98,14 +98,14 @@ def test_quantize_model_splits_the_curvature_pass_as_estimated(monkeypatch):
     from bayesq.quantize import fit_posterior
 
     model, x = _net().double(), torch.randn(7, 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    whole = quantize_model(model, [x], BayesQConfig(), progress=False)
+    whole = quantize_model(model, [x], BayesQConfig(), progress=False, keep_posterior=True)
     per = memory.estimate(model, quantizable_layers(model), [x]).activations
     monkeypatch.setattr(memory, "PASS_BYTES", 2 * per)
     monkeypatch.setattr(memory, "PART_BYTES", 2 * per)
     seen = []  # inputs of every forward pass with gradients (the curvature pass's)
     hook = model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]) if torch.is_grad_enabled()
                                            else None)
-    split = quantize_model(model, [x], BayesQConfig(), progress=False)
+    split = quantize_model(model, [x], BayesQConfig(), progress=False, keep_posterior=True)
     post = fit_posterior(model, [x], BayesQConfig(), progress=False)
     hook.remove()
     assert seen == [2, 2, 2, 1, 2, 2, 2, 1]

@@ -70,7 +70,7 @@ def test_bayesq_beats_rtn_on_its_own_objective():
     model = _model()
     q = replace(CFG, rounding="nearest")
     res = quantize_model(model, _calibration(), BayesQConfig(budget=3.0, quant=q, distill=DistillConfig(max_budget=0)),
-                         progress=False)
+                         progress=False, keep_posterior=True)
     rtn = rtn_quantize(model, Granularity.GROUP, 3.0, CFG)
     assert rtn.allocation.total_bits <= res.allocation.budget_bits
     post = res.posterior
@@ -303,7 +303,7 @@ def test_error_feedback_lowers_kfac_cost_vs_nearest_rounding():
     # win clearly overall.
     model = _model()
     cfg = BayesQConfig(budget=3.0, posterior=PosteriorConfig(curvature="kfac"), quant=BIG)
-    res = quantize_model(model, _calibration(), cfg, progress=False)
+    res = quantize_model(model, _calibration(), cfg, progress=False, keep_posterior=True)
     from bayesq.curvature.kfac import kfac_whitened_cost
     from bayesq.quantize import ef_column_metric, encode
 
@@ -509,6 +509,53 @@ def test_encode_best_given_stats_vs_its_own_statistics_pass():
     some = {k: v for k, v in list(stats.items())[1:]}
     with pytest.raises(ValueError, match="input statistics given lack layers"):
         encode_best(model, post, table, q, 3.0, calibration=batches, stats=some)
+
+
+def test_quantize_model_returns_the_posterior_only_when_asked():
+    from bayesq.quantize import fit_posterior
+
+    torch.manual_seed(0)
+    model, batches = _model(), _calibration()
+    cfg = BayesQConfig(budget=3.0, quant=CFG)
+    plain = quantize_model(model, batches, cfg, progress=False)
+    kept = quantize_model(model, batches, cfg, progress=False, keep_posterior=True)
+    assert plain.posterior is None
+    fitted = fit_posterior(model, batches, cfg, progress=False)
+    assert set(kept.posterior.curvature) == set(plain.weights)
+    for name, h in fitted.curvature.items():
+        assert torch.equal(kept.posterior.curvature[name], h)
+    for name, qw in plain.weights.items():  # the same encoding either way
+        assert torch.equal(kept.weights[name].codes, qw.codes)
+
+
+def test_encode_candidates_consuming_the_metric_vs_encode_best():
+    # quantize_model's two steps (the metric released layer by layer, then the selection) keep the
+    # same candidate with the same codes and selection KL as encode_best, and free every moment
+    from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.quantize import build_table, ef_column_metric, encode_best, encode_candidates, fit_posterior, select_encoding
+
+    torch.manual_seed(0)
+    model, batches = _model(), _calibration()
+    held = _calibration(2)
+    q = QuantConfig(group_size=32, unit_groups=8)
+    post = fit_posterior(model, batches, BayesQConfig(quant=q), progress=False)
+    table = build_table(post, layer_blocks(quantizable_layers(model), 32, 8), q, model=model, calibration=batches,
+                        progress=False)
+    whole = encode_best(model, post, table, q, 3.0, calibration=batches, selection=held,
+                        column_metric=ef_column_metric(post, q, model, batches))
+    metric = ef_column_metric(post, q, model, batches)
+    assert len(metric) == len(table.layers)
+    cands = encode_candidates(model, post, table, q, 3.0, calibration=batches, selection=held, column_metric=metric,
+                              consume_metric=True)
+    assert len(metric) == 0 and list(metric) == []  # every layer's moment released
+    with pytest.raises(KeyError):
+        metric[table.layers[0].blocks.name]
+    split = select_encoding(model, cands)
+    assert len(whole.selection_kl) == 2 and split.name == whole.name
+    assert dict(split.selection_kl) == dict(whole.selection_kl)
+    for name, qw in whole.weights.items():
+        assert torch.equal(split.weights[name].codes, qw.codes)
+        assert all(torch.equal(split.weights[name].books[b].scale, book.scale) for b, book in qw.books.items())
 
 
 def _fitted_with_held_out():

@@ -46,6 +46,7 @@ from bayesq.comparison import paired_difference
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch
+from bayesq.memory import release_freed
 from bayesq.methods import Inputs, Outcome, read
 from bayesq.quantize import selection_looks
 from bayesq.result import Allocation, QuantizationResult, quantized_copy
@@ -295,6 +296,7 @@ def select_best(
     kl, bits, inputs = {}, {}, {}
     best, best_kl, best_losses = None, math.inf, None
     for name, build in candidates.items():
+        release_freed()  # the last candidate's model copy: its small tensors stay resident in the C heap
         res = build()
         for label in [name] + ([f"{name}+bc"] if correction else []):
             if label != name:  # in place: the kept form holds no model (rebuilt at the end)
