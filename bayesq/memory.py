@@ -3,11 +3,11 @@
 The estimate is empirical: four terms, the first two with constants fitted (least squares, the
 activation factors kept from an earlier fit) to the peak resident memory beyond the model and
 inputs that ``benchmarks/scale.py`` measured for BayesQ's default at 3.0 bits on a 2-core CPU,
-2026-11-28 (128 calibration + 128 selection inputs of 128 tokens or 224 px, batches of 8; with
-the curvature and input moments summed in float32, uint8 codes and a large layer's working
-copies in row chunks): EfficientNet-Lite0 0.37 GiB, the MiniLM classifier 0.52, ResNet-50 1.79,
-BERT-base 2.14, GPT-2 small 3.76. The fit gives 0.30 / 0.74 / 1.54 / 2.63 / 3.53 GiB (-20 % to
-+42 %; the MiniLM classifier's curvature pass term is the one overestimated):
+2026-11-28 at 57f100a (128 calibration + 128 selection inputs of 128 tokens or 224 px, batches
+of 8; the posterior released before the candidates are scored and the input moments layer by
+layer as encoded): EfficientNet-Lite0 0.32 GiB, the MiniLM classifier 0.54, ResNet-50 1.67,
+BERT-base 1.87, GPT-2 small 2.38. The fit gives 0.29 / 0.65 / 1.56 / 1.93 / 2.29 GiB (-9 % to
++21 %):
 
     peak ~ BYTES_PER_WEIGHT * P_q                 (posterior, tables, candidates, encodings)
          + BYTES_PER_MOMENT * M                   (input moments; one layer's damped metric and factor)
@@ -40,8 +40,8 @@ from torch import nn
 
 from bayesq.forward import Batch, batch_size, call, output_logits
 
-BYTES_PER_WEIGHT = 18
-BYTES_PER_MOMENT = 7
+BYTES_PER_WEIGHT = 4
+BYTES_PER_MOMENT = 10
 ACTIVATION_FACTOR = 2.0
 LOGIT_FACTOR = 7.5
 PASS_BYTES = 512 * 2**20  # activation + logit terms of a batch that one curvature pass holds whole ...
