@@ -227,6 +227,23 @@ def _refit_books(lb: LayerBlocks, W: torch.Tensor, codes: torch.Tensor, group_bi
     return {b: book.with_affine(new[group_bits == b], book.affine_fields()[1]) for b, book in books.items()}
 
 
+def _learned_books(lb: LayerBlocks, W: torch.Tensor, group_bits: torch.Tensor, books: dict, metric: torch.Tensor,
+                   grid_fit, scale_bits: int) -> dict:
+    """``books`` with each group's scale and zero-point learned by ``grid_fit`` (LSQ,
+    :mod:`bayesq.baselines.lsq`) from its current grid, the scales then rounded to their stored
+    precision (``scale_bits``). ``W``: the (out, d_in) weight, widened to float64 a row chunk at a
+    time (:func:`row_chunks`) when every row holds whole groups, else at once."""
+    scale, zero, maxq = group_grid(lb, group_bits, books)
+    whole_groups = lb.row_aligned or lb.row % lb.group_size == 0
+    for rows in row_chunks(*W.shape, metric) if whole_groups else [slice(0, W.shape[0])]:
+        idx = lb.element_groups(rows, W.device)  # (r, d_in) group of every weight
+        ids = torch.unique(idx)  # these rows' groups, ascending
+        scale[ids], zero[ids] = grid_fit(W[rows].double(), metric, scale[ids], zero[ids], maxq[ids],
+                                         torch.searchsorted(ids, idx), name=lb.name)
+    scale = scale.to(torch.float16 if scale_bits == 16 else torch.float32).double()
+    return {b: book.with_affine(scale[group_bits == b], zero[group_bits == b]) for b, book in books.items()}
+
+
 def needs_input_stats(posterior: Posterior, q: QuantConfig) -> bool:
     """Whether :func:`encode_best` reads the layers' input statistics: error-feedback rounding
     under a diagonal posterior (its column metric) or ``q.bias_correction`` (the mean inputs)."""
@@ -317,6 +334,7 @@ def encode(
     posterior: Posterior | None = None, rounding: Rounding = Rounding.NEAREST,
     column_metric: Mapping[str, torch.Tensor] | None = None, act_order: bool = False,
     refit: bool = False, scale_bits: int = 16, cd_passes: int = 0, progress: bool = False, solver=None,
+    grid_fit=None,
 ) -> dict[str, QuantizedWeight]:
     """Quantise each layer with the codebooks of its units' chosen bit-widths.
 
@@ -331,13 +349,17 @@ def encode(
     stored at ``scale_bits``). Otherwise codes are the nearest levels. ``progress``: a bar over layers.
     ``solver``: another rounding of the rows on the same grids and metric in place of error
     feedback and coordinate descent (``solver(rows, metric, scale, zero, maxq, name=layer)`` ->
-    int64 codes; AdaRound, :mod:`bayesq.baselines.adaround`).
+    int64 codes; AdaRound, :mod:`bayesq.baselines.adaround`). ``grid_fit``: with error feedback or
+    ``solver``, each group's grid learned first (``grid_fit(rows, metric, scale, zero, maxq, groups,
+    name=layer)`` -> the (g,) scales and zero-points of the rows' g groups, ``groups`` (r, d_in)
+    the index of each weight's group among them; LSQ, :mod:`bayesq.baselines.lsq`), then the
+    codes rounded on it.
 
     Layers are encoded one at a time: ``column_metric[name]`` is read once per layer (a
     :class:`bayesq.error_feedback.LazyMetrics` then holds one layer's metric and factor at a time).
     """
     opts = dict(rounding=rounding, act_order=act_order, refit=refit, scale_bits=scale_bits, cd_passes=cd_passes,
-                solver=solver, progress=progress)
+                solver=solver, grid_fit=grid_fit, progress=progress)
     out = {}
     for t in tqdm(table.layers, desc=f"encode ({Rounding(rounding).value})", disable=not progress, leave=False):
         name = t.blocks.name
@@ -364,7 +386,7 @@ def _layer_metric(name: str, rounding: Rounding, column_metric: Mapping[str, tor
 def encode_layer(
     t: LayerTable, unit_bits: Sequence[int], weight: torch.Tensor, metric: torch.Tensor | None, *,
     rounding: Rounding = Rounding.NEAREST, act_order: bool = False, refit: bool = False, scale_bits: int = 16,
-    cd_passes: int = 0, solver=None, progress: bool = False,
+    cd_passes: int = 0, solver=None, grid_fit=None, progress: bool = False,
 ) -> QuantizedWeight:
     """One layer of :func:`encode`: ``weight`` with the books of ``t`` at ``unit_bits`` (one
     width per unit), rounded in ``metric`` (error feedback) or to the nearest levels."""
@@ -375,6 +397,8 @@ def encode_layer(
     books = {b: book.take(group_bits == b) for b, book in zip(t.bits, t.books) if bool((group_bits == b).any())}
     if Rounding(rounding) == Rounding.ERROR_FEEDBACK:
         mat = w.reshape(w.shape[0], -1)  # (out, d_in)
+        if grid_fit is not None:
+            books = _learned_books(lb, mat, group_bits, books, metric, grid_fit, scale_bits)
         grid = group_grid(lb, group_bits, books)
         small = int(grid[2].max()) < 256  # every code fits a byte: 1 byte per weight instead of 8
         codes_w = torch.empty(mat.shape, dtype=torch.uint8 if small else torch.int64, device=w.device)

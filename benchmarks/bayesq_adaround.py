@@ -40,7 +40,7 @@ def main() -> None:
     from one_time_cost import bayesq_stages, load_inputs
 
     from bayesq.baselines.activations import input_stats
-    from bayesq.baselines.adaround import adaround_rows, output_mse_metric
+    from bayesq.baselines.adaround import adaround_rows
     from bayesq.canonical import canonical
     from bayesq.comparison import paired_difference
     from bayesq.config import Rounding
@@ -54,7 +54,7 @@ def main() -> None:
             _, enc = bayesq_stages(m, calibration, params, a.budget, a.seed, selection)
             layers = {n: m.get_submodule(n) for n in enc.weights}
             stats = input_stats(m, calibration, layers, abs_mean=False)
-            metric = {n: output_mse_metric(stats[n], layers[n].weight.shape[0]) for n in layers}
+            metric = {n: stats[n].output_mse_metric(layers[n].weight.shape[0]) for n in layers}
             start = time.perf_counter()
             ada = encode(enc.table, enc.allocation, {n: l.weight for n, l in layers.items()},
                          rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, refit=enc.quant.refit,

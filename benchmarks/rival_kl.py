@@ -2,14 +2,14 @@
 
 For each fine-tuned embedded model (``make run`` first, or at least its fine-tune stage) and the
 pipeline's calibration draw (seed ``--seed``): each method of ``--methods`` without its variant
-selection (``select=False``: its own mixed rule at ``--budget``; GPTQ and AdaRound then share
-the min/max grids and the allocation, and differ only in how they round), then the per-input
+selection (``select=False``: its own mixed rule at ``--budget``; GPTQ, AdaRound and LSQ then share
+the min/max grids and the allocation, and differ only in how they round or fit the grids), then the per-input
 ``KL(p_FP || p_Q)`` on the pipeline's selection draw (held out of the calibration inputs, read
 by no method here). Prints each method's mean KL, seconds and true bits, and each method minus
 the first with its paired 95 % bootstrap interval (``*``: it excludes 0).
 
-    python benchmarks/rival_kl.py [--models lite0-fmnist minilm-sentiment] [--methods gptq adaround]
-                                  [--budget 3.0] [--iters 10000] [--seed 17]
+    python benchmarks/rival_kl.py [--models lite0-fmnist minilm-sentiment] [--methods gptq adaround lsq lsq-plus rtn]
+                                  [--budget 3.0] [--iters N] [--seed 17]
 """
 
 from __future__ import annotations
@@ -25,13 +25,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 
-def configs(iters: int) -> dict:
+def configs(iters: int | None) -> dict:
+    """Each method without its selection; ``iters``: the learned methods' steps (None: their defaults)."""
     from bayesq.baselines.adaround import AdaRoundConfig
     from bayesq.baselines.gptq import GPTQConfig
+    from bayesq.baselines.lsq import LSQConfig
     from bayesq.baselines.rtn import RTNConfig
     from bayesq.config import Granularity
 
-    return {"gptq": GPTQConfig(select=False), "adaround": AdaRoundConfig(select=False, iters=iters),
+    steps = {} if iters is None else {"iters": iters}
+    return {"gptq": GPTQConfig(select=False), "adaround": AdaRoundConfig(select=False, **steps),
+            "lsq": LSQConfig(select=False, **steps), "lsq-plus": LSQConfig(select=False, offset=True, **steps),
             "rtn": RTNConfig(Granularity.GROUP)}
 
 
@@ -40,7 +44,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["lite0-fmnist", "minilm-sentiment"])
     ap.add_argument("--methods", nargs="+", default=["gptq", "adaround"])
     ap.add_argument("--budget", type=float, default=3.0)
-    ap.add_argument("--iters", type=int, default=10000)
+    ap.add_argument("--iters", type=int, default=None, help="steps of every learned method (default: each one's own)")
     ap.add_argument("--seed", type=int, default=17)
     a = ap.parse_args()
 

@@ -13,6 +13,7 @@ from bayesq.baselines.adaround import AdaRoundConfig
 from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.hawq import HAWQConfig
+from bayesq.baselines.lsq import LSQConfig
 from bayesq.baselines.rtn import RTNConfig
 from bayesq.config import BayesQConfig, Curvature, Granularity, Objective, Prior, Rounding, replace
 from flows.params import Method
@@ -33,6 +34,11 @@ BASELINE_CONFIGS = {
     Method.ADAROUND: lambda q, b, seed: AdaRoundConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
                                                  bias_correction=b.bias_correction, iters=b.adaround_iters,
                                                  lam=b.adaround_lambda),
+    Method.LSQ: lambda q, b, seed: LSQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
+                                       bias_correction=b.bias_correction, iters=b.lsq_iters, lr=b.lsq_lr),
+    Method.LSQ_PLUS: lambda q, b, seed: LSQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
+                                            bias_correction=b.bias_correction, offset=True, iters=b.lsq_iters,
+                                            lr=b.lsq_lr),
 }
 
 

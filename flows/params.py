@@ -26,6 +26,7 @@ from bayesq.config import (
     PosteriorConfig,
     QuantConfig,
     Relation,
+    above,
     ascending,
     at_least,
     checks,
@@ -59,6 +60,14 @@ class Method(str, Enum):
     HAWQ = "hawq"
     ACIQ = "aciq"
     ADAROUND = "adaround"  # AdaRound's learned up/down rounding on GPTQ's grids and variants
+    LSQ = "lsq"  # LSQ's learned step sizes on GPTQ's grids and variants, nearest rounding
+    LSQ_PLUS = "lsq-plus"  # LSQ+: learned step sizes and offsets (zero-points)
+
+
+#: Baselines on GPTQ's grids and variants: BayesQ's allocation is one more of their variants.
+GRID_METHODS = (Method.GPTQ, Method.ADAROUND, Method.LSQ, Method.LSQ_PLUS)
+#: Baselines that read calibration inputs (and params.yaml's calibration and baselines sections).
+CALIBRATED_METHODS = (*GRID_METHODS, Method.AWQ)
 
 
 OOD_TEXT_DOMAINS = tuple(d for d in DOMAIN_FILES if d != "movie")  # the in-domain training source is no test
@@ -217,6 +226,8 @@ class BaselinesConfig:
     bias_correction: bool = True  # GPTQ / AWQ selection: each variant also with bias correction
     adaround_iters: int = setting(10000, integer(1))  # AdaRound: Adam steps per layer (the paper's 10,000)
     adaround_lambda: float = setting(0.01, at_least(0))  # AdaRound: weight of the rounding regulariser
+    lsq_iters: int = setting(10000, integer(1))  # LSQ / LSQ+: Adam steps per layer (benchmarks/learned_iters.py)
+    lsq_lr: float = setting(0.2, above(0, "Adam's step on s / s0"))  # LSQ / LSQ+: step on the scale ratio
 
     def __post_init__(self) -> None:
         validate(self, "baselines")

@@ -39,7 +39,7 @@ from flows.common import code_version, digest, locked, parser, read_params, writ
 from flows.configs import BASELINE_CONFIGS, method_settings
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage, input_lineage, row_metadata
-from flows.params import Method, RobustnessConfig
+from flows.params import CALIBRATED_METHODS, GRID_METHODS, Method, RobustnessConfig
 from flows.prepare import (
     calibration_batches,
     calibration_indices,
@@ -78,6 +78,8 @@ METHOD_SOURCES = {
     Method.ACIQ: ("bayesq/baselines/aciq.py",),
     Method.BAYESQ_DISTILL: ("bayesq/distill.py",),
     Method.ADAROUND: ("bayesq/baselines/adaround.py", "bayesq/baselines/gptq.py"),  # GPTQ's grids and variants
+    Method.LSQ: ("bayesq/baselines/lsq.py", "bayesq/baselines/gptq.py"),
+    Method.LSQ_PLUS: ("bayesq/baselines/lsq.py", "bayesq/baselines/gptq.py"),
 }
 NOT_IN_ROWS = ("flows/ablate.py", "flows/report.py", "flows/robustness_report.py", "flows/labels.py", "flows/cli.py",
                "flows/zoo.py", "flows/settings.py", "flows/__main__.py")
@@ -115,7 +117,7 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
     without ``select`` they name the ``mixed`` rule; other baselines add none.
     """
     config = BASELINE_CONFIGS[method](quant, baselines, seed)
-    if method not in (Method.GPTQ, Method.AWQ, Method.ADAROUND):
+    if method not in CALIBRATED_METHODS:
         return quantize_with(model, config, budget, Inputs(traces=traces, exclude=exclude))
     batches = list(calibration_batches(entry, splits, data, calibration, seed)[1])
     selection = selection_batches(entry, splits, data, calibration, seed) if baselines.select else None
@@ -416,7 +418,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                         # baselines read no BayesQ posterior or table (and are not keyed on them)
                         p_post, p_tab, p_key, p_quant = prep.get(method, (None, None, "", params.quant))
                         given = ((kept.get(budget) or bayesq_unit_bits(prep, params, budget, seed))
-                                 if method in (Method.GPTQ, Method.ADAROUND) and params.baselines.select else None)
+                                 if method in GRID_METHODS and params.baselines.select else None)
                         row = Row(source, method.value, budget, seed, codes[method], params.data, p_quant,
                                   params.allocation, str(Path(out) / "exports"), calibration=params.calibration,
                                   baselines=params.baselines, distill=params.distill, robustness=rob,

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 from flows import ROOT
 from flows.common import mlflow_store_lock, read_json, read_params, write_json
 from flows.lineage import _rel, git_commit, run_tags
-from flows.params import Method
+from flows.params import CALIBRATED_METHODS, Method
 
 EXPORT_ARTIFACT_MAX_BYTES = 8 * 2**20
 
@@ -153,7 +153,7 @@ def row_params(params, method, posterior=None, quant=None) -> dict[str, str]:
                      "calibration": params.calibration}
     if method == Method.BAYESQ_DISTILL:
         sections["distill"] = params.distill
-    if method in (Method.GPTQ, Method.AWQ, Method.HAWQ, Method.ADAROUND):
+    if method in (*CALIBRATED_METHODS, Method.HAWQ):
         sections |= {"calibration": params.calibration, "baselines": params.baselines}
     return flatten(sections)
 

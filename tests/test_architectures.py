@@ -12,6 +12,7 @@ from torch import nn
 from bayesq.baselines.adaround import AdaRoundConfig
 from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.gptq import GPTQConfig
+from bayesq.baselines.lsq import LSQConfig
 from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.select import encoding_config
 from bayesq.config import Curvature, DistillConfig, Granularity, PosteriorConfig
@@ -33,6 +34,7 @@ METHODS = {
     "awq": AWQConfig(),
     "rtn": RTNConfig(Granularity.GROUP),
     "adaround": AdaRoundConfig(iters=40, progress=False),  # few steps: the same code path
+    "lsq-plus": LSQConfig(offset=True, iters=40, progress=False),  # LSQ+ (LSQ's code path and the offsets)
 }
 
 

@@ -91,11 +91,12 @@ def test_baselines_config_bad_value_names_field(key, value, match):
 
 
 def test_params_yaml_loads_with_every_method():
-    """The quick profile runs every method but AdaRound (about 26 minutes per MiniLM encoding at the
-    paper's 10,000 steps); the full profile runs all of them."""
+    """The quick profile runs every method but the learned rivals (AdaRound: about 26 minutes per
+    MiniLM encoding at the paper's 10,000 steps; LSQ, LSQ+); the full profile runs all of them."""
     raw = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
     p = load_params(raw)
-    assert set(p.methods) == set(Method) - {Method.ADAROUND} and p.baselines.hawq_probes >= 1
+    learned = {Method.ADAROUND, Method.LSQ, Method.LSQ_PLUS}
+    assert set(p.methods) == set(Method) - learned and p.baselines.hawq_probes >= 1
     assert set(load_params({**raw, "profile": "full"}).methods) == set(Method)
 
 

@@ -45,7 +45,7 @@ class TinyEntry(ZooEntry):
 
 ROBUST = ("bayesq", "bayesq-distill", "bayesq-ef", "gptq", "awq", "rtn-group")  # robustness.methods default
 ALL_METHODS = ("bayesq", "bayesq-distill", "bayesq-ef", "bayesq-paper", "rtn-tensor", "rtn-channel", "rtn-group", "gptq", "awq", "hawq", "aciq",
-               "adaround")
+               "adaround", "lsq", "lsq-plus")
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def _params(tmp_path: Path) -> Path:
         "quant": {"group_size": 32, "unit_groups": 2, "range_iters": 6},
         "posterior": {"probes": 2},
         "distill": {"steps": 30, "max_budget": 3.5},  # the bayesq-distill row distils at 3.0 (as params.yaml)
-        "baselines": {"adaround_iters": 30},  # AdaRound's code path, not its 10,000 steps
+        "baselines": {"adaround_iters": 30, "lsq_iters": 30},  # the learned rivals' code paths, not their steps
         "robustness": {"corruption_examples": 50, "severities": [1, 5], "random_bin_repeats": 3},
     }
     path = tmp_path / "params.yaml"
@@ -103,7 +103,7 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     # one statistics pass per (model, seed), read by the rows that need it and counted in their one-time cost
     assert (results / "stats" / "tiny-cnn_s17.safetensors").exists()
     assert {r["method"] for r in records if r["stats_read"]} == {"bayesq", "bayesq-distill", "bayesq-ef", "gptq", "awq",
-                                                                 "adaround"}
+                                                                 "adaround", "lsq", "lsq-plus"}
     for r in records:
         assert ("stats_seconds" in r) == r["stats_read"]
         assert r["preprocess_seconds"] >= r["quantize_seconds"] + r.get("stats_seconds", 0.0)
@@ -177,9 +177,9 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     metrics = read_json(reports / "metrics.json")
     assert set(metrics["tiny-cnn"]) >= {"fp_accuracy", "bayesq@3.0", "rtn-tensor@4.0"}
     assert "kl_mean" in metrics["tiny-cnn"]["bayesq@3.0"]
-    paired = read_json(reports / "paired.json")  # 4 BayesQ rows vs all 8 baselines, both metrics, both budgets
+    paired = read_json(reports / "paired.json")  # 4 BayesQ rows vs all 10 baselines, both metrics, both budgets
     assert {p["baseline"] for p in paired} == set(ALL_METHODS) - {"bayesq", "bayesq-distill", "bayesq-ef", "bayesq-paper"}
-    assert len(paired) == 4 * 8 * 2 * 2 and "## Paired comparisons on the same test examples" in table_md
+    assert len(paired) == 4 * 10 * 2 * 2 and "## Paired comparisons on the same test examples" in table_md
     assert all(p["n"] == 100 and p["ci_low"] <= p["diff"] <= p["ci_high"] for p in paired)
     # the fitted prior per layer and the prior-dominated share, as the posterior files hold them
     from flows.finetune import load_model
@@ -531,7 +531,7 @@ def test_row_cache_keys_leave_out_only_sources_the_row_never_runs(tmp_path, tiny
         if method in METHOD_SOURCES:  # the method's own source is in its key and really runs
             assert _inside(called, METHOD_SOURCES[method]), method
         codes.add(row_code(method))
-    assert len(codes) == len(METHOD_SOURCES) + 1  # one key per method with its own source, one shared
+    assert len(codes) == len(set(METHOD_SOURCES.values())) + 1  # one key per own set of sources, one shared
 
 
 def test_exclusion_reaches_posterior_statistics_traces_and_every_row(tmp_path, tiny_entry):

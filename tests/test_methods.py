@@ -9,6 +9,7 @@ from bayesq.baselines.adaround import AdaRoundConfig
 from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.gptq import GPTQConfig, gptq_select
 from bayesq.baselines.hawq import HAWQConfig
+from bayesq.baselines.lsq import LSQConfig
 from bayesq.baselines.rtn import RTNConfig
 from bayesq.blocks import quantizable_layers
 from bayesq.config import BayesQConfig, DistillConfig, Granularity, QuantConfig
@@ -35,6 +36,8 @@ CONFIGS = [
     AWQConfig(Q, select=False, grid=4), AWQConfig(Q, group_sizes=(32,), grid=4),
     BayesQConfig(quant=Q, distill=DistillConfig(max_budget=0)),
     AdaRoundConfig(Q, group_sizes=(32,), iters=30, progress=False),
+    LSQConfig(Q, group_sizes=(32,), iters=30, progress=False),
+    LSQConfig(Q, select=False, offset=True, iters=30, progress=False),
 ]
 
 

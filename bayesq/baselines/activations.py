@@ -57,6 +57,12 @@ class InputStats:
     def groups(self) -> int:
         return self.H.shape[0]
 
+    def output_mse_metric(self, n_out: int) -> torch.Tensor:
+        """(groups, d_in, d_in) float64 ``H / (T out)``: ``tr(D M D^T)`` is the mean squared error
+        over a layer's output elements (positions and ``n_out`` features), the layer objective of
+        the learned rivals (AdaRound, LSQ)."""
+        return self.H.double() / (self.positions * n_out)
+
     def row_diag(self, n_out: int) -> torch.Tensor:
         """(out, d_in) float64: ``diag(H[g])`` for each output row (rows split evenly into groups)."""
         per = n_out // self.groups

@@ -107,7 +107,7 @@ def adaround_rows(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: t
 
     Args:
         W: (out, d_in) float weights; rows ``g*out/groups ...`` belong to convolution group g.
-        H: (groups, d_in, d_in) or (d_in, d_in) reconstruction metric (:func:`output_mse_metric`;
+        H: (groups, d_in, d_in) or (d_in, d_in) reconstruction metric (:meth:`InputStats.output_mse_metric`;
             PSD, no damping needed: nothing is inverted).
         scale, zero, maxq: (out, d_in) per-element grid (``w ~ scale * (code - zero)``, codes in
             ``[0, maxq]``; a scale of 0 gives the zero-point code).
@@ -142,12 +142,6 @@ def adaround_rows(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: t
     return torch.where(live, codes, zero.round().to(torch.int64))
 
 
-def output_mse_metric(stats: InputStats, n_out: int) -> torch.Tensor:
-    """(groups, d_in, d_in) float64 ``H / (T out)``: ``tr(D M D^T)`` is the mean squared error over
-    a layer's output elements (positions and features)."""
-    return stats.H.double() / (stats.positions * n_out)
-
-
 @dataclass(frozen=True)
 class AdaRoundConfig:
     """AdaRound on GPTQ's grids and variants (:mod:`bayesq.baselines.gptq`): with ``select`` the
@@ -178,10 +172,10 @@ class AdaRoundConfig:
 
 
 def adaround_rounding(config: AdaRoundConfig) -> LayerRounding:
-    """GPTQ's pipeline with AdaRound's rounding (:func:`adaround_rows` in :func:`output_mse_metric`)."""
+    """GPTQ's pipeline with AdaRound's rounding (:func:`adaround_rows` in :meth:`InputStats.output_mse_metric`)."""
     solver = partial(adaround_rows, iters=config.iters, lam=config.lam, beta=tuple(config.beta),
                      warmup=config.warmup, lr=config.lr, progress=config.progress)
-    return LayerRounding("AdaRound", output_mse_metric, solver)
+    return LayerRounding("AdaRound", InputStats.output_mse_metric, solver)
 
 
 @register(AdaRoundConfig)

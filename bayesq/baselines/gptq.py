@@ -57,13 +57,16 @@ Solver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch
 @dataclass(frozen=True)
 class LayerRounding:
     """How a layer's rows are rounded on their fixed grids, for methods that share GPTQ's grids,
-    budgets and variants and differ in the rounding (AdaRound): ``metric(stats, out)`` maps a
-    layer's input statistics and output features to the column metric handed to ``solver``;
-    ``method`` names it in errors."""
+    budgets and variants and differ in the rounding (AdaRound) or learn the grids (LSQ):
+    ``metric(stats, out)`` maps a layer's input statistics and output features to the column
+    metric handed to ``solver`` and ``grid_fit``; ``grid_fit``: each group's grid learned from
+    its min/max one before the rounding (:func:`bayesq.quantize.encode`); ``method`` names it in
+    errors."""
 
     method: str
     metric: Callable[[InputStats, int], torch.Tensor]
     solver: Solver
+    grid_fit: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def damped_hessian(H: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
@@ -93,16 +96,17 @@ def _table(layers: dict[str, nn.Module], stats: dict[str, InputStats], blocks: l
 
 def _solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, InputStats], table: LossTable,
            allocation: Allocation, act_order: bool, damp: float, exclude: Sequence[str],
-           rounding: LayerRounding | None = None) -> QuantizationResult:
+           rounding: LayerRounding | None = None, scale_bits: int = 16) -> QuantizationResult:
     """GPTQ's error-feedback codes on the grids of ``allocation``'s bit-widths (``rounding``:
-    another method's rounding of the same grids)."""
+    another method's rounding of the same grids, or its grids learned and stored at ``scale_bits``)."""
     if rounding is None:  # made per layer as encode reads it: one damped copy and factor held at a time
-        metric, solver = damped_metrics({n: stats[n].H for n in layers}, damp), None
+        metric, solver, grid_fit = damped_metrics({n: stats[n].H for n in layers}, damp), None, None
     else:
         metric = LazyMetrics(layers, lambda n: rounding.metric(stats[n], layers[n].weight.shape[0]))
-        solver = rounding.solver
+        solver, grid_fit = rounding.solver, rounding.grid_fit
     qweights = encode(table, allocation, {n: m.weight for n, m in layers.items()},
-                      rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, act_order=act_order, solver=solver)
+                      rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, act_order=act_order, solver=solver,
+                      grid_fit=grid_fit, scale_bits=scale_bits)
     return baseline_result(model, layers, qweights, allocation, table, exclude)
 
 
@@ -130,7 +134,8 @@ def gptq_quantize(
     granularity = _granularity(granularity)
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     table = _table(layers, stats, baseline_blocks(layers, granularity, cfg), cfg)
-    return _solve(model, layers, stats, table, allocate(table, budget), act_order, damp, exclude, rounding)
+    return _solve(model, layers, stats, table, allocate(table, budget), act_order, damp, exclude, rounding,
+                  cfg.scale_bits)
 
 
 @on_canonical
@@ -156,7 +161,7 @@ def gptq_allocation_quantize(
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     table = _table(layers, stats, layer_blocks(layers, cfg.group_size, cfg.unit_groups, cfg.unit.value), cfg)
     return _solve(model, layers, stats, table, given_allocation(table, unit_bits, budget), act_order, damp, exclude,
-                  rounding)
+                  rounding, cfg.scale_bits)
 
 
 @on_canonical
