@@ -78,20 +78,21 @@ def lsq_loss(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.
     return (D * (D @ H)).sum()
 
 
-def _loss_and_grads(W, H, s, z, maxq, gscale):
-    """(loss of each row, d loss / d s, d loss / d z per element) of :func:`lsq_loss` (whose value
-    is the sum of the rows'), batched over convolution groups: ``W, s, z, maxq, gscale`` (cgroups,
-    rows, d), ``H`` (cgroups, d, d), ``z`` already rounded; one product ``D H`` per step."""
+def _loss_and_grads(W, H, s, z, maxq, offset: bool = True):
+    """(loss of each row, d loss / d s, d loss / d z per element, None unless ``offset``) of
+    :func:`lsq_loss` without the gradient scale (the fit applies it per group; the loss is the sum
+    of the rows'), batched over convolution groups: ``W, s, z, maxq`` (cgroups, rows, d), ``H``
+    (cgroups, d, d), ``z`` already rounded; one product ``D H`` per step."""
     x = W / s
     v = x + z
-    below, above = v <= 0, v >= maxq
+    inside = (v > 0) & (v < maxq)
     c = torch.round(torch.minimum(v.clamp(min=0), maxq))
     D = s * (c - z) - W
     G = D @ H
-    dD = 2 * G * gscale
-    ds = torch.where(below, -z, torch.where(above, maxq - z, c - z - x))
-    dz = torch.where(below | above, -s, torch.zeros_like(s))
-    return (D * G).sum(-1), dD * ds, dD * dz
+    rows = (D * G).sum(-1)
+    dD = G.mul_(2)
+    ds = dD * (c - z - x * inside)  # round(x) - x inside, -z below (c = 0), maxq - z above (c = maxq)
+    return rows, ds, (dD * s * (inside.to(s.dtype) - 1) if offset else None)
 
 
 def lsq_grid(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: torch.Tensor,
@@ -122,7 +123,7 @@ def lsq_grid(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.
     live = scale > 0
     s0 = torch.where(live, scale, torch.ones_like(scale)).to(dt)
     counts = torch.bincount(groups.reshape(-1), minlength=scale.numel()).to(dt)
-    gscale = grouped((1.0 / torch.sqrt(counts * maxq.to(dt)))[groups])
+    gscale = 1.0 / torch.sqrt(counts * maxq.to(dt))  # (g,) LSQ's gradient scale
     Ht, Wt, mt = Hg.to(dt), grouped(W.to(dt)), grouped(maxq.to(dt)[groups])
     u = torch.ones_like(s0, requires_grad=True)  # s = s0 * u
     zt = zero.to(dt).clone().requires_grad_(offset)
@@ -141,7 +142,7 @@ def lsq_grid(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.
     for step in tqdm(range(iters + 1), desc=f"LSQ{'+' if offset else ''} {name}".strip(), disable=not progress,
                      leave=False, mininterval=1.0):
         s, z = grid(u.detach(), zt.detach())
-        rows, ds, dz = _loss_and_grads(Wt, Ht, grouped(s[groups]), grouped(z[groups]), mt, gscale)
+        rows, ds, dz = _loss_and_grads(Wt, Ht, grouped(s[groups]), grouped(z[groups]), mt, offset)
         loss = rows.reshape(-1) if best_loss.numel() > 1 else rows.sum().reshape(1)
         better = (loss < best_loss)[owner]
         best_loss = torch.minimum(loss, best_loss)
@@ -149,10 +150,10 @@ def lsq_grid(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.
         if step == iters:  # the last iterate scored, not moved
             break
         inside = live & (u.detach() > MIN_RATIO)  # the clamp passes no gradient below MIN_RATIO
-        u.grad = torch.zeros_like(u).index_add_(0, flat, ds.reshape(-1)) * s0 * inside
+        u.grad = torch.zeros_like(u).index_add_(0, flat, ds.reshape(-1)) * (gscale * s0 * inside)
         if offset:
             free = (zt.detach() >= 0) & (zt.detach() <= maxq.to(dt)) & live
-            zt.grad = torch.zeros_like(zt).index_add_(0, flat, dz.reshape(-1)) * free
+            zt.grad = torch.zeros_like(zt).index_add_(0, flat, dz.reshape(-1)) * (gscale * free)
         opt.step()
         sched.step()
     s, z = grid(best_u, best_z)
