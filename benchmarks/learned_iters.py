@@ -8,7 +8,8 @@ start from in this project), then the hard-rounded layer-output error ``tr(D H D
 * nearest rounding, GPTQ's error feedback (its damped metric), and
 * ``--method`` after each step count of ``--iters`` (each a separate run of the full schedule with
   that many steps, as the method would run): ``adaround`` (its codes on the min/max grids),
-  ``lsq`` or ``lsq-plus`` (nearest codes on the learned grids, ``--lr`` the step on ``s / s^0``),
+  ``lsq`` or ``lsq-plus`` (nearest codes on the learned grids, ``--lr`` the step on ``s / s^0``,
+  ``--zero-lr`` LSQ+'s on the zero-points),
 
 each relative to nearest rounding on the min/max grids, with the seconds the method took. The
 last lines say, per model, the smallest step count whose mean ratio over the layers is within
@@ -16,7 +17,7 @@ last lines say, per model, the smallest step count whose mean ratio over the lay
 
     python benchmarks/learned_iters.py [--method adaround|lsq|lsq-plus] [--models lite0-fmnist minilm-sentiment]
                                        [--layers 4] [--iters 250 500 1000 2000 4000 10000] [--bits 3]
-                                       [--tol 0.01] [--lr 0.2]
+                                       [--tol 0.01] [--lr 0.2] [--zero-lr 0.02]
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def layer_grid(W: torch.Tensor, bits: int, group: int = 64):
     return scale, zero, maxq, lb.element_groups(slice(0, W.shape[0]), W.device)
 
 
-def fitted(method: str, W, metric, scale, zero, maxq, idx, iters: int, lr: float, name: str):
+def fitted(method: str, W, metric, scale, zero, maxq, idx, iters: int, lr: float, zero_lr: float, name: str):
     """(scale, zero, codes) per element after ``method`` at ``iters`` steps."""
     from bayesq.baselines.adaround import adaround_rows
     from bayesq.baselines.lsq import lsq_grid, nearest_rows
@@ -55,7 +56,7 @@ def fitted(method: str, W, metric, scale, zero, maxq, idx, iters: int, lr: float
         s, z, m = scale[idx], zero[idx], maxq[idx]
         return s, z, adaround_rows(W, metric, s, z, m, iters=iters, progress=True, name=name)
     s, z = lsq_grid(W, metric, scale, zero, maxq, idx, offset=method == "lsq-plus", iters=iters, lr=lr,
-                    progress=True, name=name)
+                    zero_lr=zero_lr, progress=True, name=name)
     return s[idx], z[idx], nearest_rows(W, metric, s[idx], z[idx], maxq[idx])
 
 
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=3)
     ap.add_argument("--tol", type=float, default=0.01)
     ap.add_argument("--lr", type=float, default=0.2, help="LSQ: Adam's step on s / s^0")
+    ap.add_argument("--zero-lr", type=float, default=0.02, help="LSQ+: Adam's step on the zero-points")
     ap.add_argument("--seed", type=int, default=17)
     a = ap.parse_args()
 
@@ -104,7 +106,7 @@ def main() -> None:
                 for it in a.iters:
                     t0 = time.perf_counter()
                     s, z, codes = fitted(a.method, W, stats[k].output_mse_metric(W.shape[0]), g_scale, g_zero, g_maxq,
-                                         idx, it, a.lr, f"{k} ({it} steps)")
+                                         idx, it, a.lr, a.zero_lr, f"{k} ({it} steps)")
                     ratios[it].append(error(W, H, s, z, codes) / nearest)
                     line += f"  {it}: {ratios[it][-1]:.3f} ({time.perf_counter() - t0:.0f} s)"
                 print(line, flush=True)

@@ -97,7 +97,7 @@ def _loss_and_grads(W, H, s, z, maxq, offset: bool = True):
 
 def lsq_grid(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: torch.Tensor,
              groups: torch.Tensor, *, offset: bool = False, iters: int = 10000, lr: float = 0.2,
-             zero_lr: float = 0.1, progress: bool = False, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+             zero_lr: float = 0.02, progress: bool = False, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """The learned grids of the groups of rows ``W``.
 
     Args:
@@ -191,7 +191,7 @@ class LSQConfig:
     offset: bool = False
     iters: int = 10000
     lr: float = 0.2
-    zero_lr: float = 0.1
+    zero_lr: float = 0.02
     progress: bool = True
 
     def __post_init__(self) -> None:
