@@ -102,9 +102,10 @@ def test_pipeline_runs_every_baseline_through_the_registry():
 
 
 @pytest.mark.parametrize("config", [GPTQConfig(Q), AWQConfig(Q, grid=4), RTNConfig(Granularity.GROUP, Q),
-                                    HAWQConfig(quant=Q, probes=2)], ids=lambda c: type(c).__name__)
+                                    HAWQConfig(quant=Q, probes=2), LSQConfig(Q, offset=True, iters=20, progress=False)],
+                         ids=lambda c: type(c).__name__)
 def test_quantize_with_baselines_on_a_causal_language_model(config):
-    """GPTQ / AWQ (their variants scored per input on the token-mean KL), RTN and HAWQ on a causal
+    """GPTQ / AWQ / LSQ+ (their variants scored per input on the token-mean KL), RTN and HAWQ on a causal
     LM's (B, T, V) logits, calibrated on padded input_ids / attention_mask dicts: within the
     budget, every Linear quantised, finite logits, the model left as it came."""
     from nets import TinyCausalLM, lm_batches
