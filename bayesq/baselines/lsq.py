@@ -137,7 +137,7 @@ def lsq_grid(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.
         return s, torch.round(z_.clamp(torch.zeros_like(z_), maxq.to(dt)))
 
     owner = _row_of_group(groups, scale.numel())  # the part of the objective each group's grid is kept by
-    best_loss = torch.full((int(owner.max()) + 1,), math.inf, dtype=dt)
+    best_loss = torch.full((int(owner.max()) + 1,), math.inf, dtype=dt, device=W.device)
     best_u, best_z = u.detach().clone(), zt.detach().clone()
     for step in tqdm(range(iters + 1), desc=f"LSQ{'+' if offset else ''} {name}".strip(), disable=not progress,
                      leave=False, mininterval=1.0):
@@ -165,9 +165,10 @@ def _row_of_group(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
     independent given ``H``, so each row keeps its own best grids), else all 0 (one objective)."""
     rows = torch.arange(groups.shape[0], device=groups.device)[:, None].expand_as(groups).reshape(-1)
     flat = groups.reshape(-1)
-    lo = torch.full((n_groups,), groups.shape[0], dtype=torch.int64).scatter_reduce(0, flat, rows, "amin")
-    hi = torch.full((n_groups,), -1, dtype=torch.int64).scatter_reduce(0, flat, rows, "amax")
-    return lo if bool((lo == hi).all()) else torch.zeros(n_groups, dtype=torch.int64)
+    lo = torch.full((n_groups,), groups.shape[0], dtype=torch.int64, device=groups.device)
+    lo = lo.scatter_reduce(0, flat, rows, "amin")
+    hi = torch.full((n_groups,), -1, dtype=torch.int64, device=groups.device).scatter_reduce(0, flat, rows, "amax")
+    return lo if bool((lo == hi).all()) else torch.zeros_like(lo)
 
 
 def lsq_solver(offset: bool, iters: int, lr: float, zero_lr: float, progress: bool):
