@@ -11,11 +11,13 @@ from __future__ import annotations
 from bayesq.baselines.aciq import ACIQConfig
 from bayesq.baselines.adaround import AdaRoundConfig
 from bayesq.baselines.awq import AWQConfig
+from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.hawq import HAWQConfig
 from bayesq.baselines.lsq import LSQConfig
 from bayesq.baselines.rtn import RTNConfig
-from bayesq.config import BayesQConfig, Curvature, Granularity, Objective, Prior, Rounding, replace
+from bayesq.baselines.smoothquant import SmoothQuantConfig
+from bayesq.config import BayesQConfig, Codebook, Curvature, Granularity, Objective, Prior, Rounding, replace
 from flows.params import Method
 
 # the library config of each baseline row (bayesq.methods): params.yaml's quant and baselines settings
@@ -25,12 +27,18 @@ BASELINE_CONFIGS = {
     Method.RTN_CHANNEL: lambda q, b, seed: RTNConfig(Granularity.CHANNEL, q),
     Method.RTN_GROUP: lambda q, b, seed: RTNConfig(Granularity.GROUP, q),
     Method.ACIQ: lambda q, b, seed: ACIQConfig(quant=q),
+    Method.CLIP_BLOCK: lambda q, b, seed: BlockwiseConfig(Codebook.UNIFORM, q),
+    Method.LLOYD_BLOCK: lambda q, b, seed: BlockwiseConfig(Codebook.LLOYD, q),
     Method.HAWQ: lambda q, b, seed: HAWQConfig(quant=q, probes=b.hawq_probes, seed=seed),
     Method.GPTQ: lambda q, b, seed: GPTQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
                                          act_order=b.gptq_act_order, damp=b.gptq_damp,
                                          bias_correction=b.bias_correction),
+    Method.OPTQ: lambda q, b, seed: GPTQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
+                                         act_order=False, damp=b.gptq_damp, bias_correction=b.bias_correction),
     Method.AWQ: lambda q, b, seed: AWQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes), grid=b.awq_grid,
                                        bias_correction=b.bias_correction),
+    Method.SMOOTHQUANT: lambda q, b, seed: SmoothQuantConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
+                                                       alpha=b.smoothquant_alpha, bias_correction=b.bias_correction),
     Method.ADAROUND: lambda q, b, seed: AdaRoundConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
                                                  bias_correction=b.bias_correction, iters=b.adaround_iters,
                                                  lam=b.adaround_lambda),

@@ -257,7 +257,8 @@ def stats_task(name: str, model_file: str, model_digest: str, raw: str, raw_dige
     tensors = {}
     for k, st in stats.items():
         tensors |= {f"H/{k}": st.H.contiguous(), f"abs_mean/{k}": st.abs_mean.contiguous(),
-                    f"mean/{k}": st.mean.contiguous(), f"positions/{k}": torch.tensor([st.positions], dtype=torch.float64)}
+                    f"abs_max/{k}": st.abs_max.contiguous(), f"mean/{k}": st.mean.contiguous(),
+                    f"positions/{k}": torch.tensor([st.positions], dtype=torch.float64)}
     n = {st.n for st in stats.values()}
     path = save_tensors(Path(out) / f"{name}_s{seed}.safetensors", tensors, {"n": str(n.pop()), "seed": str(seed)})
     return {"path": str(path), "sha256": file_sha256(path), "seconds": seconds}
@@ -313,7 +314,7 @@ def load_stats(path: Path) -> dict:
         n = int(f.metadata()["n"])
         names = [k[2:] for k in f.keys() if k.startswith("H/")]
         return {k: InputStats(f.get_tensor(f"H/{k}"), f.get_tensor(f"abs_mean/{k}"), n, f.get_tensor(f"mean/{k}"),
-                              float(f.get_tensor(f"positions/{k}")))
+                              float(f.get_tensor(f"positions/{k}")), f.get_tensor(f"abs_max/{k}"))
                 for k in names}
 
 

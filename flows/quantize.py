@@ -76,6 +76,10 @@ METHOD_SOURCES = {
     Method.AWQ: ("bayesq/baselines/awq.py",),
     Method.HAWQ: ("bayesq/baselines/hawq.py",),
     Method.ACIQ: ("bayesq/baselines/aciq.py",),
+    Method.CLIP_BLOCK: ("bayesq/baselines/blockwise.py",),
+    Method.LLOYD_BLOCK: ("bayesq/baselines/blockwise.py",),
+    Method.OPTQ: ("bayesq/baselines/gptq.py",),
+    Method.SMOOTHQUANT: ("bayesq/baselines/smoothquant.py", "bayesq/baselines/awq.py"),  # AWQ's code
     Method.BAYESQ_DISTILL: ("bayesq/distill.py",),
     Method.ADAROUND: ("bayesq/baselines/adaround.py", "bayesq/baselines/gptq.py"),  # GPTQ's grids and variants
     Method.LSQ: ("bayesq/baselines/lsq.py", "bayesq/baselines/gptq.py"),
@@ -195,7 +199,7 @@ def _logit_diff(entry, qmodel, loaded, splits, data) -> float:
         return float((predict(qmodel, batch) - predict(loaded, batch)).abs().max())
 
 
-DATA_FREE = (Method.RTN_TENSOR, Method.RTN_CHANNEL, Method.RTN_GROUP, Method.ACIQ)
+DATA_FREE = (Method.RTN_TENSOR, Method.RTN_CHANNEL, Method.RTN_GROUP, Method.ACIQ, Method.CLIP_BLOCK, Method.LLOYD_BLOCK)
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,9 @@ def export_table(records: list[dict]) -> str:
 
 
 PAIRED_METHODS = ("bayesq", "bayesq-ef", "bayesq-distill", "bayesq-paper")
-PAIRED_BASELINES = ("gptq", "adaround", "lsq", "lsq-plus", "awq", "hawq", "aciq", "rtn-group", "rtn-channel", "rtn-tensor")  # every one run
+PAIRED_BASELINES = ("gptq", "optq", "adaround", "lsq", "lsq-plus", "awq", "smoothquant", "hawq", "aciq", "lloyd-block",
+                    "clip-block",
+                    "rtn-group", "rtn-channel", "rtn-tensor")  # every one run
 PAIRED_METRICS = (("accuracy", "correct", 100.0), ("kl", "kl", 1.0))  # (metric, example array, scale)
 
 

@@ -54,6 +54,7 @@ def test_input_stats_linear_tokens_vs_explicit_sums():
     X = torch.cat(batches).reshape(-1, 5)  # (N*T, d)
     assert torch.allclose(st.H[0], X.T @ X / 12, rtol=1e-12)
     assert torch.allclose(st.abs_mean[0], X.abs().mean(0), rtol=1e-12)
+    assert torch.equal(st.abs_max[0], X.abs().amax(0))  # the largest over every batch
     assert torch.equal(st.row_diag(3), st.H[0].diagonal().expand(3, -1))
     assert st.positions == 7  # tokens per input
 

@@ -11,9 +11,11 @@ from torch import nn
 
 from bayesq.baselines.adaround import AdaRoundConfig
 from bayesq.baselines.awq import AWQConfig
+from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.lsq import LSQConfig
 from bayesq.baselines.rtn import RTNConfig
+from bayesq.baselines.smoothquant import SmoothQuantConfig
 from bayesq.baselines.select import encoding_config
 from bayesq.config import Curvature, DistillConfig, Granularity, PosteriorConfig
 from bayesq.export import load, save_export
@@ -35,6 +37,9 @@ METHODS = {
     "rtn": RTNConfig(Granularity.GROUP),
     "adaround": AdaRoundConfig(iters=40, progress=False),  # few steps: the same code path
     "lsq-plus": LSQConfig(offset=True, iters=40, progress=False),  # LSQ+ (LSQ's code path and the offsets)
+    "clip-block": BlockwiseConfig("uniform"),
+    "lloyd-block": BlockwiseConfig("lloyd"),  # LUT tables in the export
+    "smoothquant": SmoothQuantConfig(),
 }
 
 

@@ -84,7 +84,7 @@ def test_params_unknown_method_rejected():
     ("gptq_damp", 0.0, "baselines.gptq_damp = 0.0"), ("gptq_act_order", "yes", "baselines.gptq_act_order"),
     ("awq_grid", 0, "baselines.awq_grid = 0"), ("hawq_probes", 1.5, "baselines.hawq_probes = 1.5"),
     ("bias_correction", 1, "baselines.bias_correction = 1"), ("lsq_iters", 0, "baselines.lsq_iters = 0"),
-    ("lsq_lr", 0.0, "baselines.lsq_lr = 0.0"),
+    ("lsq_lr", 0.0, "baselines.lsq_lr = 0.0"), ("smoothquant_alpha", 1.5, r"baselines.smoothquant_alpha = 1.5.*\[0, 1\]"),
 ])
 def test_baselines_config_bad_value_names_field(key, value, match):
     with pytest.raises(ValueError, match=match):

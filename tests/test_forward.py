@@ -304,8 +304,9 @@ def test_input_stats_of_a_language_model_real_tokens_only():
     torch.testing.assert_close(st["fc1"].H[0], rows.T @ rows / n, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(st["fc1"].mean[0], rows.mean(0), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(st["fc1"].abs_mean[0], rows.abs().mean(0), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(st["fc1"].abs_max[0], rows.abs().amax(0), rtol=1e-12, atol=0)  # padding never wins
     for k in layers:
-        for f in ("H", "mean", "abs_mean"):
+        for f in ("H", "mean", "abs_mean", "abs_max"):
             torch.testing.assert_close(getattr(more[k], f), getattr(st[k], f), rtol=1e-12, atol=1e-14)
 
 

@@ -7,10 +7,12 @@ from bayesq.baselines.aciq import ACIQConfig
 from bayesq.baselines.activations import input_stats
 from bayesq.baselines.adaround import AdaRoundConfig
 from bayesq.baselines.awq import AWQConfig
+from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig, gptq_select
 from bayesq.baselines.hawq import HAWQConfig
 from bayesq.baselines.lsq import LSQConfig
 from bayesq.baselines.rtn import RTNConfig
+from bayesq.baselines.smoothquant import SmoothQuantConfig
 from bayesq.blocks import quantizable_layers
 from bayesq.config import BayesQConfig, DistillConfig, Granularity, QuantConfig
 from flows.params import Method
@@ -38,6 +40,8 @@ CONFIGS = [
     AdaRoundConfig(Q, group_sizes=(32,), iters=30, progress=False),
     LSQConfig(Q, group_sizes=(32,), iters=30, progress=False),
     LSQConfig(Q, select=False, offset=True, iters=30, progress=False),
+    BlockwiseConfig("uniform", Q), BlockwiseConfig("lloyd", Q),
+    SmoothQuantConfig(Q, select=False), SmoothQuantConfig(Q, group_sizes=(32,), alpha=0.75),
 ]
 
 

@@ -5,11 +5,13 @@ unfolded patches, as in K-FAC) and inputs ``a_{n,t}`` (example n, token / spatia
 
     H[g]        = (1/N) sum_n sum_t a_{n,t} a_{n,t}^T        (groups, d_in, d_in), float32 or float64
     abs_mean[g] = mean_{n,t} |a_{n,t}|                        (groups, d_in) float64
+    abs_max[g]  = max_{n,t} |a_{n,t}|                         (groups, d_in) float64
     mean[g]     = mean_{n,t} a_{n,t}                          (groups, d_in) float64
 
 per convolution group g (Linear: one group). ``tr(D H[g] D^T)`` is the mean over calibration
 inputs of the squared layer-output error ``sum_t ||D a_t||^2`` caused by a weight error D of the
-rows of group g: the objective GPTQ minimises and AWQ searches its scales on. Statistics are
+rows of group g: the objective GPTQ minimises and AWQ searches its scales on (SmoothQuant reads
+``abs_max``). Statistics are
 taken on the full-precision model in one forward pass (not sequentially on the partly
 quantised model), so every baseline sees the same inputs; each batch is reduced in the model's
 dtype (one GEMM per group) and batches are added in float64, but ``H`` in the model's dtype, at
@@ -45,6 +47,8 @@ class InputStats:
         mean: (groups, d_in) float64 mean of ``a`` over inputs and positions (bias correction).
         positions: mean positions (tokens, output pixels) per input, ``T``: ``H / T`` is the
             second moment per position (AdaRound's loss scale).
+        abs_max: (groups, d_in) float64 largest ``|a|`` over inputs and positions (SmoothQuant's
+            activation scale); None when not taken (with ``abs_mean``).
     """
 
     H: torch.Tensor
@@ -52,6 +56,7 @@ class InputStats:
     n: int
     mean: torch.Tensor | None = None
     positions: float = 1.0
+    abs_max: torch.Tensor | None = None
 
     @property
     def groups(self) -> int:
@@ -99,8 +104,9 @@ class StatsSums:
     float64), fed one batch's rows at a time: the
     ``on_rows(name, rows)`` callback of a pass over the calibration inputs
     (:func:`bayesq.posterior.forward_inputs`, or the diagonal Fisher's own pass,
-    :func:`bayesq.posterior.fit_posterior`'s ``on_rows``). ``abs_mean``: also sum ``|a|``
-    (AWQ's activation scale; BayesQ and GPTQ do not read it)."""
+    :func:`bayesq.posterior.fit_posterior`'s ``on_rows``). ``abs_mean``: also sum ``|a|`` and
+    keep its largest value (AWQ's and SmoothQuant's activation scales; BayesQ and GPTQ do not
+    read them)."""
 
     def __init__(self, abs_mean: bool = True) -> None:
         self.abs_mean = abs_mean
@@ -112,17 +118,20 @@ class StatsSums:
         if self._last[0] is rows:
             new = self._last[1]
         else:
-            new = list(batch_sums(rows, self.abs_mean)) + [rows.shape[0] * rows.shape[2]]
+            peak = rows.abs().amax((0, 2)) if self.abs_mean else None  # (groups, d)
+            new = [*batch_sums(rows, self.abs_mean), peak, rows.shape[0] * rows.shape[2]]
             self._last[:] = rows, new
         old = self._sums.get(name)
         if old is None:  # sums of the batches' sums (added in place: no float64 temporary)
-            h, a, m = new[:-1]
-            wide = [None if x is None else x.to(torch.float64, copy=True) for x in (a, m)]
+            h, a, m, peak = new[:-1]
+            wide = [None if x is None else x.to(torch.float64, copy=True) for x in (a, m, peak)]
             self._sums[name] = [h.to(sum_dtype(h.dtype), copy=True), *wide, new[-1]]
         else:
-            for x, y in zip(old[:-1], new[:-1]):
+            for x, y in zip(old[:-2], new[:-2]):
                 if x is not None:
                     add_widened(x, y)
+            if old[-2] is not None:
+                torch.maximum(old[-2], new[-2].to(torch.float64), out=old[-2])
             old[-1] += new[-1]
 
     def stats(self, layers: dict[str, nn.Module], n: int) -> dict[str, InputStats]:
@@ -141,8 +150,8 @@ class StatsSums:
                              "or a module the model holds but never calls): keep them in floating point with "
                              "exclude=[...] (names or glob patterns)")
         sums, self._sums = self._sums, {}  # consumed: each H is divided in place (no second copy)
-        return {k: InputStats(h.div_(n), None if a is None else a.div_(t), n, m.div_(t), t / n)
-                for k, (h, a, m, t) in sums.items() if k in layers}
+        return {k: InputStats(h.div_(n), None if a is None else a.div_(t), n, m.div_(t), t / n, peak)
+                for k, (h, a, m, peak, t) in sums.items() if k in layers}
 
 
 @on_canonical

@@ -50,6 +50,9 @@ from bayesq.result import QuantizationResult, baseline_result
 from bayesq.storage import budget_bits
 
 GRID = 20
+#: (W (out, d_in) float64, the layer's statistics, kernel positions per input channel) ->
+#: (groups, d_in) float64 column scales ``s``: a closed-form scale in place of AWQ's search (SmoothQuant)
+ScaleRule = Callable[[torch.Tensor, InputStats, int], torch.Tensor]
 #: A layer is scaled only if its stored scales cost at most this many bits per weight of the
 #: layer (16 * c_in <= 0.25 * out * c_in * kh * kw, i.e. out * kh * kw >= 64): small heads such as
 #: a 10-class classifier keep s = 1, as AWQ leaves the LM head alone.
@@ -141,11 +144,14 @@ def _add_scale_cost(table: LossTable, extra: dict[str, int]) -> LossTable:
 def awq_quantize(
     model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(),
     *, granularity: Granularity = Granularity.GROUP, grid: int = GRID, exclude: Sequence[str] = (),
+    scales: ScaleRule | None = None,
 ) -> QuantizationResult:
     """AWQ at ``budget`` average bits (codes, grids, headers and the stored scales counted).
 
     ``grid``: exponents searched, ``alpha = i / grid`` for i < grid. ``exclude``: module names or
     glob patterns kept in floating point (the result's ``unquantized``; they need no statistics).
+    ``scales``: each scaled layer's column scales from this rule instead of AWQ's search
+    (SmoothQuant's, :mod:`bayesq.baselines.smoothquant`); storage and mixed rule unchanged.
 
     Raises:
         ValueError: missing stats, an infeasible budget, non-finite weights.
@@ -162,7 +168,8 @@ def awq_quantize(
         cols = torch.ones_like(W)
         n_scales = scale_count(mod, st)
         if n_scales:
-            s, _ = search_scale(W, st, lb, ref_bits, kernel, cfg.scale_bits, grid)
+            s = (scales(W, st, kernel) if scales is not None
+                 else search_scale(W, st, lb, ref_bits, kernel, cfg.scale_bits, grid)[0])
             col_scale[lb.name] = s.to(torch.float16).double()  # stored in fp16
             cols = col_scale[lb.name].repeat_interleave(W.shape[0] // s.shape[0], dim=0)  # (out, d_in)
             extra[lb.name] = 16 * n_scales
@@ -179,14 +186,15 @@ def awq_quantize(
 def awq_candidates(
     model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(), *,
     granularity: Granularity = Granularity.GROUP, group_sizes: Sequence[int] = GROUP_SIZES, grid: int = GRID,
-    exclude: Sequence[str] = (),
+    exclude: Sequence[str] = (), scales: ScaleRule | None = None, method: str = "AWQ",
 ) -> dict[str, Callable[[], QuantizationResult]]:
     """Budget-feasible AWQ variants, unbuilt: ``mixed`` (:func:`awq_quantize` at ``granularity``)
     when its cheapest allocation fits, and ``uniform-<b>-g<G>`` / ``uniform-<b>-channel`` for
     each width of ``cfg.bits`` with a fitting layout from ``group_sizes`` (scale search at
     that width). The stored scales (:func:`scale_bits_total`) are counted in every variant.
     ``exclude``: module names or glob patterns kept in floating point (the result's
-    ``unquantized``; they need no statistics).
+    ``unquantized``; they need no statistics). ``scales``: as :func:`awq_quantize`; ``method``:
+    the name errors give.
 
     Raises:
         ValueError: missing stats, or no variant fits the budget (naming the minimum feasible one).
@@ -198,11 +206,11 @@ def awq_candidates(
     out: dict[str, Callable[[], QuantizationResult]] = {}
     if mixed_min_bits(layers, granularity, cfg, extra) <= budget_bits(budget, n):
         out["mixed"] = partial(awq_quantize, model, stats, budget, cfg, granularity=granularity, grid=grid,
-                               exclude=exclude)
+                               exclude=exclude, scales=scales)
     for v in uniform_variants(layers, budget, cfg, group_sizes, extra):
         out[v.name] = partial(awq_quantize, model, stats, budget, v.config(cfg), granularity=v.granularity,
-                              grid=grid, exclude=exclude)
-    check_feasible(out, "AWQ", budget, cheapest_bits(layers, granularity, cfg, group_sizes, extra))
+                              grid=grid, exclude=exclude, scales=scales)
+    check_feasible(out, method, budget, cheapest_bits(layers, granularity, cfg, group_sizes, extra))
     return out
 
 
@@ -212,20 +220,21 @@ def awq_select(
     cfg: QuantConfig = QuantConfig(), *, granularity: Granularity = Granularity.GROUP,
     group_sizes: Sequence[int] = GROUP_SIZES, grid: int = GRID, bias_correction: bool = False,
     selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
-    exclude: Sequence[str] = (),
+    exclude: Sequence[str] = (), scales: ScaleRule | None = None, method: str = "AWQ",
 ) -> BaselineChoice:
     """The AWQ variant of :func:`awq_candidates` with the least mean calibration
     ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from); ``bias_correction``:
     each variant also in its bias-corrected form (:func:`bayesq.baselines.select.select_best`).
     ``selection``: inputs held out of ``batches`` to score the variants on instead (the
     bias correction is still fitted on ``batches``). ``reference``: the FP model's log-probabilities
-    on the scored inputs, when the caller already has them (:func:`select_best`).
+    on the scored inputs, when the caller already has them (:func:`select_best`). ``scales``,
+    ``method``: as :func:`awq_candidates`.
 
     Raises:
         ValueError: as :func:`awq_candidates`; an empty ``batches``.
     """
     cands = awq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes, grid=grid,
-                           exclude=exclude)
+                           exclude=exclude, scales=scales, method=method)
     batches = list(batches)  # read by the correction's target search and by the selection
     correction = stats_correction(model, stats, batches) if bias_correction else None
     return select_best(cands, model, batches if selection is None else selection, correction, reference)
