@@ -395,6 +395,14 @@ def posterior_table(posteriors: list[dict]) -> str:
     return "\n".join(lines + detail + [""])
 
 
+def strongest_rival(methods: dict, budget: float) -> str | None:
+    """The baseline of :data:`PAIRED_BASELINES` with the least mean KL at ``budget`` in one model's
+    ``methods`` (method -> budget -> summary with ``kl_mean``); None when none has one."""
+    kls = {m: methods[m][budget]["kl_mean"] for m in PAIRED_BASELINES
+           if budget in methods.get(m, {}) and methods[m][budget].get("kl_mean") is not None}
+    return min(kls, key=kls.get) if kls else None
+
+
 def results_summary(summary: dict, fp: dict[str, dict], paired: list[dict], timings: list[dict] | None,
                     records: list[dict], run_name: str | None = None) -> str:
     """Markdown for ``docs/results.md``: per model and budget, BayesQ's KL to the FP model next to
@@ -425,6 +433,20 @@ def results_summary(summary: dict, fp: dict[str, dict], paired: list[dict], timi
             fmts = ("+.3g", "+.2f", "+.3g")
             lines.append(f"| {model} | {budget:.1f} | " + " | ".join("–" if v is None else f"{v:.3g}" for v in kl.values())
                          + " | " + " | ".join("–" if d is None else _ci(d, f) for d, f in zip(diffs, fmts)) + " |")
+    lines += ["", "## BayesQ against the strongest rival by KL", "",
+              "The baseline row with the least mean KL to the FP model at each model and budget, among every one "
+              "this run has (`reports/paired.json` holds BayesQ against each of them).", "",
+              "| model | bits | strongest rival | its KL | BayesQ − it: KL | BayesQ − it: accuracy |",
+              "|---|---|---|---|---|---|"]
+    for model, methods in summary.items():
+        for budget in sorted(methods.get("bayesq", {})):
+            rival = strongest_rival(methods, budget)
+            if rival is None:
+                continue
+            diffs = [cell.get((model, budget, "bayesq", rival, metric)) for metric in ("kl", "accuracy")]
+            lines.append(f"| {model} | {budget:.1f} | {METHOD_LABEL.get(rival, rival)} | "
+                         f"{methods[rival][budget]['kl_mean']:.3g} | "
+                         + " | ".join("–" if d is None else _ci(d, f) for d, f in zip(diffs, ("+.3g", "+.2f"))) + " |")
     lines += ["", "## Accuracy (%) and true average bits", ""]
     for model, methods in summary.items():
         budgets = sorted({b for per in methods.values() for b in per})

@@ -8,6 +8,7 @@ import torch
 from bayesq.comparison import fidelity_summary, paired_difference
 from bayesq.tensorfile import save_tensors
 from flows.common import read_json, write_json
+from flows.labels import METHOD_LABEL
 
 N = 60
 
@@ -171,5 +172,11 @@ def test_results_summary_numbers_vs_paired_json_and_records(tmp_path):
         assert f"{records[('bayesq', budget)]['kl_mean']:.3g}" in line
         assert f"{kl['diff']:+.3g} [{kl['ci_low']:+.3g}, {kl['ci_high']:+.3g}]" in line
         assert f"{100 * records[('gptq', budget)]['accuracy']:.2f} ({records[('gptq', budget)]['avg_bits']:.3f} b)" in text
+        rivals = {m: r["kl_mean"] for (m, b), r in records.items() if b == budget and m in ("gptq", "awq", "rtn-group")}
+        best = min(rivals, key=rivals.get)
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"| m | {budget:.1f} | {METHOD_LABEL[best]} |"))
+        diff = next(r for r in paired if r["budget"] == budget and r["method"] == "bayesq" and r["baseline"] == best
+                    and r["metric"] == "kl")
+        assert f"| {rivals[best]:.3g} | {diff['diff']:+.3g} [{diff['ci_low']:+.3g}, {diff['ci_high']:+.3g}]" in line
     assert "quantize-quick-abc1234-20261127-0100" in text
     assert "2 task calls, 2.0 min (1 computed, 1 cache hits)" in text and "posterior m s17 90 s" in text
