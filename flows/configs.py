@@ -9,6 +9,7 @@ benchmarks and a GPU machine without the pipeline's packages read it too).
 from __future__ import annotations
 
 from bayesq.baselines.aciq import ACIQConfig
+from bayesq.baselines.anneal import AnnealConfig
 from bayesq.baselines.adaround import AdaRoundConfig
 from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
@@ -39,6 +40,8 @@ BASELINE_CONFIGS = {
                                        bias_correction=b.bias_correction),
     Method.SMOOTHQUANT: lambda q, b, seed: SmoothQuantConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
                                                        alpha=b.smoothquant_alpha, bias_correction=b.bias_correction),
+    Method.ANNEAL: lambda q, b, seed: AnnealConfig(q, steps=b.anneal_steps, search_inputs=b.anneal_inputs, seed=seed,
+                                             bias_correction=b.bias_correction),
     Method.ADAROUND: lambda q, b, seed: AdaRoundConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
                                                  bias_correction=b.bias_correction, iters=b.adaround_iters,
                                                  lam=b.adaround_lambda),

@@ -64,6 +64,7 @@ class Method(str, Enum):
     LSQ_PLUS = "lsq-plus"  # LSQ+: learned step sizes and offsets (zero-points)
     OPTQ = "optq"  # GPTQ as first published (OPTQ): columns in their natural order, no act-order
     SMOOTHQUANT = "smoothquant"  # SmoothQuant's activation-to-weight migration, weight-only (on AWQ's code)
+    ANNEAL = "anneal"  # one width per layer searched by simulated annealing on the calibration KL (GPTQ rounding)
     CLIP_BLOCK = "clip-block"  # per-block uniform grids with MSE-optimal clipping (data-free)
     LLOYD_BLOCK = "lloyd-block"  # per-block non-uniform Lloyd (k-means) tables (data-free)
 
@@ -71,7 +72,7 @@ class Method(str, Enum):
 #: Baselines on GPTQ's grids and variants: BayesQ's allocation is one more of their variants.
 GRID_METHODS = (Method.GPTQ, Method.OPTQ, Method.ADAROUND, Method.LSQ, Method.LSQ_PLUS)
 #: Baselines that read calibration inputs (and params.yaml's calibration and baselines sections).
-CALIBRATED_METHODS = (*GRID_METHODS, Method.AWQ, Method.SMOOTHQUANT)
+CALIBRATED_METHODS = (*GRID_METHODS, Method.AWQ, Method.SMOOTHQUANT, Method.ANNEAL)
 
 
 OOD_TEXT_DOMAINS = tuple(d for d in DOMAIN_FILES if d != "movie")  # the in-domain training source is no test
@@ -233,6 +234,8 @@ class BaselinesConfig:
     lsq_iters: int = setting(10000, integer(1))  # LSQ / LSQ+: Adam steps per layer (benchmarks/learned_iters.py)
     lsq_lr: float = setting(0.2, above(0, "Adam's step on s / s0"))  # LSQ / LSQ+: step on the scale ratio
     smoothquant_alpha: float = setting(0.5, within("[0, 1]", "the paper's default is 0.5"))  # migration strength
+    anneal_steps: int = setting(200, integer(0))  # annealing search: moves proposed
+    anneal_inputs: int = setting(256, integer(1))  # annealing search: calibration inputs each move is scored on
 
     def __post_init__(self) -> None:
         validate(self, "baselines")

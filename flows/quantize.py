@@ -80,6 +80,7 @@ METHOD_SOURCES = {
     Method.LLOYD_BLOCK: ("bayesq/baselines/blockwise.py",),
     Method.OPTQ: ("bayesq/baselines/gptq.py",),
     Method.SMOOTHQUANT: ("bayesq/baselines/smoothquant.py", "bayesq/baselines/awq.py"),  # AWQ's code
+    Method.ANNEAL: ("bayesq/baselines/anneal.py", "bayesq/baselines/gptq.py"),  # GPTQ's rounding
     Method.BAYESQ_DISTILL: ("bayesq/distill.py",),
     Method.ADAROUND: ("bayesq/baselines/adaround.py", "bayesq/baselines/gptq.py"),  # GPTQ's grids and variants
     Method.LSQ: ("bayesq/baselines/lsq.py", "bayesq/baselines/gptq.py"),

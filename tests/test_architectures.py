@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from bayesq.baselines.adaround import AdaRoundConfig
+from bayesq.baselines.anneal import AnnealConfig
 from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig
@@ -40,6 +41,7 @@ METHODS = {
     "clip-block": BlockwiseConfig("uniform"),
     "lloyd-block": BlockwiseConfig("lloyd"),  # LUT tables in the export
     "smoothquant": SmoothQuantConfig(),
+    "anneal": AnnealConfig(steps=6, progress=False),  # few moves: the same code path
 }
 
 

@@ -85,6 +85,7 @@ def test_params_unknown_method_rejected():
     ("awq_grid", 0, "baselines.awq_grid = 0"), ("hawq_probes", 1.5, "baselines.hawq_probes = 1.5"),
     ("bias_correction", 1, "baselines.bias_correction = 1"), ("lsq_iters", 0, "baselines.lsq_iters = 0"),
     ("lsq_lr", 0.0, "baselines.lsq_lr = 0.0"), ("smoothquant_alpha", 1.5, r"baselines.smoothquant_alpha = 1.5.*\[0, 1\]"),
+    ("anneal_steps", -1, "baselines.anneal_steps = -1"), ("anneal_inputs", 0, "baselines.anneal_inputs = 0"),
 ])
 def test_baselines_config_bad_value_names_field(key, value, match):
     with pytest.raises(ValueError, match=match):

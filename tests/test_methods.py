@@ -4,6 +4,7 @@ from torch import nn
 
 import bayesq
 from bayesq.baselines.aciq import ACIQConfig
+from bayesq.baselines.anneal import AnnealConfig
 from bayesq.baselines.activations import input_stats
 from bayesq.baselines.adaround import AdaRoundConfig
 from bayesq.baselines.awq import AWQConfig
@@ -42,6 +43,7 @@ CONFIGS = [
     LSQConfig(Q, select=False, offset=True, iters=30, progress=False),
     BlockwiseConfig("uniform", Q), BlockwiseConfig("lloyd", Q),
     SmoothQuantConfig(Q, select=False), SmoothQuantConfig(Q, group_sizes=(32,), alpha=0.75),
+    AnnealConfig(Q, steps=10, progress=False),
 ]
 
 

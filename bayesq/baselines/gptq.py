@@ -86,7 +86,7 @@ def _granularity(granularity: Granularity | str) -> Granularity:
     return granularity
 
 
-def _table(layers: dict[str, nn.Module], stats: dict[str, InputStats], blocks: list[LayerBlocks],
+def gptq_table(layers: dict[str, nn.Module], stats: dict[str, InputStats], blocks: list[LayerBlocks],
            cfg: QuantConfig) -> LossTable:
     """Min/max grids of every candidate with GPTQ's mixed-rule loss ``sum H_jj (Q_b(w) - w)^2``."""
     weights = {n: m.weight for n, m in layers.items()}
@@ -94,7 +94,7 @@ def _table(layers: dict[str, nn.Module], stats: dict[str, InputStats], blocks: l
     return rtn_table(weights, blocks, cfg, element_weight=omega)
 
 
-def _solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, InputStats], table: LossTable,
+def gptq_solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, InputStats], table: LossTable,
            allocation: Allocation, act_order: bool, damp: float, exclude: Sequence[str],
            rounding: LayerRounding | None = None, scale_bits: int = 16) -> QuantizationResult:
     """GPTQ's error-feedback codes on the grids of ``allocation``'s bit-widths (``rounding``:
@@ -133,8 +133,8 @@ def gptq_quantize(
     """
     granularity = _granularity(granularity)
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
-    table = _table(layers, stats, baseline_blocks(layers, granularity, cfg), cfg)
-    return _solve(model, layers, stats, table, allocate(table, budget), act_order, damp, exclude, rounding,
+    table = gptq_table(layers, stats, baseline_blocks(layers, granularity, cfg), cfg)
+    return gptq_solve(model, layers, stats, table, allocate(table, budget), act_order, damp, exclude, rounding,
                   cfg.scale_bits)
 
 
@@ -159,8 +159,8 @@ def gptq_allocation_quantize(
             above the budget, non-finite weights.
     """
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
-    table = _table(layers, stats, layer_blocks(layers, cfg.group_size, cfg.unit_groups, cfg.unit.value), cfg)
-    return _solve(model, layers, stats, table, given_allocation(table, unit_bits, budget), act_order, damp, exclude,
+    table = gptq_table(layers, stats, layer_blocks(layers, cfg.group_size, cfg.unit_groups, cfg.unit.value), cfg)
+    return gptq_solve(model, layers, stats, table, given_allocation(table, unit_bits, budget), act_order, damp, exclude,
                   rounding, cfg.scale_bits)
 
 
