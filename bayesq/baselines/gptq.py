@@ -87,7 +87,7 @@ def _granularity(granularity: Granularity | str) -> Granularity:
 
 
 def gptq_table(layers: dict[str, nn.Module], stats: dict[str, InputStats], blocks: list[LayerBlocks],
-           cfg: QuantConfig) -> LossTable:
+               cfg: QuantConfig) -> LossTable:
     """Min/max grids of every candidate with GPTQ's mixed-rule loss ``sum H_jj (Q_b(w) - w)^2``."""
     weights = {n: m.weight for n, m in layers.items()}
     omega = LazyMap(layers, lambda n: stats[n].row_diag(layers[n].weight.shape[0]))  # (out, d_in), per layer
@@ -95,8 +95,8 @@ def gptq_table(layers: dict[str, nn.Module], stats: dict[str, InputStats], block
 
 
 def gptq_solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, InputStats], table: LossTable,
-           allocation: Allocation, act_order: bool, damp: float, exclude: Sequence[str],
-           rounding: LayerRounding | None = None, scale_bits: int = 16) -> QuantizationResult:
+               allocation: Allocation, act_order: bool, damp: float, exclude: Sequence[str],
+               rounding: LayerRounding | None = None, scale_bits: int = 16) -> QuantizationResult:
     """GPTQ's error-feedback codes on the grids of ``allocation``'s bit-widths (``rounding``:
     another method's rounding of the same grids, or its grids learned and stored at ``scale_bits``)."""
     if rounding is None:  # made per layer as encode reads it: one damped copy and factor held at a time
@@ -135,7 +135,7 @@ def gptq_quantize(
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     table = gptq_table(layers, stats, baseline_blocks(layers, granularity, cfg), cfg)
     return gptq_solve(model, layers, stats, table, allocate(table, budget), act_order, damp, exclude, rounding,
-                  cfg.scale_bits)
+                      cfg.scale_bits)
 
 
 @on_canonical
@@ -160,8 +160,8 @@ def gptq_allocation_quantize(
     """
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     table = gptq_table(layers, stats, layer_blocks(layers, cfg.group_size, cfg.unit_groups, cfg.unit.value), cfg)
-    return gptq_solve(model, layers, stats, table, given_allocation(table, unit_bits, budget), act_order, damp, exclude,
-                  rounding, cfg.scale_bits)
+    return gptq_solve(model, layers, stats, table, given_allocation(table, unit_bits, budget), act_order, damp,
+                      exclude, rounding, cfg.scale_bits)
 
 
 @on_canonical
