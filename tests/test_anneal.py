@@ -31,7 +31,7 @@ def test_layer_encodings_equal_gptq_at_one_width():
     model, cal = _model_and_inputs()
     layers = quantizable_layers(model)
     stats = input_stats(model, cal, layers)
-    _, enc = layer_encodings(model, layers, stats, Q)
+    _, enc = layer_encodings(layers, stats, Q)
     for b in Q.bits:
         one = gptq_quantize(model, stats, Granularity.GROUP, 9.0, replace(Q, bits=(b,)))
         for name in layers:
@@ -46,7 +46,7 @@ def test_anneal_search_vs_brute_force_over_every_assignment():
         model[2].weight.mul_(10)
     layers = quantizable_layers(model)
     stats = input_stats(model, cal, layers)
-    table, enc = layer_encodings(model, layers, stats, Q)
+    table, enc = layer_encodings(layers, stats, Q)
     budget = 4.0
     names = [t.blocks.name for t in table.layers]
     cost = {(t.blocks.name, b): int(t.unit_cost[0, j]) for t in table.layers for j, b in enumerate(t.bits)}

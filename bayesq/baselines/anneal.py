@@ -32,13 +32,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesq.baselines.activations import InputStats
-from bayesq.baselines.gptq import DAMP, gptq_solve, gptq_table
+from bayesq.baselines.gptq import DAMP, gptq_codes, gptq_table
 from bayesq.baselines.select import (
     BaselineChoice, choice_outcome, given_allocation, select_best, stats_correction, stats_of,
 )
 from bayesq.blocks import checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
 from bayesq.config import AllocationUnit, QuantConfig
+from bayesq.expected_loss import LossTable
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.forward import Batch, first_inputs
 from bayesq.methods import Inputs, Outcome, register
@@ -66,10 +67,11 @@ class SearchTrace:
 
 
 def layer_encodings(
-    model: nn.Module, layers: Mapping[str, nn.Module], stats: Mapping[str, InputStats], cfg: QuantConfig, *,
-    act_order: bool = True, damp: float = DAMP,
-) -> tuple[object, dict[int, dict[str, QuantizedWeight]]]:
-    """GPTQ's per-layer table (one unit per layer) and each layer's encoding at every width.
+    layers: Mapping[str, nn.Module], stats: Mapping[str, InputStats], cfg: QuantConfig, *,
+    act_order: bool = True, damp: float = DAMP, progress: bool = False,
+) -> tuple[LossTable, dict[int, dict[str, QuantizedWeight]]]:
+    """GPTQ's per-layer table (one unit per layer) and each layer's encoding at every width
+    (``progress``: a bar over the layers of each width).
 
     Returns:
         (table, {bits: {layer: QuantizedWeight}}): ``table`` over ``cfg.bits`` with one unit per
@@ -83,13 +85,13 @@ def layer_encodings(
         unit_bits = {t.blocks.name: (b,) for t in table.layers}
         total = sum(int(t.unit_cost[0, j]) for t in table.layers)
         alloc = Allocation(unit_bits, total, n, total)  # every layer at b: no budget here
-        out[b] = gptq_solve(model, dict(layers), dict(stats), table, alloc, act_order, damp, (),
-                            scale_bits=cfg.scale_bits).weights
+        out[b] = gptq_codes(dict(layers), dict(stats), table, alloc, act_order, damp, scale_bits=cfg.scale_bits,
+                            progress=progress)
     return table, out
 
 
 def anneal_search(
-    model: nn.Module, table, encodings: Mapping[int, Mapping[str, QuantizedWeight]], batches: Sequence[Batch],
+    model: nn.Module, table: LossTable, encodings: Mapping[int, Mapping[str, QuantizedWeight]], batches: Sequence[Batch],
     budget: float, *, steps: int = 200, t_start: float = 0.05, t_end: float = 0.001, seed: int = 0,
     progress: bool = False,
 ) -> SearchTrace:
@@ -174,7 +176,7 @@ def anneal_select(
     if not batches:
         raise ValueError("empty calibration set: the annealing search scores assignments on calibration inputs")
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
-    table, encodings = layer_encodings(model, layers, stats, cfg, act_order=act_order, damp=damp)
+    table, encodings = layer_encodings(layers, stats, cfg, act_order=act_order, damp=damp, progress=progress)
     trace = anneal_search(model, table, encodings, first_inputs(batches, search_inputs), budget, steps=steps,
                           t_start=t_start, t_end=t_end, seed=seed, progress=progress)
 

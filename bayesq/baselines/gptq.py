@@ -45,7 +45,7 @@ from bayesq.forward import Batch
 from bayesq.memory import LazyMap
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.quantize import allocate, encode
-from bayesq.result import Allocation, QuantizationResult, baseline_result
+from bayesq.result import Allocation, QuantizationResult, QuantizedWeight, baseline_result
 from bayesq.storage import budget_bits
 
 DAMP = 0.01
@@ -94,19 +94,27 @@ def gptq_table(layers: dict[str, nn.Module], stats: dict[str, InputStats], block
     return rtn_table(weights, blocks, cfg, element_weight=omega)
 
 
-def gptq_solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, InputStats], table: LossTable,
-               allocation: Allocation, act_order: bool, damp: float, exclude: Sequence[str],
-               rounding: LayerRounding | None = None, scale_bits: int = 16) -> QuantizationResult:
-    """GPTQ's error-feedback codes on the grids of ``allocation``'s bit-widths (``rounding``:
-    another method's rounding of the same grids, or its grids learned and stored at ``scale_bits``)."""
+def gptq_codes(layers: dict[str, nn.Module], stats: dict[str, InputStats], table: LossTable, allocation: Allocation,
+               act_order: bool, damp: float, rounding: LayerRounding | None = None, scale_bits: int = 16,
+               progress: bool = False) -> dict[str, QuantizedWeight]:
+    """GPTQ's error-feedback encodings of ``layers`` on the grids of ``allocation``'s bit-widths
+    (``rounding``: another method's rounding of the same grids, or its grids learned and stored at
+    ``scale_bits``; ``progress``: a bar over the layers)."""
     if rounding is None:  # made per layer as encode reads it: one damped copy and factor held at a time
         metric, solver, grid_fit = damped_metrics({n: stats[n].H for n in layers}, damp), None, None
     else:
         metric = LazyMetrics(layers, lambda n: rounding.metric(stats[n], layers[n].weight.shape[0]))
         solver, grid_fit = rounding.solver, rounding.grid_fit
-    qweights = encode(table, allocation, {n: m.weight for n, m in layers.items()},
-                      rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, act_order=act_order, solver=solver,
-                      grid_fit=grid_fit, scale_bits=scale_bits)
+    return encode(table, allocation, {n: m.weight for n, m in layers.items()},
+                  rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, act_order=act_order, solver=solver,
+                  grid_fit=grid_fit, scale_bits=scale_bits, progress=progress)
+
+
+def gptq_solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, InputStats], table: LossTable,
+               allocation: Allocation, act_order: bool, damp: float, exclude: Sequence[str],
+               rounding: LayerRounding | None = None, scale_bits: int = 16) -> QuantizationResult:
+    """:func:`gptq_codes` as a baseline's result (the quantised copy of ``model``)."""
+    qweights = gptq_codes(layers, stats, table, allocation, act_order, damp, rounding, scale_bits)
     return baseline_result(model, layers, qweights, allocation, table, exclude)
 
 
