@@ -1,15 +1,19 @@
-"""BayesQ's grids and allocation with AdaRound's rounding, against BayesQ's default rounding.
+"""BayesQ's grids and allocation with AdaRound's or BRECQ's rounding, against BayesQ's default rounding.
 
 BayesQ's default (``params.yaml``'s settings, 3.0 bits, seed 17, on the pipeline's calibration
 draw) picks a grid candidate, allocates its bits and rounds by error feedback plus coordinate
 descent, then refits the scales and applies the bias correction. Here the kept candidate's table
 and allocation are encoded again with AdaRound's rounding in place of error feedback and
 coordinate descent (:func:`bayesq.baselines.adaround.adaround_rows` in the layer-output MSE metric,
-the paper's schedule; the same scale refit and bias correction after it). Both are scored by the
-per-input ``KL(p_FP || p_Q)`` on the pipeline's 2,000 held-out selection inputs, paired.
-BayesQ chose its grid candidate on these inputs, which favours BayesQ's own rounding slightly.
+the paper's schedule; the same scale refit and bias correction after it), or (``--rounding
+brecq``) BayesQ's final encoding (its refitted grids) is rounded again by BRECQ's block
+reconstruction (:func:`bayesq.baselines.brecq.brecq_codes`, its schedule at ``--iters`` steps per
+unit), scored with and without BayesQ's bias correction. All are scored by the per-input
+``KL(p_FP || p_Q)`` on the pipeline's 2,000 held-out selection inputs, paired. BayesQ chose its
+grid candidate on these inputs, which favours BayesQ's own rounding slightly.
 
     python benchmarks/bayesq_adaround.py [--models minilm-sentiment lite0-fmnist] [--iters 10000]
+                                         [--rounding adaround|brecq]
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["minilm-sentiment", "lite0-fmnist"])
     ap.add_argument("--iters", type=int, default=10000)
+    ap.add_argument("--rounding", choices=["adaround", "brecq"], default="adaround")
     ap.add_argument("--budget", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=17)
     a = ap.parse_args()
@@ -41,6 +46,7 @@ def main() -> None:
 
     from bayesq.baselines.activations import input_stats
     from bayesq.baselines.adaround import adaround_rows
+    from bayesq.baselines.brecq import BRECQConfig, brecq_codes
     from bayesq.canonical import canonical
     from bayesq.comparison import paired_difference
     from bayesq.config import Rounding
@@ -56,21 +62,31 @@ def main() -> None:
             stats = input_stats(m, calibration, layers, abs_mean=False)
             metric = {n: stats[n].output_mse_metric(layers[n].weight.shape[0]) for n in layers}
             start = time.perf_counter()
-            ada = encode(enc.table, enc.allocation, {n: l.weight for n, l in layers.items()},
-                         rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, refit=enc.quant.refit,
-                         scale_bits=enc.quant.scale_bits, solver=partial(adaround_rows, iters=a.iters, progress=True))
+            if a.rounding == "adaround":
+                new = encode(enc.table, enc.allocation, {n: l.weight for n, l in layers.items()},
+                             rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, refit=enc.quant.refit,
+                             scale_bits=enc.quant.scale_bits, solver=partial(adaround_rows, iters=a.iters, progress=True))
+            else:
+                new = brecq_codes(m, layers, dict(enc.weights), calibration, BRECQConfig(iters=a.iters, seed=a.seed))
             seconds = time.perf_counter() - start
             reference = reference_log_probs(m, selection)
             kl = {}
+            tag = f"bayesq+{a.rounding}"
             with torch.no_grad():
-                for tag, weights in (("bayesq", enc.weights), ("bayesq+adaround", ada)):
-                    kl[tag] = kl_per_input(reference, quantized_copy(m, weights, enc.correction).eval(), selection)
-        for tag, v in kl.items():
-            print(f"{name} {tag}: KL {v.mean():.5f} on {len(v)} held-out inputs (candidate {enc.name})", flush=True)
-        d = paired_difference(kl["bayesq+adaround"], kl["bayesq"])
-        star = "*" if d.ci_low > 0 or d.ci_high < 0 else ""
-        print(f"{name} bayesq+adaround - bayesq: KL {d.diff:+.6f} [{d.ci_low:+.6f}, {d.ci_high:+.6f}]{star}; "
-              f"AdaRound's encoding {seconds:.0f} s", flush=True)
+                for key, weights, correction in (("bayesq", enc.weights, enc.correction),
+                                                 (tag, new, enc.correction), (f"{tag} (no bc)", new, None)):
+                    if correction is None and enc.correction is None:
+                        continue
+                    kl[key] = kl_per_input(reference, quantized_copy(m, weights, correction).eval(), selection)
+        for key, v in kl.items():
+            print(f"{name} {key}: KL {v.mean():.5f} on {len(v)} held-out inputs (candidate {enc.name})", flush=True)
+        for key in kl:
+            if key == "bayesq":
+                continue
+            d = paired_difference(kl[key], kl["bayesq"])
+            star = "*" if d.ci_low > 0 or d.ci_high < 0 else ""
+            print(f"{name} {key} - bayesq: KL {d.diff:+.6f} [{d.ci_low:+.6f}, {d.ci_high:+.6f}]{star}; "
+                  f"the {a.rounding} encoding {seconds:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

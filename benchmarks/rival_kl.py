@@ -8,7 +8,7 @@ the min/max grids and the allocation, and differ only in how they round or fit t
 by no method here). Prints each method's mean KL, seconds and true bits, and each method minus
 the first with its paired 95 % bootstrap interval (``*``: it excludes 0).
 
-    python benchmarks/rival_kl.py [--models lite0-fmnist minilm-sentiment] [--methods gptq adaround lsq lsq-plus rtn]
+    python benchmarks/rival_kl.py [--models lite0-fmnist minilm-sentiment] [--methods gptq adaround brecq lsq lsq-plus rtn]
                                   [--budget 3.0] [--iters N] [--seed 17]
 """
 
@@ -28,6 +28,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 def configs(iters: int | None) -> dict:
     """Each method without its selection; ``iters``: the learned methods' steps (None: their defaults)."""
     from bayesq.baselines.adaround import AdaRoundConfig
+    from bayesq.baselines.brecq import BRECQConfig
     from bayesq.baselines.gptq import GPTQConfig
     from bayesq.baselines.lsq import LSQConfig
     from bayesq.baselines.rtn import RTNConfig
@@ -36,7 +37,7 @@ def configs(iters: int | None) -> dict:
     steps = {} if iters is None else {"iters": iters}
     return {"gptq": GPTQConfig(select=False), "adaround": AdaRoundConfig(select=False, **steps),
             "lsq": LSQConfig(select=False, **steps), "lsq-plus": LSQConfig(select=False, offset=True, **steps),
-            "rtn": RTNConfig(Granularity.GROUP)}
+            "brecq": BRECQConfig(select=False, **steps), "rtn": RTNConfig(Granularity.GROUP)}
 
 
 def main() -> None:

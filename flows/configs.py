@@ -11,6 +11,7 @@ from __future__ import annotations
 from bayesq.baselines.aciq import ACIQConfig
 from bayesq.baselines.anneal import AnnealConfig
 from bayesq.baselines.adaround import AdaRoundConfig
+from bayesq.baselines.brecq import BRECQConfig
 from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig
@@ -45,6 +46,9 @@ BASELINE_CONFIGS = {
     Method.ADAROUND: lambda q, b, seed: AdaRoundConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
                                                  bias_correction=b.bias_correction, iters=b.adaround_iters,
                                                  lam=b.adaround_lambda),
+    Method.BRECQ: lambda q, b, seed: BRECQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
+                                           bias_correction=b.bias_correction, iters=b.brecq_iters,
+                                           lam=b.adaround_lambda, seed=seed),
     Method.LSQ: lambda q, b, seed: LSQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
                                        bias_correction=b.bias_correction, iters=b.lsq_iters, lr=b.lsq_lr),
     Method.LSQ_PLUS: lambda q, b, seed: LSQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),

@@ -60,6 +60,7 @@ class Method(str, Enum):
     HAWQ = "hawq"
     ACIQ = "aciq"
     ADAROUND = "adaround"  # AdaRound's learned up/down rounding on GPTQ's grids and variants
+    BRECQ = "brecq"  # BRECQ: AdaRound's rounding learned per residual block / transformer layer on GPTQ's grids
     LSQ = "lsq"  # LSQ's learned step sizes on GPTQ's grids and variants, nearest rounding
     LSQ_PLUS = "lsq-plus"  # LSQ+: learned step sizes and offsets (zero-points)
     OPTQ = "optq"  # GPTQ as first published (OPTQ): columns in their natural order, no act-order
@@ -70,7 +71,7 @@ class Method(str, Enum):
 
 
 #: Baselines on GPTQ's grids and variants: BayesQ's allocation is one more of their variants.
-GRID_METHODS = (Method.GPTQ, Method.OPTQ, Method.ADAROUND, Method.LSQ, Method.LSQ_PLUS)
+GRID_METHODS = (Method.GPTQ, Method.OPTQ, Method.ADAROUND, Method.BRECQ, Method.LSQ, Method.LSQ_PLUS)
 #: Baselines that read calibration inputs (and params.yaml's calibration and baselines sections).
 CALIBRATED_METHODS = (*GRID_METHODS, Method.AWQ, Method.SMOOTHQUANT, Method.ANNEAL)
 
@@ -231,6 +232,7 @@ class BaselinesConfig:
     bias_correction: bool = True  # GPTQ / AWQ selection: each variant also with bias correction
     adaround_iters: int = setting(10000, integer(1))  # AdaRound: Adam steps per layer (the paper's 10,000)
     adaround_lambda: float = setting(0.01, at_least(0))  # AdaRound: weight of the rounding regulariser
+    brecq_iters: int = setting(20000, integer(1))  # BRECQ: Adam steps per block (the authors' 20,000)
     lsq_iters: int = setting(10000, integer(1))  # LSQ / LSQ+: Adam steps per layer (benchmarks/learned_iters.py)
     lsq_lr: float = setting(0.2, above(0, "Adam's step on s / s0"))  # LSQ / LSQ+: step on the scale ratio
     smoothquant_alpha: float = setting(0.5, within("[0, 1]", "the paper's default is 0.5"))  # migration strength

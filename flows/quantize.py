@@ -83,6 +83,8 @@ METHOD_SOURCES = {
     Method.ANNEAL: ("bayesq/baselines/anneal.py", "bayesq/baselines/gptq.py"),  # GPTQ's rounding
     Method.BAYESQ_DISTILL: ("bayesq/distill.py",),
     Method.ADAROUND: ("bayesq/baselines/adaround.py", "bayesq/baselines/gptq.py"),  # GPTQ's grids and variants
+    Method.BRECQ: ("bayesq/baselines/brecq.py", "bayesq/baselines/adaround.py", "bayesq/baselines/lsq.py",
+                   "bayesq/baselines/gptq.py"),  # AdaRound's relaxation, nearest start, GPTQ's grids
     Method.LSQ: ("bayesq/baselines/lsq.py", "bayesq/baselines/gptq.py"),
     Method.LSQ_PLUS: ("bayesq/baselines/lsq.py", "bayesq/baselines/gptq.py"),
 }

@@ -12,6 +12,7 @@ from torch import nn
 from bayesq.baselines.adaround import AdaRoundConfig
 from bayesq.baselines.anneal import AnnealConfig
 from bayesq.baselines.awq import AWQConfig
+from bayesq.baselines.brecq import BRECQConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.lsq import LSQConfig
@@ -37,6 +38,8 @@ METHODS = {
     "awq": AWQConfig(),
     "rtn": RTNConfig(Granularity.GROUP),
     "adaround": AdaRoundConfig(iters=40, progress=False),  # few steps: the same code path
+    "brecq": BRECQConfig(iters=5, select=False, progress=False),  # every unit reconstructed, a few steps each
+    # (its variant selection is GPTQ's, run by the gptq and adaround rows and tests/test_methods.py)
     "lsq-plus": LSQConfig(offset=True, iters=40, progress=False),  # LSQ+ (LSQ's code path and the offsets)
     "clip-block": BlockwiseConfig("uniform"),
     "lloyd-block": BlockwiseConfig("lloyd"),  # LUT tables in the export

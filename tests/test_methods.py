@@ -7,6 +7,7 @@ from bayesq.baselines.aciq import ACIQConfig
 from bayesq.baselines.anneal import AnnealConfig
 from bayesq.baselines.activations import input_stats
 from bayesq.baselines.adaround import AdaRoundConfig
+from bayesq.baselines.brecq import BRECQConfig
 from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig, gptq_select
@@ -39,6 +40,7 @@ CONFIGS = [
     AWQConfig(Q, select=False, grid=4), AWQConfig(Q, group_sizes=(32,), grid=4),
     BayesQConfig(quant=Q, distill=DistillConfig(max_budget=0)),
     AdaRoundConfig(Q, group_sizes=(32,), iters=30, progress=False),
+    BRECQConfig(Q, group_sizes=(32,), iters=10, progress=False), BRECQConfig(Q, select=False, iters=10, progress=False),
     LSQConfig(Q, group_sizes=(32,), iters=30, progress=False),
     LSQConfig(Q, select=False, offset=True, iters=30, progress=False),
     BlockwiseConfig("uniform", Q), BlockwiseConfig("lloyd", Q),

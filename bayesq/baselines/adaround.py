@@ -162,13 +162,19 @@ class AdaRoundConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.iters < 1:
-            raise ValueError(f"adaround.iters must be at least 1, got {self.iters}")
-        if not (0 <= self.warmup < 1):
-            raise ValueError(f"adaround.warmup must be in [0, 1), got {self.warmup}")
-        if not (self.lam >= 0 and self.lr > 0 and all(b > 0 and math.isfinite(b) for b in self.beta)):
-            raise ValueError(f"adaround needs lam >= 0, lr > 0 and positive betas, got lam={self.lam}, "
-                             f"lr={self.lr}, beta={self.beta}")
+        check_schedule("adaround", self)
+
+
+def check_schedule(method: str, cfg) -> None:
+    """``ValueError`` naming ``<method>.<field>`` unless ``cfg``'s AdaRound schedule (``iters``,
+    ``warmup``, ``lam``, ``lr``, ``beta``) is valid (AdaRound, BRECQ)."""
+    if cfg.iters < 1:
+        raise ValueError(f"{method}.iters must be at least 1, got {cfg.iters}")
+    if not (0 <= cfg.warmup < 1):
+        raise ValueError(f"{method}.warmup must be in [0, 1), got {cfg.warmup}")
+    if not (cfg.lam >= 0 and cfg.lr > 0 and all(b > 0 and math.isfinite(b) for b in cfg.beta)):
+        raise ValueError(f"{method} needs lam >= 0, lr > 0 and positive betas, got lam={cfg.lam}, "
+                         f"lr={cfg.lr}, beta={cfg.beta}")
 
 
 def adaround_rounding(config: AdaRoundConfig) -> LayerRounding:

@@ -60,13 +60,16 @@ class LayerRounding:
     budgets and variants and differ in the rounding (AdaRound) or learn the grids (LSQ):
     ``metric(stats, out)`` maps a layer's input statistics and output features to the column
     metric handed to ``solver`` and ``grid_fit``; ``grid_fit``: each group's grid learned from
-    its min/max one before the rounding (:func:`bayesq.quantize.encode`); ``method`` names it in
-    errors."""
+    its min/max one before the rounding (:func:`bayesq.quantize.encode`); ``refine(layers,
+    encodings)``: the encodings of every layer, rounded layer by layer, re-rounded jointly on the
+    same grids (BRECQ's block reconstruction, :mod:`bayesq.baselines.brecq`); ``method`` names it
+    in errors."""
 
     method: str
     metric: Callable[[InputStats, int], torch.Tensor]
     solver: Solver
     grid_fit: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    refine: Callable[[dict[str, nn.Module], dict[str, QuantizedWeight]], dict[str, QuantizedWeight]] | None = None
 
 
 def damped_hessian(H: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
@@ -99,15 +102,16 @@ def gptq_codes(layers: dict[str, nn.Module], stats: dict[str, InputStats], table
                progress: bool = False) -> dict[str, QuantizedWeight]:
     """GPTQ's error-feedback encodings of ``layers`` on the grids of ``allocation``'s bit-widths
     (``rounding``: another method's rounding of the same grids, or its grids learned and stored at
-    ``scale_bits``; ``progress``: a bar over the layers)."""
+    ``scale_bits``, then its joint ``refine`` when it has one; ``progress``: a bar over the layers)."""
     if rounding is None:  # made per layer as encode reads it: one damped copy and factor held at a time
         metric, solver, grid_fit = damped_metrics({n: stats[n].H for n in layers}, damp), None, None
     else:
         metric = LazyMetrics(layers, lambda n: rounding.metric(stats[n], layers[n].weight.shape[0]))
         solver, grid_fit = rounding.solver, rounding.grid_fit
-    return encode(table, allocation, {n: m.weight for n, m in layers.items()},
-                  rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, act_order=act_order, solver=solver,
-                  grid_fit=grid_fit, scale_bits=scale_bits, progress=progress)
+    codes = encode(table, allocation, {n: m.weight for n, m in layers.items()},
+                   rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, act_order=act_order, solver=solver,
+                   grid_fit=grid_fit, scale_bits=scale_bits, progress=progress)
+    return codes if rounding is None or rounding.refine is None else rounding.refine(layers, codes)
 
 
 def gptq_solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, InputStats], table: LossTable,

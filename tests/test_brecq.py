@@ -1,0 +1,165 @@
+"""BRECQ's block reconstruction (bayesq/baselines/brecq.py): the units it cuts a network into,
+the replay of a unit's captured inputs, the soft weight against the stored encoding, and its
+rounding against the brute-force optimum of a tiny block."""
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from bayesq.baselines.brecq import (
+    BRECQConfig, SoftWeight, block_modules, capture, element_grid, first_tensor, reconstruct_unit, reconstruction_error,
+    reconstruction_units, with_codes,
+)
+from bayesq.baselines.activations import InputStats, input_stats
+from bayesq.baselines.gptq import LayerRounding, gptq_codes, gptq_table
+from bayesq.baselines.lsq import nearest_rows
+from bayesq.blocks import layer_blocks, quantizable_layers
+from bayesq.canonical import canonical
+from bayesq.config import QuantConfig
+from bayesq.harness.architectures import build, example_batches
+from bayesq.quantize import allocate
+
+
+class Residual(nn.Module):
+    """``x + W2 relu(W1 x)``: a block whose two layers interact through the ReLU."""
+
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, h, bias=False), nn.Linear(h, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class SE(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(c, c), nn.Linear(c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.fc2(torch.relu(self.fc1(x))))
+
+
+def _net(d: int = 4) -> nn.Module:
+    """stem, a stage of two residual blocks, one block with a squeeze-excitation inside, head."""
+    inner = nn.Sequential(nn.Linear(d, d), SE(d), nn.Linear(d, d))
+    return nn.Sequential(nn.Linear(d, d), nn.Sequential(Residual(d, 2 * d), Residual(d, 2 * d)), inner,
+                         nn.Linear(d, 3)).double()
+
+
+def test_block_modules_repeated_blocks_not_inner_parts():
+    net = _net()
+    layers = quantizable_layers(net)
+    # 1.0 / 1.1: the residual blocks; 2 holds 4 layers and a sibling (1) holds several: a block;
+    # its squeeze-excitation (2.1) has no sibling with two layers: not a block of its own
+    assert block_modules(net, list(layers)) == ["1.0", "1.1", "2"]
+
+
+def test_reconstruction_units_cover_every_layer_once_in_forward_order():
+    net = _net()
+    layers = list(quantizable_layers(net))
+    units = reconstruction_units(net, layers, torch.randn(2, 4, dtype=torch.float64))
+    assert [u.name for u in units] == ["0", "1.0", "1.1", "2", "3"]
+    assert sorted(n for u in units for n in u.layers) == sorted(layers)
+
+
+@pytest.mark.parametrize("family", ["resnet18", "efficientnet_b0", "bert", "gpt2-lm", "t5"])
+def test_capture_replayed_inputs_give_the_captured_output(family):
+    """A unit called on its captured (args, kwargs) returns the output captured in the same pass
+    (masks, position biases and the language model's cache handled as replayed)."""
+    model = build(family)
+    batches = example_batches(family)
+    with canonical(model) as m:
+        units = reconstruction_units(m, list(quantizable_layers(m)), batches[0])
+        unit = [u for u in units if len(u.layers) > 1][1].name  # a block after the first
+        ins = capture(m, unit, batches, inputs=True)
+        outs = capture(m, unit, batches, inputs=False)
+        with torch.no_grad():
+            for (args, kwargs), out in zip(ins, outs):
+                torch.testing.assert_close(first_tensor(m.get_submodule(unit)(*args, **kwargs)), out)
+
+
+def _encodings(model: nn.Module, batches, bits: int = 2, group: int = 4):
+    """(layers, each layer's min/max grid encoding at ``bits`` with nearest codes)."""
+    cfg = QuantConfig(bits=(bits,), group_size=group, unit_groups=1)
+    layers = quantizable_layers(model)
+    stats = input_stats(model, batches, layers)
+    table = gptq_table(layers, stats, layer_blocks(layers, cfg.group_size, cfg.unit_groups), cfg)
+    nearest = LayerRounding("nearest", InputStats.output_mse_metric, nearest_rows)
+    return layers, gptq_codes(layers, stats, table, allocate(table, 32.0), True, 0.01, rounding=nearest)
+
+
+def test_soft_weight_at_decided_logits_is_the_stored_encoding():
+    """With every logit far from 0 the soft weight is the dequantised encoding of its hard codes
+    (mixed widths, a 4-d convolution weight, dead groups)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 5)).double()
+    with torch.no_grad():
+        model[0].weight[1] = 0.0  # a dead output channel: scale 0, zero-point code
+    batches = [torch.randn(8, 3, 6, 6, dtype=torch.float64) for _ in range(2)]
+    layers, enc = _encodings(model, batches, bits=3)
+    for name, qw in enc.items():
+        soft = SoftWeight(layers[name].weight, qw)
+        with torch.no_grad():
+            soft.logits.copy_(torch.where(torch.rand_like(soft.logits) < 0.5, -30.0, 30.0))
+        codes = soft.codes()
+        torch.testing.assert_close(soft.weight().detach(), with_codes(qw, codes).dequantize().reshape(soft.shape))
+        down, up = (torch.minimum((soft.low + k).clamp(min=0), soft.maxq.double()).long() for k in (0, 1))
+        live = soft.live
+        assert bool(((codes == down) | (codes == up))[live].all())  # the code below or above, clipped to the grid
+
+
+def test_reconstruction_error_leaves_padded_positions_out():
+    out, target = torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 3, 4, dtype=torch.float64)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    expected = ((out - target)[mask] ** 2).mean()
+    torch.testing.assert_close(reconstruction_error(out, target, mask), expected)
+    torch.testing.assert_close(reconstruction_error(out, target, None), ((out - target) ** 2).mean())
+
+
+def test_reconstruct_unit_vs_brute_force_rounding():
+    """On a residual block of 12 weights at 2 bits, BRECQ's codes (each weight's code below or
+    above it, learned jointly over both layers) reach the least block-output error among all
+    2^12 up/down choices within 5 %, and beat nearest rounding."""
+    torch.manual_seed(3)
+    d, h = 2, 3
+    block = Residual(d, h).double().eval()
+    x = [torch.randn(16, d, dtype=torch.float64) for _ in range(2)]
+    layers, enc = _encodings(block, x, bits=2, group=4)
+    with torch.no_grad():
+        targets = [block(b) for b in x]
+    soft = {n: SoftWeight(layers[n].weight, enc[n]) for n in layers}
+    cfg = BRECQConfig(iters=3000, lr=1e-2, progress=False)
+    codes = reconstruct_unit(block, soft, [((b,), {}) for b in x], targets, [None, None], cfg)
+
+    def error(choice: dict[str, torch.Tensor]) -> float:
+        w = {f"{n}.weight": with_codes(enc[n], c).dequantize().reshape(layers[n].weight.shape) for n, c in choice.items()}
+        return sum(float(reconstruction_error(torch.func.functional_call(block, w, (b,)), t, None))
+                   for b, t in zip(x, targets))
+
+    names = list(layers)
+    sizes = [layers[n].weight.numel() for n in names]
+    low = {n: soft[n].low.long() for n in names}
+    best = float("inf")
+    for bits in itertools.product((0, 1), repeat=sum(sizes)):
+        flat, choice, at = torch.tensor(bits), {}, 0
+        for n, k in zip(names, sizes):
+            choice[n] = torch.minimum((low[n] + flat[at:at + k].reshape(low[n].shape)).clamp(min=0),
+                                      soft[n].maxq.long())
+            at += k
+        best = min(best, error(choice))
+    nearest = error({n: element_grid(enc[n])[3].long() for n in names})  # the encodings hold nearest codes
+    got = error(codes)
+    assert got <= 1.05 * best
+    assert got < nearest
+
+
+def test_brecq_config_rejects_bad_settings():
+    with pytest.raises(ValueError, match="brecq.iters"):
+        BRECQConfig(iters=0)
+    with pytest.raises(ValueError, match="brecq.warmup"):
+        BRECQConfig(warmup=1.0)
+    with pytest.raises(ValueError, match="lam >= 0"):
+        BRECQConfig(lam=-1.0)
