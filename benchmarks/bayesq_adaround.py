@@ -72,11 +72,11 @@ def main() -> None:
             reference = reference_log_probs(m, selection)
             kl = {}
             tag = f"bayesq+{a.rounding}"
+            rows = [("bayesq", enc.weights, enc.correction), (tag, new, enc.correction)]
+            if enc.correction is not None:  # the new rounding also without BayesQ's bias correction
+                rows.append((f"{tag} (no bc)", new, None))
             with torch.no_grad():
-                for key, weights, correction in (("bayesq", enc.weights, enc.correction),
-                                                 (tag, new, enc.correction), (f"{tag} (no bc)", new, None)):
-                    if correction is None and enc.correction is None:
-                        continue
+                for key, weights, correction in rows:
                     kl[key] = kl_per_input(reference, quantized_copy(m, weights, correction).eval(), selection)
         for key, v in kl.items():
             print(f"{name} {key}: KL {v.mean():.5f} on {len(v)} held-out inputs (candidate {enc.name})", flush=True)
