@@ -8,14 +8,15 @@ start from in this project), then the hard-rounded layer-output error ``tr(D H D
 * nearest rounding, GPTQ's error feedback (its damped metric), and
 * ``--method`` after each step count of ``--iters`` (each a separate run of the full schedule with
   that many steps, as the method would run): ``adaround`` (its codes on the min/max grids),
-  ``lsq`` or ``lsq-plus`` (nearest codes on the learned grids, ``--lr`` the step on ``s / s^0``,
-  ``--zero-lr`` LSQ+'s on the zero-points),
+  ``lsq``, ``lsq-plus`` or ``pact`` (nearest codes on the learned grids, ``--lr`` the step on
+  ``s / s^0``, ``--zero-lr`` LSQ+'s on the zero-points), ``dorefa`` (its straight-through codes
+  on the min/max grids, ``--lr`` the step on the latent weights in code units),
 
 each relative to nearest rounding on the min/max grids, with the seconds the method took. The
 last lines say, per model, the smallest step count whose mean ratio over the layers is within
 ``--tol`` (1 %) of the largest count's: the count a scaled-down default may use.
 
-    python benchmarks/learned_iters.py [--method adaround|lsq|lsq-plus] [--models lite0-fmnist minilm-sentiment]
+    python benchmarks/learned_iters.py [--method adaround|lsq|lsq-plus|pact|dorefa] [--models lite0-fmnist minilm-sentiment]
                                        [--layers 4] [--iters 250 500 1000 2000 4000 10000] [--bits 3]
                                        [--tol 0.01] [--lr 0.2] [--zero-lr 0.02]
 """
@@ -50,13 +51,17 @@ def layer_grid(W: torch.Tensor, bits: int, group: int = 64):
 def fitted(method: str, W, metric, scale, zero, maxq, idx, iters: int, lr: float, zero_lr: float, name: str):
     """(scale, zero, codes) per element after ``method`` at ``iters`` steps."""
     from bayesq.baselines.adaround import adaround_rows
-    from bayesq.baselines.lsq import lsq_grid, nearest_rows
+    from bayesq.baselines.dorefa import dorefa_rows
+    from bayesq.baselines.lsq import StepGradient, lsq_grid, nearest_rows
 
-    if method == "adaround":
+    if method in ("adaround", "dorefa"):
         s, z, m = scale[idx], zero[idx], maxq[idx]
+        if method == "dorefa":
+            return s, z, dorefa_rows(W, metric, s, z, m, iters=iters, lr=lr, progress=True, name=name)
         return s, z, adaround_rows(W, metric, s, z, m, iters=iters, progress=True, name=name)
+    gradient = StepGradient.PACT if method == "pact" else StepGradient.LSQ
     s, z = lsq_grid(W, metric, scale, zero, maxq, idx, offset=method == "lsq-plus", iters=iters, lr=lr,
-                    zero_lr=zero_lr, progress=True, name=name)
+                    zero_lr=zero_lr, gradient=gradient, progress=True, name=name)
     return s[idx], z[idx], nearest_rows(W, metric, s[idx], z[idx], maxq[idx])
 
 
@@ -67,13 +72,13 @@ def error(W, H, scale, zero, codes) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", choices=["adaround", "lsq", "lsq-plus"], default="adaround")
+    ap.add_argument("--method", choices=["adaround", "lsq", "lsq-plus", "pact", "dorefa"], default="adaround")
     ap.add_argument("--models", nargs="+", default=["lite0-fmnist", "minilm-sentiment"])
     ap.add_argument("--layers", type=int, default=4, help="layers per model, spread over its depth")
     ap.add_argument("--iters", type=int, nargs="+", default=[250, 500, 1000, 2000, 4000, 10000])
     ap.add_argument("--bits", type=int, default=3)
     ap.add_argument("--tol", type=float, default=0.01)
-    ap.add_argument("--lr", type=float, default=0.2, help="LSQ: Adam's step on s / s^0")
+    ap.add_argument("--lr", type=float, default=0.2, help="LSQ, PACT: Adam's step on s / s^0; DoReFa: on the latent weights (code units)")
     ap.add_argument("--zero-lr", type=float, default=0.02, help="LSQ+: Adam's step on the zero-points")
     ap.add_argument("--seed", type=int, default=17)
     a = ap.parse_args()

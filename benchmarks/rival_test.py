@@ -7,7 +7,7 @@ pipeline's calibration and held-out selection draws (seed ``--seed``), each meth
 (:func:`flows.configs.method_config`: BayesQ's default row, the baselines with their variant
 selection and bias correction; the rows on GPTQ's grids also try the BayesQ row's allocation as a
 variant when ``bayesq`` runs before them, as in the pipeline), except that ``--iters`` sets the steps of the learned rivals
-(``baselines.adaround_iters``, ``brecq_iters``, ``lsq_iters``) for rows too slow at their papers'
+(``baselines.adaround_iters``, ``brecq_iters``, ``lsq_iters``, ``pact_iters``, ``dorefa_iters``) for rows too slow at their papers'
 counts. Each is scored on every test example: ``KL(p_FP || p_Q)`` and correctness. Prints each
 method's mean KL, accuracy, seconds and true bits, then ``first - X`` with paired 95 % bootstrap
 intervals (:func:`bayesq.comparison.paired_difference`, the pipeline's) for every other X.
@@ -56,7 +56,7 @@ def main() -> None:
         params, model, calibration, selection = load_inputs(name, a.seed, ROOT / "params.yaml")
         if a.iters is not None:
             params = replace(params, baselines=replace(params.baselines, adaround_iters=a.iters, brecq_iters=a.iters,
-                                                       lsq_iters=a.iters))
+                                                       lsq_iters=a.iters, pact_iters=a.iters, dorefa_iters=a.iters))
         entry = get_entry(name)
         splits = entry.load_splits(params.data, raw_path(entry, ROOT / "data" / "raw"))
         test = entry.batches(splits.test_inputs, 64, params.data)

@@ -67,8 +67,8 @@ def quantize(
                                              "on the embedded models the check rejected it at every budget)"),
     method: str = typer.Option("bayesq", help="bayesq, bayesq-ef, bayesq-paper, or a baseline: gptq, optq, awq, "
                                               "smoothquant, hawq, anneal, aciq, clip-block, lloyd-block, rtn-tensor, "
-                                              "rtn-channel, rtn-group, adaround, brecq, lsq, lsq-plus (settings from "
-                                              "params.yaml)"),
+                                              "rtn-channel, rtn-group, adaround, brecq, lsq, lsq-plus, pact, dorefa "
+                                              "(settings from params.yaml)"),
     source: Optional[str] = typer.Option(None, "--model", help="your model: a Hugging Face folder, "
                                                                 "torchvision:<arch> (with --checkpoint) or "
                                                                 "package.module:function"),

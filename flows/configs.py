@@ -16,7 +16,8 @@ from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.hawq import HAWQConfig
-from bayesq.baselines.lsq import LSQConfig
+from bayesq.baselines.dorefa import DoReFaConfig
+from bayesq.baselines.lsq import LSQConfig, StepGradient
 from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.smoothquant import SmoothQuantConfig
 from bayesq.config import BayesQConfig, Codebook, Curvature, Granularity, Objective, Prior, Rounding, replace
@@ -54,6 +55,12 @@ BASELINE_CONFIGS = {
     Method.LSQ_PLUS: lambda q, b, seed: LSQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
                                             bias_correction=b.bias_correction, offset=True, iters=b.lsq_iters,
                                             lr=b.lsq_lr),
+    Method.PACT: lambda q, b, seed: LSQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
+                                        bias_correction=b.bias_correction, gradient=StepGradient.PACT,
+                                        iters=b.pact_iters, lr=b.pact_lr),
+    Method.DOREFA: lambda q, b, seed: DoReFaConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
+                                             bias_correction=b.bias_correction, iters=b.dorefa_iters,
+                                             lr=b.dorefa_lr),
 }
 
 

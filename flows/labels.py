@@ -9,6 +9,7 @@ METHOD_LABEL = {"bayesq": "BayesQ", "bayesq-distill": "BayesQ + distillation", "
                 "rtn-tensor": "RTN per-tensor", "rtn-channel": "RTN per-channel", "rtn-group": "RTN per-group (g64)",
                 "adaround": "AdaRound (best variant)", "brecq": "BRECQ (best variant)",
                 "lsq": "LSQ (best variant)", "lsq-plus": "LSQ+ (best variant)",
+                "pact": "PACT (best variant)", "dorefa": "DoReFa (best variant)",
                 "optq": "OPTQ (best variant, natural order)", "clip-block": "Per-block uniform + clipping (g64)",
                 "lloyd-block": "Per-block Lloyd (LUT per 1024)", "smoothquant": "SmoothQuant weight-only (best variant)",
                 "anneal": "Mixed precision by annealing (per layer, GPTQ)"}

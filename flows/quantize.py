@@ -87,6 +87,8 @@ METHOD_SOURCES = {
                    "bayesq/baselines/gptq.py"),  # AdaRound's relaxation, nearest start, GPTQ's grids
     Method.LSQ: ("bayesq/baselines/lsq.py", "bayesq/baselines/gptq.py"),
     Method.LSQ_PLUS: ("bayesq/baselines/lsq.py", "bayesq/baselines/gptq.py"),
+    Method.PACT: ("bayesq/baselines/lsq.py", "bayesq/baselines/gptq.py"),  # LSQ's fit with PACT's gradient
+    Method.DOREFA: ("bayesq/baselines/dorefa.py", "bayesq/baselines/gptq.py"),
 }
 NOT_IN_ROWS = ("flows/ablate.py", "flows/report.py", "flows/robustness_report.py", "flows/labels.py", "flows/cli.py",
                "flows/zoo.py", "flows/settings.py", "flows/__main__.py")

@@ -15,6 +15,7 @@ from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.brecq import BRECQConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig
+from bayesq.baselines.dorefa import DoReFaConfig
 from bayesq.baselines.lsq import LSQConfig
 from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.smoothquant import SmoothQuantConfig
@@ -41,6 +42,8 @@ METHODS = {
     "brecq": BRECQConfig(iters=5, select=False, progress=False),  # every unit reconstructed, a few steps each
     # (its variant selection is GPTQ's, run by the gptq and adaround rows and tests/test_methods.py)
     "lsq-plus": LSQConfig(offset=True, iters=40, progress=False),  # LSQ+ (LSQ's code path and the offsets)
+    "pact": LSQConfig(gradient="pact", select=False, iters=40, progress=False),  # LSQ's code path, PACT's gradient
+    "dorefa": DoReFaConfig(select=False, iters=40, progress=False),  # selection: GPTQ's, run by the gptq row
     "clip-block": BlockwiseConfig("uniform"),
     "lloyd-block": BlockwiseConfig("lloyd"),  # LUT tables in the export
     "smoothquant": SmoothQuantConfig(),

@@ -12,6 +12,7 @@ from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig, gptq_select
 from bayesq.baselines.hawq import HAWQConfig
+from bayesq.baselines.dorefa import DoReFaConfig
 from bayesq.baselines.lsq import LSQConfig
 from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.smoothquant import SmoothQuantConfig
@@ -43,6 +44,8 @@ CONFIGS = [
     BRECQConfig(Q, group_sizes=(32,), iters=10, progress=False), BRECQConfig(Q, select=False, iters=10, progress=False),
     LSQConfig(Q, group_sizes=(32,), iters=30, progress=False),
     LSQConfig(Q, select=False, offset=True, iters=30, progress=False),
+    LSQConfig(Q, select=False, gradient="pact", iters=30, progress=False),
+    DoReFaConfig(Q, group_sizes=(32,), iters=30, progress=False),
     BlockwiseConfig("uniform", Q), BlockwiseConfig("lloyd", Q),
     SmoothQuantConfig(Q, select=False), SmoothQuantConfig(Q, group_sizes=(32,), alpha=0.75),
     AnnealConfig(Q, steps=10, progress=False),

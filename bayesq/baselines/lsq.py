@@ -1,4 +1,4 @@
-"""LSQ and LSQ+ after training: the weight quantiser's step sizes (LSQ: Esser et al. 2020,
+"""LSQ, LSQ+ and PACT after training: the weight quantiser's step sizes (LSQ: Esser et al. 2020,
 "Learned Step Size Quantization") and offsets (LSQ+: Bhalgat et al. 2020, "LSQ+: Improving
 low-bit quantization through learnable offsets and better initialization") learned on the
 calibration inputs, the weights themselves left as they are.
@@ -27,6 +27,19 @@ set it for SGD on weights and steps together. The iterate with the least objecti
 included, is kept, so the learned grid is never worse than the start on the calibration
 objective; its scales are then rounded to fp16 and the codes are the nearest levels.
 
+PACT (Choi et al. 2018, "PACT: Parameterized Clipping Activation for Quantized Neural Networks")
+learns the clipping level by the straight-through estimator that passes the quantised value
+through as the unquantised one, ``w_hat ~ clip(w)`` inside: its gradient is the clipped ends' only,
+
+    d w_hat / d s = 0   inside,   -z  below,   Q_p - z  above                   (PACT eq. 3)
+
+LSQ's paper contrasts exactly this with its own ``round(x) - x``. PACT has no gradient scale
+(``gradient=StepGradient.PACT`` here: the same fit, the inside term and the gradient scale
+dropped). PACT clips activations at ``[0, alpha]``; on weights its one learned level per group is
+the range ``[-z s, (Q_p - z) s]`` of the group's grid, scaled as ``s`` moves. The L2 penalty PACT
+puts on ``alpha`` (it keeps activation ranges small during training) is left out: on the
+reconstruction objective it could only raise the error.
+
 Differences from the papers, neutral or in LSQ's favour: only the quantiser is trained (post-
 training, calibration inputs only, no labels); the start is GPTQ's min/max grid per group (the
 papers' ``2 <|w|> / sqrt(Q_p)`` and LSQ+'s MSE start are for training a network from full
@@ -39,6 +52,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import partial
 
 import torch
@@ -52,6 +66,18 @@ from bayesq.config import Granularity, QuantConfig
 from bayesq.methods import Inputs, Outcome, register
 
 MIN_RATIO = 1e-2  # a scale shrinks to at most this share of its start
+
+
+class StepGradient(str, Enum):
+    """The straight-through gradient of a grid's step (module docstring): LSQ's (with its
+    gradient scale) or PACT's (the clipped ends' only)."""
+
+    LSQ = "lsq"
+    PACT = "pact"
+
+
+#: Adam's step on ``s / s^0`` that measured best per estimator (benchmarks/learned_iters.py, docs/usage.md)
+DEFAULT_LR = {StepGradient.LSQ: 0.2, StepGradient.PACT: 0.01}
 
 
 def nearest_rows(W: torch.Tensor, metric: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: torch.Tensor,
@@ -78,11 +104,12 @@ def lsq_loss(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.
     return (D * (D @ H)).sum()
 
 
-def _loss_and_grads(W, H, s, z, maxq, offset: bool = True):
+def _loss_and_grads(W, H, s, z, maxq, offset: bool = True, gradient: StepGradient = StepGradient.LSQ):
     """(loss of each row, d loss / d s, d loss / d z per element, None unless ``offset``) of
     :func:`lsq_loss` without the gradient scale (the fit applies it per group; the loss is the sum
     of the rows'), batched over convolution groups: ``W, s, z, maxq`` (cgroups, rows, d), ``H``
-    (cgroups, d, d), ``z`` already rounded; one product ``D H`` per step."""
+    (cgroups, d, d), ``z`` already rounded; one product ``D H`` per step. ``gradient`` PACT: the
+    step's gradient without LSQ's inside term ``round(x) - x``."""
     x = W / s
     v = x + z
     inside = (v > 0) & (v < maxq)
@@ -91,13 +118,17 @@ def _loss_and_grads(W, H, s, z, maxq, offset: bool = True):
     G = D @ H
     rows = (D * G).sum(-1)
     dD = G.mul_(2)
-    ds = dD * (c - z - x * inside)  # round(x) - x inside, -z below (c = 0), maxq - z above (c = maxq)
+    if gradient == StepGradient.PACT:
+        ds = dD * (c - z) * ~inside  # 0 inside, -z below (c = 0), maxq - z above (c = maxq)
+    else:
+        ds = dD * (c - z - x * inside)  # round(x) - x inside, -z below (c = 0), maxq - z above (c = maxq)
     return rows, ds, (dD * s * (inside.to(s.dtype) - 1) if offset else None)
 
 
 def lsq_grid(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: torch.Tensor,
              groups: torch.Tensor, *, offset: bool = False, iters: int = 10000, lr: float = 0.2,
-             zero_lr: float = 0.02, progress: bool = False, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+             zero_lr: float = 0.02, gradient: StepGradient = StepGradient.LSQ, progress: bool = False,
+             name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """The learned grids of the groups of rows ``W``.
 
     Args:
@@ -108,6 +139,7 @@ def lsq_grid(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.
         groups: (out, d_in) int64 index in ``[0, g)`` of each weight's group.
         offset: LSQ+ (zero-points learned too), else LSQ.
         iters, lr, zero_lr: Adam steps (cosine decay to 0), step on ``s / s^0`` and on ``z``.
+        gradient: the step's straight-through gradient, LSQ's (with its gradient scale) or PACT's.
         progress: a bar over the steps, named ``name``.
 
     Returns:
@@ -124,6 +156,8 @@ def lsq_grid(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.
     s0 = torch.where(live, scale, torch.ones_like(scale)).to(dt)
     counts = torch.bincount(groups.reshape(-1), minlength=scale.numel()).to(dt)
     gscale = 1.0 / torch.sqrt(counts * maxq.to(dt))  # (g,) LSQ's gradient scale
+    if gradient == StepGradient.PACT:
+        gscale = torch.ones_like(gscale)
     Ht, Wt, mt = Hg.to(dt), grouped(W.to(dt)), grouped(maxq.to(dt)[groups])
     u = torch.ones_like(s0, requires_grad=True)  # s = s0 * u
     zt = zero.to(dt).clone().requires_grad_(offset)
@@ -139,10 +173,11 @@ def lsq_grid(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.
     owner = _row_of_group(groups, scale.numel())  # the part of the objective each group's grid is kept by
     best_loss = torch.full((int(owner.max()) + 1,), math.inf, dtype=dt, device=W.device)
     best_u, best_z = u.detach().clone(), zt.detach().clone()
-    for step in tqdm(range(iters + 1), desc=f"LSQ{'+' if offset else ''} {name}".strip(), disable=not progress,
-                     leave=False, mininterval=1.0):
+    label = "PACT" if gradient == StepGradient.PACT else f"LSQ{'+' if offset else ''}"
+    for step in tqdm(range(iters + 1), desc=f"{label} {name}".strip(), disable=not progress, leave=False,
+                     mininterval=1.0):
         s, z = grid(u.detach(), zt.detach())
-        rows, ds, dz = _loss_and_grads(Wt, Ht, grouped(s[groups]), grouped(z[groups]), mt, offset)
+        rows, ds, dz = _loss_and_grads(Wt, Ht, grouped(s[groups]), grouped(z[groups]), mt, offset, gradient)
         loss = rows.reshape(-1) if best_loss.numel() > 1 else rows.sum().reshape(1)
         better = (loss < best_loss)[owner]
         best_loss = torch.minimum(loss, best_loss)
@@ -171,18 +206,21 @@ def _row_of_group(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
     return lo if bool((lo == hi).all()) else torch.zeros_like(lo)
 
 
-def lsq_solver(offset: bool, iters: int, lr: float, zero_lr: float, progress: bool):
+def lsq_solver(offset: bool, iters: int, lr: float, zero_lr: float, progress: bool,
+               gradient: StepGradient = StepGradient.LSQ):
     """The grid fit :func:`bayesq.quantize.encode` calls per row chunk (:func:`lsq_grid`)."""
-    return partial(lsq_grid, offset=offset, iters=iters, lr=lr, zero_lr=zero_lr, progress=progress)
+    return partial(lsq_grid, offset=offset, iters=iters, lr=lr, zero_lr=zero_lr, gradient=gradient,
+                   progress=progress)
 
 
 @dataclass(frozen=True)
 class LSQConfig:
-    """LSQ (``offset`` False) or LSQ+ (True) on GPTQ's grids and variants
-    (:mod:`bayesq.baselines.gptq`): with ``select`` the variant with the least KL on the selection
-    inputs (``group_sizes`` its uniform layouts, ``bias_correction``: each variant also
-    bias-corrected), else the ``mixed`` rule at ``granularity``. ``iters``, ``lr``, ``zero_lr``:
-    :func:`lsq_grid`'s schedule."""
+    """LSQ (``offset`` False) or LSQ+ (True), or PACT (``gradient`` PACT, no offset), on GPTQ's
+    grids and variants (:mod:`bayesq.baselines.gptq`): with ``select`` the variant with the least
+    KL on the selection inputs (``group_sizes`` its uniform layouts, ``bias_correction``: each
+    variant also bias-corrected), else the ``mixed`` rule at ``granularity``. ``iters``, ``lr``,
+    ``zero_lr``, ``gradient``: :func:`lsq_grid`'s schedule and estimator (``lr`` None: the
+    estimator's :data:`DEFAULT_LR`)."""
 
     quant: QuantConfig = field(default_factory=QuantConfig)
     granularity: Granularity = Granularity.GROUP
@@ -191,31 +229,44 @@ class LSQConfig:
     bias_correction: bool = False
     offset: bool = False
     iters: int = 10000
-    lr: float = 0.2
+    lr: float | None = None
     zero_lr: float = 0.02
+    gradient: StepGradient = StepGradient.LSQ
     progress: bool = True
 
     def __post_init__(self) -> None:
+        try:
+            gradient = StepGradient(self.gradient)
+        except ValueError:
+            raise ValueError(f"lsq.gradient must be one of {[g.value for g in StepGradient]}, "
+                             f"got {self.gradient!r}") from None
+        object.__setattr__(self, "gradient", gradient)
+        object.__setattr__(self, "lr", DEFAULT_LR[gradient] if self.lr is None else self.lr)
         if self.iters < 1:
             raise ValueError(f"lsq.iters must be at least 1, got {self.iters}")
         if not (self.lr > 0 and self.zero_lr > 0):
             raise ValueError(f"lsq needs lr > 0 and zero_lr > 0, got lr={self.lr}, zero_lr={self.zero_lr}")
+        if gradient == StepGradient.PACT and self.offset:
+            raise ValueError("lsq.offset is LSQ+'s learned zero-point; PACT learns one clipping level per group "
+                             "(gradient='pact' needs offset=False)")
 
     @property
     def method(self) -> str:
+        if self.gradient == StepGradient.PACT:
+            return "PACT"
         return "LSQ+" if self.offset else "LSQ"
 
 
 def lsq_rounding(config: LSQConfig) -> LayerRounding:
     """GPTQ's pipeline with LSQ's learned grids (:func:`lsq_grid` in
     :meth:`InputStats.output_mse_metric`) and nearest rounding on them."""
-    fit = lsq_solver(config.offset, config.iters, config.lr, config.zero_lr, config.progress)
+    fit = lsq_solver(config.offset, config.iters, config.lr, config.zero_lr, config.progress, config.gradient)
     return LayerRounding(config.method, InputStats.output_mse_metric, nearest_rows, grid_fit=fit)
 
 
 @register(LSQConfig)
 def lsq_method(model: nn.Module, config: LSQConfig, budget: float, inputs: Inputs) -> Outcome:
-    """LSQ / LSQ+ from ``inputs.stats`` (else computed from the calibration batches); with
+    """LSQ / LSQ+ / PACT from ``inputs.stats`` (else computed from the calibration batches); with
     ``config.select``, ``inputs.allocation`` is one more variant and the variants are scored on
     ``inputs.selection`` (else the calibration batches) against ``inputs.reference`` when given."""
     return grid_method_outcome(model, config, budget, inputs, config.method, rounding=lsq_rounding(config))
