@@ -66,9 +66,9 @@ def quantize(
                                              "held-out KL drops (off by default: like the pipeline's bayesq row; "
                                              "on the embedded models the check rejected it at every budget)"),
     method: str = typer.Option("bayesq", help="bayesq, bayesq-ef, bayesq-paper, or a baseline: gptq, optq, awq, "
-                                              "smoothquant, hawq, anneal, aciq, clip-block, lloyd-block, rtn-tensor, "
-                                              "rtn-channel, rtn-group, adaround, brecq, lsq, lsq-plus, pact, dorefa "
-                                              "(settings from params.yaml)"),
+                                              "smoothquant, hawq, zeroq, anneal, aciq, clip-block, lloyd-block, "
+                                              "rtn-tensor, rtn-channel, rtn-group, adaround, brecq, lsq, lsq-plus, "
+                                              "pact, dorefa (settings from params.yaml)"),
     source: Optional[str] = typer.Option(None, "--model", help="your model: a Hugging Face folder, "
                                                                 "torchvision:<arch> (with --checkpoint) or "
                                                                 "package.module:function"),

@@ -15,11 +15,12 @@ from bayesq.baselines.brecq import BRECQConfig
 from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig
-from bayesq.baselines.hawq import HAWQConfig
 from bayesq.baselines.dorefa import DoReFaConfig
+from bayesq.baselines.hawq import HAWQConfig
 from bayesq.baselines.lsq import LSQConfig, StepGradient
 from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.smoothquant import SmoothQuantConfig
+from bayesq.baselines.zeroq import ZeroQConfig
 from bayesq.config import BayesQConfig, Codebook, Curvature, Granularity, Objective, Prior, Rounding, replace
 from flows.params import Method
 
@@ -33,6 +34,7 @@ BASELINE_CONFIGS = {
     Method.CLIP_BLOCK: lambda q, b, seed: BlockwiseConfig(Codebook.UNIFORM, q),
     Method.LLOYD_BLOCK: lambda q, b, seed: BlockwiseConfig(Codebook.LLOYD, q),
     Method.HAWQ: lambda q, b, seed: HAWQConfig(quant=q, probes=b.hawq_probes, seed=seed),
+    Method.ZEROQ: lambda q, b, seed: ZeroQConfig(quant=q, seed=seed),
     Method.GPTQ: lambda q, b, seed: GPTQConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
                                          act_order=b.gptq_act_order, damp=b.gptq_damp,
                                          bias_correction=b.bias_correction),

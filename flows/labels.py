@@ -6,6 +6,7 @@ METHOD_LABEL = {"bayesq": "BayesQ", "bayesq-distill": "BayesQ + distillation", "
                 "bayesq-paper": "BayesQ (paper-literal)",
                 "gptq": "GPTQ (best variant, act-order)",
                 "awq": "AWQ (g64)", "hawq": "HAWQ-style (per layer)", "aciq": "ACIQ (per channel)",
+                "zeroq": "ZeroQ (per layer, distilled data)",
                 "rtn-tensor": "RTN per-tensor", "rtn-channel": "RTN per-channel", "rtn-group": "RTN per-group (g64)",
                 "adaround": "AdaRound (best variant)", "brecq": "BRECQ (best variant)",
                 "lsq": "LSQ (best variant)", "lsq-plus": "LSQ+ (best variant)",

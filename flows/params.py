@@ -58,6 +58,7 @@ class Method(str, Enum):
     GPTQ = "gptq"
     AWQ = "awq"
     HAWQ = "hawq"
+    ZEROQ = "zeroq"  # ZeroQ: per-layer widths from the KL on data distilled from BatchNorm statistics (data-free)
     ACIQ = "aciq"
     ADAROUND = "adaround"  # AdaRound's learned up/down rounding on GPTQ's grids and variants
     BRECQ = "brecq"  # BRECQ: AdaRound's rounding learned per residual block / transformer layer on GPTQ's grids
@@ -76,7 +77,8 @@ class Method(str, Enum):
 GRID_METHODS = (Method.GPTQ, Method.OPTQ, Method.ADAROUND, Method.BRECQ, Method.LSQ, Method.LSQ_PLUS, Method.PACT,
                 Method.DOREFA)
 #: Baselines that read calibration inputs (and params.yaml's calibration and baselines sections).
-CALIBRATED_METHODS = (*GRID_METHODS, Method.AWQ, Method.SMOOTHQUANT, Method.ANNEAL)
+CALIBRATED_METHODS = (*GRID_METHODS, Method.AWQ, Method.SMOOTHQUANT, Method.ANNEAL,
+                      Method.ZEROQ)  # ZeroQ: the shape of one calibration batch, never its values
 
 
 OOD_TEXT_DOMAINS = tuple(d for d in DOMAIN_FILES if d != "movie")  # the in-domain training source is no test

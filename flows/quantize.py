@@ -75,6 +75,7 @@ METHOD_SOURCES = {
     Method.GPTQ: ("bayesq/baselines/gptq.py",),
     Method.AWQ: ("bayesq/baselines/awq.py",),
     Method.HAWQ: ("bayesq/baselines/hawq.py",),
+    Method.ZEROQ: ("bayesq/baselines/zeroq.py",),
     Method.ACIQ: ("bayesq/baselines/aciq.py",),
     Method.CLIP_BLOCK: ("bayesq/baselines/blockwise.py",),
     Method.LLOYD_BLOCK: ("bayesq/baselines/blockwise.py",),

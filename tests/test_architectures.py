@@ -17,10 +17,11 @@ from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.dorefa import DoReFaConfig
 from bayesq.baselines.lsq import LSQConfig
+from bayesq.baselines.zeroq import ZeroQConfig
 from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.smoothquant import SmoothQuantConfig
 from bayesq.baselines.select import encoding_config
-from bayesq.config import Curvature, DistillConfig, Granularity, PosteriorConfig
+from bayesq.config import Curvature, DistillConfig, Granularity, PosteriorConfig, QuantConfig
 from bayesq.export import load, save_export
 from bayesq.forward import call, output_logits
 from bayesq.harness.architectures import FAMILIES, build, example_batches
@@ -44,6 +45,8 @@ METHODS = {
     "lsq-plus": LSQConfig(offset=True, iters=40, progress=False),  # LSQ+ (LSQ's code path and the offsets)
     "pact": LSQConfig(gradient="pact", select=False, iters=40, progress=False),  # LSQ's code path, PACT's gradient
     "dorefa": DoReFaConfig(select=False, iters=40, progress=False),  # selection: GPTQ's, run by the gptq row
+    # one distilled input, a few steps, two candidate widths (a forward pass per layer and width): the same code path
+    "zeroq": ZeroQConfig(QuantConfig(bits=(2, 8)), inputs=1, iters=3, progress=False),
     "clip-block": BlockwiseConfig("uniform"),
     "lloyd-block": BlockwiseConfig("lloyd"),  # LUT tables in the export
     "smoothquant": SmoothQuantConfig(),

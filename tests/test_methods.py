@@ -14,6 +14,7 @@ from bayesq.baselines.gptq import GPTQConfig, gptq_select
 from bayesq.baselines.hawq import HAWQConfig
 from bayesq.baselines.dorefa import DoReFaConfig
 from bayesq.baselines.lsq import LSQConfig
+from bayesq.baselines.zeroq import ZeroQConfig
 from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.smoothquant import SmoothQuantConfig
 from bayesq.blocks import quantizable_layers
@@ -46,6 +47,7 @@ CONFIGS = [
     LSQConfig(Q, select=False, offset=True, iters=30, progress=False),
     LSQConfig(Q, select=False, gradient="pact", iters=30, progress=False),
     DoReFaConfig(Q, group_sizes=(32,), iters=30, progress=False),
+    ZeroQConfig(Q, iters=20, progress=False),
     BlockwiseConfig("uniform", Q), BlockwiseConfig("lloyd", Q),
     SmoothQuantConfig(Q, select=False), SmoothQuantConfig(Q, group_sizes=(32,), alpha=0.75),
     AnnealConfig(Q, steps=10, progress=False),
