@@ -87,8 +87,8 @@ def test_dorefa_grouped_metric_and_dead_group():
     H2 = torch.stack([H, torch.eye(6, dtype=torch.float64)])
     scale = scale.clone()
     scale[3] = 0.0
-    both = dorefa_rows(W, H2, scale, zero, maxq, iters=300)
-    first = dorefa_rows(W[:2], H, scale[:2], zero[:2], maxq[:2], iters=300)
+    both = dorefa_rows(W, H2, scale, zero, maxq, iters=300, lr=0.01)
+    first = dorefa_rows(W[:2], H, scale[:2], zero[:2], maxq[:2], iters=300, lr=0.01)
     assert torch.equal(both[:2], first)
     assert torch.equal(both[3], zero[3].round().to(torch.int64))
 
