@@ -348,8 +348,9 @@ def encode(
     refits the groups' scales to the codes in the same metric (:func:`bayesq.refit.refit_scales`,
     stored at ``scale_bits``). Otherwise codes are the nearest levels. ``progress``: a bar over layers.
     ``solver``: another rounding of the rows on the same grids and metric in place of error
-    feedback and coordinate descent (``solver(rows, metric, scale, zero, maxq, name=layer)`` ->
-    int64 codes; AdaRound, :mod:`bayesq.baselines.adaround`). ``grid_fit``: with error feedback or
+    feedback and coordinate descent (``solver(rows, metric, scale, zero, maxq, groups=, name=layer)``
+    -> int64 codes, ``groups`` (r, d_in) the index of each weight's group among the rows'; AdaRound,
+    :mod:`bayesq.baselines.adaround`). ``grid_fit``: with error feedback or
     ``solver``, each group's grid learned first (``grid_fit(rows, metric, scale, zero, maxq, groups,
     name=layer)`` -> the (g,) scales and zero-points of the rows' g groups, ``groups`` (r, d_in)
     the index of each weight's group among them; LSQ, :mod:`bayesq.baselines.lsq`), then the
@@ -408,7 +409,8 @@ def encode_layer(
             scale, zero, maxq = (x[idx] for x in grid)
             m_rows = mat[rows].double()
             if solver is not None:
-                part = solver(m_rows, metric, scale, zero, maxq, name=lb.name)
+                ids = torch.unique(idx)  # these rows' groups, ascending
+                part = solver(m_rows, metric, scale, zero, maxq, groups=torch.searchsorted(ids, idx), name=lb.name)
             else:
                 part = error_feedback_groups(m_rows, metric, scale, zero, maxq, act_order=act_order)
                 if cd_passes:

@@ -10,13 +10,15 @@ start from in this project), then the hard-rounded layer-output error ``tr(D H D
   that many steps, as the method would run): ``adaround`` (its codes on the min/max grids),
   ``lsq``, ``lsq-plus`` or ``pact`` (nearest codes on the learned grids, ``--lr`` the step on
   ``s / s^0``, ``--zero-lr`` LSQ+'s on the zero-points), ``dorefa`` (its straight-through codes
-  on the min/max grids, ``--lr`` the step on the latent weights in code units),
+  on the min/max grids, ``--lr`` the step on the latent weights in code units), ``bitsplit``
+  (``--iters`` its epochs: symmetric grids from its weight-space start, plane-wise codes, the
+  scales refitted to them as the method stores them),
 
 each relative to nearest rounding on the min/max grids, with the seconds the method took. The
 last lines say, per model, the smallest step count whose mean ratio over the layers is within
 ``--tol`` (1 %) of the largest count's: the count a scaled-down default may use.
 
-    python benchmarks/learned_iters.py [--method adaround|lsq|lsq-plus|pact|dorefa] [--models lite0-fmnist minilm-sentiment]
+    python benchmarks/learned_iters.py [--method adaround|lsq|lsq-plus|pact|dorefa|bitsplit] [--models lite0-fmnist minilm-sentiment]
                                        [--layers 4] [--iters 250 500 1000 2000 4000 10000] [--bits 3]
                                        [--tol 0.01] [--lr 0.2] [--zero-lr 0.02]
 """
@@ -51,9 +53,16 @@ def layer_grid(W: torch.Tensor, bits: int, group: int = 64):
 def fitted(method: str, W, metric, scale, zero, maxq, idx, iters: int, lr: float, zero_lr: float, name: str):
     """(scale, zero, codes) per element after ``method`` at ``iters`` steps."""
     from bayesq.baselines.adaround import adaround_rows
+    from bayesq.baselines.bitsplit import bitsplit_rows, symmetric_grid
     from bayesq.baselines.dorefa import dorefa_rows
     from bayesq.baselines.lsq import StepGradient, lsq_grid, nearest_rows
+    from bayesq.refit import refit_scales
 
+    if method == "bitsplit":
+        s, z = symmetric_grid(W, metric, scale, zero, maxq, idx)
+        codes = bitsplit_rows(W, metric, s[idx], z[idx], maxq[idx], groups=idx, epochs=iters, progress=True, name=name)
+        s = refit_scales(W, codes.double() - z[idx], idx, s, metric)[0]
+        return s[idx], z[idx], codes
     if method in ("adaround", "dorefa"):
         s, z, m = scale[idx], zero[idx], maxq[idx]
         if method == "dorefa":
@@ -72,7 +81,7 @@ def error(W, H, scale, zero, codes) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", choices=["adaround", "lsq", "lsq-plus", "pact", "dorefa"], default="adaround")
+    ap.add_argument("--method", choices=["adaround", "lsq", "lsq-plus", "pact", "dorefa", "bitsplit"], default="adaround")
     ap.add_argument("--models", nargs="+", default=["lite0-fmnist", "minilm-sentiment"])
     ap.add_argument("--layers", type=int, default=4, help="layers per model, spread over its depth")
     ap.add_argument("--iters", type=int, nargs="+", default=[250, 500, 1000, 2000, 4000, 10000])

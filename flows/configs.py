@@ -15,6 +15,7 @@ from bayesq.baselines.brecq import BRECQConfig
 from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig
+from bayesq.baselines.bitsplit import BitSplitConfig
 from bayesq.baselines.dorefa import DoReFaConfig
 from bayesq.baselines.hawq import HAWQConfig
 from bayesq.baselines.lsq import LSQConfig, StepGradient
@@ -63,6 +64,8 @@ BASELINE_CONFIGS = {
     Method.DOREFA: lambda q, b, seed: DoReFaConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
                                              bias_correction=b.bias_correction, iters=b.dorefa_iters,
                                              lr=b.dorefa_lr),
+    Method.BIT_SPLIT: lambda q, b, seed: BitSplitConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
+                                                  bias_correction=b.bias_correction, epochs=b.bitsplit_epochs),
 }
 
 

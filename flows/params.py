@@ -66,6 +66,7 @@ class Method(str, Enum):
     LSQ_PLUS = "lsq-plus"  # LSQ+: learned step sizes and offsets (zero-points)
     PACT = "pact"  # PACT's learned clipping level (the clipped ends' gradient only) on GPTQ's grids and variants
     DOREFA = "dorefa"  # DoReFa's straight-through fine-tuning of the latent weights on GPTQ's grids and variants
+    BIT_SPLIT = "bit-split"  # Bit-Split: symmetric grids, ternary bit planes fitted in turn, on GPTQ's layouts and variants
     OPTQ = "optq"  # GPTQ as first published (OPTQ): columns in their natural order, no act-order
     SMOOTHQUANT = "smoothquant"  # SmoothQuant's activation-to-weight migration, weight-only (on AWQ's code)
     ANNEAL = "anneal"  # one width per layer searched by simulated annealing on the calibration KL (GPTQ rounding)
@@ -75,7 +76,7 @@ class Method(str, Enum):
 
 #: Baselines on GPTQ's grids and variants: BayesQ's allocation is one more of their variants.
 GRID_METHODS = (Method.GPTQ, Method.OPTQ, Method.ADAROUND, Method.BRECQ, Method.LSQ, Method.LSQ_PLUS, Method.PACT,
-                Method.DOREFA)
+                Method.DOREFA, Method.BIT_SPLIT)
 #: Baselines that read calibration inputs (and params.yaml's calibration and baselines sections).
 CALIBRATED_METHODS = (*GRID_METHODS, Method.AWQ, Method.SMOOTHQUANT, Method.ANNEAL,
                       Method.ZEROQ)  # ZeroQ: the shape of one calibration batch, never its values
@@ -244,6 +245,7 @@ class BaselinesConfig:
     pact_lr: float = setting(0.01, above(0, "Adam's step on s / s0"))  # PACT: step on the scale ratio
     dorefa_iters: int = setting(10000, integer(1))  # DoReFa: Adam steps per layer (benchmarks/learned_iters.py)
     dorefa_lr: float = setting(2e-4, above(0, "Adam's step on the latent weights, in code units"))
+    bitsplit_epochs: int = setting(100, integer(1))  # Bit-Split: alternations of scales and planes at most (the paper's)
     smoothquant_alpha: float = setting(0.5, within("[0, 1]", "the paper's default is 0.5"))  # migration strength
     anneal_steps: int = setting(200, integer(0))  # annealing search: moves proposed
     anneal_inputs: int = setting(256, integer(1))  # annealing search: calibration inputs each move is scored on

@@ -140,7 +140,7 @@ def _nearest_rounding():
     """Nearest rounding as a LayerRounding (the reference the end-to-end test compares with)."""
     from bayesq.baselines.gptq import LayerRounding
 
-    def nearest(W, H, scale, zero, maxq, name=""):
+    def nearest(W, H, scale, zero, maxq, **_):
         s = torch.where(scale > 0, scale, torch.ones_like(scale))
         return torch.clamp(torch.round(W / s) + zero, torch.zeros_like(maxq), maxq).to(torch.int64)
     return LayerRounding("nearest", lambda st, out: st.H, nearest)

@@ -15,6 +15,7 @@ from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.brecq import BRECQConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig
+from bayesq.baselines.bitsplit import BitSplitConfig
 from bayesq.baselines.dorefa import DoReFaConfig
 from bayesq.baselines.lsq import LSQConfig
 from bayesq.baselines.zeroq import ZeroQConfig
@@ -45,6 +46,7 @@ METHODS = {
     "lsq-plus": LSQConfig(offset=True, iters=40, progress=False),  # LSQ+ (LSQ's code path and the offsets)
     "pact": LSQConfig(gradient="pact", select=False, iters=40, progress=False),  # LSQ's code path, PACT's gradient
     "dorefa": DoReFaConfig(select=False, iters=40, progress=False),  # selection: GPTQ's, run by the gptq row
+    "bit-split": BitSplitConfig(select=False, epochs=3, progress=False),  # selection: GPTQ's, run by the gptq row
     # one distilled input, a few steps, two candidate widths (a forward pass per layer and width): the same code path
     "zeroq": ZeroQConfig(QuantConfig(bits=(2, 8)), inputs=1, iters=3, progress=False),
     "clip-block": BlockwiseConfig("uniform"),

@@ -45,7 +45,7 @@ class TinyEntry(ZooEntry):
 
 ROBUST = ("bayesq", "bayesq-distill", "bayesq-ef", "gptq", "awq", "rtn-group")  # robustness.methods default
 ALL_METHODS = ("bayesq", "bayesq-distill", "bayesq-ef", "bayesq-paper", "rtn-tensor", "rtn-channel", "rtn-group", "gptq", "awq", "hawq", "zeroq", "aciq",
-               "adaround", "brecq", "lsq", "lsq-plus", "pact", "dorefa", "optq", "clip-block", "lloyd-block", "smoothquant",
+               "adaround", "brecq", "lsq", "lsq-plus", "pact", "dorefa", "bit-split", "optq", "clip-block", "lloyd-block", "smoothquant",
                "anneal")
 
 
@@ -65,7 +65,7 @@ def _params(tmp_path: Path) -> Path:
         "posterior": {"probes": 2},
         "distill": {"steps": 30, "max_budget": 3.5},  # the bayesq-distill row distils at 3.0 (as params.yaml)
         "baselines": {"adaround_iters": 30, "brecq_iters": 10, "lsq_iters": 30, "pact_iters": 30,
-                      "dorefa_iters": 30, "anneal_steps": 10},  # the learned rivals' code paths, not their steps
+                      "dorefa_iters": 30, "bitsplit_epochs": 3, "anneal_steps": 10},  # the learned rivals' code paths, not their steps
         "robustness": {"corruption_examples": 50, "severities": [1, 5], "random_bin_repeats": 3},
     }
     path = tmp_path / "params.yaml"
@@ -106,6 +106,7 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     assert (results / "stats" / "tiny-cnn_s17.safetensors").exists()
     assert {r["method"] for r in records if r["stats_read"]} == {"bayesq", "bayesq-distill", "bayesq-ef", "gptq", "awq",
                                                                  "adaround", "brecq", "lsq", "lsq-plus", "pact", "dorefa",
+                                                                 "bit-split",
                                                                  "optq", "smoothquant", "anneal"}
     for r in records:
         assert ("stats_seconds" in r) == r["stats_read"]
@@ -182,7 +183,7 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     assert "kl_mean" in metrics["tiny-cnn"]["bayesq@3.0"]
     paired = read_json(reports / "paired.json")  # 4 BayesQ rows vs all 19 baselines, both metrics, both budgets
     assert {p["baseline"] for p in paired} == set(ALL_METHODS) - {"bayesq", "bayesq-distill", "bayesq-ef", "bayesq-paper"}
-    assert len(paired) == 4 * 19 * 2 * 2 and "## Paired comparisons on the same test examples" in table_md
+    assert len(paired) == 4 * 20 * 2 * 2 and "## Paired comparisons on the same test examples" in table_md
     assert all(p["n"] == 100 and p["ci_low"] <= p["diff"] <= p["ci_high"] for p in paired)
     # the fitted prior per layer and the prior-dominated share, as the posterior files hold them
     from flows.finetune import load_model

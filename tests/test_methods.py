@@ -12,6 +12,7 @@ from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig, gptq_select
 from bayesq.baselines.hawq import HAWQConfig
+from bayesq.baselines.bitsplit import BitSplitConfig
 from bayesq.baselines.dorefa import DoReFaConfig
 from bayesq.baselines.lsq import LSQConfig
 from bayesq.baselines.zeroq import ZeroQConfig
@@ -47,6 +48,7 @@ CONFIGS = [
     LSQConfig(Q, select=False, offset=True, iters=30, progress=False),
     LSQConfig(Q, select=False, gradient="pact", iters=30, progress=False),
     DoReFaConfig(Q, group_sizes=(32,), iters=30, progress=False),
+    BitSplitConfig(Q, group_sizes=(32,), progress=False),
     ZeroQConfig(Q, iters=20, progress=False),
     BlockwiseConfig("uniform", Q), BlockwiseConfig("lloyd", Q),
     SmoothQuantConfig(Q, select=False), SmoothQuantConfig(Q, group_sizes=(32,), alpha=0.75),

@@ -102,7 +102,7 @@ def _loss_and_grad(v, W, H, scale, zero, maxq, low, lam, b):
 
 def adaround_rows(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: torch.Tensor,
                   *, iters: int = 10000, lam: float = 0.01, beta: tuple[float, float] = (20.0, 2.0),
-                  warmup: float = 0.2, lr: float = 1e-3, progress: bool = False, name: str = "") -> torch.Tensor:
+                  warmup: float = 0.2, lr: float = 1e-3, progress: bool = False, name: str = "", **_) -> torch.Tensor:
     """AdaRound codes of the rows ``W`` on their fixed grids.
 
     Args:

@@ -69,7 +69,7 @@ def _loss_and_grad(delta, W, H, scale, zero, maxq):
 
 
 def dorefa_rows(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: torch.Tensor,
-                *, iters: int = 10000, lr: float = 2e-4, progress: bool = False, name: str = "") -> torch.Tensor:
+                *, iters: int = 10000, lr: float = 2e-4, progress: bool = False, name: str = "", **_) -> torch.Tensor:
     """DoReFa's straight-through codes of the rows ``W`` on their fixed grids.
 
     Args:

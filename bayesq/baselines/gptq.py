@@ -50,7 +50,8 @@ from bayesq.storage import budget_bits
 
 DAMP = 0.01
 
-#: (rows W (out, d_in), column metric, scale, zero, maxq (out, d_in), *, name=layer) -> (out, d_in) int64 codes
+#: (rows W (out, d_in), column metric, scale, zero, maxq (out, d_in), *, groups=(out, d_in) group index,
+#: name=layer) -> (out, d_in) int64 codes; a solver that needs no groups takes them as ``**_``
 Solver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -62,14 +63,16 @@ class LayerRounding:
     metric handed to ``solver`` and ``grid_fit``; ``grid_fit``: each group's grid learned from
     its min/max one before the rounding (:func:`bayesq.quantize.encode`); ``refine(layers,
     encodings)``: the encodings of every layer, rounded layer by layer, re-rounded jointly on the
-    same grids (BRECQ's block reconstruction, :mod:`bayesq.baselines.brecq`); ``method`` names it
-    in errors."""
+    same grids (BRECQ's block reconstruction, :mod:`bayesq.baselines.brecq`); ``refit``: each
+    group's scale refitted to the codes in ``metric`` (Bit-Split, :mod:`bayesq.baselines.bitsplit`);
+    ``method`` names it in errors."""
 
     method: str
     metric: Callable[[InputStats, int], torch.Tensor]
     solver: Solver
     grid_fit: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     refine: Callable[[dict[str, nn.Module], dict[str, QuantizedWeight]], dict[str, QuantizedWeight]] | None = None
+    refit: bool = False
 
 
 def damped_hessian(H: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
@@ -104,13 +107,13 @@ def gptq_codes(layers: dict[str, nn.Module], stats: dict[str, InputStats], table
     (``rounding``: another method's rounding of the same grids, or its grids learned and stored at
     ``scale_bits``, then its joint ``refine`` when it has one; ``progress``: a bar over the layers)."""
     if rounding is None:  # made per layer as encode reads it: one damped copy and factor held at a time
-        metric, solver, grid_fit = damped_metrics({n: stats[n].H for n in layers}, damp), None, None
+        metric, solver, grid_fit, refit = damped_metrics({n: stats[n].H for n in layers}, damp), None, None, False
     else:
         metric = LazyMetrics(layers, lambda n: rounding.metric(stats[n], layers[n].weight.shape[0]))
-        solver, grid_fit = rounding.solver, rounding.grid_fit
+        solver, grid_fit, refit = rounding.solver, rounding.grid_fit, rounding.refit
     codes = encode(table, allocation, {n: m.weight for n, m in layers.items()},
                    rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, act_order=act_order, solver=solver,
-                   grid_fit=grid_fit, scale_bits=scale_bits, progress=progress)
+                   grid_fit=grid_fit, refit=refit, scale_bits=scale_bits, progress=progress)
     return codes if rounding is None or rounding.refine is None else rounding.refine(layers, codes)
 
 
