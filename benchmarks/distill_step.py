@@ -1,0 +1,91 @@
+"""Why does the held-out check reject distillation? Its step size, on the pipeline's BayesQ row.
+
+On each fine-tuned embedded model (``make run`` first, or at least its fine-tune stage) and the
+pipeline's calibration and held-out selection draws (seed ``--seed``), BayesQ's row at
+``--budget`` is quantised once (params.yaml's settings, distillation off, the posterior kept);
+then its scales, zero-points and tables are distilled (:func:`bayesq.distill.distill`, params.yaml's
+``distill`` section) at each learning rate of ``--lr``: AdamW moves each stored parameter by about
+``lr`` in its own units, so a scale of 1e-3 moves 10 % per step at 1e-4. ``--agreement 1.0`` tempers the teacher until its draws agree with the FP model on every
+probe input (a teacher next to the FP model, the held-out check's reference). Printed per rate: the tempering scale, the fit loss first / last, the held-out KL of the
+calibration split before / after and whether the check accepts, and the KL of the distilled model
+(accepted or not) on every test example with BayesQ − distilled and its paired 95 % interval.
+
+    python benchmarks/distill_step.py [--models lite0-fmnist minilm-sentiment] [--lr 1e-4 1e-5 1e-6]
+                                      [--agreement A] [--budget 3.0] [--seed 17]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["lite0-fmnist", "minilm-sentiment"])
+    ap.add_argument("--lr", type=float, nargs="+", default=[1e-4, 1e-5, 1e-6])
+    ap.add_argument("--agreement", type=float, default=None,
+                    help="the teacher's tempering target (default params.yaml's; 1.0: draws that agree with the FP "
+                         "model on every probe input, a teacher next to the FP model)")
+    ap.add_argument("--budget", type=float, default=3.0)
+    ap.add_argument("--seed", type=int, default=17)
+    a = ap.parse_args()
+
+    from flows.settings import apply_defaults
+
+    apply_defaults()
+    from one_time_cost import load_inputs
+
+    from bayesq.comparison import paired_difference
+    from bayesq.distill import apply_distilled, distill
+    from bayesq.evaluation import kl_per_input, reference_log_probs
+    from bayesq.harness.models.zoo import get_entry
+    from bayesq.quantize import quantize_model
+    from flows.configs import method_config
+    from flows.finetune import raw_path
+
+    for name in a.models:
+        params, model, calibration, selection = load_inputs(name, a.seed, ROOT / "params.yaml")
+        entry = get_entry(name)
+        splits = entry.load_splits(params.data, raw_path(entry, ROOT / "data" / "raw"))
+        test = entry.batches(splits.test_inputs, 64, params.data)
+        reference = reference_log_probs(model, test)
+        cfg = method_config("bayesq", params, a.budget, a.seed)[0]
+        res = quantize_model(model, calibration, cfg, selection=selection, keep_posterior=True, progress=False)
+        with torch.no_grad():
+            base = kl_per_input(reference, res.model, test)
+        print(f"{name} BayesQ: test KL {base.mean():.5f} ({res.encoding})", flush=True)
+        for lr in a.lr:
+            dcfg = replace(params.distill, lr=lr, accept=False)  # keep what the fit made: it is scored below
+            if a.agreement is not None:
+                dcfg = replace(dcfg, agreement=a.agreement)
+            d = distill(model, res.weights, res.posterior, calibration, dcfg, scale_bits=cfg.quant.scale_bits,
+                        lut_bits=cfg.quant.lut_bits, seed=a.seed, progress=True)
+            fitted = distill_model(model, res, d, apply_distilled)
+            with torch.no_grad():
+                kl = kl_per_input(reference, fitted, test)
+            p = paired_difference(base, kl)
+            print(f"{name} lr {lr:g}: s {d.sample_scale:g}, loss {d.loss_first:.4g} -> {d.loss_last:.4g}, held-out "
+                  f"KL {d.kl_before:.5f} -> {d.kl_after:.5f} ({'accepted' if d.kl_after < d.kl_before else 'rejected'}), "
+                  f"test KL {kl.mean():.5f}, BayesQ - distilled {p.diff:+.5f} [{p.ci_low:+.5f}, {p.ci_high:+.5f}], "
+                  f"{d.seconds:.0f} s", flush=True)
+
+
+def distill_model(model, res, d, apply_distilled):
+    """The quantised model with ``d``'s trained encodings (and the row's bias correction unless
+    biases were trained), as :func:`bayesq.quantize` assembles it."""
+    qmodel = apply_distilled(model, d)
+    if res.correction is not None and not d.biases:
+        res.correction.apply(qmodel, model)
+    return qmodel
+
+
+if __name__ == "__main__":
+    main()
