@@ -11,7 +11,7 @@ calibration split before / after and whether the check accepts, and the KL of th
 (accepted or not) on every test example with BayesQ − distilled and its paired 95 % interval.
 
     python benchmarks/distill_step.py [--models lite0-fmnist minilm-sentiment] [--lr 1e-4 1e-5 1e-6]
-                                      [--agreement A] [--budget 3.0] [--seed 17]
+                                      [--agreement A] [--steps N] [--budget 3.0] [--seed 17]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--agreement", type=float, default=None,
                     help="the teacher's tempering target (default params.yaml's; 1.0: draws that agree with the FP "
                          "model on every probe input, a teacher next to the FP model)")
+    ap.add_argument("--steps", type=int, default=None, help="AdamW steps (default params.yaml's)")
     ap.add_argument("--budget", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=17)
     a = ap.parse_args()
@@ -66,6 +67,8 @@ def main() -> None:
             dcfg = replace(params.distill, lr=lr, accept=False)  # keep what the fit made: it is scored below
             if a.agreement is not None:
                 dcfg = replace(dcfg, agreement=a.agreement)
+            if a.steps is not None:
+                dcfg = replace(dcfg, steps=a.steps)
             d = distill(model, res.weights, res.posterior, calibration, dcfg, scale_bits=cfg.quant.scale_bits,
                         lut_bits=cfg.quant.lut_bits, seed=a.seed, progress=True)
             fitted = distill_model(model, res, d, apply_distilled)
