@@ -42,36 +42,31 @@ def main() -> None:
     from flows.settings import apply_defaults
 
     apply_defaults()
-    from one_time_cost import load_inputs
+    from one_time_cost import load_inputs, test_batches
 
     from bayesq.comparison import paired_difference
-    from bayesq.distill import apply_distilled, distill
     from bayesq.evaluation import kl_per_input, reference_log_probs
-    from bayesq.harness.models.zoo import get_entry
-    from bayesq.quantize import quantize_model
+    from bayesq.quantize import Encoding, assemble, quantize_model
     from flows.configs import method_config
-    from flows.finetune import raw_path
 
     for name in a.models:
         params, model, calibration, selection = load_inputs(name, a.seed, ROOT / "params.yaml")
-        entry = get_entry(name)
-        splits = entry.load_splits(params.data, raw_path(entry, ROOT / "data" / "raw"))
-        test = entry.batches(splits.test_inputs, 64, params.data)
+        test, _ = test_batches(name, params)
         reference = reference_log_probs(model, test)
         cfg = method_config("bayesq", params, a.budget, a.seed)[0]
         res = quantize_model(model, calibration, cfg, selection=selection, keep_posterior=True, progress=False)
         with torch.no_grad():
             base = kl_per_input(reference, res.model, test)
         print(f"{name} BayesQ: test KL {base.mean():.5f} ({res.encoding})", flush=True)
-        for lr in a.lr:
-            dcfg = replace(params.distill, lr=lr, accept=False)  # keep what the fit made: it is scored below
+        enc = Encoding(res.encoding, cfg.quant, res.table, res.allocation, res.weights, res.selection_kl,
+                       res.correction)
+        for lr in a.lr:  # accept False: keep what the fit made, it is scored below
+            dcfg = replace(params.distill, lr=lr, accept=False, max_budget=a.budget)
             if a.agreement is not None:
                 dcfg = replace(dcfg, agreement=a.agreement)
             if a.steps is not None:
                 dcfg = replace(dcfg, steps=a.steps)
-            d = distill(model, res.weights, res.posterior, calibration, dcfg, scale_bits=cfg.quant.scale_bits,
-                        lut_bits=cfg.quant.lut_bits, seed=a.seed, progress=True)
-            fitted = distill_model(model, res, d, apply_distilled)
+            fitted, _, d = assemble(model, enc, res.posterior, calibration, dcfg, a.budget, a.seed, progress=True)
             with torch.no_grad():
                 kl = kl_per_input(reference, fitted, test)
             p = paired_difference(base, kl)
@@ -79,15 +74,6 @@ def main() -> None:
                   f"KL {d.kl_before:.5f} -> {d.kl_after:.5f} ({'accepted' if d.kl_after < d.kl_before else 'rejected'}), "
                   f"test KL {kl.mean():.5f}, BayesQ - distilled {p.diff:+.5f} [{p.ci_low:+.5f}, {p.ci_high:+.5f}], "
                   f"{d.seconds:.0f} s", flush=True)
-
-
-def distill_model(model, res, d, apply_distilled):
-    """The quantised model with ``d``'s trained encodings (and the row's bias correction unless
-    biases were trained), as :func:`bayesq.quantize` assembles it."""
-    qmodel = apply_distilled(model, d)
-    if res.correction is not None and not d.biases:
-        res.correction.apply(qmodel, model)
-    return qmodel
 
 
 if __name__ == "__main__":

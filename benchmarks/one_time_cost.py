@@ -56,6 +56,16 @@ def load_inputs(model_name: str, seed: int, params_path: Path):
     return params, model, batches, selection_batches(entry, splits, params.data, params.calibration, seed)
 
 
+def test_batches(model_name: str, params) -> tuple[list, list]:
+    """(batches of 64, labels) of every test example of one embedded model."""
+    from bayesq.harness.models.zoo import get_entry
+    from flows.finetune import raw_path
+
+    entry = get_entry(model_name)
+    splits = entry.load_splits(params.data, raw_path(entry, Path("data/raw")))
+    return entry.batches(splits.test_inputs, 64, params.data), splits.test_labels
+
+
 def on_device(model, calibration, selection, device: str):
     """Model and batches (tensors, dicts of tensors) moved to ``device``."""
     def move(b):

@@ -42,14 +42,12 @@ def main() -> None:
     from flows.settings import apply_defaults
 
     apply_defaults()
-    from one_time_cost import load_inputs
+    from one_time_cost import load_inputs, test_batches
 
     from bayesq.comparison import correct_per_example, paired_difference
     from bayesq.evaluation import kl_per_input, predict, reference_log_probs
-    from bayesq.harness.models.zoo import get_entry
     from bayesq.methods import Inputs, quantize_with
     from flows.configs import method_config
-    from flows.finetune import raw_path
     from flows.params import GRID_METHODS, Method
 
     for name in a.models:
@@ -57,10 +55,8 @@ def main() -> None:
         if a.iters is not None:
             params = replace(params, baselines=replace(params.baselines, adaround_iters=a.iters, brecq_iters=a.iters,
                                                        lsq_iters=a.iters, pact_iters=a.iters, dorefa_iters=a.iters))
-        entry = get_entry(name)
-        splits = entry.load_splits(params.data, raw_path(entry, ROOT / "data" / "raw"))
-        test = entry.batches(splits.test_inputs, 64, params.data)
-        labels = torch.as_tensor(splits.test_labels)
+        test, labels = test_batches(name, params)
+        labels = torch.as_tensor(labels)
         reference = reference_log_probs(model, test)
         kl, correct, kept = {}, {}, None
         for method in a.methods:

@@ -167,10 +167,10 @@ def bitsplit_rows(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: t
     t = split_planes(grouped(q), n_planes)  # (planes, cg, r, d)
     frees = [grouped(live & (widths - 1 > i)) for i in range(n_planes)]
     for _ in tqdm(range(epochs), desc=f"Bit-Split {name}".strip(), disable=not progress, leave=False):
-        u = stitch(t).reshape(n_out, d)
-        alpha = refit_scales(Wd, u, groups, alpha, Hg, scale_bits=scale_bits)[0]
+        u = stitch(t)  # (cg, r, d) signed integers
+        alpha = refit_scales(Wd, u.reshape(n_out, d), groups, alpha, Hg, scale_bits=scale_bits)[0]
         a = grouped(alpha[groups] * live)
-        D = a * stitch(t) - grouped(Wd)
+        D = a * u - grouped(Wd)
         HD = torch.einsum("crd,cde->cre", D, Hg)
         changed = sum(plane_sweep(t[i], D, HD, Hg, a * 2.0 ** i, frees[i]) for i in range(n_planes))
         if changed == 0:
