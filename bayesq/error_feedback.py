@@ -189,15 +189,15 @@ def shared_factors() -> Iterator[None]:
         _FACTORS.reset(token)
 
 
-def _ordered_factor(H: torch.Tensor, Hg: torch.Tensor, act_order: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(perm, U): :func:`_solver_order`'s column order of ``Hg`` (H as (groups, d, d) float64)
-    and :func:`_inverse_cholesky` of the permuted metric; memoised on ``H`` inside
-    :func:`shared_factors`."""
+def _ordered_factor(H: torch.Tensor, device: torch.device, act_order: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm, U): :func:`_solver_order`'s column order of ``H`` as (groups, d, d) float64 on
+    ``device`` (checked by :func:`_metric64`) and :func:`_inverse_cholesky` of the permuted
+    metric; memoised on ``H`` inside :func:`shared_factors` (checked and factorised once)."""
     memo = _FACTORS.get()
-    key = (id(H), H._version, bool(act_order), Hg.device)
+    key = (id(H), H._version, bool(act_order), device)
     if memo is not None and key in memo and memo[key][0] is H:
         return memo[key][1]
-    perm, Hp = _solver_order(Hg, act_order)
+    perm, Hp = _solver_order(_metric64(H, device), act_order)
     factor = perm, _inverse_cholesky(Hp)
     if memo is not None:
         memo[key] = (H, factor)  # holds H: its id is not reused while the entry lives
@@ -206,6 +206,13 @@ def _ordered_factor(H: torch.Tensor, Hg: torch.Tensor, act_order: bool) -> tuple
 
 def _check_metric(W: torch.Tensor, H: torch.Tensor, block_size: int) -> torch.Tensor:
     """H as (groups, in, in) float64 on W's device, after the checks both solvers share."""
+    _check_shapes(W, H, block_size)
+    return _metric64(H, W.device)
+
+
+def _check_shapes(W: torch.Tensor, H: torch.Tensor, block_size: int) -> None:
+    """W a finite 2-D float (out, in) tensor, H (in, in) or (groups, in, in) with ``groups``
+    dividing out, ``block_size`` a positive int (ValueError naming what is wrong)."""
     if W.dim() != 2 or not W.dtype.is_floating_point:
         raise ValueError(f"W must be a 2-D float (out, in) tensor, got {W.dtype} {tuple(W.shape)}")
     n_out, d = W.shape
@@ -214,11 +221,18 @@ def _check_metric(W: torch.Tensor, H: torch.Tensor, block_size: int) -> torch.Te
         raise ValueError(f"H has shape {tuple(H.shape)}; expected ({d}, {d}) = (in, in) for W {tuple(W.shape)}")
     if n_out % Hg.shape[0]:
         raise ValueError(f"{n_out} output rows do not split into {Hg.shape[0]} groups")
-    if not (torch.isfinite(W).all() and torch.isfinite(Hg).all()):
+    if not torch.isfinite(W).all():
         raise ValueError("W or H has NaN/Inf entries")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size={block_size} must be a positive int")
-    Hg = Hg.to(W.device, torch.float64)
+
+
+def _metric64(H: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """H (checked finite and symmetric) as (groups, in, in) float64 on ``device``."""
+    Hg = H if H.dim() == 3 else H.unsqueeze(0)
+    if not torch.isfinite(Hg).all():
+        raise ValueError("W or H has NaN/Inf entries")
+    Hg = Hg.to(device, torch.float64)
     if ((Hg - Hg.transpose(1, 2)).abs().amax((1, 2)) > 1e-10 * Hg.abs().amax((1, 2)).clamp_min(1e-300)).any():
         raise ValueError("H is not symmetric; pass 0.5 * (H + H.T)")
     return Hg
@@ -348,10 +362,10 @@ def error_feedback_groups(
     Returns:
         (out, d_in) int64 codes, the same as :func:`error_feedback_round` per group.
     """
-    Hg = _check_metric(W, H, block_size)
-    groups, (n_out, d) = Hg.shape[0], W.shape
+    _check_shapes(W, H, block_size)
+    groups, (n_out, d) = (H.shape[0] if H.dim() == 3 else 1), W.shape
     scale, zero, maxq = _validate_grid(W, scale, zero, maxq)
-    perm, U = _ordered_factor(H, Hg, act_order)
+    perm, U = _ordered_factor(H, W.device, act_order)  # H checked and factorised once per shared_factors
     rows = perm[:, None, :].expand(groups, n_out // groups, d)  # (G, rows, d) column index per element
 
     def permuted(x: torch.Tensor) -> torch.Tensor:
@@ -442,6 +456,8 @@ def coordinate_descent(
                 k = j - i1
                 target = torch.addcmul(Q_[j], HD_[j], ih_[j], value=-1.0)
                 cj = torch.minimum(torch.addcdiv(z_[j], target, div_[j]).round_().clamp_min_(0), m_[j])
+                if torch.equal(cj, c_[j]):  # no code of the column moves: delta_j = 0, nothing to update
+                    continue
                 qj = (cj - z_[j]).mul_(s_[j])
                 torch.sub(qj, Q_[j], out=delta_[k])
                 HD_block.baddbmm_(H_block[:, :, j : j + 1], delta[:, k : k + 1])  # += H[:, :, j] delta_j^T

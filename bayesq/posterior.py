@@ -410,7 +410,8 @@ class FisherCurvature(DiagonalCurvature):
 
     def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows, max_inputs=None):
         return fisher_diagonal(model, calibration, layers, label_samples=cfg.label_samples, seed=seed,
-                               progress=progress, on_rows=on_rows, max_inputs=max_inputs)
+                               progress=progress, on_rows=on_rows, max_inputs=max_inputs,
+                               share=cfg.curvature_share)
 
 
 class EmpiricalFisherCurvature(DiagonalCurvature):
@@ -422,7 +423,7 @@ class EmpiricalFisherCurvature(DiagonalCurvature):
 
     def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows, max_inputs=None):
         return empirical_fisher_diagonal(model, calibration, layers, progress=progress, on_rows=on_rows,
-                                         max_inputs=max_inputs)
+                                         max_inputs=max_inputs, share=cfg.curvature_share)
 
 
 class HutchinsonCurvature(DiagonalCurvature):

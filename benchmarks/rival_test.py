@@ -12,6 +12,10 @@ counts. Each is scored on every test example: ``KL(p_FP || p_Q)`` and correctnes
 method's mean KL, accuracy, seconds and true bits, then ``first - X`` with paired 95 % bootstrap
 intervals (:func:`bayesq.comparison.paired_difference`, the pipeline's) for every other X.
 
+A method may carry params.yaml overrides, ``METHOD:section.key=value[,section.key=value]``
+(YAML values, as an ablation row's), e.g. ``bayesq:posterior.curvature_share=0.25``: the same
+method with those settings, as its own row.
+
     python benchmarks/rival_test.py [--models lite0-fmnist] [--methods bayesq gptq brecq] [--budget 3.0]
                                     [--iters N] [--seed 17]
 """
@@ -48,7 +52,7 @@ def main() -> None:
     from bayesq.evaluation import kl_per_input, predict, reference_log_probs
     from bayesq.methods import Inputs, quantize_with
     from flows.configs import method_config
-    from flows.params import GRID_METHODS, Method
+    from flows.params import GRID_METHODS, Method, ablation_params
 
     for name in a.models:
         params, model, calibration, selection = load_inputs(name, a.seed, ROOT / "params.yaml")
@@ -59,21 +63,22 @@ def main() -> None:
         labels = torch.as_tensor(labels)
         reference = reference_log_probs(model, test)
         kl, correct, kept = {}, {}, None
-        for method in a.methods:
-            cfg = method_config(method, params, a.budget, a.seed)[0]
+        for spec in a.methods:
+            method, over = parse_spec(spec)
+            cfg = method_config(method, ablation_params(params, over, spec) if over else params, a.budget, a.seed)[0]
             given = kept if Method(method) in GRID_METHODS and params.baselines.select else None
             start = time.perf_counter()
             out = quantize_with(model, cfg, a.budget, Inputs(calibration=calibration, selection=selection,
                                                              allocation=given))
             seconds = time.perf_counter() - start
-            if method == "bayesq":
+            if spec == "bayesq":
                 kept = out.result.allocation.unit_bits
             with torch.no_grad():
-                kl[method] = kl_per_input(reference, out.result.model, test)
-                correct[method] = correct_per_example(predict(out.result.model, test), labels).double()
+                kl[spec] = kl_per_input(reference, out.result.model, test)
+                correct[spec] = correct_per_example(predict(out.result.model, test), labels).double()
             variant = out.details.get("variant") or out.details.get("encoding") or ""
-            print(f"{name} {method}: KL {kl[method].mean():.5f}, accuracy {100 * correct[method].mean():.2f} % "
-                  f"({len(kl[method])} test examples), {out.result.average_bits:.3f} bits, {seconds:.0f} s "
+            print(f"{name} {spec}: KL {kl[spec].mean():.5f}, accuracy {100 * correct[spec].mean():.2f} % "
+                  f"({len(kl[spec])} test examples), {out.result.average_bits:.3f} bits, {seconds:.0f} s "
                   f"{variant}", flush=True)
         first = a.methods[0]
         for method in a.methods[1:]:
@@ -82,6 +87,20 @@ def main() -> None:
                 star = "*" if d.ci_low > 0 or d.ci_high < 0 else ""
                 print(f"{name} {first} - {method}: {what} {d.diff:+.5f} [{d.ci_low:+.5f}, {d.ci_high:+.5f}]{star}",
                       flush=True)
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``METHOD[:section.key=value,...]`` -> (method, {dotted key: YAML value})."""
+    import yaml
+
+    method, _, rest = spec.partition(":")
+    over = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"{spec!r}: write overrides as section.key=value")
+        over[key.strip()] = yaml.safe_load(value)
+    return method, over
 
 
 if __name__ == "__main__":

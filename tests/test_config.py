@@ -190,6 +190,11 @@ def test_validate_converts_valid_values():
     assert AllocationConfig(floors=floors).floors == floors and AllocationConfig(floors=floors).floors is not floors
 
 
+def test_posterior_curvature_share_outside_unit_interval_names_field():
+    with _raises("posterior.curvature_share = 0.0: share of the calibration batches must be in (0, 1]"):
+        PosteriorConfig(curvature_share=0.0)
+
+
 def test_validate_cross_field_rules_name_field():
     with _raises("quant.rounding = 'error-feedback': error feedback needs uniform grids; codebook is 'lloyd': "
                  "set quant.rounding: nearest"):

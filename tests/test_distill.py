@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bayesq.distill as D
-from bayesq import BayesQConfig, QuantConfig, quantize_model
+from bayesq import BayesQConfig, PosteriorConfig, QuantConfig, quantize_model
 from bayesq.codebook import LevelTables, UniformGrids
 from bayesq.config import DistillConfig
 from bayesq.distill import (
@@ -23,6 +23,7 @@ from nets import TokenModel
 
 OFF = DistillConfig(max_budget=0)
 FAST = DistillConfig(lr=1e-3, steps=200)
+EVERY_BATCH = PosteriorConfig(curvature_share=1.0)  # the base result's posterior (see base)
 HUGE = DistillConfig(lr=1.0, steps=20)  # a learning rate that wrecks the scales: distillation hurts
 # the base encoding: searched grids without the error-feedback gains or coordinate descent, which
 # leaves the scales room for distillation to improve (the default leaves little on this MLP)
@@ -58,9 +59,11 @@ def _kl(model, teacher, batches, tau):
 
 @pytest.fixture(scope="module")
 def base(one_thread):
-    """Undistilled BayesQ result at 3 bits (uniform grids)."""
+    """Undistilled BayesQ result at 3 bits (uniform grids), its Fisher from every calibration batch
+    (the toy's four batches: half of them gives a teacher this toy's 200 steps do not fit)."""
     model, cal = _mlp(), _cal()
-    res = quantize_model(model, cal, BayesQConfig(budget=3.0, quant=BASE_Q, distill=OFF), progress=False, keep_posterior=True)
+    res = quantize_model(model, cal, BayesQConfig(budget=3.0, quant=BASE_Q, distill=OFF, posterior=EVERY_BATCH),
+                         progress=False, keep_posterior=True)
     return model, cal, res
 
 
@@ -177,7 +180,7 @@ def test_distill_leaves_model_unchanged(base, distilled):
 def test_quantize_model_distillation_keeps_allocation(base):
     res0 = base[2]
     # accept=False: kept even where the held-out KL does not drop, so the scales must move
-    res1 = quantize_model(_mlp(), _cal(), BayesQConfig(budget=3.0, quant=BASE_Q,
+    res1 = quantize_model(_mlp(), _cal(), BayesQConfig(budget=3.0, quant=BASE_Q, posterior=EVERY_BATCH,
                                                        distill=DistillConfig(max_budget=3.5, accept=False)),
                           progress=False)
     assert res1.allocation.total_bits == res0.allocation.total_bits

@@ -1,3 +1,5 @@
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -156,6 +158,12 @@ def test_error_feedback_bad_input_raises():
         error_feedback_round(W, eye + torch.triu(torch.ones(4, 4, dtype=torch.float64), 1), scale, zero, maxq)
     with pytest.raises(ValueError, match="NaN"):
         error_feedback_round(W.clone().fill_(float("nan")), eye, scale, zero, maxq)
+    asym, nan_H = eye + torch.triu(torch.ones(4, 4, dtype=torch.float64), 1), eye.clone()
+    nan_H[1, 2] = float("nan")
+    for bad, what in ((asym, "not symmetric"), (nan_H, "NaN")):  # the grouped solver, in and out of the memo
+        for scope in (nullcontext, shared_factors):
+            with scope(), pytest.raises(ValueError, match=what):
+                error_feedback_groups(W, bad, scale, zero, maxq)
     with pytest.raises(ValueError, match="scale must be finite and >= 0"):
         error_feedback_round(W, eye, -torch.ones_like(scale), zero, maxq)
     with pytest.raises(ValueError, match="maxq must be an integer"):
@@ -225,14 +233,15 @@ def test_shared_factors_factor_each_metric_once_with_the_same_results(monkeypatc
     again."""
     W, H, scale, zero, maxq = _problem(11, 6, 9, 3)
     plain = error_feedback_groups(W, H, scale, zero, maxq, act_order=act_order)
-    calls = []
-    real = ef._inverse_cholesky
+    calls, checks = [], []
+    real, check = ef._inverse_cholesky, ef._metric64
     monkeypatch.setattr(ef, "_inverse_cholesky", lambda M: calls.append(1) or real(M))
+    monkeypatch.setattr(ef, "_metric64", lambda M, device: checks.append(1) or check(M, device))
     with shared_factors():
         with shared_factors():  # nested: the outer memo serves
             first = error_feedback_groups(W, H, scale, zero, maxq, act_order=act_order)
         codes = [first] + [error_feedback_groups(W, H, scale, zero, maxq, act_order=act_order) for _ in range(2)]
-        assert len(calls) == 1
+        assert len(calls) == 1 and len(checks) == 1  # the metric checked (finite, symmetric) once too
         error_feedback_groups(W, H, scale, zero, maxq, act_order=not act_order)
         assert len(calls) == 2
         H.mul_(2.0)  # in place: a new version, a new factor

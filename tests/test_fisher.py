@@ -244,3 +244,52 @@ def test_fisher_in_parts_vs_whole_batches(kind):
         assert torch.allclose(got[k].H, want[k].H, rtol=1e-12, atol=1e-15), k
         held += torch.equal(got[k].H, want[k].H)
     assert held >= 1  # at least one layer took the joined rows (bit for bit the whole batch's sums)
+
+
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_fisher_share_vs_spread_batches_reference(with_rows):
+    """``share``: the backward pass reads the spread batches only, with the labels they get alone
+    (the sampler draws row by row), and their sum is scaled by all inputs / their inputs; the
+    layer-input statistics still read every batch (equal to a full pass's)."""
+    from bayesq.baselines.activations import StatsSums
+    from bayesq.curvature.fisher import spread_batches
+
+    torch.manual_seed(0)
+    model = _cnn().eval()
+    layers = quantizable_layers(model)
+    batches = [torch.randn(n, 2, 6, 6, dtype=torch.float64) for n in (4, 3, 4, 4, 2, 4, 4, 3)]  # 28 inputs, 8 read
+    chosen = sorted(spread_batches(len(batches), 0.25))
+    assert chosen == [2, 6]  # the middle of each half
+    full_rows, share_rows = StatsSums(), StatsSums()
+    got, n = fisher_diagonal(model, batches, layers, seed=3, progress=False, share=0.25,
+                             on_rows=share_rows if with_rows else None)
+    ref = _reference(model, layers, [batches[i] for i in chosen], 1, 3)
+    assert n == 28
+    for name in layers:
+        torch.testing.assert_close(got[name], ref[name] * 28 / 8, rtol=1e-9, atol=1e-12)
+    if with_rows:
+        fisher_diagonal(model, batches, layers, seed=3, progress=False, on_rows=full_rows)
+        want, have = full_rows.stats(layers, 28), share_rows.stats(layers, 28)
+        for name in layers:
+            torch.testing.assert_close(have[name].H, want[name].H, rtol=1e-12, atol=1e-15)
+
+
+def test_spread_batches_even_and_at_least_one():
+    from bayesq.curvature.fisher import spread_batches
+
+    assert spread_batches(8, 1.0) == set(range(8))
+    assert spread_batches(8, 0.5) == {1, 3, 5, 7}
+    assert spread_batches(10, 0.01) == {5}
+    assert spread_batches(0, 0.5) == set()
+    with pytest.raises(ValueError, match=r"share = 0.0.*\(0, 1\]"):
+        spread_batches(4, 0.0)
+
+
+def test_empirical_fisher_share_with_labels_refused():
+    from bayesq.curvature.fisher import empirical_fisher_diagonal
+
+    model = _cnn().eval()
+    batches = [torch.randn(2, 2, 6, 6, dtype=torch.float64)]
+    with pytest.raises(ValueError, match="labels come one tensor per batch"):
+        empirical_fisher_diagonal(model, batches, quantizable_layers(model), labels=[torch.zeros(2, dtype=torch.long)],
+                                  share=0.5, progress=False)

@@ -161,9 +161,9 @@ def test_fit_posterior_dispatch_vs_estimator_called_directly(curvature):
         assert set(post.kfac) == {"0", "2"}
     else:
         if curvature == Curvature.FISHER:
-            c, n = fisher_diagonal(model, batches, layers, seed=3, progress=False)
+            c, n = fisher_diagonal(model, batches, layers, seed=3, progress=False, share=cfg.curvature_share)
         elif curvature == Curvature.EMPIRICAL_FISHER:
-            c, n = empirical_fisher_diagonal(model, batches, layers, progress=False)
+            c, n = empirical_fisher_diagonal(model, batches, layers, progress=False, share=cfg.curvature_share)
         else:
             kind = "hessian" if curvature == Curvature.HUTCHINSON_HESSIAN else "ggn"
             c, n = hutchinson_diagonal(model, batches, layers, probes=4, curvature=kind, seed=3, progress=False)

@@ -49,6 +49,7 @@ def _squared_grad_sum(
     progress: bool,
     on_rows: Callable[[str, torch.Tensor], None] | None = None,
     max_inputs: int | None = None,
+    share: float = 1.0,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """``sum_n mean_s g_n(y_s)^2`` per layer, with per-example gradients from hooks.
 
@@ -69,6 +70,10 @@ def _squared_grad_sum(
     and a layer with fewer input rows in a part than input features hands ``on_rows`` the batch's rows
     joined once (the same rows as without parts: no d_in x d_in product per part), the others
     their part's rows.
+    ``share``: the backward pass runs on :func:`spread_batches` ``(len(batches), share)`` only, and
+    the sum over their n' inputs is scaled by n / n' (an unbiased estimate of the sum over all n
+    inputs when the batches are exchangeable; by length-sorted batches a sample stratified by
+    length); the other batches run forward only, for ``on_rows``.
     Returns (name -> tensor shaped like the weight, in ``sum_dtype``, inputs seen).
     """
     if on_rows is not None:
@@ -81,23 +86,32 @@ def _squared_grad_sum(
         acts[name] = a.detach()
         outputs[name] = output
 
-    n_seen = 0
+    batches = list(batches)
+    n_all = sum(batch_size(b) for b in batches)
+    backward = spread_batches(len(batches), share)
+    if on_rows is None:  # nothing to read from the other batches
+        batches = [batches[i] for i in sorted(backward)]
+        backward = set(range(len(batches)))
+    n_grad = 0
     with layer_calls(model, layers, record, weights_require_grad=True):
-        for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
+        for i, batch in enumerate(tqdm(batches, desc=desc, disable=not progress, leave=False)):
             parts = split_batches([batch], max_inputs)
             held: dict[str, list[tuple[torch.Tensor, int]]] = {}  # rows handed on once per batch
             for part in parts:
-                with torch.enable_grad():  # also when called under torch.no_grad()
+                # also under torch.no_grad(); forward only (rows for on_rows) outside the share
+                with torch.set_grad_enabled(i in backward):
                     z, mask = predictions(model, part)
                     out = prediction_rows(z, mask)  # (R, C)
                     rows_mask = padding_mask(part) if mask is not None else None  # padded tokens' layer rows
-                    passes = labels_for(out.detach(), mask)
+                    passes = labels_for(out.detach(), mask) if i in backward else [None]
                     names = [n for n, o in outputs.items() if o.requires_grad]
                     for s, y in enumerate(passes):
-                        loss = F.cross_entropy(out, y, reduction="sum")
-                        # gradients of the layer outputs only: no weight gradient is formed
-                        grads = torch.autograd.grad(loss, [outputs[n] for n in names], allow_unused=True,
-                                                    retain_graph=s < len(passes) - 1) if names else ()
+                        grads = ()
+                        if y is not None and names:
+                            loss = F.cross_entropy(out, y, reduction="sum")
+                            # gradients of the layer outputs only: no weight gradient is formed
+                            grads = torch.autograd.grad(loss, [outputs[n] for n in names], allow_unused=True,
+                                                        retain_graph=s < len(passes) - 1)
                         outs = {n: g for n, g in zip(names, grads) if g is not None}
                         shared: dict = {}
                         for name, mod in layers.items():
@@ -118,16 +132,28 @@ def _squared_grad_sum(
                                     total[name] += sq.to(total[name].dtype) / len(passes)
                                 else:  # in place (no copy): one layer's squares held at a time
                                     add_widened(total[name], sq)
-                n_seen += batch_size(part)
+                n_grad += batch_size(part) if i in backward else 0
                 acts.clear()
                 outputs.clear()
             _hand_on(held, on_rows)
             release_freed()
-    if n_seen == 0:
+    if n_all == 0:
         raise ValueError(
             "empty calibration set: the posterior needs at least one unlabelled input batch"
         )
-    return total, n_seen
+    if n_grad < n_all:
+        for t in total.values():
+            t.mul_(n_all / n_grad)
+    return total, n_all
+
+
+def spread_batches(n: int, share: float) -> set[int]:
+    """Indices of ``max(1, round(share * n))`` of ``n`` batches spread evenly over them (the
+    middle of each of that many equal stretches): all of them at ``share = 1``."""
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"share = {share}: the share of batches the backward pass reads must be in (0, 1]")
+    k = min(n, max(1, round(share * n)))
+    return {int((j + 0.5) * n / k) for j in range(k)} if n else set()
 
 
 def _hand_on(held: dict[str, list[tuple[torch.Tensor, int]]], on_rows) -> None:
@@ -175,6 +201,7 @@ def fisher_diagonal(
     progress: bool = True,
     on_rows: Callable[[str, torch.Tensor], None] | None = None,
     max_inputs: int | None = None,
+    share: float = 1.0,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Sum over inputs of the sampled-label Fisher diagonal of every layer in ``layers``.
 
@@ -190,6 +217,9 @@ def fisher_diagonal(
             :class:`bayesq.baselines.activations.StatsSums`.
         max_inputs: the most inputs one forward / backward pass holds (batches run in parts; the
             labels are the same: the sampler draws row by row); None: whole batches.
+        share: the share of the batches the backward pass reads, spread evenly over them; the
+            sum over their inputs scaled to all inputs (``_squared_grad_sum``); ``on_rows`` still
+            sees every batch. 1: every batch.
 
     Returns:
         (fisher, n): name -> tensor shaped like the weight holding ``F_sum`` (in
@@ -210,7 +240,7 @@ def fisher_diagonal(
         return [torch.cat([torch.multinomial(torch.softmax(c.double(), -1), 1, generator=gen[0]).squeeze(1)
                            for c in chunks]) for _ in range(label_samples)]
 
-    return _squared_grad_sum(model, batches, layers, sampled_labels, "fisher", progress, on_rows, max_inputs)
+    return _squared_grad_sum(model, batches, layers, sampled_labels, "fisher", progress, on_rows, max_inputs, share)
 
 
 def _check_labels(y: torch.Tensor, out: torch.Tensor, mask: torch.Tensor | None, index: int) -> torch.Tensor:
@@ -245,6 +275,7 @@ def empirical_fisher_diagonal(
     progress: bool = True,
     on_rows: Callable[[str, torch.Tensor], None] | None = None,
     max_inputs: int | None = None,
+    share: float = 1.0,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Sum over inputs of the empirical Fisher diagonal ``sum_n g_n(y_n)^2``.
 
@@ -254,8 +285,8 @@ def empirical_fisher_diagonal(
     token (as ``fisher_diagonal``).
 
     Args:
-        model, batches, layers, on_rows, max_inputs: as in ``fisher_diagonal`` (``max_inputs`` only
-            without ``labels``, which come one per batch).
+        model, batches, layers, on_rows, max_inputs, share: as in ``fisher_diagonal`` (``max_inputs``
+            and ``share`` only without ``labels``, which come one per batch).
         labels: one (B,) int64 tensor of class indices per batch, aligned with ``batches``; for
             (B, T, V) logits one (B, T) tensor (entries at padded tokens are not read).
 
@@ -269,6 +300,9 @@ def empirical_fisher_diagonal(
     if labels is not None and max_inputs is not None:
         raise ValueError("max_inputs splits batches, but labels come one tensor per batch: pass labels= or "
                          "max_inputs=, not both")
+    if labels is not None and share != 1.0:
+        raise ValueError(f"share = {share} skips batches, but labels come one tensor per batch: pass labels= or "
+                         "share=, not both")
     label_iter = iter(labels) if labels is not None else None
     count = 0
 
@@ -284,7 +318,7 @@ def empirical_fisher_diagonal(
         return [_check_labels(y, out, mask, count - 1)]
 
     desc = "empirical-fisher"
-    result = _squared_grad_sum(model, batches, layers, given_or_argmax, desc, progress, on_rows, max_inputs)
+    result = _squared_grad_sum(model, batches, layers, given_or_argmax, desc, progress, on_rows, max_inputs, share)
     if label_iter is not None and next(label_iter, None) is not None:
         raise ValueError(f"labels has more entries than batches ({count}): "
                          "pass one (B,) label tensor per batch")
