@@ -72,13 +72,13 @@ BASELINE_CONFIGS = {
 def method_settings(params, method) -> tuple:
     """(posterior, quant) settings a BayesQ row runs with: params.yaml's, except ``bayesq-ef``
     (K-FAC posterior, error-feedback rounding) and ``bayesq-paper`` (the paper-literal
-    configuration: prior precision fixed at ``posterior.damping``, the ``draws`` objective, nearest
-    rounding, no bias correction)."""
+    configuration: the Fisher from every calibration input, prior precision fixed at
+    ``posterior.damping``, the ``draws`` objective, nearest rounding, no bias correction)."""
     if Method(method) == Method.BAYESQ_EF:
         return (replace(params.posterior, curvature=Curvature.KFAC),
                 replace(params.quant, rounding=Rounding.ERROR_FEEDBACK))
     if Method(method) == Method.BAYESQ_PAPER:
-        return (replace(params.posterior, prior=Prior.FIXED),
+        return (replace(params.posterior, prior=Prior.FIXED, curvature_share=1.0),
                 replace(params.quant, objective=Objective.DRAWS, rounding=Rounding.NEAREST, bias_correction=False))
     return params.posterior, params.quant
 

@@ -667,7 +667,7 @@ def test_reprior_task_vs_posterior_task_fit_with_that_prior(tmp_path, tiny_entry
 
     params, entry, model_file, src, args = _tiny_task_inputs(tmp_path)
     base = posterior_task.fn(*args, params.calibration, params.posterior, 17, str(tmp_path / "post"), "c")
-    fixed, _ = method_settings(params, Method.BAYESQ_PAPER)
+    fixed = replace(params.posterior, prior=method_settings(params, Method.BAYESQ_PAPER)[0].prior)
     want = posterior_task.fn(*args, params.calibration, fixed, 17, str(tmp_path / "want"), "c", tag="paper")
     got = reprior_task.fn(*args[:3], base["path"], base["sha256"], fixed, 17, str(tmp_path / "got"), "c", "paper")
     assert got["prior"] == "fixed" and got["prior_precision"] == want["prior_precision"]
