@@ -6,7 +6,7 @@ as modules built of those two kinds, computing the same function.
   :class:`SplitAttention` runs the same attention with four ``nn.Linear`` modules, ``q_proj``,
   ``k_proj``, ``v_proj`` (the three (E, E) blocks of ``in_proj_weight``) and ``out_proj``.
 * Hugging Face ``Conv1D`` (GPT-2 family: ``y = x W + b`` with W stored (in, out)) becomes an
-  ``nn.Linear`` with the weight (out, in) = Wᵀ, under the same name.
+  ``nn.Linear`` with the weight (out, in) = Wᵀ, a transposed view of W (no copy), under the same name.
 * ``nn.Conv1d`` (N, C, L) becomes :class:`Conv1dAs2d`, a height-1 ``nn.Conv2d`` named ``conv``
   inside it: ``y = conv2d(x[:, :, None, :])[:, :, 0, :]`` with kernel (1, k), stride (1, s),
   padding (0, p), dilation (1, d), the same groups and padding mode.
@@ -177,7 +177,7 @@ def _rewritten(mod: nn.Module, hf_conv1d: type | None) -> nn.Module | None:
     if type(mod) is nn.Conv1d:
         return Conv1dAs2d(mod)
     if hf_conv1d is not None and type(mod) is hf_conv1d:  # weight (in, out), y = x W + b
-        return _linear(mod.weight.detach().t().contiguous(), mod.bias, mod.weight)
+        return _linear(mod.weight.detach().t(), mod.bias, mod.weight)
     return None
 
 
@@ -223,7 +223,7 @@ def canonical(model: nn.Module, exclude: Sequence[str] = ()) -> Iterator[nn.Modu
     """``model`` rewritten in place inside the block (see the module docstring) but the modules
     ``exclude`` matches (they stay as the user wrote them, and are listed under their own names),
     as it was after. The rewritten layers share the original weights' memory; nothing is copied
-    but the transposed weights of Hugging Face ``Conv1D`` layers."""
+    (a Hugging Face ``Conv1D`` layer's weight becomes a transposed view)."""
     swaps = _rewrite(model, tuple(exclude))
     encoders = _unfused(model) if swaps else []
     try:

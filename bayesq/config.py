@@ -53,7 +53,6 @@ class Curvature(str, Enum):
     LOWRANK = "lowrank"  # K-FAC with eigen-truncated (low-rank + diagonal) factors
 
 
-
 class Whitening(str, Enum):
     """Metric the quantisation error is measured in."""
 

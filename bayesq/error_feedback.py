@@ -222,7 +222,7 @@ def _check_shapes(W: torch.Tensor, H: torch.Tensor, block_size: int) -> None:
     if n_out % Hg.shape[0]:
         raise ValueError(f"{n_out} output rows do not split into {Hg.shape[0]} groups")
     if not torch.isfinite(W).all():
-        raise ValueError("W or H has NaN/Inf entries")
+        raise ValueError("W has NaN/Inf entries")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size={block_size} must be a positive int")
 
@@ -231,7 +231,7 @@ def _metric64(H: torch.Tensor, device: torch.device) -> torch.Tensor:
     """H (checked finite and symmetric) as (groups, in, in) float64 on ``device``."""
     Hg = H if H.dim() == 3 else H.unsqueeze(0)
     if not torch.isfinite(Hg).all():
-        raise ValueError("W or H has NaN/Inf entries")
+        raise ValueError("H has NaN/Inf entries")
     Hg = Hg.to(device, torch.float64)
     if ((Hg - Hg.transpose(1, 2)).abs().amax((1, 2)) > 1e-10 * Hg.abs().amax((1, 2)).clamp_min(1e-300)).any():
         raise ValueError("H is not symmetric; pass 0.5 * (H + H.T)")
@@ -417,9 +417,12 @@ def coordinate_descent(
     ``H_jj (q - w_j)^2 + 2 (q - w_j) sum_{k != j} H_jk D_k`` in the column's value q, minimised
     over the grid by the level nearest to ``q* = Q_j - (D H)_j / H_jj``. Sweeping the columns
     (natural order, ``passes`` times) never raises the cost; from error-feedback codes it stops
-    at a point no single code change improves (when enough passes are run). ``D H`` is kept
-    current inside a block of ``block_size`` columns and brought up to date for the other
-    columns by one matrix product per block (the same codes up to float rounding, faster).
+    at a point no single code change improves (when enough passes are run). Inside a block of
+    ``block_size`` columns, a change of column j updates ``D H`` only for the block's later
+    columns, the ones this sweep reads next; one matrix product per block then brings the
+    other columns up to date (the block's own through the upper triangle of its ``H`` block;
+    none behind the block in the last sweep, which reads them no more). The same codes as
+    updating every column at every change, up to float rounding, and faster.
 
     Args:
         W: (out, d_in) float weights; rows split evenly into ``H.shape[0]`` convolution groups.
@@ -447,22 +450,30 @@ def coordinate_descent(
     # per-column views, made once (the column loop is bound by per-operation overhead)
     div = rounding_divisor(s)  # a zero scale keeps the zero-point code (the library's rounding rule)
     s_, z_, m_, c_, Q_, HD_, ih_, div_ = (x.unbind(1) for x in (s, z, m, c, Q, HD, inv_hdiag, div))
-    for _ in range(passes):
+    for sweep in range(passes):
+        last = sweep == passes - 1  # the last sweep reads no column of a block behind it again
         for i1 in range(0, d, block_size):
             i2 = min(i1 + block_size, d)
             delta = torch.zeros(shape[0], i2 - i1, shape[1], dtype=torch.float64, device=W.device)
             HD_block, H_block, delta_ = HD[:, i1:i2], H[:, i1:i2], delta.unbind(1)
+            moved = False
             for j in range(i1, i2):
                 k = j - i1
                 target = torch.addcmul(Q_[j], HD_[j], ih_[j], value=-1.0)
                 cj = torch.minimum(torch.addcdiv(z_[j], target, div_[j]).round_().clamp_min_(0), m_[j])
                 if torch.equal(cj, c_[j]):  # no code of the column moves: delta_j = 0, nothing to update
                     continue
+                moved = True
                 qj = (cj - z_[j]).mul_(s_[j])
                 torch.sub(qj, Q_[j], out=delta_[k])
-                HD_block.baddbmm_(H_block[:, :, j : j + 1], delta[:, k : k + 1])  # += H[:, :, j] delta_j^T
+                if j + 1 < i2:  # the block's later columns, read in this sweep: += H[:, j] delta_j^T
+                    HD_block[:, k + 1 :].baddbmm_(H_block[:, k + 1 :, j : j + 1], delta[:, k : k + 1])
                 Q_[j].copy_(qj)
                 c_[j].copy_(cj)
-            HD[:, :i1] += torch.bmm(H[:, :i1, i1:i2], delta)
+            if not moved:
+                continue
             HD[:, i2:] += torch.bmm(H[:, i2:, i1:i2], delta)
+            if not last:  # the rest of D H: the block's own columns (each from its own delta on) and those before it
+                HD_block.baddbmm_(H_block[:, :, i1:i2].triu(), delta)
+                HD[:, :i1] += torch.bmm(H[:, :i1, i1:i2], delta)
     return c.transpose(1, 2).reshape(W.shape).to(torch.int64)

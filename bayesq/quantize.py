@@ -193,15 +193,16 @@ def group_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, Bo
 ENCODE_ROW_ELEMENTS = 1 << 21  # weights per error-feedback call on a layer with one column metric
 
 
-def row_chunks(n_out: int, d_in: int, metric: torch.Tensor) -> list[slice]:
-    """Output rows in chunks of about ``ENCODE_ROW_ELEMENTS`` weights when the layer has one
+def row_chunks(n_out: int, d_in: int, metric: torch.Tensor, copies: int = 1) -> list[slice]:
+    """Output rows in chunks of about ``ENCODE_ROW_ELEMENTS / copies`` weights (``copies``: grids
+    whose rows are stacked in one call, :func:`encode_layer_candidates`) when the layer has one
     column metric (Linear, ungrouped Conv2d): rows are independent given it, so error feedback and
     coordinate descent give the same codes chunk by chunk while their float64 working copies stay
     the size of a chunk (a vocabulary projection of 50,257 x 768 weights needs several GiB at
     once); one chunk for grouped convolutions (a metric per group)."""
     if metric.dim() == 3 and metric.shape[0] > 1:
         return [slice(0, n_out)]
-    step = max(1, ENCODE_ROW_ELEMENTS // max(1, d_in))
+    step = max(1, ENCODE_ROW_ELEMENTS // max(1, copies * d_in))
     return [slice(r, min(r + step, n_out)) for r in range(0, n_out, step)]
 
 
@@ -391,45 +392,109 @@ def encode_layer(
 ) -> QuantizedWeight:
     """One layer of :func:`encode`: ``weight`` with the books of ``t`` at ``unit_bits`` (one
     width per unit), rounded in ``metric`` (error feedback) or to the nearest levels."""
-    lb = t.blocks
+    return encode_layer_candidates([(t, unit_bits)], weight, metric, rounding=rounding, act_order=act_order,
+                                   refit=refit, scale_bits=scale_bits, cd_passes=cd_passes, solver=solver,
+                                   grid_fit=grid_fit, progress=progress)[0]
+
+
+def encode_layer_candidates(
+    parts: Sequence[tuple[LayerTable, Sequence[int]]], weight: torch.Tensor, metric: torch.Tensor | None, *,
+    rounding: Rounding = Rounding.NEAREST, act_order: bool = False, refit: bool = False, scale_bits: int = 16,
+    cd_passes: int = 0, solver=None, grid_fit=None, progress: bool = False,
+) -> list[QuantizedWeight]:
+    """:func:`encode_layer` of one layer under several ``(table, unit_bits)`` (grid candidates),
+    with the same options. Under error feedback without a ``solver`` the candidates' rows are
+    stacked into one call of the rounding and of coordinate descent: rows are independent given
+    the metric, so the codes are those of one call per candidate, from fewer, larger operations
+    (the column loops are bound by per-operation overhead)."""
+    lb = parts[0][0].blocks
     w = weight.detach()  # widened to float64 a row chunk at a time (exactly: the same values)
-    unit_bits = torch.tensor(unit_bits, dtype=torch.int64, device=w.device)
-    group_bits = unit_bits[lb.group_unit(w.device)]  # (G,)
-    books = {b: book.take(group_bits == b) for b, book in zip(t.bits, t.books) if bool((group_bits == b).any())}
-    if Rounding(rounding) == Rounding.ERROR_FEEDBACK:
-        mat = w.reshape(w.shape[0], -1)  # (out, d_in)
-        if grid_fit is not None:
-            books = _learned_books(lb, mat, group_bits, books, metric, grid_fit, scale_bits)
-        grid = group_grid(lb, group_bits, books)
-        small = int(grid[2].max()) < 256  # every code fits a byte: 1 byte per weight instead of 8
-        codes_w = torch.empty(mat.shape, dtype=torch.uint8 if small else torch.int64, device=w.device)
-        chunks = row_chunks(*mat.shape, metric)  # a large layer (a vocabulary projection) shows its own bar
-        for rows in tqdm(chunks, desc=lb.name, disable=not progress or len(chunks) == 1, leave=False):
-            idx = lb.element_groups(rows, w.device)  # (r, d_in): the per-element grid of these rows
-            scale, zero, maxq = (x[idx] for x in grid)
-            m_rows = mat[rows].double()
-            if solver is not None:
-                ids = torch.unique(idx)  # these rows' groups, ascending
-                part = solver(m_rows, metric, scale, zero, maxq, groups=torch.searchsorted(ids, idx), name=lb.name)
-            else:
-                part = error_feedback_groups(m_rows, metric, scale, zero, maxq, act_order=act_order)
-                if cd_passes:
-                    part = coordinate_descent(m_rows, metric, scale, zero, maxq, part, passes=cd_passes)
-            codes_w[rows] = part
-        del idx, scale, zero, maxq, part, m_rows
-        codes, _ = lb.to_groups(codes_w.reshape(-1))
+    prepared = [_layer_books(t, bits, w.device) for t, bits in parts]  # (group_bits, books) per candidate
+    if Rounding(rounding) != Rounding.ERROR_FEEDBACK:
+        return [_nearest_layer(lb, w, group_bits, books) for group_bits, books in prepared]
+    mat = w.reshape(w.shape[0], -1)  # (out, d_in)
+    if grid_fit is not None:
+        prepared = [(gb, _learned_books(lb, mat, gb, books, metric, grid_fit, scale_bits)) for gb, books in prepared]
+    grids = [group_grid(lb, gb, books) for gb, books in prepared]
+    if solver is None:
+        codes = _feedback_codes(lb, mat, grids, metric, act_order, cd_passes, progress)
+    else:
+        codes = [_solver_codes(lb, mat, grid, metric, solver, progress) for grid in grids]
+    out = []
+    for (group_bits, books), codes_w in zip(prepared, codes):
+        grouped, _ = lb.to_groups(codes_w.reshape(-1))
         if refit:
             books = _refit_books(lb, mat, codes_w, group_bits, books, metric, scale_bits)
-    else:
-        groups, _ = lb.to_groups(w.double().reshape(-1))
-        parts = {b: book.quantize(groups[group_bits == b]) for b, book in books.items()}
-        widths = {p.shape[1] for p in parts.values()}
-        if len(widths) != 1:
-            raise ValueError(f"layer '{lb.name}' mixes VQ and scalar codes; VQ needs quant.unit: tensor")
-        codes = torch.zeros(lb.n_groups, widths.pop(), dtype=torch.int64, device=w.device)
-        for b, part in parts.items():
-            codes[group_bits == b] = part
+        out.append(QuantizedWeight(lb, group_bits, grouped, books))
+    return out
+
+
+def _layer_books(t: LayerTable, unit_bits: Sequence[int], device: torch.device) -> tuple[torch.Tensor, dict]:
+    """(group_bits (G,), bits -> the book of the groups at that width) of ``t`` at ``unit_bits``."""
+    unit_bits = torch.tensor(unit_bits, dtype=torch.int64, device=device)
+    group_bits = unit_bits[t.blocks.group_unit(device)]  # (G,)
+    books = {b: book.take(group_bits == b) for b, book in zip(t.bits, t.books) if bool((group_bits == b).any())}
+    return group_bits, books
+
+
+def _nearest_layer(lb: LayerBlocks, w: torch.Tensor, group_bits: torch.Tensor, books: dict) -> QuantizedWeight:
+    groups, _ = lb.to_groups(w.double().reshape(-1))
+    parts = {b: book.quantize(groups[group_bits == b]) for b, book in books.items()}
+    widths = {p.shape[1] for p in parts.values()}
+    if len(widths) != 1:
+        raise ValueError(f"layer '{lb.name}' mixes VQ and scalar codes; VQ needs quant.unit: tensor")
+    codes = torch.zeros(lb.n_groups, widths.pop(), dtype=torch.int64, device=w.device)
+    for b, part in parts.items():
+        codes[group_bits == b] = part
     return QuantizedWeight(lb, group_bits, codes, books)
+
+
+def _codes_buffer(mat: torch.Tensor, grid: tuple) -> torch.Tensor:
+    """(out, d_in) codes: one byte per weight when every code fits one, else int64."""
+    small = int(grid[2].max()) < 256
+    return torch.empty(mat.shape, dtype=torch.uint8 if small else torch.int64, device=mat.device)
+
+
+def _feedback_codes(lb: LayerBlocks, mat: torch.Tensor, grids: list[tuple], metric: torch.Tensor,
+                    act_order: bool, cd_passes: int, progress: bool) -> list[torch.Tensor]:
+    """(out, d_in) error-feedback codes (then ``cd_passes`` sweeps of coordinate descent) of
+    ``mat`` on each of ``grids``, the grids' rows stacked in each call. Rows split evenly into
+    the metric's convolution groups are stacked group by group (each group's rows of every grid
+    together), so every row keeps its group's metric."""
+    k, groups = len(grids), (metric.shape[0] if metric.dim() == 3 else 1)
+    out = [_codes_buffer(mat, grid) for grid in grids]
+    chunks = row_chunks(*mat.shape, metric, copies=k)  # a large layer (a vocabulary projection) shows its own bar
+
+    def stack(xs: list[torch.Tensor]) -> torch.Tensor:  # k x (r, d) -> (k r, d), group-major
+        r, d = xs[0].shape
+        return torch.stack([x.reshape(groups, r // groups, d) for x in xs], 1).reshape(k * r, d)
+
+    for rows in tqdm(chunks, desc=lb.name, disable=not progress or len(chunks) == 1, leave=False):
+        idx = lb.element_groups(rows, mat.device)  # (r, d_in): the per-element grid of these rows
+        m_rows = mat[rows].double()
+        W = stack([m_rows] * k)
+        scale, zero, maxq = (stack([g[i][idx] for g in grids]) for i in range(3))
+        codes = error_feedback_groups(W, metric, scale, zero, maxq, act_order=act_order)
+        if cd_passes:
+            codes = coordinate_descent(W, metric, scale, zero, maxq, codes, passes=cd_passes)
+        per = codes.reshape(groups, k, -1, codes.shape[1]).unbind(1)  # k x (groups, r / groups, d)
+        for buf, part in zip(out, per):
+            buf[rows] = part.reshape(m_rows.shape)
+    return out
+
+
+def _solver_codes(lb: LayerBlocks, mat: torch.Tensor, grid: tuple, metric: torch.Tensor, solver,
+                  progress: bool) -> torch.Tensor:
+    """(out, d_in) codes of ``mat`` on ``grid`` from another rounding (``solver``), a row chunk at a time."""
+    out = _codes_buffer(mat, grid)
+    chunks = row_chunks(*mat.shape, metric)
+    for rows in tqdm(chunks, desc=lb.name, disable=not progress or len(chunks) == 1, leave=False):
+        idx = lb.element_groups(rows, mat.device)
+        scale, zero, maxq = (x[idx] for x in grid)
+        ids = torch.unique(idx)  # these rows' groups, ascending
+        out[rows] = solver(mat[rows].double(), metric, scale, zero, maxq, groups=torch.searchsorted(ids, idx),
+                           name=lb.name)
+    return out
 
 
 def grid_candidates(q: QuantConfig, held_out: bool = False) -> dict[str, QuantConfig]:
@@ -632,11 +697,16 @@ def encode_candidates(
     for lb in tqdm(blocks, desc=bar, disable=not progress, leave=False):
         with shared_factors():  # every candidate's rounding of this layer: one factor, one metric held
             metric = _layer_metric(lb.name, q.rounding, column_metric, posterior)
+            same: dict[tuple, list] = {}  # candidates that round alike are encoded in one stacked call
             for cq, t, allocation, qw in built.values():
-                qw[lb.name] = encode_layer(
-                    t.layer(lb.name), allocation.unit_bits[lb.name], weights[lb.name], metric,
-                    rounding=cq.rounding, act_order=cq.act_order, refit=cq.refit, scale_bits=cq.scale_bits,
-                    cd_passes=cq.cd_passes, progress=progress)
+                key = (cq.rounding, cq.act_order, cq.refit, cq.scale_bits, cq.cd_passes)
+                same.setdefault(key, []).append((t.layer(lb.name), allocation.unit_bits[lb.name], qw))
+            for (rounding, act_order, refit, scale_bits, cd_passes), group in same.items():
+                encoded = encode_layer_candidates(
+                    [(t, bits) for t, bits, _ in group], weights[lb.name], metric, rounding=rounding,
+                    act_order=act_order, refit=refit, scale_bits=scale_bits, cd_passes=cd_passes, progress=progress)
+                for (_, _, qw), enc in zip(group, encoded):
+                    qw[lb.name] = enc
             del metric
         if consume_metric and isinstance(column_metric, LazyMetrics):
             column_metric.release(lb.name)

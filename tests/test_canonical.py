@@ -83,9 +83,12 @@ def test_hf_conv1d_becomes_linear_with_the_transposed_weight():
     model = nn.Sequential(pytorch_utils.Conv1D(6, 4), nn.ReLU()).double()  # Conv1D(nf=out, nx=in)
     x = torch.randn(3, 5, 4, dtype=D)
     want = model(x)
+    stored = model[0].weight
     with canonical(model):
         lin = model[0]
         assert type(lin) is nn.Linear and lin.weight.shape == (6, 4)
+        # a transposed view of the original weight, not a copy (GPT-2 medium: 1.1 GiB)
+        assert lin.weight.data_ptr() == stored.data_ptr() and torch.equal(lin.weight, stored.T)
         torch.testing.assert_close(model(x), want, rtol=0, atol=1e-12)
     assert type(model[0]) is pytorch_utils.Conv1D
 

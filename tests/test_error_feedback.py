@@ -156,11 +156,11 @@ def test_error_feedback_bad_input_raises():
         error_feedback_round(W, torch.eye(5, dtype=torch.float64), scale, zero, maxq)
     with pytest.raises(ValueError, match="not symmetric"):
         error_feedback_round(W, eye + torch.triu(torch.ones(4, 4, dtype=torch.float64), 1), scale, zero, maxq)
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(ValueError, match="W has NaN"):
         error_feedback_round(W.clone().fill_(float("nan")), eye, scale, zero, maxq)
     asym, nan_H = eye + torch.triu(torch.ones(4, 4, dtype=torch.float64), 1), eye.clone()
     nan_H[1, 2] = float("nan")
-    for bad, what in ((asym, "not symmetric"), (nan_H, "NaN")):  # the grouped solver, in and out of the memo
+    for bad, what in ((asym, "not symmetric"), (nan_H, "H has NaN")):  # the grouped solver, in and out of the memo
         for scope in (nullcontext, shared_factors):
             with scope(), pytest.raises(ValueError, match=what):
                 error_feedback_groups(W, bad, scale, zero, maxq)
@@ -326,6 +326,30 @@ def test_coordinate_descent_groups_vs_loop_over_groups():
         r = slice(4 * g, 4 * g + 4)
         assert torch.equal(both[r], coordinate_descent(W[r], H[g], scale[r], zero[r], maxq[r], start[r], passes=2))
     assert torch.equal(coordinate_descent(W, H, scale, zero, maxq, start, passes=0), start)
+
+
+def _naive_sweeps(W, H, scale, zero, maxq, codes, passes):
+    """Coordinate descent with D H recomputed from scratch for every column (no kept state)."""
+    codes = codes.clone()
+    for _ in range(passes):
+        for j in range(W.shape[1]):
+            D = scale * (codes - zero) - W  # (out, d)
+            q = scale[:, j] * (codes[:, j] - zero[:, j]) - (D @ H)[:, j] / H[j, j]
+            codes[:, j] = torch.minimum(torch.clamp(torch.round(q / scale[:, j] + zero[:, j]), min=0),
+                                        maxq[:, j].double()).long()
+    return codes
+
+
+@pytest.mark.parametrize("passes", [1, 3])
+def test_coordinate_descent_vs_naive_sweeps(passes):
+    """Kept-current D H (lazy inside a block, one product per block, the last sweep's blocks
+    behind it skipped) gives the codes of recomputing D H for every column."""
+    W, H, scale, zero, maxq = _problem(7, 9, 23, 3)
+    start = _rtn(W, scale, zero, maxq)
+    ref = _naive_sweeps(W, H, scale, zero, maxq, start, passes)
+    assert not torch.equal(ref, start)  # the sweeps move codes: the comparison has teeth
+    for b in (1, 4, 23):
+        assert torch.equal(coordinate_descent(W, H, scale, zero, maxq, start, passes=passes, block_size=b), ref)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -489,6 +489,38 @@ def test_encode_row_chunks_vs_whole_layer(monkeypatch, capsys, layout):
         assert torch.equal(chunked[name].dequantize(), qw.dequantize()), name
 
 
+@pytest.mark.parametrize("chunk", [None, 2 * 16 * 1152])  # the 64-row Linear in 4 chunks
+def test_encode_layer_candidates_vs_one_call_each(monkeypatch, chunk):
+    """Two candidates' rows stacked in one rounding call (a dense and a depthwise convolution,
+    whose rows are stacked group by group, and Linear layers, also row chunk by row chunk): the
+    codes and scales of encoding each candidate on its own."""
+    import bayesq.quantize as qz
+    from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.quantize import allocate, build_table, ef_column_metric, encode_layer, encode_layer_candidates
+
+    model, batches = _model().double(), [b.double() for b in _calibration()]
+    q = QuantConfig(group_size=16, unit_groups=2)
+    post = qz.fit_posterior(model, batches, BayesQConfig(quant=q), progress=False)
+    layers = quantizable_layers(model)
+    blocks = layer_blocks(layers, 16, 2)
+    metric = ef_column_metric(post, q, model, batches)
+    tables = [build_table(post, blocks, cq, model=model, calibration=batches, progress=False, column_metric=metric)
+              for cq in qz.grid_candidates(q, held_out=True).values()]
+    allocs = [allocate(tables[0], 3.5), allocate(tables[1], 4.0)]
+    if chunk:
+        monkeypatch.setattr(qz, "ENCODE_ROW_ELEMENTS", chunk)
+        assert len(qz.row_chunks(64, 1152, metric["5"], copies=2)) == 4
+    opts = dict(rounding=q.rounding, act_order=True, refit=True, cd_passes=2)
+    for name, layer in layers.items():
+        parts = [(t.layer(name), a.unit_bits[name]) for t, a in zip(tables, allocs)]
+        both = encode_layer_candidates(parts, layer.weight, metric[name], **opts)
+        for (t, bits), got in zip(parts, both):
+            alone = encode_layer(t, bits, layer.weight, metric[name], **opts)
+            assert torch.equal(got.codes, alone.codes), name
+            assert torch.equal(got.dequantize(), alone.dequantize()), name
+    assert not torch.equal(both[0].codes, both[1].codes)  # the candidates differ: stacking has something to mix up
+
+
 def test_encode_best_given_stats_vs_its_own_statistics_pass():
     from bayesq.baselines.activations import input_stats
     from bayesq.blocks import layer_blocks, quantizable_layers

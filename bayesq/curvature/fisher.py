@@ -80,7 +80,8 @@ def _squared_grad_sum(
         desc += " + layer-input statistics"
     acts: dict[str, torch.Tensor] = {}
     outputs: dict[str, torch.Tensor] = {}
-    total = {name: torch.zeros_like(m.weight, dtype=sum_dtype(m.weight.dtype)) for name, m in layers.items()}
+    total = {name: torch.zeros(m.weight.shape, dtype=sum_dtype(m.weight.dtype), device=m.weight.device)
+             for name, m in layers.items()}
 
     def record(name: str, mod: nn.Module, a: torch.Tensor, output: torch.Tensor) -> None:
         acts[name] = a.detach()
@@ -159,17 +160,25 @@ def spread_batches(n: int, share: float) -> set[int]:
 def _hand_on(held: dict[str, list[tuple[torch.Tensor, int]]], on_rows) -> None:
     """``on_rows(name, rows)`` with each layer's parts' rows joined into the batch's (the same
     values and memory layout as one pass over the batch; layers that read one rows object per
-    part get one joined object)."""
-    joined: dict[tuple, torch.Tensor] = {}
+    part get one joined object). ``held`` is emptied as it goes: one joined object is made at a
+    time and released with its pieces once its layers have read it, so the batch's rows are
+    not held twice (GPT-2 medium: 0.7 GiB)."""
+    by_key: dict[tuple, list[str]] = {}
     for name, pieces in held.items():
-        key = tuple(id(p) for p, _ in pieces)
-        if key not in joined:
-            dim = pieces[0][1]
-            if pieces[0][0].is_contiguous():
-                joined[key] = torch.cat([p for p, _ in pieces], dim)
-            else:  # unfolded patches: a transposed view of (N, groups, d_in, T)
-                joined[key] = torch.cat([p.mT for p, _ in pieces], dim).mT
-        on_rows(name, joined[key])
+        by_key.setdefault(tuple(id(p) for p, _ in pieces), []).append(name)
+    for names in by_key.values():
+        pieces = held[names[0]]
+        dim = pieces[0][1]
+        if pieces[0][0].is_contiguous():
+            joined = torch.cat([p for p, _ in pieces], dim)
+        else:  # unfolded patches: a transposed view of (N, groups, d_in, T)
+            joined = torch.cat([p.mT for p, _ in pieces], dim).mT
+        for name in names:
+            del held[name]
+        del pieces
+        for name in names:
+            on_rows(name, joined)
+        del joined
 
 
 def _rows(mod: nn.Module, a: torch.Tensor, out_shape: torch.Size, shared: dict) -> torch.Tensor:

@@ -121,7 +121,7 @@ def _rademacher(weights: Tensors, gen: torch.Generator) -> Tensors:
 
 def _batch_diagonal(matvec: MatVec, weights: Tensors, probes: int, gen: torch.Generator) -> Tensors:
     """``(1/M) sum_m v_m * (C v_m)`` per weight, float64."""
-    acc = [torch.zeros_like(w, dtype=torch.float64) for w in weights]
+    acc = [torch.zeros(w.shape, dtype=torch.float64, device=w.device) for w in weights]
     for _ in range(probes):
         v = _rademacher(weights, gen)
         for a, vi, cvi in zip(acc, v, matvec(v)):
@@ -167,7 +167,7 @@ def hutchinson_diagonal(
     gen = torch.Generator().manual_seed(seed)
     names = list(layers)
     weights = [layers[n].weight for n in names]
-    curv = {n: torch.zeros_like(w, dtype=torch.float64) for n, w in zip(names, weights)}
+    curv = {n: torch.zeros(w.shape, dtype=torch.float64, device=w.device) for n, w in zip(names, weights)}
     needs_grad = [w.requires_grad for w in weights]
     was_training = model.training
     model.eval()
