@@ -191,6 +191,7 @@ def group_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, Bo
 
 
 ENCODE_ROW_ELEMENTS = 1 << 21  # weights per error-feedback call on a layer with one column metric
+CD_DTYPE = torch.float32  # coordinate descent's D H: half float64's time, the same cost to 2e-6 (benchmarks/cd_dtype.py)
 
 
 def row_chunks(n_out: int, d_in: int, metric: torch.Tensor, copies: int = 1) -> list[slice]:
@@ -219,7 +220,7 @@ def _refit_books(lb: LayerBlocks, W: torch.Tensor, codes: torch.Tensor, group_bi
         for rows in row_chunks(*W.shape, metric):
             group = lb.element_groups(rows, W.device)  # (r, d_in)
             eqs.append(row_equations(W[rows].double(), codes[rows].double() - zero[group], lb.row // lb.group_size,
-                                     metric))
+                                     metric, constant=False))  # the scales only: no W^T H W
         refit = refit_rows(tuple(torch.cat(x) for x in zip(*eqs)), scale, scale_bits=scale_bits)
     if refit is None:  # groups straddle rows, or some row's equations are singular: the whole layer
         group = lb.element_groups(slice(0, W.shape[0]), W.device)  # (out, d_in)
@@ -476,7 +477,7 @@ def _feedback_codes(lb: LayerBlocks, mat: torch.Tensor, grids: list[tuple], metr
         scale, zero, maxq = (stack([g[i][idx] for g in grids]) for i in range(3))
         codes = error_feedback_groups(W, metric, scale, zero, maxq, act_order=act_order)
         if cd_passes:
-            codes = coordinate_descent(W, metric, scale, zero, maxq, codes, passes=cd_passes)
+            codes = coordinate_descent(W, metric, scale, zero, maxq, codes, passes=cd_passes, dtype=CD_DTYPE)
         per = codes.reshape(groups, k, -1, codes.shape[1]).unbind(1)  # k x (groups, r / groups, d)
         for buf, part in zip(out, per):
             buf[rows] = part.reshape(m_rows.shape)

@@ -14,8 +14,8 @@ the k x k normal equations ``M_r a_r = b_r`` exactly,
 
     M_r[g, h] = u_{r,g}^T H_{gh} u_{r,h},   b_r[g] = u_{r,g}^T (H W_r)_g,
 
-built with one pass of products over the column blocks (the cost of two products ``U H``);
-with ``c_r = W_r^T H W_r`` they also give ``J(a) = sum_r a_r^T M_r a_r - 2 a_r^T b_r + c_r`` of
+built with one pass of products over the column blocks (the cost of one product ``U H``);
+with ``c_r = W_r^T H W_r`` (one more product, which no scale depends on) they also give ``J(a) = sum_r a_r^T M_r a_r - 2 a_r^T b_r + c_r`` of
 any scales, so the costs before and after the refit take no further product.
 Otherwise (groups straddle rows, which couples them) ``J`` is minimised by preconditioned
 gradient steps with an exact line search: the direction is the gradient divided by the diagonal
@@ -68,12 +68,17 @@ def _normal_equations(W: torch.Tensor, u: torch.Tensor, group: torch.Tensor, n: 
     return row_equations(W, u, k, H)
 
 
-def row_equations(W: torch.Tensor, u: torch.Tensor, k: int,
-                  H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def row_equations(W: torch.Tensor, u: torch.Tensor, k: int, H: torch.Tensor,
+                  constant: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_normal_equations` of rows that each hold ``k`` whole groups of ``d / k`` contiguous
     columns (the caller knows the layout): each row's equations read only that row, so those of a
     large layer can be built a chunk of rows at a time and concatenated (rows split evenly into
     ``H.shape[0]`` convolution groups need all rows at once).
+
+    ``M`` and ``b`` both come from the products ``P_g = u_{r,g}^T H_{g,:}`` (one ``U H`` in all):
+    ``M_r[g, h] = P_g . u_{r,h}`` and ``b_r[g] = P_g . W_r``. ``constant=False`` skips
+    ``c_r = W_r^T H W_r`` (returned as zeros), a second product that no scale depends on: the
+    refit's solution and its kept-or-not decision are the same, and ``J`` is then ``J - sum_r c_r``.
 
     Args:
         W, u: (out, d) float64; H: (groups, d, d) or (d, d) float64 symmetric.
@@ -84,15 +89,17 @@ def row_equations(W: torch.Tensor, u: torch.Tensor, k: int,
     per = out // Hs.shape[0]
     M = torch.empty(out, k, k, dtype=torch.float64, device=W.device)
     b = torch.empty(out, k, dtype=torch.float64, device=W.device)
-    c = torch.empty(out, dtype=torch.float64, device=W.device)
+    c = torch.zeros(out, dtype=torch.float64, device=W.device)
     for i, Hc in enumerate(Hs):  # convolution groups: rows i*per ... (i+1)*per - 1
         rows = slice(i * per, (i + 1) * per)
-        Uc, WH = u[rows], metric_apply(W[rows], Hc)
-        b[rows] = (WH * Uc).reshape(per, k, width).sum(-1)
-        c[rows] = (WH * W[rows]).sum(1)
+        Uc, Wc = u[rows], W[rows]
+        if constant:
+            c[rows] = (metric_apply(Wc, Hc) * Wc).sum(1)
         for g in range(k):
             cols = slice(g * width, (g + 1) * width)
-            M[rows, g] = ((Uc[:, cols] @ Hc[cols]) * Uc).reshape(per, k, width).sum(-1)
+            P = Uc[:, cols] @ Hc[cols]  # (per, d): u_{r,g}^T H_{g,:}
+            M[rows, g] = (P * Uc).reshape(per, k, width).sum(-1)
+            b[rows, g] = (P * Wc).sum(1)
     return 0.5 * (M + M.mT), b, c
 
 
@@ -174,7 +181,8 @@ def refit_rows(eq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: torch
     """:func:`refit_scales` of a layer whose rows decouple, from their normal equations
     (:func:`row_equations`, e.g. built a chunk of rows at a time and concatenated): the same
     result; None when some row's equations are not positive definite (then call
-    :func:`refit_scales`, which descends)."""
+    :func:`refit_scales`, which descends). Equations built with ``constant=False`` give the same
+    scales, and the two costs less ``sum_r c_r``."""
     exact = _solve_rows(eq, scale)
     if exact is None:
         return None

@@ -352,6 +352,20 @@ def test_coordinate_descent_vs_naive_sweeps(passes):
         assert torch.equal(coordinate_descent(W, H, scale, zero, maxq, start, passes=passes, block_size=b), ref)
 
 
+def test_coordinate_descent_float32_vs_float64():
+    """float32 D H (the encoder's CD_DTYPE) moves codes only at float32 near-ties: on 200 rows of
+    64 columns almost every code equals float64's, the cost agrees to 1e-5, and float32 too
+    lowers the cost of its start."""
+    W, H, scale, zero, maxq = _problem(21, 200, 64, 3)
+    start = _rtn(W, scale, zero, maxq)
+    c64 = coordinate_descent(W, H, scale, zero, maxq, start, passes=2)
+    c32 = coordinate_descent(W, H, scale, zero, maxq, start, passes=2, dtype=torch.float32)
+    assert c32.dtype == torch.int64 and not torch.equal(c64, start)
+    assert float((c32 != c64).double().mean()) < 1e-3
+    cost = {k: float(_cost(W, c, scale, zero, H)) for k, c in (("start", start), ("64", c64), ("32", c32))}
+    assert abs(cost["32"] / cost["64"] - 1) < 1e-5 and cost["32"] < 0.99 * cost["start"], cost
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_coordinate_descent_block_size_does_not_change_codes(seed):
     W, H, scale, zero, maxq = _problem(seed, 8, 37, 3)

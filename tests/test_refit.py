@@ -114,3 +114,19 @@ def test_refit_rows_chunked_vs_refit_scales():
     M, b, c = (torch.cat(x) for x in zip(*eq))
     M[2] = -M[2]  # not positive definite
     assert refit_rows((M, b, c), scale) is None
+
+
+def test_row_equations_without_constant_same_scales():
+    """constant=False (the encoder's call): the same scales, the same M and b, and both costs
+    lower by exactly sum_r W_r^T H W_r (to float64 rounding)."""
+    from bayesq.refit import refit_rows, row_equations
+
+    W, u, _, scale, H = _problem(6, out=8, d=48, group_size=16)
+    full, bare = row_equations(W, u, 3, H), row_equations(W, u, 3, H, constant=False)
+    torch.testing.assert_close(bare[0], full[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(bare[1], full[1], rtol=1e-12, atol=1e-14)
+    assert torch.equal(bare[2], torch.zeros(8, dtype=F64))
+    want, got = refit_rows(full, scale[:24]), refit_rows(bare, scale[:24])
+    assert torch.equal(got[0], want[0])
+    shift = float((metric_apply(W, H) * W).sum())
+    assert got[1] == pytest.approx(want[1] - shift, rel=1e-9) and got[2] == pytest.approx(want[2] - shift, rel=1e-9)
