@@ -467,6 +467,8 @@ def _feedback_codes(lb: LayerBlocks, mat: torch.Tensor, grids: list[tuple], metr
     chunks = row_chunks(*mat.shape, metric, copies=k)  # a large layer (a vocabulary projection) shows its own bar
 
     def stack(xs: list[torch.Tensor]) -> torch.Tensor:  # k x (r, d) -> (k r, d), group-major
+        if k == 1:  # one grid: the rows as they are (no copy)
+            return xs[0]
         r, d = xs[0].shape
         return torch.stack([x.reshape(groups, r // groups, d) for x in xs], 1).reshape(k * r, d)
 
