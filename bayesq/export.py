@@ -12,6 +12,8 @@ Per quantised layer ``L`` (tensors, all little-endian):
     L/lut        fp16    2**b entries per unit with a Lloyd table, in unit order
     L/vq         fp16    (K, dim) VQ codebook (VQ layers)
     L/col_scale  fp16    AWQ's stored per-input-channel scales (groups, channels)
+    L/split      int16   OCS's split input channels (k,): the layout's shape has c + k input
+                         channels, the last k copies of these (int32 past 32,768 channels)
     fp/<key>             every other tensor of the model's state (biases, norms, embeddings), as is
 
 So ``8 * (bytes of the L/* tensors)`` equals the accounted bits plus at most 7 bits of byte
@@ -44,7 +46,7 @@ from bayesq.harness.sources import build_skeleton
 from bayesq.packing import ExportError, offsets_of, pack_bits, real_codes, unpack_bits
 from bayesq.qlayers import replace_quantized
 from bayesq.result import QuantizedWeight
-from bayesq.storage import header_bits
+from bayesq.storage import header_bits, split_index_dtype
 from bayesq.tensorfile import file_sha256, save_tensors
 
 FORMAT = "bayesq-packed"
@@ -141,12 +143,14 @@ def layer_tensors(qw: QuantizedWeight, quant: QuantConfig) -> tuple[dict[str, to
             fields.setdefault(f.name, []).append(f)
         entries.update(book.layout_entries(quant))
     for key, fs in sorted(fields.items()):
-        if key in t or key in ("codes", "header", "col_scale"):
+        if key in t or key in ("codes", "header", "col_scale", "split"):
             raise ValueError(f"layer '{lb.name}': a '{fs[0].name}' field of its codebooks clashes with the "
                              f"format's own tensor '{key}'")
         t[key] = _merged(fs)
     if qw.col_scale is not None:
         t["col_scale"] = _stored(_channel_scales(qw), 16)
+    if qw.split is not None:
+        t["split"] = qw.split.to(split_index_dtype(qw.shape[1])).contiguous()
     layout = {"shape": list(lb.shape), "group_size": lb.group_size, "unit_groups": lb.unit_groups,
               "row_aligned": lb.row_aligned, "bit_set": bit_set, "kinds": {str(b): k for b, k in kinds.items()},
               "mu": None, "scale_bits": quant.scale_bits, "lut_bits": quant.lut_bits, **entries}
@@ -234,7 +238,14 @@ def layer_from_tensors(name: str, t: Mapping[str, torch.Tensor], layout: Mapping
     col = None
     if "col_scale" in t:
         col = t["col_scale"].double().repeat_interleave(math.prod(lb.shape[2:]), 1)
-    return QuantizedWeight(lb, group_bits, codes, books, col)
+    split = None
+    if "split" in t:
+        split = t["split"].to(torch.int64).reshape(-1)
+        c = lb.shape[1] - split.numel()
+        if c < 1 or bool(((split < 0) | (split >= c)).any()):
+            raise ExportError(f"layer '{name}': its split channels do not index its {lb.shape[1]} - "
+                              f"{split.numel()} input channels: the file is corrupted or was edited")
+    return QuantizedWeight(lb, group_bits, codes, books, col, split)
 
 
 def _slot_values(t, name: str, slots: dict[int, list[Slot]]) -> dict[int, dict[str, torch.Tensor]]:
@@ -317,7 +328,7 @@ def save_export(
         tensors[f"fp/{k}"] = v.detach().cpu().clone().contiguous()
         fp_bytes += v.numel() * v.element_size()
     fp_matrix = kept_matrices(qmodel, weights)
-    n = sum(qw.blocks.numel for qw in weights.values())
+    n = sum(qw.numel for qw in weights.values())
     layers_json = json.dumps(layouts, sort_keys=True)
     meta = {"format": FORMAT, "format_version": str(VERSION), "layers": layers_json,
             "architecture": architecture, "content_sha256": content_hash(tensors, layers_json),

@@ -143,9 +143,9 @@ def replace_quantized(model: nn.Module, weights: dict, backend: str = "auto",
     aliases = tied_layers(model, {name: model.get_submodule(name) for name in weights})
     for name, qw in weights.items():
         mod = model.get_submodule(name)
-        if tuple(mod.weight.shape) != qw.blocks.shape:
+        if tuple(mod.weight.shape) != qw.shape:
             raise ValueError(f"layer '{name}': module weight {tuple(mod.weight.shape)} vs quantised "
-                             f"{qw.blocks.shape}: the skeleton does not match")
+                             f"{qw.shape}: the skeleton does not match")
         if isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward:
             new = QuantLinear(pack_weight(qw), mod.bias, backend)
         elif isinstance(mod, nn.Conv2d):

@@ -8,6 +8,7 @@ imports this module and none imports another method's module for them.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -66,6 +67,11 @@ class QuantizedWeight:
             (``UniformGrids``: ``scale * (code - zero)``; ``LevelTables``: ``levels[row, code]``).
         col_scale: optional (groups, d_in) float64 stored per-input-channel scale s (AWQ): the
             codes encode ``W * s`` and the layer uses ``W_hat[o, j] = decoded[o, j] / s[g(o), j]``.
+        split: optional (k,) int64 split input channels (OCS, :mod:`bayesq.baselines.ocs`): the
+            codes encode a weight of ``c + k`` input channels (``blocks.shape[1]``) whose last k
+            channels are copies of channels ``split`` of the deployed ``c``; the layer uses
+            ``W_hat[:, j] = decoded[:, j] + sum_{i: split[i] = j} decoded[:, c + i]`` (:attr:`shape`:
+            ``blocks.shape`` with ``c`` input channels).
     """
 
     blocks: LayerBlocks
@@ -73,6 +79,7 @@ class QuantizedWeight:
     codes: torch.Tensor
     books: Mapping[int, Book]
     col_scale: torch.Tensor | None = None
+    split: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         c = self.codes  # uint8 when every code fits (the attribute's docstring)
@@ -81,12 +88,25 @@ class QuantizedWeight:
             if int(lo) >= 0 and int(hi) < 256:
                 object.__setattr__(self, "codes", c.to(torch.uint8))
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The deployed weight's shape: ``blocks.shape``, less the split channels."""
+        if self.split is None:
+            return self.blocks.shape
+        out, channels, *kernel = self.blocks.shape
+        return (out, channels - self.split.numel(), *kernel)
+
+    @property
+    def numel(self) -> int:
+        """Weights of the deployed layer (the average bits' denominator)."""
+        return math.prod(self.shape)
+
     def indices(self, sel: torch.Tensor | None = None) -> torch.Tensor:
         """The codes (of the groups ``sel`` selects) as int64, the dtype indexing needs."""
         return (self.codes if sel is None else self.codes[sel]).long()
 
     def dequantize(self) -> torch.Tensor:
-        """Weight of ``blocks.shape`` (float64) from the codes, codebooks (and col_scale) only."""
+        """Weight of :attr:`shape` (float64) from the codes, codebooks (and col_scale, split) only."""
         w = torch.zeros(self.codes.shape[0], self.blocks.group_size, dtype=torch.float64, device=self.codes.device)
         step = max(1, DEQUANTIZE_ELEMENTS // self.blocks.group_size)  # int64 codes and decoded copies of a chunk
         for b, book in self.books.items():
@@ -96,11 +116,20 @@ class QuantizedWeight:
                 rows = torch.arange(i, i + part.numel(), device=sel.device)
                 w[part] = book.take(rows).dequantize(self.indices(part))
         w = self.blocks.from_groups(w)
+        if self.split is not None:
+            return fold_split(w, self.split)
         if self.col_scale is None:
             return w
         n_out = self.blocks.shape[0]
         s = self.col_scale.repeat_interleave(n_out // self.col_scale.shape[0], dim=0)  # (out, d_in)
         return (w.reshape(n_out, -1) / s).reshape(self.blocks.shape)
+
+
+def fold_split(w: torch.Tensor, split: torch.Tensor) -> torch.Tensor:
+    """(out, c, ...) weight of a (out, c + k, ...) one whose last k input channels copy channels
+    ``split`` (k,): each copy added back to its channel."""
+    c = w.shape[1] - split.numel()
+    return w[:, :c].clone().index_add_(1, split.to(w.device), w[:, c:])
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,17 @@ of one allocation unit of n weights (``header_bits = ceil(log2 |bit set|)`` name
     VQ            C = n_vectors * log2(K) + K * g * lut_bits          # indices, one (K, g) codebook
 
     avg_bits  = sum_units C_unit / sum_units n
+
+A layer whose input channels were split (OCS) also stores each split channel's index (16 bits,
+32 past 32,768 channels), and its average counts the deployed layer's weights, not the copies'.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Sequence
+
+import torch
 
 
 def header_bits(n_choices: int) -> int:
@@ -33,6 +38,17 @@ def grid_bits(n_weights: int, n_groups: int, bits: int, scale_bits: int = 16) ->
     if n_weights < 0 or n_groups < 0 or bits < 1:
         raise ValueError(f"invalid encoding: n={n_weights}, groups={n_groups}, bits={bits}")
     return n_weights * bits + n_groups * (scale_bits + bits)
+
+
+def split_index_dtype(channels: int) -> torch.dtype:
+    """How the split channels of a layer with ``channels`` input channels (OCS) are stored: int16
+    while every index fits, else int32."""
+    return torch.int16 if channels <= 2**15 else torch.int32
+
+
+def split_bits(n_split: int, channels: int) -> int:
+    """Bits of ``n_split`` stored split-channel indices (:func:`split_index_dtype`)."""
+    return n_split * (16 if split_index_dtype(channels) == torch.int16 else 32)
 
 
 def unit_cost_bits(

@@ -69,7 +69,7 @@ def quantize(
     method: str = typer.Option("bayesq", help="bayesq, bayesq-ef, bayesq-paper, or a baseline: gptq, optq, awq, "
                                               "smoothquant, hawq, zeroq, anneal, aciq, clip-block, lloyd-block, "
                                               "rtn-tensor, rtn-channel, rtn-group, adaround, brecq, lsq, lsq-plus, "
-                                              "pact, dorefa, bit-split (settings from params.yaml)"),
+                                              "pact, dorefa, bit-split, ocs (settings from params.yaml)"),
     source: Optional[str] = typer.Option(None, "--model", help="your model: a Hugging Face folder, "
                                                                 "torchvision:<arch> (with --checkpoint) or "
                                                                 "package.module:function"),

@@ -16,6 +16,7 @@ from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.bitsplit import BitSplitConfig
+from bayesq.baselines.ocs import OCSConfig
 from bayesq.baselines.dorefa import DoReFaConfig
 from bayesq.baselines.hawq import HAWQConfig
 from bayesq.baselines.lsq import LSQConfig, StepGradient
@@ -66,6 +67,9 @@ BASELINE_CONFIGS = {
                                              lr=b.dorefa_lr),
     Method.BIT_SPLIT: lambda q, b, seed: BitSplitConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
                                                   bias_correction=b.bias_correction, epochs=b.bitsplit_epochs),
+    Method.OCS: lambda q, b, seed: OCSConfig(q, select=b.select, group_sizes=tuple(b.group_sizes),
+                                       expand_ratios=tuple(b.ocs_expand_ratios), act_order=b.gptq_act_order,
+                                       damp=b.gptq_damp, bias_correction=b.bias_correction),
 }
 
 

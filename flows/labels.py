@@ -11,7 +11,7 @@ METHOD_LABEL = {"bayesq": "BayesQ", "bayesq-distill": "BayesQ + distillation", "
                 "adaround": "AdaRound (best variant)", "brecq": "BRECQ (best variant)",
                 "lsq": "LSQ (best variant)", "lsq-plus": "LSQ+ (best variant)",
                 "pact": "PACT (best variant)", "dorefa": "DoReFa (best variant)",
-                "bit-split": "Bit-Split (best variant)",
+                "bit-split": "Bit-Split (best variant)", "ocs": "OCS + GPTQ (best ratio and variant)",
                 "optq": "OPTQ (best variant, natural order)", "clip-block": "Per-block uniform + clipping (g64)",
                 "lloyd-block": "Per-block Lloyd (LUT per 1024)", "smoothquant": "SmoothQuant weight-only (best variant)",
                 "anneal": "Mixed precision by annealing (per layer, GPTQ)"}

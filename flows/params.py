@@ -67,6 +67,7 @@ class Method(str, Enum):
     PACT = "pact"  # PACT's learned clipping level (the clipped ends' gradient only) on GPTQ's grids and variants
     DOREFA = "dorefa"  # DoReFa's straight-through fine-tuning of the latent weights on GPTQ's grids and variants
     BIT_SPLIT = "bit-split"  # Bit-Split: symmetric grids, ternary bit planes fitted in turn, on GPTQ's layouts and variants
+    OCS = "ocs"  # OCS: the largest-|w| input channels split in two, then GPTQ on the expanded layers
     OPTQ = "optq"  # GPTQ as first published (OPTQ): columns in their natural order, no act-order
     SMOOTHQUANT = "smoothquant"  # SmoothQuant's activation-to-weight migration, weight-only (on AWQ's code)
     ANNEAL = "anneal"  # one width per layer searched by simulated annealing on the calibration KL (GPTQ rounding)
@@ -78,7 +79,7 @@ class Method(str, Enum):
 GRID_METHODS = (Method.GPTQ, Method.OPTQ, Method.ADAROUND, Method.BRECQ, Method.LSQ, Method.LSQ_PLUS, Method.PACT,
                 Method.DOREFA, Method.BIT_SPLIT)
 #: Baselines that read calibration inputs (and params.yaml's calibration and baselines sections).
-CALIBRATED_METHODS = (*GRID_METHODS, Method.AWQ, Method.SMOOTHQUANT, Method.ANNEAL,
+CALIBRATED_METHODS = (*GRID_METHODS, Method.OCS, Method.AWQ, Method.SMOOTHQUANT, Method.ANNEAL,
                       Method.ZEROQ)  # ZeroQ: the shape of one calibration batch, never its values
 
 
@@ -247,6 +248,11 @@ class BaselinesConfig:
     dorefa_lr: float = setting(2e-4, above(0, "Adam's step on the latent weights, in code units"))
     bitsplit_epochs: int = setting(100, integer(1))  # Bit-Split: alternations of scales and planes at most (the paper's)
     smoothquant_alpha: float = setting(0.5, within("[0, 1]", "the paper's default is 0.5"))  # migration strength
+    ocs_expand_ratios: tuple[float, ...] = setting(  # OCS: shares of input channels split (variants of the selection)
+        (0.01, 0.02, 0.05),
+        rule(lambda r: isinstance(r, (tuple, list)) and len(r) > 0
+             and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1 for v in r),
+             "need a non-empty list of shares in (0, 1], e.g. [0.01, 0.02, 0.05]"), convert=tuple)
     anneal_steps: int = setting(200, integer(0))  # annealing search: moves proposed
     anneal_inputs: int = setting(256, integer(1))  # annealing search: calibration inputs each move is scored on
 

@@ -91,6 +91,7 @@ METHOD_SOURCES = {
     Method.PACT: ("bayesq/baselines/lsq.py", "bayesq/baselines/gptq.py"),  # LSQ's fit with PACT's gradient
     Method.DOREFA: ("bayesq/baselines/dorefa.py", "bayesq/baselines/gptq.py"),
     Method.BIT_SPLIT: ("bayesq/baselines/bitsplit.py", "bayesq/baselines/gptq.py"),
+    Method.OCS: ("bayesq/baselines/ocs.py", "bayesq/baselines/gptq.py"),  # GPTQ on the expanded layers
 }
 NOT_IN_ROWS = ("flows/ablate.py", "flows/report.py", "flows/robustness_report.py", "flows/labels.py", "flows/cli.py",
                "flows/zoo.py", "flows/settings.py", "flows/__main__.py")

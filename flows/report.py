@@ -212,7 +212,7 @@ def export_table(records: list[dict]) -> str:
 
 
 PAIRED_METHODS = ("bayesq", "bayesq-ef", "bayesq-distill", "bayesq-paper")
-PAIRED_BASELINES = ("gptq", "optq", "anneal", "adaround", "brecq", "lsq", "lsq-plus", "pact", "dorefa", "bit-split",
+PAIRED_BASELINES = ("gptq", "optq", "anneal", "adaround", "brecq", "lsq", "lsq-plus", "pact", "dorefa", "bit-split", "ocs",
                     "awq", "smoothquant", "hawq", "zeroq", "aciq", "lloyd-block", "clip-block",
                     "rtn-group", "rtn-channel", "rtn-tensor")  # every one run
 PAIRED_METRICS = (("accuracy", "correct", 100.0), ("kl", "kl", 1.0))  # (metric, example array, scale)

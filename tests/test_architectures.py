@@ -18,6 +18,7 @@ from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.bitsplit import BitSplitConfig
 from bayesq.baselines.dorefa import DoReFaConfig
 from bayesq.baselines.lsq import LSQConfig
+from bayesq.baselines.ocs import OCSConfig
 from bayesq.baselines.zeroq import ZeroQConfig
 from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.smoothquant import SmoothQuantConfig
@@ -52,6 +53,7 @@ METHODS = {
     "clip-block": BlockwiseConfig("uniform"),
     "lloyd-block": BlockwiseConfig("lloyd"),  # LUT tables in the export
     "smoothquant": SmoothQuantConfig(),
+    "ocs": OCSConfig(select=False),  # selection: GPTQ's, over its variants at each expand ratio (tests/test_ocs.py)
     "anneal": AnnealConfig(steps=6, progress=False),  # few moves: the same code path
 }
 

@@ -87,6 +87,7 @@ def test_params_unknown_method_rejected():
     ("brecq_iters", 0, "baselines.brecq_iters = 0"), ("pact_iters", 0, "baselines.pact_iters = 0"),
     ("pact_lr", 0.0, "baselines.pact_lr = 0.0"), ("dorefa_iters", 0, "baselines.dorefa_iters = 0"), ("dorefa_lr", -0.1, "baselines.dorefa_lr = -0.1"),
     ("bitsplit_epochs", 0, "baselines.bitsplit_epochs = 0"),
+    ("ocs_expand_ratios", [0.0], r"baselines.ocs_expand_ratios.*\(0, 1\]"), ("ocs_expand_ratios", [], "ocs_expand_ratios"),
     ("lsq_lr", 0.0, "baselines.lsq_lr = 0.0"), ("smoothquant_alpha", 1.5, r"baselines.smoothquant_alpha = 1.5.*\[0, 1\]"),
     ("anneal_steps", -1, "baselines.anneal_steps = -1"), ("anneal_inputs", 0, "baselines.anneal_inputs = 0"),
 ])
@@ -97,11 +98,12 @@ def test_baselines_config_bad_value_names_field(key, value, match):
 
 def test_params_yaml_loads_with_every_method():
     """The quick profile runs every method but the learned rivals (AdaRound: about 26 minutes per
-    MiniLM encoding at the paper's 10,000 steps; BRECQ; LSQ, LSQ+, PACT, DoReFa, Bit-Split); the full profile runs
-    all of them."""
+    MiniLM encoding at the paper's 10,000 steps; BRECQ; LSQ, LSQ+, PACT, DoReFa, Bit-Split; OCS, three expand ratios
+    of GPTQ's variants); the full profile runs all of them."""
     raw = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
     p = load_params(raw)
-    learned = {Method.ADAROUND, Method.BRECQ, Method.LSQ, Method.LSQ_PLUS, Method.PACT, Method.DOREFA, Method.BIT_SPLIT}
+    learned = {Method.ADAROUND, Method.BRECQ, Method.LSQ, Method.LSQ_PLUS, Method.PACT, Method.DOREFA, Method.BIT_SPLIT,
+               Method.OCS}
     assert set(p.methods) == set(Method) - learned and p.baselines.hawq_probes >= 1
     assert set(load_params({**raw, "profile": "full"}).methods) == set(Method)
 

@@ -13,6 +13,7 @@ from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig, gptq_select
 from bayesq.baselines.hawq import HAWQConfig
 from bayesq.baselines.bitsplit import BitSplitConfig
+from bayesq.baselines.ocs import OCSConfig
 from bayesq.baselines.dorefa import DoReFaConfig
 from bayesq.baselines.lsq import LSQConfig
 from bayesq.baselines.zeroq import ZeroQConfig
@@ -49,6 +50,7 @@ CONFIGS = [
     LSQConfig(Q, select=False, gradient="pact", iters=30, progress=False),
     DoReFaConfig(Q, group_sizes=(32,), iters=30, progress=False),
     BitSplitConfig(Q, group_sizes=(32,), progress=False),
+    OCSConfig(Q, group_sizes=(32,), expand_ratios=(0.05, 0.1)), OCSConfig(Q, select=False),
     ZeroQConfig(Q, iters=20, progress=False),
     BlockwiseConfig("uniform", Q), BlockwiseConfig("lloyd", Q),
     SmoothQuantConfig(Q, select=False), SmoothQuantConfig(Q, group_sizes=(32,), alpha=0.75),

@@ -99,11 +99,14 @@ def pack_weight(qw) -> PackedWeight:
     col = None
     if qw.col_scale is not None and qw.col_scale.shape[0] == 1:
         col = qw.col_scale[0].float()
-    dense = any(not b.decodable for b in qw.books.values()) or (qw.col_scale is not None and col is None)
+    split = getattr(qw, "split", None) is not None  # OCS's split channels: decoded and folded once
+    dense = any(not b.decodable for b in qw.books.values()) or (qw.col_scale is not None and col is None) or split
     if dense:
         z = torch.zeros(0, dtype=torch.int64)
+        w = qw.dequantize()
+        n, k = w.shape[0], w[0].numel()
         return PackedWeight(torch.zeros(1, dtype=torch.int32), z.int(), z.to(torch.uint8), empty.half(),
-                            z.to(torch.uint8), empty, z.int(), qw.dequantize().reshape(n, k).float(), None, n, k,
+                            z.to(torch.uint8), empty, z.int(), w.reshape(n, k).float(), None, n, k,
                             lb.group_size, gpr)
     gbits = qw.group_bits.to(torch.int64)
     words = _int32_words(pack_bits(real_codes(qw, sizes), gbits.repeat_interleave(sizes)))
