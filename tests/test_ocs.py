@@ -160,6 +160,30 @@ def test_ocs_infeasible_budget_names_the_expanded_share():
                                      expand_ratios=(0.1,)), 2.3, Inputs(calibration=batches))
 
 
+def test_ocs_export_with_an_edited_split_index_is_clear(tmp_path):
+    """A split index outside the deployed layer's channels (the hash recomputed, as an editor would)
+    is named as a corrupt file, not decoded into a wrong weight."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from bayesq.export import content_hash, read_export
+    from bayesq.packing import ExportError
+
+    net, batches = _net(torch.float32), _batches(dtype=torch.float32)
+    quant = QuantConfig(group_size=64, unit_groups=2)
+    res = quantize_with(net, OCSConfig(quant=quant, select=False, expand_ratios=(0.1,)), 3.0,
+                        Inputs(calibration=batches)).result
+    info = save_export(tmp_path / "m.safetensors", res.model, res.weights, quant, res.allocation.total_bits)
+    with safe_open(str(info.path), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    split = tensors["fc2/split"].clone()
+    split[0] = 64  # fc2 has 64 input channels: 0 ... 63
+    tensors["fc2/split"] = split
+    save_file(tensors, str(info.path), metadata={**meta, "content_sha256": content_hash(tensors, meta["layers"])})
+    with pytest.raises(ExportError, match=r"layer 'fc2': its split channels do not index .*corrupted or was edited"):
+        read_export(info.path)
+
+
 def test_ocs_config_names_a_bad_ratio():
     with pytest.raises(ValueError, match=r"expand_ratios.*\(0, 1\]"):
         OCSConfig(expand_ratios=(0.0,))
