@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, ClassVar, Mapping
+from typing import Callable, ClassVar, Mapping, Sequence
 
 import torch
 from scipy.optimize import minimize_scalar
@@ -451,42 +451,77 @@ def search_range(
     Returns:
         (grids, cost): the chosen grids and their (G,) float64 cost.
     """
-    def cost_at(rho: torch.Tensor) -> torch.Tensor:
-        return cost(grids_from_range(rho * wmin, rho * wmax, bits, scale_bits))
+    def paired(g: UniformGrids) -> torch.Tensor:  # (1, G) grids: this search's points
+        return cost(g.take(0))[None]
 
-    batched = elements > 0
+    grids, costs = search_ranges(wmin, wmax, bits, lambda g: cost(g)[None], paired, iters=iters, min_ratio=min_ratio,
+                                 scale_bits=scale_bits, grid=grid, elements=elements)
+    return grids.take(0), costs[0]
+
+
+def search_ranges(
+    wmin: torch.Tensor, wmax: torch.Tensor, bits: int, scan: Callable[[UniformGrids], torch.Tensor],
+    paired: Callable[[UniformGrids], torch.Tensor], *, iters: int = 20, min_ratio: float = 0.2,
+    scale_bits: int = 16, grid: int = 0, elements: int = 0,
+) -> tuple[UniformGrids, torch.Tensor]:
+    """:func:`search_range` of the same rows under ``k`` costs at once, each search with the
+    result it has alone. ``scan(grids)`` scores grids that every search scores (``rho = 1``, the
+    ratio grid; scales (..., G)) under all k costs: (k, ..., G), e.g. :func:`grid_sq_errors` (the
+    rounding errors computed once, weighted once per cost). ``paired(grids)`` scores (k, G)
+    grids, row i of them under cost i: (k, G); the golden sections, where the searches go their
+    own ways, run as one on (k, G) ratios. Other arguments as :func:`search_range`.
+
+    Returns:
+        (grids with (k, G) scales and zero-points, (k, G) float64 costs).
+    """
+    def grids_at(rho: torch.Tensor) -> UniformGrids:
+        return grids_from_range(rho * wmin, rho * wmax, bits, scale_bits)
 
     one = torch.ones_like(wmin)
-    best_cost, best_rho = cost_at(one), one.clone()
+    f1 = scan(grids_at(one))  # (k, G)
+    best = _Best(torch.ones_like(f1), f1)
     if min_ratio >= 1:  # min/max is the only range: nothing to search
-        return grids_from_range(wmin, wmax, bits, scale_bits), best_cost
-
-    def consider(rho: torch.Tensor, f: torch.Tensor) -> None:
-        nonlocal best_cost, best_rho
-        better = f < best_cost
-        best_cost, best_rho = torch.where(better, f, best_cost), torch.where(better, rho, best_rho)
-
-    a, b = torch.full_like(wmin, min_ratio), one.clone()
+        return grids_at(best.rho), best.cost
+    lo, hi = torch.full_like(best.rho, min_ratio), best.rho.clone()
     if grid > 1:
         ratios = torch.linspace(min_ratio, 1.0, grid, dtype=wmin.dtype, device=wmin.device)[:-1]
-        if batched:  # every ratio at once, in chunks of at most _BATCH_ELEMENTS weights
+        if elements > 0:  # every ratio at once, in chunks of at most _BATCH_ELEMENTS weights
             per = max(1, _BATCH_ELEMENTS // max(1, wmin.numel() * elements))
             for part in ratios.split(per):
                 rho = part[:, None].expand(-1, wmin.shape[0])
-                f = cost_at(rho)  # (R, G)
+                f = scan(grids_at(rho))  # (k, R, G)
                 for i in range(len(part)):  # in order: ties keep the earlier ratio, as one at a time
-                    consider(rho[i], f[i])
+                    best.consider(rho[i], f[:, i])
         else:
             for r in ratios.tolist():
                 rho = torch.full_like(wmin, r)
-                consider(rho, cost_at(rho))
+                best.consider(rho, scan(grids_at(rho)))
         step = (1.0 - min_ratio) / (grid - 1)
-        a, b = (best_rho - step).clamp_min(min_ratio), (best_rho + step).clamp_max(1.0)
+        lo, hi = (best.rho - step).clamp_min(min_ratio), (best.rho + step).clamp_max(1.0)
+    _golden(best, lambda rho: paired(grids_at(rho)), lo, hi, iters)
+    return grids_at(best.rho), best.cost
+
+
+class _Best:
+    """The least cost per row seen so far and its ratio (ties keep the earlier)."""
+
+    def __init__(self, rho: torch.Tensor, cost: torch.Tensor) -> None:
+        self.rho, self.cost = rho, cost
+
+    def consider(self, rho: torch.Tensor, f: torch.Tensor) -> None:
+        better = f < self.cost
+        self.cost, self.rho = torch.where(better, f, self.cost), torch.where(better, rho, self.rho)
+
+
+def _golden(best: _Best, cost_at: Callable[[torch.Tensor], torch.Tensor], a: torch.Tensor, b: torch.Tensor,
+            iters: int) -> None:
+    """Golden-section search per row on [a, b] (``iters - 2`` steps after the first two points),
+    every point scored offered to ``best``."""
     c = b - _GOLDEN * (b - a)
     d = a + _GOLDEN * (b - a)
     fc, fd = cost_at(c), cost_at(d)
-    consider(c, fc)
-    consider(d, fd)
+    best.consider(c, fc)
+    best.consider(d, fd)
     for _ in range(max(0, iters - 2)):
         left = fc < fd  # minimum in [a, d]
         b = torch.where(left, d, b)
@@ -497,9 +532,7 @@ def search_range(
             torch.where(left, new, d), torch.where(left, fnew, fd),
             torch.where(left, c, new), torch.where(left, fc, fnew),
         )
-        consider(new, fnew)
-    grids = grids_from_range(best_rho * wmin, best_rho * wmax, bits, scale_bits)
-    return grids, best_cost
+        best.consider(new, fnew)
 
 
 def fit_uniform_grids(
@@ -540,25 +573,40 @@ def grid_sq_error(w: torch.Tensor, weight: torch.Tensor, grids: UniformGrids) ->
     without the integer round trip. Rows are scored in chunks of about ``_BATCH_ELEMENTS``
     temporaries (cache-sized: about 2x faster than whole large layers; each row's sum is the same).
     """
+    return grid_sq_errors(w, (weight,), grids)[0]
+
+
+def grid_sq_errors(w: torch.Tensor, weights: Sequence[torch.Tensor], grids: UniformGrids, *,
+                   paired: bool = False) -> torch.Tensor:
+    """(k, ..., G) :func:`grid_sq_error` under each of the k ``weights`` ((G, n) each): the squared
+    rounding errors are computed once and weighted once per weight (the same values as one call
+    each). ``paired``: the grids' scales are (k, G), and weight i scores row i of them: (k, G)."""
     lead = math.prod(grids.scale.shape[:-1])
     rows = max(1, _BATCH_ELEMENTS // max(1, lead * w.shape[-1]))
     if rows >= w.shape[0]:
-        return _sq_error(w, weight, grids.scale, grids.zero, grids.levels)
-    out = torch.empty(grids.scale.shape, dtype=torch.float64, device=w.device)
+        return _sq_errors(w, weights, grids.scale, grids.zero, grids.levels, paired)
+    out = torch.empty(len(weights), *grids.scale.shape[paired:], dtype=torch.float64, device=w.device)
     for i in range(0, w.shape[0], rows):
         part = slice(i, i + rows)
-        out[..., part] = _sq_error(w[part], weight[part], grids.scale[..., part], grids.zero[..., part], grids.levels)
+        out[..., part] = _sq_errors(w[part], [x[part] for x in weights], grids.scale[..., part],
+                                    grids.zero[..., part], grids.levels, paired)
     return out
 
 
-def _sq_error(w: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-              levels: int) -> torch.Tensor:
-    """:func:`grid_sq_error` of rows ``w`` under (..., G) ``scale`` / ``zero``, in one temporary."""
+def _sq_errors(w: torch.Tensor, weights: Sequence[torch.Tensor], scale: torch.Tensor, zero: torch.Tensor,
+               levels: int, paired: bool) -> torch.Tensor:
+    """:func:`grid_sq_errors` of rows ``w`` under (..., G) ``scale`` / ``zero``, in one temporary
+    (one more per weight but the last, unless ``paired``)."""
     s, z = scale[..., None], zero[..., None]
     q = torch.div(w, rounding_divisor(s))  # one temporary, then in place: the cost of the range search
     q.round_().add_(z).clamp_(0, levels - 1)
-    err = q.sub_(z).mul_(s).sub_(w)
-    return err.square_().mul_(weight).sum(-1)
+    err = q.sub_(z).mul_(s).sub_(w).square_()
+    if paired:  # (k, G, n): row i under weight i
+        for e, x in zip(err, weights):
+            e.mul_(x)
+        return err.sum(-1)
+    last = len(weights) - 1
+    return torch.stack([(err.mul_(x) if i == last else err * x).sum(-1) for i, x in enumerate(weights)])
 
 
 def levels_sq_error(w: torch.Tensor, weight: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -584,8 +632,25 @@ def fit_uniform_grids_deployed(
     Returns:
         (grids, (G,) float64 cost ``J``).
     """
-    return search_range(w.min(1).values, w.max(1).values, bits, lambda g: grid_sq_error(w, weight, g),
-                        iters=iters, min_ratio=min_ratio, scale_bits=scale_bits, grid=grid, elements=w.shape[1])
+    grids, cost = fit_uniform_grids_deployed_many(w, (weight,), bits, iters=iters, min_ratio=min_ratio,
+                                                  scale_bits=scale_bits, grid=grid)
+    return grids.take(0), cost[0]
+
+
+def fit_uniform_grids_deployed_many(
+    w: torch.Tensor, weights: Sequence[torch.Tensor], bits: int, *, iters: int = 12, min_ratio: float = 0.2,
+    scale_bits: int = 16, grid: int = 20,
+) -> tuple[UniformGrids, torch.Tensor]:
+    """:func:`fit_uniform_grids_deployed` of the same weights under each of the k ``weights``
+    (metrics) at once (:func:`search_ranges`: the ratio grid's rounding errors computed once for
+    all, the golden sections run as one): the results of one call each, in less time.
+
+    Returns:
+        (grids with (k, G) scales and zero-points, (k, G) float64 costs).
+    """
+    return search_ranges(w.min(1).values, w.max(1).values, bits, lambda g: grid_sq_errors(w, weights, g),
+                         lambda g: grid_sq_errors(w, weights, g, paired=True), iters=iters,
+                         min_ratio=min_ratio, scale_bits=scale_bits, grid=grid, elements=w.shape[1])
 
 
 def fit_weighted_levels(

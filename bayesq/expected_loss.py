@@ -41,7 +41,7 @@ from bayesq.blocks import LayerBlocks
 from bayesq.books import FITS, CodeBook, book_class, register_fit
 from bayesq.codebook import (
     LevelTables, MulawTables, UniformGrids, compile_to_uniform, fit_lloyd_levels, fit_uniform_grids,
-    fit_uniform_grids_deployed, fit_weighted_levels, grid_cost_chunked, grid_sq_error, grids_from_range,
+    fit_uniform_grids_deployed, fit_uniform_grids_deployed_many, fit_weighted_levels, grid_cost_chunked, grid_sq_error, grids_from_range,
     levels_cost_chunked, levels_sq_error, minmax_grids, mulaw_levels, optimal_uniform_range,
 )
 from bayesq.config import Codebook, CostTerms, Objective, QuantConfig, Whitening
@@ -278,12 +278,14 @@ class _DeployedFit(_LayerFit):
     """
 
     def __init__(self, blocks: LayerBlocks, mu: torch.Tensor, omega: torch.Tensor, cfg: QuantConfig,
-                 entry_omega: torch.Tensor | None = None):
+                 entry_omega: torch.Tensor | None = None, like: "_DeployedFit | None" = None):
         self.blocks, self.cfg = blocks, cfg
-        self.mu, self.mask = blocks.to_groups(mu.reshape(-1))  # (G, g) each
+        # (G, g) each; ``like``: a fit of the same layer and means, whose rows are reused (no copy)
+        self.mu, self.mask = (like.mu, like.mask) if like is not None else blocks.to_groups(mu.reshape(-1))
         self.omega, _ = blocks.to_groups(omega.reshape(-1))
         self.weight = self._masked(self.omega)
         self.entry_weight = None if entry_omega is None else self._masked(blocks.to_groups(entry_omega.reshape(-1))[0])
+        self.joint: _JointSearch | None = None  # set by _JointSearch: the searches it shares
 
     def _masked(self, x: torch.Tensor) -> torch.Tensor:
         """``mask * x`` of (G, g) ``x``: ``x`` itself when nothing is padded (the same values)."""
@@ -304,6 +306,8 @@ class _DeployedFit(_LayerFit):
         return levels_sq_error(self.mu, self.weight, levels)
 
     def search(self, b: int) -> tuple[UniformGrids, torch.Tensor]:
+        if self.joint is not None:
+            return self.joint.search(self, b)
         cfg = self.cfg
         return fit_uniform_grids_deployed(self.mu, self.weight, b, iters=cfg.range_iters,
                                           min_ratio=cfg.min_range_ratio, scale_bits=cfg.scale_bits,
@@ -316,6 +320,50 @@ class _DeployedFit(_LayerFit):
 
     def vq_constant(self) -> torch.Tensor:
         return torch.zeros(self.mu.shape[0], dtype=self.mu.dtype, device=self.mu.device)
+
+
+class _JointSearch:
+    """The range searches of several deployed-objective fits of one layer (the same means and
+    search settings, other metrics, e.g. the error-feedback table with and without the gains in
+    its search): the first fit to search a bit-width runs every fit's search at once
+    (:func:`bayesq.codebook.fit_uniform_grids_deployed_many`: the ratio grid's rounding errors
+    computed once) and each fit takes its own result, the one it gets alone."""
+
+    def __init__(self, fits: Sequence[_DeployedFit]) -> None:
+        self.fits, self.done = list(fits), {}
+        for f in self.fits:
+            f.joint = self
+
+    @staticmethod
+    def key(fit: _LayerFit) -> tuple | None:
+        """Fits with equal keys share their searches (None: a fit that does not search this way)."""
+        if type(fit) is not _DeployedFit:
+            return None
+        c = fit.cfg
+        return (id(fit.mu), str(getattr(c.codebook, "value", c.codebook)), c.range_iters, c.min_range_ratio,
+                c.scale_bits, c.range_grid)
+
+    def search(self, fit: _DeployedFit, b: int) -> tuple[UniformGrids, torch.Tensor]:
+        if b not in self.done:
+            c = fit.cfg
+            found = fit_uniform_grids_deployed_many(fit.mu, [f.weight for f in self.fits], b, iters=c.range_iters,
+                                                    min_ratio=c.min_range_ratio, scale_bits=c.scale_bits,
+                                                    grid=c.range_grid)
+            grids, costs = found
+            self.done[b] = {id(f): (grids.take(i), costs[i]) for i, f in enumerate(self.fits)}
+        return self.done[b].pop(id(fit))
+
+
+def share_searches(fits: Sequence[_LayerFit]) -> None:
+    """Join the fits of one layer whose range searches can share their scoring (:class:`_JointSearch`)."""
+    groups: dict[tuple, list[_DeployedFit]] = {}
+    for f in fits:
+        k = _JointSearch.key(f)
+        if k is not None:
+            groups.setdefault(k, []).append(f)
+    for same in groups.values():
+        if len(same) > 1:
+            _JointSearch(same)
 
 
 def layer_table(blocks: LayerBlocks, mu: torch.Tensor, sigma: torch.Tensor | None, cfg: QuantConfig,
@@ -332,14 +380,26 @@ def layer_table(blocks: LayerBlocks, mu: torch.Tensor, sigma: torch.Tensor | Non
         mu, sigma, omega, entry_omega: float64 shaped like the weight (posterior means, standard
             deviations, metric weights, entry weights).
     """
+    return fit_table(layer_fit(blocks, mu, sigma, cfg, omega, entry_omega))
+
+
+def layer_fit(blocks: LayerBlocks, mu: torch.Tensor, sigma: torch.Tensor | None, cfg: QuantConfig,
+              omega: torch.Tensor | None = None, entry_omega: torch.Tensor | None = None,
+              like: _LayerFit | None = None) -> _LayerFit:
+    """The codebook fits of one layer that :func:`layer_table` tabulates (arguments as there;
+    ``like``: a deployed fit of the same layer and means, whose grouped rows are reused)."""
     if Objective(cfg.objective) == Objective.DEPLOYED:
         if omega is None:
             raise ValueError("the deployed objective needs the metric weights omega (e.g. the data curvature)")
-        fit: _LayerFit = _DeployedFit(blocks, mu, omega, cfg, entry_omega)
-    else:
-        if entry_omega is not None:
-            raise ValueError("entry_omega (the error-feedback table) needs the deployed objective")
-        fit = _LayerFit(blocks, mu, sigma, omega, cfg)
+        return _DeployedFit(blocks, mu, omega, cfg, entry_omega, like if isinstance(like, _DeployedFit) else None)
+    if entry_omega is not None:
+        raise ValueError("entry_omega (the error-feedback table) needs the deployed objective")
+    return _LayerFit(blocks, mu, sigma, omega, cfg)
+
+
+def fit_table(fit: _LayerFit) -> LayerTable:
+    """The closed-form table of :func:`layer_table` from the layer's fits."""
+    blocks, cfg = fit.blocks, fit.cfg
     books, losses, kinds = [], [], []
     for b in cfg.bits:
         book, loss, kind = fit.candidate(b)
@@ -408,19 +468,40 @@ def posterior_table(
     price small independent rounding errors, and a clipped weight's error is neither:
     docs/method.md section 18d).
     """
-    tables = []
-    for lb in tqdm(blocks, desc="loss table", disable=not progress, leave=False):
-        omega = metric_weights(posterior, lb.name, Whitening(cfg.whitening), input_diag, cfg.objective,
-                               cfg.cost_terms)
-        entry = None
-        if gains is not None and omega is not None:
-            entry = feedback_weights(omega, gains[lb.name])
-            if cfg.feedback_search:
+    return posterior_tables(posterior, blocks, [cfg], progress, input_diag, gains)[0]
+
+
+def posterior_tables(
+    posterior: Posterior, blocks: list[LayerBlocks], cfgs: Sequence[QuantConfig], progress: bool = True,
+    input_diag: dict[str, torch.Tensor] | None = None, gains: dict[str, torch.Tensor] | None = None,
+) -> list[LossTable]:
+    """:func:`posterior_table` of each of ``cfgs`` (the same tables), built layer by layer
+    together: configurations that search the same ranges under different metrics (the
+    error-feedback table with and without ``feedback_search``) score their ratio grids once
+    (:func:`share_searches`)."""
+    tables: list[list[LayerTable]] = [[] for _ in cfgs]
+    for lb in tqdm(blocks, desc="loss table" + (f" ({len(cfgs)} candidates)" if len(cfgs) > 1 else ""),
+                   disable=not progress, leave=False):
+        fits: list[_LayerFit] = []
+        metrics: dict[tuple, tuple] = {}  # (metric weights, with the gains): one of each per layer
+        for cfg in cfgs:
+            key = (Whitening(cfg.whitening), Objective(cfg.objective), CostTerms(cfg.cost_terms))
+            if key not in metrics:
+                omega = metric_weights(posterior, lb.name, key[0], input_diag, key[1], key[2])
+                gained = feedback_weights(omega, gains[lb.name]) if gains is not None and omega is not None else None
+                metrics[key] = omega, gained
+            omega, entry = metrics[key]
+            if entry is not None and cfg.feedback_search:
                 omega, entry = entry, None
-        sigma = None if Objective(cfg.objective) == Objective.DEPLOYED else posterior.std(lb.name)  # draws only
-        tables.append(layer_table(lb, posterior.mean[lb.name], sigma, cfg, omega, entry))
+            sigma = None if Objective(cfg.objective) == Objective.DEPLOYED else posterior.std(lb.name)  # draws only
+            fits.append(layer_fit(lb, posterior.mean[lb.name], sigma, cfg, omega, entry,
+                                  like=fits[0] if fits else None))
+        share_searches(fits)
+        for out, fit in zip(tables, fits):
+            out.append(fit_table(fit))
+        del fits, metrics
         release_freed()
-    return LossTable(tuple(tables))
+    return [LossTable(tuple(t)) for t in tables]
 
 
 def rtn_table(

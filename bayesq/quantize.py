@@ -36,7 +36,7 @@ from bayesq.error_feedback import (
     LazyMetrics, coordinate_descent, damped_metrics, error_feedback_groups, feedback_gain, shared_factors,
 )
 from bayesq.evaluation import kl_per_input, reference_log_probs
-from bayesq.expected_loss import Book, LayerTable, LossTable, apply_mc_proxy, posterior_table
+from bayesq.expected_loss import Book, LayerTable, LossTable, apply_mc_proxy, posterior_tables
 from bayesq.forward import Batch, batch_size, first_inputs, kept_state, model_batches
 from bayesq.memory import check as check_memory_fits, estimate as estimate_memory, release_freed
 from bayesq.methods import Inputs, Outcome, register
@@ -538,9 +538,8 @@ def candidate_tables(
     when not given them. ``only``: just these candidates (name -> config). Arguments as
     :func:`build_table`."""
     cands = only if only is not None else {k: c for k, c in grid_candidates(q, held_out=True).items() if c is not q}
-    calibration = list(calibration) if calibration is not None else None
-    return {name: build_table(posterior, blocks, cq, seed=seed, model=model, calibration=calibration,
-                              progress=progress, column_metric=column_metric) for name, cq in cands.items()}
+    return build_tables(posterior, blocks, cands, seed=seed, model=model, calibration=calibration, progress=progress,
+                        column_metric=column_metric)
 
 
 @dataclass(frozen=True)
@@ -803,30 +802,68 @@ def build_table(
     inputs); ``seed`` seeds the Monte Carlo draws; ``column_metric`` (from
     :func:`ef_column_metric`) saves recomputing the error-feedback metric.
     """
+    return build_tables(posterior, blocks, {"": q}, seed=seed, model=model, calibration=calibration,
+                        progress=progress, column_metric=column_metric)[""]
+
+
+def build_tables(
+    posterior: Posterior, blocks: list[LayerBlocks], configs: Mapping[str, QuantConfig], *, seed: int = 0,
+    model: nn.Module | None = None, calibration: Iterable[Batch] | None = None, progress: bool = True,
+    column_metric: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, LossTable]:
+    """:func:`build_table` of each configuration, by name (arguments as there): the same tables as
+    one call each. Configurations that differ only in ``feedback_search`` (the grid candidates of
+    :func:`grid_candidates` with held-out inputs) are tabulated layer by layer together
+    (:func:`bayesq.expected_loss.posterior_tables`: their range searches score the ratio grid once)."""
     batches = None
-    if q.needs_data:
+    needy = next((q for q in configs.values() if q.needs_data), None)
+    if needy is not None:
         if model is None or calibration is None:
-            raise ValueError(f"quant.whitening = '{q.whitening.value}' / quant.proxy = '{q.proxy.value}' / "
-                             f"quant.feedback_table = {q.feedback_table} read calibration data: pass model= "
+            raise ValueError(f"quant.whitening = '{needy.whitening.value}' / quant.proxy = '{needy.proxy.value}' / "
+                             f"quant.feedback_table = {needy.feedback_table} read calibration data: pass model= "
                              "and calibration=")
         batches = list(calibration)
-    input_diag = None
-    if q.whitening == Whitening.PCA:
-        layers = {lb.name: model.get_submodule(lb.name) for lb in blocks}
-        input_diag, _ = input_moments(model, batches, layers)
-    gains = None
-    if q.feeds_back_table:
-        if column_metric is None:
-            column_metric = ef_column_metric(posterior, q, model, batches)
-        gains = feedback_gains(posterior, q, column_metric)
-    table = posterior_table(posterior, blocks, q, progress, input_diag, gains)
+    groups: dict[QuantConfig, list[str]] = {}
+    for name, q in configs.items():
+        groups.setdefault(replace(q, feedback_search=False), []).append(name)
+    out = {}
+    for names in groups.values():
+        qs = [configs[n] for n in names]
+        q = qs[0]
+        input_diag = None
+        if q.whitening == Whitening.PCA:
+            layers = {lb.name: model.get_submodule(lb.name) for lb in blocks}
+            input_diag, _ = input_moments(model, batches, layers)
+        gains = None
+        if q.feeds_back_table:
+            metric = column_metric if column_metric is not None else ef_column_metric(posterior, q, model, batches)
+            gains = feedback_gains(posterior, q, metric)
+        for name, cq, table in zip(names, qs, posterior_tables(posterior, blocks, qs, progress, input_diag, gains)):
+            out[name] = _proxied(table, posterior, cq, seed, batches, model, progress)
+    return {name: out[name] for name in configs}
+
+
+def _proxied(table: LossTable, posterior: Posterior, q: QuantConfig, seed: int, batches: list[Batch] | None,
+             model: nn.Module | None, progress: bool) -> LossTable:
+    """``table`` with ``q.proxy``'s Monte Carlo entries when one is chosen."""
     if q.proxy == Proxy.MC_KL:
         few = first_inputs(batches, q.mc_examples)
-        table = apply_mc_proxy(table, posterior, q, kind="kl", model=model, batches=few,
-                               n_kl=sum(batch_size(b) for b in few), seed=seed, progress=progress)
-    elif q.proxy == Proxy.MC_OUTPUT:
-        table = apply_mc_proxy(table, posterior, q, kind="output", seed=seed, progress=progress)
+        return apply_mc_proxy(table, posterior, q, kind="kl", model=model, batches=few,
+                              n_kl=sum(batch_size(b) for b in few), seed=seed, progress=progress)
+    if q.proxy == Proxy.MC_OUTPUT:
+        return apply_mc_proxy(table, posterior, q, kind="output", seed=seed, progress=progress)
     return table
+
+
+def grid_tables(
+    posterior: Posterior, blocks: list[LayerBlocks], q: QuantConfig, *, held_out: bool = True, seed: int = 0,
+    model: nn.Module | None = None, calibration: Iterable[Batch] | None = None,
+    column_metric: Mapping[str, torch.Tensor] | None = None, progress: bool = False,
+) -> dict[str, LossTable]:
+    """The loss tables of every candidate of :func:`grid_candidates` ``(q, held_out)``, ``q``'s own
+    first, by candidate name, built together (:func:`build_tables`). Arguments as :func:`build_table`."""
+    return build_tables(posterior, blocks, grid_candidates(q, held_out=held_out), seed=seed, model=model,
+                        calibration=calibration, progress=progress, column_metric=column_metric)
 
 
 @on_canonical
@@ -901,11 +938,12 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
     metric = ef_column_metric(posterior, q, model, calibration, progress=progress, stats=stats)
     correction = bias_correction(model, stats, calibration) if q.bias_correction else None
     del stats  # read by the two lines above only: its (d_in, d_in) sums need not wait for the end
-    table = build_table(posterior, blocks, q, seed=config.seed, model=model, calibration=calibration,
-                        progress=progress, column_metric=metric)
-    cands = encode_candidates(model, posterior, table, q, config.budget, config.allocation, seed=config.seed,
-                              calibration=calibration, column_metric=metric, correction=correction,
-                              progress=progress, selection=selection, consume_metric=True)
+    tables = grid_tables(posterior, blocks, q, held_out=selection is not None, seed=config.seed, model=model,
+                         calibration=calibration, progress=progress, column_metric=metric)
+    cands = encode_candidates(model, posterior, next(iter(tables.values())), q, config.budget, config.allocation,
+                              seed=config.seed, calibration=calibration, column_metric=metric, correction=correction,
+                              progress=progress, selection=selection, tables=tables, consume_metric=True)
+    del tables
     # Model-sized and read by nothing from here on: the layers' input moments always, the
     # posterior unless it is returned or distillation's teacher.
     del metric

@@ -202,7 +202,7 @@ def stages(a) -> None:
     from bayesq.config import BayesQConfig
     from bayesq.memory import estimate
     from bayesq.quantize import (
-        bias_correction, build_table, ef_column_metric, encode_candidates, posterior_and_stats, select_encoding,
+        bias_correction, ef_column_metric, encode_candidates, grid_tables, posterior_and_stats, select_encoding,
     )
     from flows.params import read_params
 
@@ -221,14 +221,13 @@ def stages(a) -> None:
                 metric = ef_column_metric(post, q, stats=st)
                 correction = bias_correction(model, st, cal)
             del st  # as quantize_model: the sums are not read after the metric and the correction
-            with peaks.stage("bayesq table"):
-                table = build_table(post, blocks, q, model=model, calibration=cal, progress=False,
-                                    column_metric=metric)
+            with peaks.stage("bayesq tables"):
+                tables = grid_tables(post, blocks, q, model=model, calibration=cal, column_metric=metric)
             with peaks.stage("bayesq allocate + encode"):
-                cands = encode_candidates(model, post, table, q, a.budget, cfg.allocation, calibration=cal,
-                                          column_metric=metric, correction=correction, selection=sel,
-                                          consume_metric=True)
-            del post, metric, correction, table  # as quantize_model: not read by the selection
+                cands = encode_candidates(model, post, next(iter(tables.values())), q, a.budget, cfg.allocation,
+                                          calibration=cal, column_metric=metric, correction=correction, selection=sel,
+                                          tables=tables, consume_metric=True)
+            del post, metric, correction, tables  # as quantize_model: not read by the selection
             with peaks.stage("bayesq select"):
                 select_encoding(model, cands)
             del cands

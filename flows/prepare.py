@@ -29,7 +29,7 @@ from bayesq.harness.data.calibration import sample_calibration_indices, sample_s
 from bayesq.harness.data.sentiment import seeded_permutation
 from bayesq.harness.models.zoo import _take, get_entry
 from bayesq.posterior import CURVATURES, DiagonalCurvature, Posterior, WeightMeans, fit_diagonal_posterior
-from bayesq.quantize import build_table, candidate_tables, ef_column_metric, first_look_inputs, fit_posterior
+from bayesq.quantize import build_table, ef_column_metric, first_look_inputs, fit_posterior, grid_tables
 from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import CACHE, code_version, digest
 from flows.configs import method_settings
@@ -324,7 +324,7 @@ def table_task(name: str, model_file: str, model_digest: str, posterior_file: st
                seed: int, out: str, code: str, tag: str = "", stats_file: str = "", stats_sha256: str = ""):
     """BayesQ expected-loss table (LossTable, persisted by Prefect) plus its Parquet copy
     ``<out>/<posterior file stem>[_<tag>].parquet`` (with every entry's standard error), and the
-    tables of the other grid candidates (``"tables"``, :func:`bayesq.quantize.candidate_tables`:
+    tables of the other grid candidates (``"tables"``, :func:`bayesq.quantize.grid_tables`:
     built once here instead of once per budget and row; ``seconds`` counts them).
     ``stats_file`` (:func:`stats_task`'s file, keyed by ``stats_sha256``): the error-feedback
     metric is read from it (the rows count that pass) instead of a statistics pass here."""
@@ -345,10 +345,12 @@ def table_task(name: str, model_file: str, model_digest: str, posterior_file: st
     if quant.feeds_back_table:
         stats = load_stats(Path(stats_file)) if stats_file and not post.kfac else None
         metric = ef_column_metric(post, quant, model, batches, stats=stats)
-    table = build_table(post, blocks, quant, seed=seed, model=model, calibration=batches, progress=False,
-                        column_metric=metric)
-    tables = candidate_tables(post, blocks, quant, seed=seed, model=model, calibration=batches,
-                              column_metric=metric) if quant.selects_grids else {}
+    if quant.selects_grids:  # built together: their range searches share the scoring of the ratio grid
+        tables = grid_tables(post, blocks, quant, seed=seed, model=model, calibration=batches, column_metric=metric)
+        table = tables.pop(next(iter(tables)))
+    else:
+        table, tables = build_table(post, blocks, quant, seed=seed, model=model, calibration=batches, progress=False,
+                                    column_metric=metric), {}
     seconds = time.perf_counter() - start
     path = Path(out) / f"{Path(posterior_file).stem}{'_' + tag if tag else ''}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -171,7 +171,8 @@ def test_lloyd_max_gaussian_mse_vs_numerical_integration_and_uniform(bits):
 # --- deployed objective: weighted squared error of Q(mu) ---------------------------------------
 
 from bayesq.codebook import (  # noqa: E402
-    fit_uniform_grids_deployed, fit_weighted_levels, grid_sq_error, levels_sq_error, quantize_levels,
+    fit_uniform_grids_deployed, fit_uniform_grids_deployed_many, fit_weighted_levels, grid_sq_error, grid_sq_errors,
+    levels_sq_error, quantize_levels,
 )
 
 
@@ -227,6 +228,39 @@ def test_search_range_batched_ratios_vs_one_at_a_time(monkeypatch, chunk):
     assert torch.equal(one[0].scale, many[0].scale) and torch.equal(one[0].zero, many[0].zero)
     assert torch.equal(one[1], many[1])
 
+
+
+@pytest.mark.parametrize("chunk", [2**18, 64 * 5])  # whole | a few rows per call
+def test_grid_sq_errors_vs_grid_sq_error_each(monkeypatch, chunk):
+    import bayesq.codebook as codebook
+
+    monkeypatch.setattr(codebook, "_BATCH_ELEMENTS", chunk)
+    w, a = _weighted_rows(11, rows=30)
+    b = torch.rand_like(a)
+    lo, hi = w.min(1).values, w.max(1).values
+    ratios = torch.tensor([0.3, 0.7, 1.0], dtype=torch.float64)[:, None]
+    shared = grids_from_range(ratios * lo, ratios * hi, 3)  # (3, rows): every weight scores every grid
+    got = grid_sq_errors(w, [a, b], shared)  # (2, 3, rows)
+    assert torch.equal(got[0], grid_sq_error(w, a, shared)) and torch.equal(got[1], grid_sq_error(w, b, shared))
+    pair = grids_from_range(ratios[:2] * lo, ratios[:2] * hi, 3)  # (2, rows): weight i scores grids i
+    got = grid_sq_errors(w, [a, b], pair, paired=True)
+    assert torch.equal(got[0], grid_sq_error(w, a, pair.take(0)))
+    assert torch.equal(got[1], grid_sq_error(w, b, pair.take(1)))
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_fit_uniform_grids_deployed_many_vs_one_call_each(bits):
+    """Searched together (the ratio grid scored once, the golden sections as one), each metric's
+    grids and costs are exactly those it gets alone."""
+    w, a = _weighted_rows(20 + bits)
+    metrics = [a, a.flip(1), torch.ones_like(a)]
+    w[:, 10:20] = 0.0  # flat stretches exercise the tie rule
+    grids, cost = fit_uniform_grids_deployed_many(w, metrics, bits, iters=12, min_ratio=0.2, grid=20)
+    for i, m in enumerate(metrics):
+        one, c = fit_uniform_grids_deployed(w, m, bits, iters=12, min_ratio=0.2, grid=20)
+        assert torch.equal(grids.scale[i], one.scale) and torch.equal(grids.zero[i], one.zero)
+        assert torch.equal(cost[i], c)
+    assert not torch.equal(grids.scale[0], grids.scale[2])  # the metrics do pick other ranges
 
 def _dp_levels_cost(x: np.ndarray, wt: np.ndarray, k: int) -> float:
     """Optimal weighted k-means cost on a line: the best contiguous partition of sorted x (DP)."""

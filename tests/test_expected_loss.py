@@ -1,6 +1,7 @@
 """Loss tables: every codebook's closed-form entries vs sampling, exact costs, metrics, MC proxies."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from bayesq.codebook import LevelTables, UniformGrids, grid_cost, mulaw_levels
 from bayesq.config import Codebook, QuantConfig, Whitening
 from bayesq.curvature.kfac import KFACFactors
 from bayesq.expected_loss import (
-    apply_mc_proxy, feedback_weights, layer_table, metric_weights, posterior_table, top_layers,
+    apply_mc_proxy, feedback_weights, layer_table, metric_weights, posterior_table, posterior_tables, top_layers,
 )
 from bayesq.posterior import Posterior, input_moments
 
@@ -324,6 +325,29 @@ def test_posterior_table_with_gains_searches_the_plain_metric_and_prices_the_sca
         want = torch.tensor([0.5 * float(err[unit == u].sum()) for u in range(int(unit.max()) + 1)], dtype=F64)
         torch.testing.assert_close(got.unit_loss[:, j], want, rtol=1e-12, atol=0)
 
+
+
+def test_posterior_tables_vs_one_table_each():
+    """The error-feedback table with and without the gains in its search, built together (their
+    range searches shared), equals each built alone, a padded layer included; a configuration of
+    another codebook is built alongside, unshared."""
+    mu, h, gain, post, lb = _gain_case()
+    mu2 = torch.randn(5, 40, generator=torch.Generator().manual_seed(3), dtype=F64)  # padded groups of 32
+    h2 = torch.rand(mu2.shape, generator=torch.Generator().manual_seed(4), dtype=F64)
+    post = Posterior({"l": mu, "p": mu2}, {"l": 1 / (h + 1), "p": 1 / (h2 + 1)}, 10, curvature={"l": h, "p": h2},
+                     prior_precision={"l": 1.0, "p": 1.0})
+    blocks = [lb, LayerBlocks("p", tuple(mu2.shape), 32, 2)]
+    gains = {"l": gain, "p": torch.rand(40, generator=torch.Generator().manual_seed(5), dtype=F64)}
+    base = QuantConfig(group_size=32, unit_groups=4, bits=(2, 3, 8))
+    cfgs = [base, replace(base, feedback_search=False), replace(base, codebook=Codebook.LLOYD, rounding="nearest")]
+    together = posterior_tables(post, blocks, cfgs, progress=False, gains=gains)
+    for cfg, got in zip(cfgs, together):
+        alone = posterior_table(post, blocks, cfg, progress=False, gains=gains)
+        for g, a in zip(got.layers, alone.layers):
+            assert torch.equal(g.unit_loss, a.unit_loss) and torch.equal(g.unit_cost, a.unit_cost)
+            for gb, ab in zip(g.books, a.books):
+                assert all(torch.equal(x, y) for x, y in zip(gb.affine_fields() or (), ab.affine_fields() or ()))
+    assert not torch.equal(together[0].layers[0].unit_loss, together[1].layers[0].unit_loss)
 
 @pytest.mark.parametrize("chunk", [1 << 18, 40])
 def test_rtn_table_vs_hand_rounding_error(monkeypatch, chunk):

@@ -99,7 +99,7 @@ def pack_weight(qw) -> PackedWeight:
     col = None
     if qw.col_scale is not None and qw.col_scale.shape[0] == 1:
         col = qw.col_scale[0].float()
-    split = getattr(qw, "split", None) is not None  # OCS's split channels: decoded and folded once
+    split = qw.split is not None  # OCS's split channels: decoded and folded once
     dense = any(not b.decodable for b in qw.books.values()) or (qw.col_scale is not None and col is None) or split
     if dense:
         z = torch.zeros(0, dtype=torch.int64)
