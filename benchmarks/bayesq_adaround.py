@@ -10,10 +10,11 @@ brecq``) BayesQ's final encoding (its refitted grids) is rounded again by BRECQ'
 reconstruction (:func:`bayesq.baselines.brecq.brecq_codes`, its schedule at ``--iters`` steps per
 unit), scored with and without BayesQ's bias correction. All are scored by the per-input
 ``KL(p_FP || p_Q)`` on the pipeline's 2,000 held-out selection inputs, paired. BayesQ chose its
-grid candidate on these inputs, which favours BayesQ's own rounding slightly.
+grid candidate on these inputs, which favours BayesQ's own rounding slightly. ``--on test``
+scores every test example instead (KL and correctness, paired), inputs neither encoding saw.
 
     python benchmarks/bayesq_adaround.py [--models minilm-sentiment lite0-fmnist] [--iters 10000]
-                                         [--rounding adaround|brecq]
+                                         [--rounding adaround|brecq] [--on selection|test]
 """
 
 from __future__ import annotations
@@ -37,20 +38,21 @@ def main() -> None:
     ap.add_argument("--rounding", choices=["adaround", "brecq"], default="adaround")
     ap.add_argument("--budget", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=17)
+    ap.add_argument("--on", choices=["selection", "test"], default="selection", help="the inputs scored")
     a = ap.parse_args()
 
     from flows.settings import apply_defaults
 
     apply_defaults()
-    from one_time_cost import bayesq_stages, load_inputs
+    from one_time_cost import bayesq_stages, load_inputs, test_batches
 
     from bayesq.baselines.activations import input_stats
     from bayesq.baselines.adaround import adaround_rows
     from bayesq.baselines.brecq import BRECQConfig, brecq_codes
     from bayesq.canonical import canonical
-    from bayesq.comparison import paired_difference
+    from bayesq.comparison import correct_per_example, paired_difference
     from bayesq.config import Rounding
-    from bayesq.evaluation import kl_per_input, reference_log_probs
+    from bayesq.evaluation import kl_per_input, predict, reference_log_probs
     from bayesq.quantize import encode
     from bayesq.result import quantized_copy
 
@@ -69,24 +71,36 @@ def main() -> None:
             else:
                 new = brecq_codes(m, layers, dict(enc.weights), calibration, BRECQConfig(iters=a.iters, seed=a.seed))
             seconds = time.perf_counter() - start
-            reference = reference_log_probs(m, selection)
-            kl = {}
+            scored, labels = selection, None
+            if a.on == "test":
+                scored, labels = test_batches(name, params)
+                labels = torch.as_tensor(labels)
+            reference = reference_log_probs(m, scored)
+            kl, correct = {}, {}
             tag = f"bayesq+{a.rounding}"
             rows = [("bayesq", enc.weights, enc.correction), (tag, new, enc.correction)]
             if enc.correction is not None:  # the new rounding also without BayesQ's bias correction
                 rows.append((f"{tag} (no bc)", new, None))
             with torch.no_grad():
                 for key, weights, correction in rows:
-                    kl[key] = kl_per_input(reference, quantized_copy(m, weights, correction).eval(), selection)
+                    qmodel = quantized_copy(m, weights, correction).eval()
+                    kl[key] = kl_per_input(reference, qmodel, scored)
+                    if labels is not None:
+                        correct[key] = correct_per_example(predict(qmodel, scored), labels).double()
         for key, v in kl.items():
-            print(f"{name} {key}: KL {v.mean():.5f} on {len(v)} held-out inputs (candidate {enc.name})", flush=True)
+            acc = f", accuracy {100 * correct[key].mean():.2f} %" if correct else ""
+            print(f"{name} {key}: KL {v.mean():.5f}{acc} on {len(v)} {a.on} inputs (candidate {enc.name})",
+                  flush=True)
         for key in kl:
             if key == "bayesq":
                 continue
-            d = paired_difference(kl[key], kl["bayesq"])
-            star = "*" if d.ci_low > 0 or d.ci_high < 0 else ""
-            print(f"{name} {key} - bayesq: KL {d.diff:+.6f} [{d.ci_low:+.6f}, {d.ci_high:+.6f}]{star}; "
-                  f"the {a.rounding} encoding {seconds:.0f} s", flush=True)
+            for what, values, scale in (("KL", kl, 1.0), ("accuracy (pts)", correct, 100.0)):
+                if not values:
+                    continue
+                d = paired_difference(scale * values[key], scale * values["bayesq"])
+                star = "*" if d.ci_low > 0 or d.ci_high < 0 else ""
+                print(f"{name} {key} - bayesq: {what} {d.diff:+.6f} [{d.ci_low:+.6f}, {d.ci_high:+.6f}]{star}; "
+                      f"the {a.rounding} encoding {seconds:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

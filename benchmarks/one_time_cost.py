@@ -78,7 +78,7 @@ def bayesq_stages(model, calibration, params, budget: float, seed: int, selectio
     """Wall seconds of each BayesQ stage; the kept :class:`~bayesq.quantize.Encoding`."""
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.memory import estimate
-    from bayesq.quantize import bias_correction, build_table, ef_column_metric, encode_best, posterior_and_stats
+    from bayesq.quantize import bias_correction, ef_column_metric, encode_best, grid_tables, posterior_and_stats
     from bayesq.config import BayesQConfig, DistillConfig
 
     cfg = BayesQConfig(budget=budget, posterior=params.posterior, quant=params.quant,
@@ -92,12 +92,13 @@ def bayesq_stages(model, calibration, params, budget: float, seed: int, selectio
     with _timed(stages, "metric + bias correction"):
         metric = ef_column_metric(post, q, stats=stats)
         correction = bias_correction(model, stats, calibration) if q.bias_correction else None
-    with _timed(stages, "table"):
-        table = build_table(post, blocks, q, seed=seed, model=model, calibration=calibration, progress=False,
-                            column_metric=metric)
+    with _timed(stages, "table"):  # every grid candidate's, built together as quantize_model does
+        tables = grid_tables(post, blocks, q, held_out=selection is not None, seed=seed, model=model,
+                             calibration=calibration, column_metric=metric)
     with _timed(stages, "allocate+encode+select"):
-        enc = encode_best(model, post, table, q, budget, cfg.allocation, seed=seed, calibration=calibration,
-                          column_metric=metric, correction=correction, selection=selection)
+        enc = encode_best(model, post, next(iter(tables.values())), q, budget, cfg.allocation, seed=seed,
+                          calibration=calibration, column_metric=metric, correction=correction, selection=selection,
+                          tables=tables)
     return stages, enc
 
 
