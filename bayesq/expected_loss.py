@@ -285,7 +285,8 @@ class _DeployedFit(_LayerFit):
         self.omega, _ = blocks.to_groups(omega.reshape(-1))
         self.weight = self._masked(self.omega)
         self.entry_weight = None if entry_omega is None else self._masked(blocks.to_groups(entry_omega.reshape(-1))[0])
-        self.joint: _JointSearch | None = None  # set by _JointSearch: the searches it shares
+        self.joint: _JointSearch | None = None  # set by _JointSearch: the searches it shares ...
+        self.joint_index = 0  # ... and this fit's place among them
 
     def _masked(self, x: torch.Tensor) -> torch.Tensor:
         """``mask * x`` of (G, g) ``x``: ``x`` itself when nothing is padded (the same values)."""
@@ -327,12 +328,14 @@ class _JointSearch:
     search settings, other metrics, e.g. the error-feedback table with and without the gains in
     its search): the first fit to search a bit-width runs every fit's search at once
     (:func:`bayesq.codebook.fit_uniform_grids_deployed_many`: the ratio grid's rounding errors
-    computed once) and each fit takes its own result, the one it gets alone."""
+    computed once) and each fit takes its own result, the one it gets alone. It holds the fits'
+    means and metrics, not the fits (no reference cycle: a layer's fits are freed with it)."""
 
     def __init__(self, fits: Sequence[_DeployedFit]) -> None:
-        self.fits, self.done = list(fits), {}
-        for f in self.fits:
-            f.joint = self
+        self.mu, self.weights = fits[0].mu, [f.weight for f in fits]
+        self.done: dict[int, list] = {}  # bits -> [grids, costs, results not yet taken]
+        for i, f in enumerate(fits):
+            f.joint, f.joint_index = self, i
 
     @staticmethod
     def key(fit: _LayerFit) -> tuple | None:
@@ -346,12 +349,16 @@ class _JointSearch:
     def search(self, fit: _DeployedFit, b: int) -> tuple[UniformGrids, torch.Tensor]:
         if b not in self.done:
             c = fit.cfg
-            found = fit_uniform_grids_deployed_many(fit.mu, [f.weight for f in self.fits], b, iters=c.range_iters,
-                                                    min_ratio=c.min_range_ratio, scale_bits=c.scale_bits,
-                                                    grid=c.range_grid)
-            grids, costs = found
-            self.done[b] = {id(f): (grids.take(i), costs[i]) for i, f in enumerate(self.fits)}
-        return self.done[b].pop(id(fit))
+            grids, costs = fit_uniform_grids_deployed_many(self.mu, self.weights, b, iters=c.range_iters,
+                                                           min_ratio=c.min_range_ratio, scale_bits=c.scale_bits,
+                                                           grid=c.range_grid)
+            self.done[b] = [grids, costs, len(self.weights)]
+        entry = self.done[b]
+        grids, costs = entry[0], entry[1]
+        entry[2] -= 1
+        if entry[2] == 0:
+            del self.done[b]
+        return grids.take(fit.joint_index), costs[fit.joint_index]
 
 
 def share_searches(fits: Sequence[_LayerFit]) -> None:
