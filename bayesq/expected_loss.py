@@ -41,8 +41,8 @@ from bayesq.blocks import LayerBlocks
 from bayesq.books import FITS, CodeBook, book_class, register_fit
 from bayesq.codebook import (
     LevelTables, MulawTables, UniformGrids, compile_to_uniform, fit_lloyd_levels, fit_uniform_grids,
-    fit_uniform_grids_deployed, fit_uniform_grids_deployed_many, fit_weighted_levels, grid_cost_chunked, grid_sq_error, grids_from_range,
-    levels_cost_chunked, levels_sq_error, minmax_grids, mulaw_levels, optimal_uniform_range,
+    fit_uniform_grids_deployed, fit_uniform_grids_deployed_many, fit_weighted_levels, grid_cost_chunked,
+    grid_sq_error, grids_from_range, levels_cost_chunked, levels_sq_error, minmax_grids, mulaw_levels, optimal_uniform_range,
 )
 from bayesq.config import Codebook, CostTerms, Objective, QuantConfig, Whitening
 from bayesq.monte_carlo import MCEstimate, kfac_quadratic, mc_layer_output_loss, mc_logit_kl

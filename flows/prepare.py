@@ -345,12 +345,10 @@ def table_task(name: str, model_file: str, model_digest: str, posterior_file: st
     if quant.feeds_back_table:
         stats = load_stats(Path(stats_file)) if stats_file and not post.kfac else None
         metric = ef_column_metric(post, quant, model, batches, stats=stats)
-    if quant.selects_grids:  # built together: their range searches share the scoring of the ratio grid
-        tables = grid_tables(post, blocks, quant, seed=seed, model=model, calibration=batches, column_metric=metric)
-        table = tables.pop(next(iter(tables)))
-    else:
-        table, tables = build_table(post, blocks, quant, seed=seed, model=model, calibration=batches, progress=False,
-                                    column_metric=metric), {}
+    # every grid candidate's table (only quant's own without select_grids), built together: their
+    # range searches share the scoring of the ratio grid
+    tables = grid_tables(post, blocks, quant, seed=seed, model=model, calibration=batches, column_metric=metric)
+    table = tables.pop(next(iter(tables)))
     seconds = time.perf_counter() - start
     path = Path(out) / f"{Path(posterior_file).stem}{'_' + tag if tag else ''}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
