@@ -66,10 +66,37 @@ def call(model: nn.Module, batch: Batch) -> Any:
     return model(**batch) if isinstance(batch, Mapping) else model(batch)
 
 
+class Taps:
+    """Zero scalar leaves (float32, one per device) that :func:`layer_calls` with ``taps`` adds to
+    every layer output made with gradients enabled: ``output + leaf`` has the output's values and
+    dtype (a 0-dim tensor does not promote) and joins the autograd graph whatever requires grad,
+    so ``torch.autograd.backward(loss, inputs=taps.leaves())`` runs the backward pass through every
+    layer output that reaches the loss, firing the hooks registered on them, without forming any
+    weight gradient and without collecting every output gradient until the pass ends (as
+    ``torch.autograd.grad(loss, outputs)`` does)."""
+
+    def __init__(self) -> None:
+        self._leaves: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, output: torch.Tensor) -> torch.Tensor:
+        leaf = self._leaves.get(output.device)
+        if leaf is None:
+            leaf = self._leaves[output.device] = torch.zeros((), device=output.device, requires_grad=True)
+        return output + leaf
+
+    def leaves(self) -> list[torch.Tensor]:
+        return list(self._leaves.values())
+
+    def clear(self) -> None:
+        """Forget the leaves (and so the graphs they tie): call between batches."""
+        self._leaves.clear()
+
+
 @contextmanager
 def layer_calls(
     model: nn.Module, layers: Mapping[str, nn.Module],
     on_call: Callable[[str, nn.Module, torch.Tensor, torch.Tensor], None], *, weights_require_grad: bool = False,
+    taps: Taps | None = None,
 ) -> Iterator[None]:
     """The one hook harness of the statistics and curvature passes.
 
@@ -81,16 +108,25 @@ def layer_calls(
     the statistics of a shared weight sum over every place it is used. ``weights_require_grad``:
     the layers' weights require grad inside, so their outputs join the autograd graph even when the user froze them (a curvature pass
     differentiates the outputs). On exit the hooks are removed and the model's training flag and
-    the weights' ``requires_grad`` are as they were.
+    the weights' ``requires_grad`` are as they were. ``taps``: every output made with gradients
+    enabled is replaced by ``taps(output)`` (:class:`Taps`), which ``on_call`` gets, and no
+    parameter of the model requires grad inside (the outputs are differentiated, never a weight).
     """
+    def tapped(output):
+        return taps(output) if taps is not None and torch.is_grad_enabled() and torch.is_tensor(output) else output
+
     def hook(name: str):
         def fn(mod, inputs, output):
-            on_call(name, mod, inputs[0], output)
+            out = tapped(output)
+            on_call(name, mod, inputs[0], out)
+            return out
         return fn
 
     def hook_as(name: str, owner: nn.Module):
         def fn(mod, inputs, output):
-            on_call(name, owner, inputs[0], output)
+            out = tapped(output)
+            on_call(name, owner, inputs[0], out)
+            return out
         return fn
 
     handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
@@ -98,9 +134,13 @@ def layer_calls(
         mod = model.get_submodule(alias)
         if type(mod) is type(layers[owner]) and mod.extra_repr() == layers[owner].extra_repr():
             handles.append(mod.register_forward_hook(hook_as(owner, layers[owner])))
-    needs_grad = {n: m.weight.requires_grad for n, m in layers.items()}
+    params = {id(p): p for p in [*model.parameters(), *(m.weight for m in layers.values())]}.values()
+    needs_grad = [(p, p.requires_grad) for p in params]
     was_training = model.training
     try:
+        if taps is not None:
+            for p in params:
+                p.requires_grad_(False)
         if weights_require_grad:
             for m in layers.values():
                 m.weight.requires_grad_(True)
@@ -109,8 +149,8 @@ def layer_calls(
     finally:
         for h in handles:
             h.remove()
-        for n, m in layers.items():
-            m.weight.requires_grad_(needs_grad[n])
+        for p, flag in needs_grad:
+            p.requires_grad_(flag)
         model.train(was_training)
 
 

@@ -100,6 +100,31 @@ def test_fisher_diagonal_empty_calibration_raises():
         fisher_diagonal(model, [], quantizable_layers(model), progress=False)
 
 
+class _SideBranch(nn.Module):
+    """A classifier with a Linear whose output never reaches the logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.side, self.head = nn.Linear(3, 4), nn.Linear(3, 2), nn.Linear(4, 3)
+
+    def forward(self, x):
+        self.side(x)  # computed, not used
+        return self.head(torch.tanh(self.body(x)))
+
+
+def test_fisher_diagonal_layer_off_the_loss_path_is_zero_and_others_vs_autograd():
+    torch.manual_seed(0)
+    model = _SideBranch().double().eval()
+    layers = quantizable_layers(model)
+    batches = [torch.randn(3, 3, dtype=torch.float64) for _ in range(2)]
+    got, n = fisher_diagonal(model, batches, layers, label_samples=2, seed=5, progress=False)
+    reached = {k: v for k, v in layers.items() if k != "side"}
+    ref = _reference(model, reached, batches, 2, 5)
+    assert n == 6 and torch.equal(got["side"], torch.zeros_like(got["side"]))
+    for name in reached:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-12)
+
+
 def test_fisher_diagonal_restores_model_state():
     model = _cnn().train()
     for p in model.parameters():

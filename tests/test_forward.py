@@ -337,3 +337,33 @@ def test_gpt2_passes_read_real_tokens_only():
 
     for want, got in zip(passes(batches), passes(padded)):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-15)
+
+
+def test_layer_calls_taps_keep_outputs_and_differentiate_outputs_not_weights():
+    from bayesq.forward import Taps, layer_calls
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model[2].weight.requires_grad_(False)  # the user's own setting, kept
+    x = torch.randn(5, 3, dtype=torch.float64)
+    seen, grads, taps = {}, {}, Taps()
+
+    def record(name, mod, a, out):
+        seen[name] = (out.requires_grad, any(p.requires_grad for p in model.parameters()))
+        if out.requires_grad:
+            out.register_hook(lambda g, name=name: grads.__setitem__(name, g))
+
+    with layer_calls(model, {"0": model[0], "2": model[2]}, record, taps=taps):
+        y = model(x)
+        torch.autograd.backward(y.pow(2).sum(), inputs=taps.leaves())
+    assert seen == {"0": (True, False), "2": (True, False)}  # in the graph, no parameter requiring grad
+    assert torch.equal(y, model(x))  # the tapped outputs carry the same values
+    out0 = model[0](x).detach().requires_grad_(True)
+    z = model[2](torch.tanh(out0))
+    want0, want2 = torch.autograd.grad(z.pow(2).sum(), [out0, z])
+    assert torch.equal(grads["2"], want2) and torch.allclose(grads["0"], want0, rtol=1e-12, atol=0)
+    assert all(p.grad is None for p in model.parameters())  # no weight gradient formed
+    assert model[0].weight.requires_grad and not model[2].weight.requires_grad  # restored
+    with torch.no_grad(), layer_calls(model, {"0": model[0]}, record, taps=Taps()):
+        model(x)
+    assert seen["0"] == (False, False)  # no gradients: nothing tapped

@@ -14,7 +14,11 @@ real tokens (:mod:`bayesq.forward`; padding contributes nothing):
 whose square is an unbiased estimate of the summed token Fishers ``sum_t F_nt`` (the cross terms
 of different tokens have expectation zero).  Per-example weight gradients come from the
 layer inputs and output gradients captured by hooks (``g_out^T a`` for Linear, the same on
-unfolded patches for Conv2d), so one backward pass serves a whole batch.  The model runs in
+unfolded patches for Conv2d), so one backward pass serves a whole batch.  Each layer's squares
+are summed as that pass reaches the layer's output (a hook on it, tapped by
+:class:`bayesq.forward.Taps`), and the layer's input is released then: the pass holds the output
+gradients of the layers it is at, not of all of them (``benchmarks/scale.py --stages``, MiniLM,
+8 x 128 tokens a pass: a 1.18 GiB peak against 1.33 collecting them all).  The model runs in
 eval mode (no dropout, batch-norm statistics frozen), so examples do not interact.
 
 ``empirical_fisher_diagonal`` runs the same machinery with one fixed label per input,
@@ -32,7 +36,7 @@ from tqdm.auto import tqdm
 
 from bayesq.curvature.patches import add_widened, input_rows, squared_grad_sum, sum_dtype
 from bayesq.forward import (
-    Batch, batch_size, layer_calls, padding_mask, prediction_rows, predictions, split_batches, token_rows,
+    Batch, Taps, batch_size, layer_calls, padding_mask, prediction_rows, predictions, split_batches, token_rows,
 )
 from bayesq.memory import release_freed
 
@@ -79,13 +83,35 @@ def _squared_grad_sum(
     if on_rows is not None:
         desc += " + layer-input statistics"
     acts: dict[str, torch.Tensor] = {}
-    outputs: dict[str, torch.Tensor] = {}
+    shapes: dict[str, torch.Size] = {}
     total = {name: torch.zeros(m.weight.shape, dtype=sum_dtype(m.weight.dtype), device=m.weight.device)
              for name, m in layers.items()}
+    taps = Taps()
+    step = {"passes": 1, "last": True}  # the backward pass under way: how many this part runs, the last?
+
+    def squares(name: str, mod: nn.Module, a: torch.Tensor):
+        """The hook on a layer's output: its squared per-example gradients into the sum as the
+        backward pass reaches it; its input released after the last pass (so a layer's input and
+        output gradient are held from when the pass reaches it until its squares are summed,
+        not until the pass ends)."""
+        def hook(g: torch.Tensor) -> None:
+            if acts.get(name) is not a:  # an earlier call of a module called again: its last call counts
+                return
+            # square and sum the part in the model's dtype, accumulate in sum_dtype (at least float32)
+            sq = squared_grad_sum(mod, a, g)
+            if step["passes"] > 1:
+                total[name] += sq.to(total[name].dtype) / step["passes"]
+            else:  # in place (no copy): one layer's squares held at a time
+                add_widened(total[name], sq)
+            if step["last"]:
+                del acts[name]
+        return hook
 
     def record(name: str, mod: nn.Module, a: torch.Tensor, output: torch.Tensor) -> None:
-        acts[name] = a.detach()
-        outputs[name] = output
+        acts[name] = a = a.detach()
+        shapes[name] = output.shape
+        if output.requires_grad:  # a tapped output (a batch the backward pass reads)
+            output.register_hook(squares(name, mod, a))
 
     batches = list(batches)
     n_all = sum(batch_size(b) for b in batches)
@@ -94,7 +120,7 @@ def _squared_grad_sum(
         batches = [batches[i] for i in sorted(backward)]
         backward = set(range(len(batches)))
     n_grad = 0
-    with layer_calls(model, layers, record, weights_require_grad=True):
+    with layer_calls(model, layers, record, taps=taps):
         for i, batch in enumerate(tqdm(batches, desc=desc, disable=not progress, leave=False)):
             parts = split_batches([batch], max_inputs)
             held: dict[str, list[tuple[torch.Tensor, int]]] = {}  # rows handed on once per batch
@@ -103,39 +129,20 @@ def _squared_grad_sum(
                 with torch.set_grad_enabled(i in backward):
                     z, mask = predictions(model, part)
                     out = prediction_rows(z, mask)  # (R, C)
-                    rows_mask = padding_mask(part) if mask is not None else None  # padded tokens' layer rows
-                    passes = labels_for(out.detach(), mask) if i in backward else [None]
-                    names = [n for n, o in outputs.items() if o.requires_grad]
-                    for s, y in enumerate(passes):
-                        grads = ()
-                        if y is not None and names:
-                            loss = F.cross_entropy(out, y, reduction="sum")
-                            # gradients of the layer outputs only: no weight gradient is formed
-                            grads = torch.autograd.grad(loss, [outputs[n] for n in names], allow_unused=True,
-                                                        retain_graph=s < len(passes) - 1)
-                        outs = {n: g for n, g in zip(names, grads) if g is not None}
-                        shared: dict = {}
-                        for name, mod in layers.items():
-                            if name not in acts:
-                                continue
-                            rows = _rows(mod, acts[name], outputs[name].shape, shared)
-                            if s == 0 and on_rows is not None:
-                                real = rows if rows_mask is None else _real_rows(rows, acts[name], rows_mask, shared)
-                                if len(parts) > 1 and real.shape[0] * real.shape[2] < real.shape[3]:
-                                    held.setdefault(name, []).append((real, 2 if real is not rows else 0))
-                                else:
-                                    on_rows(name, real)
-                            if name in outs:  # a layer whose output does not reach the loss has no gradient
-                                # square and sum the batch in the model's dtype, accumulate batches in
-                                # sum_dtype (the model's, at least float32)
-                                sq = squared_grad_sum(mod, acts[name], outs.pop(name), rows)
-                                if len(passes) > 1:
-                                    total[name] += sq.to(total[name].dtype) / len(passes)
-                                else:  # in place (no copy): one layer's squares held at a time
-                                    add_widened(total[name], sq)
+                    if on_rows is not None:  # before the backward pass releases the inputs
+                        _rows_to(on_rows, layers, acts, shapes, padding_mask(part) if mask is not None else None,
+                                 held if len(parts) > 1 else None)
+                    passes = labels_for(out.detach(), mask) if i in backward else []
+                    for s, y in enumerate(passes if out.requires_grad else []):  # else no layer reaches the loss
+                        step.update(passes=len(passes), last=s == len(passes) - 1)
+                        # gradients of the tapped layer outputs only: no weight gradient is formed
+                        torch.autograd.backward(F.cross_entropy(out, y, reduction="sum"), inputs=taps.leaves(),
+                                                retain_graph=not step["last"])
                 n_grad += batch_size(part) if i in backward else 0
+                del z, out
                 acts.clear()
-                outputs.clear()
+                shapes.clear()
+                taps.clear()
             _hand_on(held, on_rows)
             release_freed()
     if n_all == 0:
@@ -179,6 +186,24 @@ def _hand_on(held: dict[str, list[tuple[torch.Tensor, int]]], on_rows) -> None:
         for name in names:
             on_rows(name, joined)
         del joined
+
+
+def _rows_to(on_rows, layers: dict[str, nn.Module], acts: dict[str, torch.Tensor], shapes: dict[str, torch.Size],
+             rows_mask: torch.Tensor | None, held: dict | None) -> None:
+    """``on_rows(name, rows)`` for each layer called in this part (:func:`_rows`; padded tokens'
+    rows dropped where ``rows_mask`` is given). ``held``: the batch runs in parts, and a layer with
+    fewer rows in a part than input features has its rows kept there (with the dimension to join
+    them on) to be handed on once per batch (:func:`_hand_on`)."""
+    shared: dict = {}
+    for name, mod in layers.items():
+        if name not in acts:
+            continue
+        rows = _rows(mod, acts[name], shapes[name], shared)
+        real = rows if rows_mask is None else _real_rows(rows, acts[name], rows_mask, shared)
+        if held is not None and real.shape[0] * real.shape[2] < real.shape[3]:
+            held.setdefault(name, []).append((real, 2 if real is not rows else 0))
+        else:
+            on_rows(name, real)
 
 
 def _rows(mod: nn.Module, a: torch.Tensor, out_shape: torch.Size, shared: dict) -> torch.Tensor:
