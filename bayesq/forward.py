@@ -112,29 +112,20 @@ def layer_calls(
     enabled is replaced by ``taps(output)`` (:class:`Taps`), which ``on_call`` gets, and no
     parameter of the model requires grad inside (the outputs are differentiated, never a weight).
     """
-    def tapped(output):
-        return taps(output) if taps is not None and torch.is_grad_enabled() and torch.is_tensor(output) else output
-
-    def hook(name: str):
+    def hook(name: str, owner: nn.Module):
         def fn(mod, inputs, output):
-            out = tapped(output)
-            on_call(name, mod, inputs[0], out)
-            return out
+            if taps is not None and torch.is_grad_enabled() and torch.is_tensor(output):
+                output = taps(output)
+            on_call(name, owner, inputs[0], output)
+            return output
         return fn
 
-    def hook_as(name: str, owner: nn.Module):
-        def fn(mod, inputs, output):
-            out = tapped(output)
-            on_call(name, owner, inputs[0], out)
-            return out
-        return fn
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
+    handles = [m.register_forward_hook(hook(n, m)) for n, m in layers.items()]
     for alias, owner in tied_layers(model, layers).items():
         mod = model.get_submodule(alias)
         if type(mod) is type(layers[owner]) and mod.extra_repr() == layers[owner].extra_repr():
-            handles.append(mod.register_forward_hook(hook_as(owner, layers[owner])))
-    params = {id(p): p for p in [*model.parameters(), *(m.weight for m in layers.values())]}.values()
+            handles.append(mod.register_forward_hook(hook(owner, layers[owner])))
+    params = list({id(p): p for p in [*model.parameters(), *(m.weight for m in layers.values())]}.values())
     needs_grad = [(p, p.requires_grad) for p in params]
     was_training = model.training
     try:
