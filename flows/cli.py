@@ -66,7 +66,8 @@ def quantize(
                                              "held-out KL drops (off by default, like the pipeline's bayesq row; "
                                              "the bayesq-distill row has it: accepted on both embedded models at 3.0 "
                                              "bits, test KL 5-10 % lower)"),
-    method: str = typer.Option("bayesq", help="bayesq, bayesq-ef, bayesq-paper, or a baseline: gptq, optq, awq, "
+    method: str = typer.Option("bayesq", help="bayesq, bayesq-ef, bayesq-paper, bayesq-brecq (BayesQ's encoding "
+                                              "rounded again by BRECQ), or a baseline: gptq, optq, awq, "
                                               "smoothquant, hawq, zeroq, anneal, aciq, clip-block, lloyd-block, "
                                               "rtn-tensor, rtn-channel, rtn-group, adaround, brecq, lsq, lsq-plus, "
                                               "pact, dorefa, bit-split, ocs (settings from params.yaml)"),
@@ -117,9 +118,9 @@ def quantize(
     from flows.lineage import export_lineage, input_lineage, row_metadata
     from flows.params import Method
     from flows.prepare import calibration_batches, checked_exclude, selection_batches
-    from flows.configs import BASELINE_CONFIGS
+    from flows.configs import method_config
 
-    choices = ["bayesq"] + [m.value for m in BASELINE_CONFIGS]
+    choices = [m.value for m in Method]
     if method not in choices:
         _fail(f"--method {method}: choose one of {', '.join(choices)}")
 
@@ -143,9 +144,9 @@ def quantize(
     if method == "bayesq":
         cfg = BayesQConfig(budget=budget, posterior=p.posterior, quant=p.quant, allocation=p.allocation, distill=d,
                            seed=seed)
-        label = "bayesq-distill" if d.applies(budget) else "bayesq"
-    else:
-        cfg, label = BASELINE_CONFIGS[Method(method)](p.quant, p.baselines, seed), method
+        label, quant = ("bayesq-distill" if d.applies(budget) else "bayesq"), p.quant
+    else:  # another BayesQ row (its quant settings) or a baseline (quant None: its variant's, below)
+        (cfg, quant), label = method_config(method, p, budget, seed), method
     start = time.perf_counter()
     try:
         done = quantize_with(net, cfg, budget, Inputs(calibration=batches, selection=selection_batches(
@@ -153,12 +154,14 @@ def quantize(
     except (ValueError, MemoryError) as err:  # bad input; a peak the machine cannot hold (bayesq.memory)
         _fail(str(err))
     res = done.result
-    quant = p.quant if method == "bayesq" else encoding_config(res, p.quant)  # a variant's bit set
+    bayesq_row = quant is not None  # a BayesQ row: its posterior was fitted here
+    quant = quant if bayesq_row else encoding_config(res, p.quant)  # a baseline: its variant's bit set
     src = raw_path(entry, raw)
-    fitted = {"posterior": f"fitted in this run, not saved ({p.posterior.curvature.value}; settings in params)"}
+    posterior = (cfg if isinstance(cfg, BayesQConfig) else getattr(cfg, "bayesq", p)).posterior
+    fitted = {"posterior": f"fitted in this run, not saved ({posterior.curvature.value}; settings in params)"}
     meta = row_metadata(model, label, budget, seed, code_version(), export_lineage(p),
                         input_lineage(str(model_file), str(src), digest(src), None, idx), params_file=str(params),
-                        **(fitted if method == "bayesq" else {}), **({"exclude": ",".join(exclude)} if exclude else {}))
+                        **(fitted if bayesq_row else {}), **({"exclude": ",".join(exclude)} if exclude else {}))
     info = save_export(out, res.model, res.weights, quant, res.allocation.total_bits, architecture=model,
                        metadata=meta)
     typer.echo(f"{model} at {budget} bits: {res.average_bits:.4f} bits/weight accounted, "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 METHOD_LABEL = {"bayesq": "BayesQ", "bayesq-distill": "BayesQ + distillation", "bayesq-ef": "BayesQ (K-FAC)",
-                "bayesq-paper": "BayesQ (paper-literal)",
+                "bayesq-paper": "BayesQ (paper-literal)", "bayesq-brecq": "BayesQ + BRECQ rounding (no bias correction)",
                 "gptq": "GPTQ (best variant, act-order)",
                 "awq": "AWQ (g64)", "hawq": "HAWQ-style (per layer)", "aciq": "ACIQ (per channel)",
                 "zeroq": "ZeroQ (per layer, distilled data)",

@@ -52,6 +52,7 @@ class Method(str, Enum):
     BAYESQ_EF = "bayesq-ef"  # K-FAC posterior (error feedback in its input factor)
     BAYESQ_DISTILL = "bayesq-distill"  # BayesQ + posterior-predictive distillation (budget <= distill.max_budget)
     BAYESQ_PAPER = "bayesq-paper"  # the paper-literal configuration: fixed prior, draws objective, nearest rounding
+    BAYESQ_BRECQ = "bayesq-brecq"  # BayesQ's encoding rounded again by BRECQ's block reconstruction, no bias correction
     RTN_TENSOR = "rtn-tensor"
     RTN_CHANNEL = "rtn-channel"
     RTN_GROUP = "rtn-group"

@@ -454,7 +454,7 @@ def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str
                digest(Path(post["path"])), str(src), sdig, params.data, cal, params.quant, seed,
                str(Path(out) / "tables"), code, stats_file=stats["path"], stats_sha256=stats["sha256"])
     key = f"{digest(Path(post['path']))}:{params.quant}:{params.calibration}"
-    prep = {Method.BAYESQ: (post, tab, key, params.quant), Method.BAYESQ_DISTILL: (post, tab, key, params.quant)}
+    prep = {m: (post, tab, key, params.quant) for m in (Method.BAYESQ, Method.BAYESQ_DISTILL, Method.BAYESQ_BRECQ)}
     if Method.BAYESQ_EF in params.methods:
         prep[Method.BAYESQ_EF] = _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call)
     if Method.BAYESQ_PAPER in params.methods:

@@ -28,6 +28,7 @@ from typing import Any
 from prefect import flow, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
+from bayesq.baselines.brecq import BRECQConfig, brecq_encoding
 from bayesq.baselines.select import encoding_config
 from bayesq.evaluation import predict
 from bayesq.export import load as load_export, save_export
@@ -83,6 +84,7 @@ METHOD_SOURCES = {
     Method.SMOOTHQUANT: ("bayesq/baselines/smoothquant.py", "bayesq/baselines/awq.py"),  # AWQ's code
     Method.ANNEAL: ("bayesq/baselines/anneal.py", "bayesq/baselines/gptq.py"),  # GPTQ's rounding
     Method.BAYESQ_DISTILL: ("bayesq/distill.py",),
+    Method.BAYESQ_BRECQ: ("bayesq/baselines/brecq.py", "bayesq/baselines/adaround.py"),  # AdaRound's relaxation
     Method.ADAROUND: ("bayesq/baselines/adaround.py", "bayesq/baselines/gptq.py"),  # GPTQ's grids and variants
     Method.BRECQ: ("bayesq/baselines/brecq.py", "bayesq/baselines/adaround.py", "bayesq/baselines/lsq.py",
                    "bayesq/baselines/gptq.py"),  # AdaRound's relaxation, nearest start, GPTQ's grids
@@ -93,6 +95,10 @@ METHOD_SOURCES = {
     Method.BIT_SPLIT: ("bayesq/baselines/bitsplit.py", "bayesq/baselines/gptq.py"),
     Method.OCS: ("bayesq/baselines/ocs.py", "bayesq/baselines/gptq.py"),  # GPTQ on the expanded layers
 }
+# rows that run BayesQ's posterior, tables and encoding (those in SHARED_PREP: the bayesq row's,
+# starting from its saved encoding)
+BAYESQ_ROWS = (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER, Method.BAYESQ_BRECQ)
+SHARED_PREP = (Method.BAYESQ_DISTILL, Method.BAYESQ_BRECQ)
 NOT_IN_ROWS = ("flows/ablate.py", "flows/report.py", "flows/robustness_report.py", "flows/labels.py", "flows/cli.py",
                "flows/zoo.py", "flows/settings.py", "flows/__main__.py")
 
@@ -296,8 +302,10 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
     ``encodings_dir`` (BayesQ rows): the encoding is also saved there (:func:`save_encoding`; the
     record names it, ``encoding_file`` / ``encoding_sha256``); ``encoding_file`` (keyed by
     ``encoding_sha256``): such a saved encoding of the same posterior, table and settings, used
-    instead of encoding again (``bayesq-distill`` starts from the ``bayesq`` row's; its record's
-    ``encoding_seconds`` is that encoding's time).
+    instead of encoding again (``bayesq-distill`` and ``bayesq-brecq`` start from the ``bayesq``
+    row's; their record's ``encoding_seconds`` is that encoding's time). ``bayesq-brecq`` rounds
+    the encoding again by BRECQ (``baselines.brecq_iters`` steps per unit) and drops its bias
+    correction (:func:`bayesq.baselines.brecq.bayesq_brecq`).
     Its header holds the row's lineage: ``lineage`` (the invocation's params and commit,
     :func:`flows.lineage.export_lineage`; not part of the cache key, so a cache hit keeps the
     file and the lineage of the run that wrote it) and the inputs (:func:`flows.lineage.input_lineage`).
@@ -318,7 +326,7 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
     splits = entry.load_splits(data, Path(raw))
     start = time.perf_counter()
     extra = {}
-    if Method(method) in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER):
+    if Method(method) in BAYESQ_ROWS:
         batches = list(calibration_batches(entry, splits, data, calibration, seed)[1]) if calibration else None
         if encoding_file:  # the bayesq row's encoding: same posterior, table and settings
             enc, read = load_encoding(Path(encoding_file))
@@ -339,6 +347,8 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
                  "encoding_margin": {k: list(v) for k, v in enc.selection_margin.items()},
                  "encoding_inputs": dict(enc.selection_inputs),
                  "unit_bits": {k: list(v) for k, v in allocation.unit_bits.items()}}
+        if Method(method) == Method.BAYESQ_BRECQ:
+            enc = brecq_encoding(model, enc, batches, BRECQConfig(iters=baselines.brecq_iters, seed=seed))
         if enc.correction is not None:
             extra |= {"bias_corrected": len(enc.correction.targets), "bias_skipped": dict(enc.correction.skipped)}
         qmodel, qweights, res = assemble(model, enc, post, batches,
@@ -420,7 +430,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                             str(src), sdig, params.data, params.calibration, seed, str(Path(out) / "reference"),
                             prep_code())
                 posteriors += [posterior_record(name, seed, m.value, p[0])
-                               for m, p in prep.items() if m != Method.BAYESQ_DISTILL]
+                               for m, p in prep.items() if m not in SHARED_PREP]
                 say(f"[quantize] {name} seed {seed}: posterior {post['seconds']:.1f}s, table {tab['seconds']:.1f}s")
                 log_files(parent.info.run_id, sorted(Path(out, "tables").glob(f"{name}_s{seed}*.parquet")), "tables")
                 kept = {}  # budget -> the unit bit-widths the bayesq row kept
@@ -441,7 +451,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                                   reference_file=ref.get("path"), reference_sha256=ref.get("sha256", ""),
                                   encodings_dir=str(Path(out) / "encodings") if method == Method.BAYESQ else None,
                                   exclude=exclude,
-                                  **(shared_encoding.get(budget, {}) if method == Method.BAYESQ_DISTILL else {}))
+                                  **(shared_encoding.get(budget, {}) if method in SHARED_PREP else {}))
                         r = clock(f"{method.value} {name} b{budget} s{seed}", quantize_eval_task, row,
                                   p_tab and p_tab["table"], p_tab and p_tab.get("tables"), lineage)
                         unit_bits = r.get("unit_bits")

@@ -211,10 +211,11 @@ def export_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-PAIRED_METHODS = ("bayesq", "bayesq-ef", "bayesq-distill", "bayesq-paper")
+PAIRED_METHODS = ("bayesq", "bayesq-ef", "bayesq-distill", "bayesq-paper", "bayesq-brecq")
 PAIRED_BASELINES = ("gptq", "optq", "anneal", "adaround", "brecq", "lsq", "lsq-plus", "pact", "dorefa", "bit-split", "ocs",
                     "awq", "smoothquant", "hawq", "zeroq", "aciq", "lloyd-block", "clip-block",
                     "rtn-group", "rtn-channel", "rtn-tensor")  # every one run
+PAIRED_VARIANTS = (("bayesq-brecq", "bayesq"),)  # a BayesQ row against BayesQ's default: does it earn the default?
 PAIRED_METRICS = (("accuracy", "correct", 100.0), ("kl", "kl", 1.0))  # (metric, example array, scale)
 
 
@@ -250,8 +251,8 @@ def _pooled(rows: dict, seeds: list[int], key: str):
 
 def paired_comparisons(records: list[dict], results_dir: Path, resamples: int | None = None,
                        seed: int | None = None) -> tuple[list[dict], list[str]]:
-    """Every BayesQ row against every baseline row (:data:`PAIRED_BASELINES`) at the same model and
-    budget, on the same test examples (:func:`bayesq.comparison.paired_differences`).
+    """Every BayesQ row against every baseline row (:data:`PAIRED_BASELINES`), and the pairs of
+    :data:`PAIRED_VARIANTS`, at the same model and budget, on the same test examples (:func:`bayesq.comparison.paired_differences`).
 
     ``diff`` = method − baseline: accuracy in points (from ``correct``), KL to FP in nats (from
     ``kl``), with the paired-bootstrap 95 % interval; one bootstrap (the same resampled example
@@ -266,7 +267,7 @@ def paired_comparisons(records: list[dict], results_dir: Path, resamples: int | 
     examples: dict = defaultdict(dict)  # (model, budget, method) -> {seed: arrays}
     missing = []
     for r in records:
-        if r["method"] not in PAIRED_METHODS + PAIRED_BASELINES:
+        if r["method"] not in PAIRED_METHODS + PAIRED_BASELINES:  # (PAIRED_VARIANTS pairs rows of these)
             continue
         path = example_file(r, results_dir)
         if path is None:
@@ -276,12 +277,11 @@ def paired_comparisons(records: list[dict], results_dir: Path, resamples: int | 
     out = []
     for model, budget in sorted({k[:2] for k in examples}):
         pairs = []
-        for method in PAIRED_METHODS:
-            for base in PAIRED_BASELINES:
-                a, b = examples.get((model, budget, method)), examples.get((model, budget, base))
-                seeds = sorted(set(a or ()) & set(b or ()))
-                if seeds and a[seeds[0]]["correct"].shape == b[seeds[0]]["correct"].shape:
-                    pairs.append((method, base, seeds))
+        for method, base in [*((m, bl) for m in PAIRED_METHODS for bl in PAIRED_BASELINES), *PAIRED_VARIANTS]:
+            a, b = examples.get((model, budget, method)), examples.get((model, budget, base))
+            seeds = sorted(set(a or ()) & set(b or ()))
+            if seeds and a[seeds[0]]["correct"].shape == b[seeds[0]]["correct"].shape:
+                pairs.append((method, base, seeds))
         if not pairs:
             continue
         cols = [(m, bl, s, metric, key, scale) for m, bl, s in pairs for metric, key, scale in PAIRED_METRICS]

@@ -148,12 +148,12 @@ def row_params(params, method, posterior=None, quant=None) -> dict[str, str]:
 
     method = Method(method)
     sections = {"data": params.data, "quant": quant or params.quant}
-    if method in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER):
+    if method in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER, Method.BAYESQ_BRECQ):
         sections |= {"posterior": posterior or params.posterior, "allocation": params.allocation,
                      "calibration": params.calibration}
     if method == Method.BAYESQ_DISTILL:
         sections["distill"] = params.distill
-    if method in (*CALIBRATED_METHODS, Method.HAWQ):
+    if method in (*CALIBRATED_METHODS, Method.HAWQ, Method.BAYESQ_BRECQ):  # bayesq-brecq: baselines.brecq_iters
         sections |= {"calibration": params.calibration, "baselines": params.baselines}
     return flatten(sections)
 

@@ -12,7 +12,7 @@ from torch import nn
 from bayesq.baselines.adaround import AdaRoundConfig
 from bayesq.baselines.anneal import AnnealConfig
 from bayesq.baselines.awq import AWQConfig
-from bayesq.baselines.brecq import BRECQConfig
+from bayesq.baselines.brecq import BayesQBRECQConfig, BRECQConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.bitsplit import BitSplitConfig
@@ -44,6 +44,7 @@ METHODS = {
     "adaround": AdaRoundConfig(iters=40, progress=False),  # few steps: the same code path
     "brecq": BRECQConfig(iters=5, select=False, progress=False),  # every unit reconstructed, a few steps each
     # (its variant selection is GPTQ's, run by the gptq and adaround rows and tests/test_methods.py)
+    "bayesq-brecq": BayesQBRECQConfig(brecq=BRECQConfig(iters=5, progress=False)),  # BayesQ's default, then BRECQ
     "lsq-plus": LSQConfig(offset=True, iters=40, progress=False),  # LSQ+ (LSQ's code path and the offsets)
     "pact": LSQConfig(gradient="pact", select=False, iters=40, progress=False),  # LSQ's code path, PACT's gradient
     "dorefa": DoReFaConfig(select=False, iters=40, progress=False),  # selection: GPTQ's, run by the gptq row

@@ -9,17 +9,17 @@ import torch
 from torch import nn
 
 from bayesq.baselines.brecq import (
-    BRECQConfig, SoftWeight, block_modules, capture, element_grid, first_tensor, reconstruct_unit, reconstruction_error,
-    reconstruction_units, with_codes,
+    BayesQBRECQConfig, BRECQConfig, SoftWeight, bayesq_brecq, block_modules, brecq_codes, capture, element_grid,
+    first_tensor, reconstruct_unit, reconstruction_error, reconstruction_units, with_codes,
 )
 from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.gptq import LayerRounding, gptq_codes, gptq_table
 from bayesq.baselines.lsq import nearest_rows
 from bayesq.blocks import layer_blocks, quantizable_layers
 from bayesq.canonical import canonical
-from bayesq.config import QuantConfig
+from bayesq.config import BayesQConfig, DistillConfig, QuantConfig
 from bayesq.harness.architectures import build, example_batches
-from bayesq.quantize import allocate
+from bayesq.quantize import allocate, quantize_model
 
 
 class Residual(nn.Module):
@@ -154,6 +154,52 @@ def test_reconstruct_unit_vs_brute_force_rounding():
     got = error(codes)
     assert got <= 1.05 * best
     assert got < nearest
+
+
+def _residual_net() -> tuple[nn.Module, list[torch.Tensor], list[torch.Tensor]]:
+    """(a stem, two residual blocks and a head; calibration batches; held-out selection batches)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), Residual(16, 32), Residual(16, 32), nn.Linear(16, 3)).eval()
+    g = torch.Generator().manual_seed(1)
+    cal, sel = ([torch.randn(8, 8, generator=g) for _ in range(k)] for k in (3, 2))
+    return net, cal, sel
+
+
+def test_bayesq_brecq_vs_brecq_codes_on_bayesq_encoding():
+    """BayesQ + BRECQ is BayesQ's result (the same grid candidate, allocation, grids and bits)
+    with each layer's codes those of :func:`brecq_codes` run on BayesQ's encoding, and without
+    BayesQ's bias correction: the quantised model's biases are the FP model's and its weights the
+    new codes decoded."""
+    net, cal, sel = _residual_net()
+    bq = BayesQConfig(quant=QuantConfig(group_size=32, unit_groups=2), distill=DistillConfig(max_budget=0))
+    cfg = BayesQBRECQConfig(bq, BRECQConfig(iters=30, progress=False))
+    res = bayesq_brecq(net, cal, cfg, 3.0, selection=sel)
+    base = quantize_model(net, cal, bq, selection=sel, progress=False)
+    layers = quantizable_layers(net)
+    want = brecq_codes(net, layers, dict(base.weights), cal, cfg.brecq)
+    assert res.correction is None and base.correction.targets  # BayesQ's own result is corrected
+    fp_biases = {n: p for n, p in net.named_parameters() if n.endswith("bias")}
+    assert any(not torch.equal(p, fp_biases[n]) for n, p in base.model.named_parameters() if n in fp_biases)
+    assert res.encoding == base.encoding and res.allocation.unit_bits == base.allocation.unit_bits
+    assert res.allocation.total_bits == base.allocation.total_bits and res.average_bits <= 3.0
+    for n, m in layers.items():
+        got, ref, old = res.weights[n], want[n], base.weights[n]
+        assert torch.equal(got.codes, ref.codes) and torch.equal(got.group_bits, old.group_bits)
+        for b, book in old.books.items():
+            assert torch.equal(got.books[b].scale, book.scale) and torch.equal(got.books[b].zero, book.zero)
+        q = res.model.get_submodule(n)
+        assert (q.bias is None) == (m.bias is None) and (m.bias is None or torch.equal(q.bias, m.bias))
+        assert torch.equal(q.weight, ref.dequantize().reshape(m.weight.shape).to(m.weight.dtype))
+    assert any(not torch.equal(res.weights[n].codes, base.weights[n].codes) for n in layers)  # rounded again
+
+
+def test_bayesq_brecq_rejects_distillation_and_missing_calibration():
+    net, cal, sel = _residual_net()
+    distilled = BayesQBRECQConfig(BayesQConfig(distill=DistillConfig(max_budget=3.5)), BRECQConfig(iters=5))
+    with pytest.raises(ValueError, match="distill.max_budget below 3.0"):
+        bayesq_brecq(net, cal, distilled, 3.0)
+    with pytest.raises(ValueError, match="calibration batches"):
+        bayesq_brecq(net, [], BayesQBRECQConfig(brecq=BRECQConfig(iters=5)), 3.0)
 
 
 def test_brecq_config_rejects_bad_settings():

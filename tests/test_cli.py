@@ -332,8 +332,8 @@ def test_ui_walkthrough_in_headless_chromium(tmp_path):
         assert "bayesq tiny-cnn b3.0 s17" in tasks and "posterior tiny-cnn s17" in tasks
 
 
-@pytest.mark.parametrize("method", ["gptq", "rtn-channel"])
-def test_cli_quantize_a_baseline_through_the_registry(tiny_models, one_thread, method):
+@pytest.mark.parametrize("method", ["gptq", "rtn-channel", "bayesq-ef", "bayesq-brecq"])
+def test_cli_quantize_a_baseline_or_bayesq_row_through_the_registry(tiny_models, one_thread, method):
     from bayesq.export import load, read_export
 
     params, out = _params(tiny_models), tiny_models / f"{method}.safetensors"
@@ -342,7 +342,9 @@ def test_cli_quantize_a_baseline_through_the_registry(tiny_models, one_thread, m
                               str(tiny_models)])
     assert res.exit_code == 0, res.output
     user = read_export(out).user
-    assert user["method"] == method and "fitted in this run" not in user.get("posterior", "")
+    assert user["method"] == method
+    assert ("fitted in this run" in user.get("posterior", "")) == method.startswith("bayesq")
+    assert ("(kfac;" in user.get("posterior", "")) == (method == "bayesq-ef")
     assert ("variant kept:" in res.output) == (method == "gptq")
     assert load(out)(torch.zeros(2, 1, 8, 8)).shape == (2, 4)
     res = runner.invoke(app, ["quantize", "tiny-cnn", "--method", "nope", "--out", str(out), "--params", str(params)])

@@ -44,7 +44,7 @@ class TinyEntry(ZooEntry):
 
 
 ROBUST = ("bayesq", "bayesq-distill", "bayesq-ef", "gptq", "awq", "rtn-group")  # robustness.methods default
-ALL_METHODS = ("bayesq", "bayesq-distill", "bayesq-ef", "bayesq-paper", "rtn-tensor", "rtn-channel", "rtn-group", "gptq", "awq", "hawq", "zeroq", "aciq",
+ALL_METHODS = ("bayesq", "bayesq-distill", "bayesq-ef", "bayesq-paper", "bayesq-brecq", "rtn-tensor", "rtn-channel", "rtn-group", "gptq", "awq", "hawq", "zeroq", "aciq",
                "adaround", "brecq", "lsq", "lsq-plus", "pact", "dorefa", "bit-split", "optq", "clip-block", "lloyd-block", "smoothquant",
                "anneal", "ocs")
 
@@ -104,7 +104,8 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     assert (results / "posterior" / "tiny-cnn_s17_kfac.safetensors").exists()
     # one statistics pass per (model, seed), read by the rows that need it and counted in their one-time cost
     assert (results / "stats" / "tiny-cnn_s17.safetensors").exists()
-    assert {r["method"] for r in records if r["stats_read"]} == {"bayesq", "bayesq-distill", "bayesq-ef", "gptq", "awq",
+    assert {r["method"] for r in records if r["stats_read"]} == {"bayesq", "bayesq-distill", "bayesq-brecq", "bayesq-ef",
+                                                                 "gptq", "awq",
                                                                  "adaround", "brecq", "lsq", "lsq-plus", "pact", "dorefa",
                                                                  "bit-split", "ocs",
                                                                  "optq", "smoothquant", "anneal"}
@@ -181,9 +182,12 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     metrics = read_json(reports / "metrics.json")
     assert set(metrics["tiny-cnn"]) >= {"fp_accuracy", "bayesq@3.0", "rtn-tensor@4.0"}
     assert "kl_mean" in metrics["tiny-cnn"]["bayesq@3.0"]
-    paired = read_json(reports / "paired.json")  # 4 BayesQ rows vs all 21 baselines, both metrics, both budgets
-    assert {p["baseline"] for p in paired} == set(ALL_METHODS) - {"bayesq", "bayesq-distill", "bayesq-ef", "bayesq-paper"}
-    assert len(paired) == 4 * 21 * 2 * 2 and "## Paired comparisons on the same test examples" in table_md
+    # 5 BayesQ rows vs all 21 baselines, and BayesQ + BRECQ vs BayesQ; both metrics, both budgets
+    paired = read_json(reports / "paired.json")
+    bayesq_rows = {"bayesq", "bayesq-distill", "bayesq-ef", "bayesq-paper", "bayesq-brecq"}
+    assert {p["baseline"] for p in paired} == set(ALL_METHODS) - bayesq_rows | {"bayesq"}
+    assert {p["method"] for p in paired if p["baseline"] == "bayesq"} == {"bayesq-brecq"}
+    assert len(paired) == (5 * 21 + 1) * 2 * 2 and "## Paired comparisons on the same test examples" in table_md
     assert all(p["n"] == 100 and p["ci_low"] <= p["diff"] <= p["ci_high"] for p in paired)
     # the fitted prior per layer and the prior-dominated share, as the posterior files hold them
     from flows.finetune import load_model

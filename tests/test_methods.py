@@ -7,7 +7,7 @@ from bayesq.baselines.aciq import ACIQConfig
 from bayesq.baselines.anneal import AnnealConfig
 from bayesq.baselines.activations import input_stats
 from bayesq.baselines.adaround import AdaRoundConfig
-from bayesq.baselines.brecq import BRECQConfig
+from bayesq.baselines.brecq import BayesQBRECQConfig, BRECQConfig
 from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
 from bayesq.baselines.gptq import GPTQConfig, gptq_select
@@ -45,6 +45,7 @@ CONFIGS = [
     BayesQConfig(quant=Q, distill=DistillConfig(max_budget=0)),
     AdaRoundConfig(Q, group_sizes=(32,), iters=30, progress=False),
     BRECQConfig(Q, group_sizes=(32,), iters=10, progress=False), BRECQConfig(Q, select=False, iters=10, progress=False),
+    BayesQBRECQConfig(BayesQConfig(quant=Q, distill=DistillConfig(max_budget=0)), BRECQConfig(iters=10, progress=False)),
     LSQConfig(Q, group_sizes=(32,), iters=30, progress=False),
     LSQConfig(Q, select=False, offset=True, iters=30, progress=False),
     LSQConfig(Q, select=False, gradient="pact", iters=30, progress=False),
@@ -111,7 +112,7 @@ def test_pipeline_runs_every_baseline_through_the_registry():
     from flows.params import BaselinesConfig
     from flows.configs import BASELINE_CONFIGS
 
-    bayesq_rows = {Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER}
+    bayesq_rows = {Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER, Method.BAYESQ_BRECQ}
     assert set(BASELINE_CONFIGS) == set(Method) - bayesq_rows
     for make in BASELINE_CONFIGS.values():
         assert type(make(Q, BaselinesConfig(), 0)) in registered()
