@@ -7,8 +7,9 @@ and allocation are encoded again with AdaRound's rounding in place of error feed
 coordinate descent (:func:`bayesq.baselines.adaround.adaround_rows` in the layer-output MSE metric,
 the paper's schedule; the same scale refit and bias correction after it), or (``--rounding
 brecq``) BayesQ's final encoding (its refitted grids) is rounded again by BRECQ's block
-reconstruction (:func:`bayesq.baselines.brecq.brecq_codes`, its schedule at ``--iters`` steps per
-unit), scored with and without BayesQ's bias correction. All are scored by the per-input
+reconstruction (:func:`bayesq.baselines.brecq.brecq_encoding`, the library's ``bayesq-brecq``
+step, its schedule at ``--iters`` steps per unit), scored with and without BayesQ's bias
+correction (the library's row drops it: ``(no bc)``). All are scored by the per-input
 ``KL(p_FP || p_Q)`` on the pipeline's 2,000 held-out selection inputs, paired. BayesQ chose its
 grid candidate on these inputs, which favours BayesQ's own rounding slightly. ``--on test``
 scores every test example instead (KL and correctness, paired), inputs neither encoding saw.
@@ -48,7 +49,7 @@ def main() -> None:
 
     from bayesq.baselines.activations import input_stats
     from bayesq.baselines.adaround import adaround_rows
-    from bayesq.baselines.brecq import BRECQConfig, brecq_codes
+    from bayesq.baselines.brecq import BRECQConfig, brecq_encoding
     from bayesq.canonical import canonical
     from bayesq.comparison import correct_per_example, paired_difference
     from bayesq.config import Rounding
@@ -69,7 +70,8 @@ def main() -> None:
                              rounding=Rounding.ERROR_FEEDBACK, column_metric=metric, refit=enc.quant.refit,
                              scale_bits=enc.quant.scale_bits, solver=partial(adaround_rows, iters=a.iters, progress=True))
             else:
-                new = brecq_codes(m, layers, dict(enc.weights), calibration, BRECQConfig(iters=a.iters, seed=a.seed))
+                # the library's step (bayesq-brecq's): every code learned again on BayesQ's grids
+                new = brecq_encoding(m, enc, calibration, BRECQConfig(iters=a.iters, seed=a.seed)).weights
             seconds = time.perf_counter() - start
             scored, labels = selection, None
             if a.on == "test":
