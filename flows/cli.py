@@ -96,6 +96,8 @@ def quantize(
     Your own model and data: `bayesq quantize --model ./my-bert --data sst2.parquet --text-column sentence
     --label-column label --budget 3.0 --out my-bert-3b.safetensors` (writes the export, a report next to
     it and an MLflow run)."""
+    if distill and method != "bayesq":
+        _fail(f"--distill applies to --method bayesq (the bayesq-distill row); --method {method} does not distil")
     if source is not None or data is not None:
         if model is not None:
             _fail(f"give an embedded model name ({model}) or --model/--data, not both")

@@ -349,3 +349,5 @@ def test_cli_quantize_a_baseline_or_bayesq_row_through_the_registry(tiny_models,
     assert load(out)(torch.zeros(2, 1, 8, 8)).shape == (2, 4)
     res = runner.invoke(app, ["quantize", "tiny-cnn", "--method", "nope", "--out", str(out), "--params", str(params)])
     assert res.exit_code == 1 and "--method nope: choose one of bayesq, " in res.output and "gptq" in res.output
+    res = runner.invoke(app, ["quantize", "tiny-cnn", "--method", method, "--distill", "--out", str(out)])
+    assert res.exit_code == 1 and "--distill applies to --method bayesq" in res.output  # not silently ignored
