@@ -90,12 +90,12 @@ def method_settings(params, method) -> tuple:
 def method_config(method: str, params, budget: float, seed: int):
     """(library config, QuantConfig of a BayesQ row or None) for ``method`` with params.yaml's
     settings: BayesQ rows through :func:`method_settings` (distillation only for
-    ``bayesq-distill``; ``bayesq-brecq``: BayesQ's, then BRECQ's reconstruction at
-    ``baselines.brecq_iters``), baselines through :data:`BASELINE_CONFIGS`."""
+    ``bayesq-distill``; ``bayesq-brecq``: BayesQ's, then the ``brecq`` row's reconstruction
+    schedule), baselines through :data:`BASELINE_CONFIGS`."""
     m = Method(method)
     if m is Method.BAYESQ_BRECQ:
         bayesq, quant = method_config(Method.BAYESQ, params, budget, seed)
-        return BayesQBRECQConfig(bayesq, BRECQConfig(iters=params.baselines.brecq_iters, seed=seed)), quant
+        return BayesQBRECQConfig(bayesq, BASELINE_CONFIGS[Method.BRECQ](params.quant, params.baselines, seed)), quant
     if m in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER):
         posterior, quant = method_settings(params, m)
         distill = params.distill if m is Method.BAYESQ_DISTILL else replace(params.distill, max_budget=0.0)

@@ -28,7 +28,7 @@ from typing import Any
 from prefect import flow, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from bayesq.baselines.brecq import BRECQConfig, brecq_encoding
+from bayesq.baselines.brecq import brecq_encoding
 from bayesq.baselines.select import encoding_config
 from bayesq.evaluation import predict
 from bayesq.export import load as load_export, save_export
@@ -304,8 +304,8 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
     ``encoding_sha256``): such a saved encoding of the same posterior, table and settings, used
     instead of encoding again (``bayesq-distill`` and ``bayesq-brecq`` start from the ``bayesq``
     row's; their record's ``encoding_seconds`` is that encoding's time). ``bayesq-brecq`` rounds
-    the encoding again by BRECQ (``baselines.brecq_iters`` steps per unit) and drops its bias
-    correction (:func:`bayesq.baselines.brecq.bayesq_brecq`).
+    the encoding again by BRECQ (the ``brecq`` row's schedule: ``baselines.brecq_iters`` steps per
+    unit, ``baselines.adaround_lambda``) and drops its bias correction (:func:`bayesq.baselines.brecq.bayesq_brecq`).
     Its header holds the row's lineage: ``lineage`` (the invocation's params and commit,
     :func:`flows.lineage.export_lineage`; not part of the cache key, so a cache hit keeps the
     file and the lineage of the run that wrote it) and the inputs (:func:`flows.lineage.input_lineage`).
@@ -347,8 +347,8 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
                  "encoding_margin": {k: list(v) for k, v in enc.selection_margin.items()},
                  "encoding_inputs": dict(enc.selection_inputs),
                  "unit_bits": {k: list(v) for k, v in allocation.unit_bits.items()}}
-        if Method(method) == Method.BAYESQ_BRECQ:
-            enc = brecq_encoding(model, enc, batches, BRECQConfig(iters=baselines.brecq_iters, seed=seed))
+        if Method(method) == Method.BAYESQ_BRECQ:  # the brecq row's schedule (baselines.brecq_iters, adaround_lambda)
+            enc = brecq_encoding(model, enc, batches, BASELINE_CONFIGS[Method.BRECQ](quant, baselines, seed))
         if enc.correction is not None:
             extra |= {"bias_corrected": len(enc.correction.targets), "bias_skipped": dict(enc.correction.skipped)}
         qmodel, qweights, res = assemble(model, enc, post, batches,

@@ -119,6 +119,17 @@ def test_pipeline_runs_every_baseline_through_the_registry():
     assert bayesq.quantize_with is quantize_with
 
 
+def test_bayesq_brecq_row_config_is_bayesq_rows_and_brecq_rows_schedule():
+    from flows.configs import method_config
+    from flows.params import load_params
+
+    p = load_params({"baselines": {"brecq_iters": 123, "adaround_lambda": 0.02}})
+    (cfg, quant), (bq, bq_quant) = method_config("bayesq-brecq", p, 3.0, 5), method_config("bayesq", p, 3.0, 5)
+    brecq, _ = method_config("brecq", p, 3.0, 5)
+    assert cfg.bayesq == bq and quant == bq_quant
+    assert (cfg.brecq.iters, cfg.brecq.lam, cfg.brecq.seed) == (brecq.iters, brecq.lam, brecq.seed) == (123, 0.02, 5)
+
+
 @pytest.mark.parametrize("config", [GPTQConfig(Q), AWQConfig(Q, grid=4), RTNConfig(Granularity.GROUP, Q),
                                     HAWQConfig(quant=Q, probes=2), LSQConfig(Q, offset=True, iters=20, progress=False)],
                          ids=lambda c: type(c).__name__)
