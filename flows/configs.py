@@ -24,7 +24,7 @@ from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.smoothquant import SmoothQuantConfig
 from bayesq.baselines.zeroq import ZeroQConfig
 from bayesq.config import BayesQConfig, Codebook, Curvature, Granularity, Objective, Prior, Rounding, replace
-from flows.params import Method
+from flows.params import BAYESQ_ROWS, Method
 
 # the library config of each baseline row (bayesq.methods): params.yaml's quant and baselines settings
 # (quant, baselines, seed) -> config
@@ -96,7 +96,7 @@ def method_config(method: str, params, budget: float, seed: int):
     if m is Method.BAYESQ_BRECQ:
         bayesq, quant = method_config(Method.BAYESQ, params, budget, seed)
         return BayesQBRECQConfig(bayesq, BASELINE_CONFIGS[Method.BRECQ](params.quant, params.baselines, seed)), quant
-    if m in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER):
+    if m in BAYESQ_ROWS:  # bayesq-brecq returned above
         posterior, quant = method_settings(params, m)
         distill = params.distill if m is Method.BAYESQ_DISTILL else replace(params.distill, max_budget=0.0)
         return BayesQConfig(budget=budget, posterior=posterior, quant=quant, allocation=params.allocation,

@@ -76,6 +76,10 @@ class Method(str, Enum):
     LLOYD_BLOCK = "lloyd-block"  # per-block non-uniform Lloyd (k-means) tables (data-free)
 
 
+#: Rows that run BayesQ's posterior, tables and encoding; those in SHARED_PREP start from the
+#: ``bayesq`` row's (its saved encoding: the same prep, so one fit serves them).
+BAYESQ_ROWS = (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER, Method.BAYESQ_BRECQ)
+SHARED_PREP = (Method.BAYESQ_DISTILL, Method.BAYESQ_BRECQ)
 #: Baselines on GPTQ's grids and variants: BayesQ's allocation is one more of their variants.
 GRID_METHODS = (Method.GPTQ, Method.OPTQ, Method.ADAROUND, Method.BRECQ, Method.LSQ, Method.LSQ_PLUS, Method.PACT,
                 Method.DOREFA, Method.BIT_SPLIT)

@@ -34,7 +34,7 @@ from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import CACHE, code_version, digest
 from flows.configs import method_settings
 from flows.finetune import load_model
-from flows.params import CalibrationConfig, Method, SelectionInputs
+from flows.params import SHARED_PREP, CalibrationConfig, Method, SelectionInputs
 from flows.timings import plain_call
 
 # curvatures whose posterior is the saved curvature diagonal under a prior (reprior_task can refit it)
@@ -454,7 +454,7 @@ def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str
                digest(Path(post["path"])), str(src), sdig, params.data, cal, params.quant, seed,
                str(Path(out) / "tables"), code, stats_file=stats["path"], stats_sha256=stats["sha256"])
     key = f"{digest(Path(post['path']))}:{params.quant}:{params.calibration}"
-    prep = {m: (post, tab, key, params.quant) for m in (Method.BAYESQ, Method.BAYESQ_DISTILL, Method.BAYESQ_BRECQ)}
+    prep = {m: (post, tab, key, params.quant) for m in (Method.BAYESQ, *SHARED_PREP)}
     if Method.BAYESQ_EF in params.methods:
         prep[Method.BAYESQ_EF] = _kfac_prep(params, name, model_file, mdig, src, sdig, seed, out, code, call)
     if Method.BAYESQ_PAPER in params.methods:

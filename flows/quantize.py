@@ -40,7 +40,7 @@ from flows.common import code_version, digest, locked, parser, read_params, writ
 from flows.configs import BASELINE_CONFIGS, method_settings
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage, input_lineage, row_metadata
-from flows.params import CALIBRATED_METHODS, GRID_METHODS, Method, RobustnessConfig
+from flows.params import BAYESQ_ROWS, CALIBRATED_METHODS, GRID_METHODS, SHARED_PREP, Method, RobustnessConfig
 from flows.prepare import (
     calibration_batches,
     calibration_indices,
@@ -95,10 +95,6 @@ METHOD_SOURCES = {
     Method.BIT_SPLIT: ("bayesq/baselines/bitsplit.py", "bayesq/baselines/gptq.py"),
     Method.OCS: ("bayesq/baselines/ocs.py", "bayesq/baselines/gptq.py"),  # GPTQ on the expanded layers
 }
-# rows that run BayesQ's posterior, tables and encoding (those in SHARED_PREP: the bayesq row's,
-# starting from its saved encoding)
-BAYESQ_ROWS = (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER, Method.BAYESQ_BRECQ)
-SHARED_PREP = (Method.BAYESQ_DISTILL, Method.BAYESQ_BRECQ)
 NOT_IN_ROWS = ("flows/ablate.py", "flows/report.py", "flows/robustness_report.py", "flows/labels.py", "flows/cli.py",
                "flows/zoo.py", "flows/settings.py", "flows/__main__.py")
 

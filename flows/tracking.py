@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 from flows import ROOT
 from flows.common import mlflow_store_lock, read_json, read_params, write_json
 from flows.lineage import _rel, git_commit, run_tags
-from flows.params import CALIBRATED_METHODS, Method
+from flows.params import BAYESQ_ROWS, CALIBRATED_METHODS, Method
 
 EXPORT_ARTIFACT_MAX_BYTES = 8 * 2**20
 
@@ -148,7 +148,7 @@ def row_params(params, method, posterior=None, quant=None) -> dict[str, str]:
 
     method = Method(method)
     sections = {"data": params.data, "quant": quant or params.quant}
-    if method in (Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER, Method.BAYESQ_BRECQ):
+    if method in BAYESQ_ROWS:
         sections |= {"posterior": posterior or params.posterior, "allocation": params.allocation,
                      "calibration": params.calibration}
     if method == Method.BAYESQ_DISTILL:

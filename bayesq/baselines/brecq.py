@@ -59,7 +59,7 @@ from bayesq.forward import Batch, call, kept_state, model_batches, padding_mask
 from bayesq.memory import release_freed
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.quantize import Encoding, group_grid, quantize_model
-from bayesq.result import QuantizedWeight, quantized_copy
+from bayesq.result import QuantizationResult, QuantizedWeight, quantized_copy
 
 CONTAINERS = (nn.Sequential, nn.ModuleList)
 
@@ -384,7 +384,7 @@ class BayesQBRECQConfig:
 
 
 def bayesq_brecq(model: nn.Module, calibration: Sequence[Batch], config: BayesQBRECQConfig, budget: float, *,
-                 selection: Sequence[Batch] | None = None, exclude: Sequence[str] = ()):
+                 selection: Sequence[Batch] | None = None, exclude: Sequence[str] = ()) -> QuantizationResult:
     """:func:`bayesq.quantize.quantize_model` at ``budget``, then every layer's codes learned again
     by :func:`brecq_codes` on the grids BayesQ kept, unit by unit on ``calibration``.
 
@@ -411,9 +411,15 @@ def bayesq_brecq(model: nn.Module, calibration: Sequence[Batch], config: BayesQB
             raise ValueError("BayesQ + BRECQ reconstructs on calibration batches, but none were given")
         res = quantize_model(model, batches, replace(config.bayesq, budget=budget), progress=config.brecq.progress,
                              selection=selection, exclude=exclude)
-        layers = {n: model.get_submodule(n) for n in res.weights}
-        weights = brecq_codes(model, layers, dict(res.weights), batches, config.brecq)
+        weights = _relearned(model, res.weights, batches, config.brecq)
         return replace(res, model=quantized_copy(model, weights), weights=weights, correction=None)
+
+
+def _relearned(model: nn.Module, weights: dict[str, QuantizedWeight], batches: Sequence[Batch],
+               config: BRECQConfig) -> dict[str, QuantizedWeight]:
+    """``weights`` (layer name -> encoding of that layer of ``model``) with their codes learned
+    again by :func:`brecq_codes` on their own grids."""
+    return brecq_codes(model, {n: model.get_submodule(n) for n in weights}, dict(weights), batches, config)
 
 
 def brecq_encoding(model: nn.Module, enc: Encoding, batches: Sequence[Batch], config: BRECQConfig) -> Encoding:
@@ -422,8 +428,7 @@ def brecq_encoding(model: nn.Module, enc: Encoding, batches: Sequence[Batch], co
     :func:`bayesq_brecq`, for a caller that has the encoding (``model`` comes back as it was)."""
     with canonical(model), kept_state(model):
         model.eval()
-        layers = {n: model.get_submodule(n) for n in enc.weights}
-        weights = brecq_codes(model, layers, dict(enc.weights), model_batches(model, batches), config)
+        weights = _relearned(model, enc.weights, model_batches(model, batches), config)
     return replace(enc, weights=weights, correction=None)
 
 
