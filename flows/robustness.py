@@ -55,13 +55,13 @@ def ood_eval(entry, model, splits, data, raw: Path, rob) -> dict:
     if entry.task == "image":
         images = splits.test_inputs[: rob.corruption_examples]
         labels = splits.test_labels[: rob.corruption_examples]
-        out = {"clean": _accuracy_ece(predict(model, entry.batches(images, entry.eval_batch, data)), labels, rob),
+        out = {"clean": _accuracy_ece(predict(model, entry.batches(images, 100, data)), labels, rob),
                "corruptions": {}}
         for name in rob.corruptions:
             out["corruptions"][name] = {}
             for s in rob.severities:
                 x = corrupt(images, name, s, seed=CORRUPTION_SEED)
-                out["corruptions"][name][str(s)] = _accuracy_ece(predict(model, entry.batches(x, entry.eval_batch, data)),
+                out["corruptions"][name][str(s)] = _accuracy_ece(predict(model, entry.batches(x, 100, data)),
                                                                  labels, rob)
         return out
     out = {"domains": {}}
@@ -141,13 +141,12 @@ def _evaluate(entry, model, splits, data, raw: Path, rob, ood: bool, seed: int):
     return {"calibration": summary, "ood": ood_eval(entry, model, splits, data, raw, rob) if ood else None}, logit
 
 
-def _predict_in_padding_order(entry, model, inputs, data, batch_size: int | None = None):
+def _predict_in_padding_order(entry, model, inputs, data, batch_size: int = 64):
     """(N, C) logits of ``inputs`` in their own order, computed in :meth:`ZooEntry.padding_order`
-    (sentences by length: less padding per batch; padding is masked, so each row is as in any order),
-    in batches of ``batch_size`` (default the entry's ``eval_batch``)."""
+    (sentences by length: less padding per batch; padding is masked, so each row is as in any order)."""
     import torch
 
-    batch_size = batch_size or entry.eval_batch
+
     if entry.lengths(inputs) is None:  # inputs of one shape: nothing to gain
         return predict(model, entry.batches(inputs, batch_size, data))
     order = entry.padding_order(inputs)

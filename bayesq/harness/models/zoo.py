@@ -106,7 +106,6 @@ class ZooEntry(abc.ABC):
     # layout of the loaded fine-tuned model's weights for quantising and evaluating (not for
     # fine-tuning, whose result depends on the CPU kernels: docs/method.md 22b)
     memory_format: torch.memory_format = torch.contiguous_format
-    eval_batch: int = 64  # inputs per forward pass when the pipeline evaluates the test split and shifted data
     head: str  # the new classifier module (trained alone when the backbone is frozen)
     pretrained_backbone: bool = True  # False: trained from random initialisation
 
@@ -281,7 +280,6 @@ class Lite0FashionMNIST(ZooEntry):
 
     head = "_fc"
     memory_format = torch.channels_last  # forward passes ~1.3x faster on CPU (benchmarks/channels_last.py)
-    eval_batch = 256  # the 10,000 test images in 9.5 s against 12.9 s in batches of 64 (2-core Xeon)
 
     name = "lite0-fmnist"
     task = "image"
@@ -349,8 +347,6 @@ class ResNet18FashionMNIST(Lite0FashionMNIST):
     splits and preprocessing as ``lite0-fmnist`` (64x64, three channels, ImageNet mean/std);
     ``finetune.scratch_epochs`` epochs at ``finetune.lr_image``.
     """
-
-    eval_batch = 64  # batches of 256 were no faster than 64 here (2-core Xeon)
 
     name = "resnet18-fmnist"
     head = "fc"
