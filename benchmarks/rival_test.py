@@ -75,7 +75,7 @@ def main() -> None:
         labels = torch.as_tensor(labels)
         reference = None  # the FP model's test log-probabilities, computed when a row needs them
         code = code_fingerprint(ROOT / "models" / name / "model.safetensors")
-        kl, correct, kept = {}, {}, None
+        kl, correct, kept, first = {}, {}, None, a.methods[0]
         for spec in a.methods:
             method, over = parse_spec(spec)
             cfg = method_config(method, ablation_params(params, over, spec) if over else params, a.budget, a.seed)[0]
@@ -103,7 +103,6 @@ def main() -> None:
             kl[spec], correct[spec] = row.kl, row.correct
             print(f"{name} {spec}: KL {row.kl.mean():.5f}, accuracy {100 * row.correct.mean():.2f} % "
                   f"({len(row.kl)} test examples), {row.bits:.3f} bits, {row.seconds:.0f} s {row.variant}", flush=True)
-            first = a.methods[0]
             if spec != first:
                 for what, values, scale in (("KL", kl, 1.0), ("accuracy (pts)", correct, 100.0)):
                     d = paired_difference(scale * values[first], scale * values[spec])
