@@ -6,11 +6,13 @@ import torch
 from torch import nn
 
 from bayesq.baselines.activations import input_stats
-from bayesq.baselines.anneal import AnnealConfig, anneal_search, layer_encodings
+from bayesq.baselines.anneal import AnnealConfig, UnitOutputs, anneal_search, layer_encodings
 from bayesq.baselines.gptq import gptq_quantize
 from bayesq.blocks import quantizable_layers
+from bayesq.canonical import canonical
 from bayesq.config import Granularity, QuantConfig
 from bayesq.evaluation import kl_per_input, reference_log_probs
+from bayesq.harness.architectures import build, example_batches
 from bayesq.methods import Inputs, quantize_with
 from bayesq.result import quantized_copy
 from bayesq.storage import budget_bits
@@ -91,3 +93,64 @@ def test_anneal_names_an_infeasible_budget():
     model, cal = _model_and_inputs()
     with pytest.raises(ValueError, match="infeasible"):
         quantize_with(model, AnnealConfig(Q, steps=2, progress=False), 2.0, Inputs(calibration=cal))
+
+
+def _searches(model, batches, budget=4.0, skip=()):
+    """The annealing search's trace with outputs reused and with full passes (the same encodings)."""
+    with canonical(model) as m:
+        layers = {n: x for n, x in quantizable_layers(m).items() if not n.startswith(skip)}
+        table, enc = layer_encodings(layers, input_stats(m, batches, layers), Q)
+        return [anneal_search(m, table, enc, batches, budget, steps=30, t_start=0.5, seed=3, reuse=reuse)
+                for reuse in (True, False)]
+
+
+@pytest.mark.parametrize("family", ["resnet18", "efficientnet_b0", "vit", "bert", "gpt2-lm", "t5",
+                                    "transformer-encoder"])
+def test_anneal_search_reusing_unit_outputs_vs_full_passes(family):
+    """Proposals run from their first changed unit give the energies of full passes bit for bit:
+    the same trace (every accept / reject decision, the best and start energies). GPT-2's head is
+    tied to its token embedding, which is read before the first block: a change of it runs in full."""
+    model = build(family).double()
+    with torch.no_grad():  # a zero-initialised head (ViT's) gives every assignment the same logits
+        for w in model.parameters():
+            if w.dim() >= 2 and not w.any():
+                w.normal_(0, 0.1)
+    batches = [b.double() if torch.is_tensor(b) else b for b in example_batches(family, n_batches=2)]
+    skip = ("layer2", "layer3", "layer4") if family == "resnet18" else ()  # its real width: the first stage only
+    fast, full = _searches(model, batches, skip=skip)
+    assert fast == full
+    assert fast.accepted > 0 and fast.best_kl < fast.start_kl  # moves were accepted: kept outputs were replaced
+
+
+class _Twice(nn.Module):
+    """The same block called twice per pass: its second call's input comes after itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+                                     for _ in range(2)])
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        for _ in range(2):
+            for b in self.blocks:
+                x = b(x)
+        return self.head(x)
+
+
+def test_unit_outputs_run_full_passes_when_a_unit_is_called_twice():
+    torch.manual_seed(0)
+    model = _Twice().double()
+    batches = [torch.randn(16, 16, dtype=torch.float64) for _ in range(2)]
+    fast, full = _searches(model, batches)
+    assert fast == full and fast.accepted > 0
+    work = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).double()
+    outputs = UnitOutputs(work, ["0", "1"])
+    with outputs.pass_from(0):
+        work(torch.randn(2, 4, dtype=torch.float64))
+        work(torch.randn(2, 4, dtype=torch.float64))
+    assert outputs.active  # once per pass: reuse
+    twice = UnitOutputs(model, ["blocks.0", "blocks.1", "head"])
+    with twice.pass_from(0):
+        model(batches[0])
+    assert not twice.active  # twice per pass: no reuse

@@ -18,20 +18,27 @@ temperature falling geometrically from ``t_start * E(start)`` to ``t_end * E(sta
 ``steps`` steps. The best assignment seen is kept. Then, as every selecting baseline does, the
 held-out selection inputs choose between it and the start (each also bias-corrected when asked):
 a search that over-fits its own inputs is not kept.
+
+A move changes one layer (and, over the budget, a few random others), so the forward pass up
+to the first changed one is the current state's: the search keeps each unit's outputs on the
+search inputs (:class:`UnitOutputs`; units as BRECQ's, residual blocks and transformer layers)
+and runs a proposal from the first unit it changes, with the energies of full passes.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from bayesq.baselines.activations import InputStats
+from bayesq.baselines.brecq import reconstruction_units
 from bayesq.baselines.gptq import DAMP, gptq_codes, gptq_table
 from bayesq.baselines.select import (
     BaselineChoice, choice_outcome, given_allocation, select_best, stats_correction, stats_of,
@@ -90,10 +97,106 @@ def layer_encodings(
     return table, out
 
 
+def _cloned(out: Any) -> Any:
+    """A unit's output with its tensors copied (tuples / lists / dicts kept), so that no later
+    in-place operation changes a kept output."""
+    if torch.is_tensor(out):
+        return out.clone()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_cloned(v) for v in out)
+    if isinstance(out, dict):
+        return type(out)((k, _cloned(v)) for k, v in out.items())
+    return out
+
+
+class UnitOutputs:
+    """Each unit's outputs on the search inputs for the current weights, so that a pass after a
+    change runs from the first changed unit on.
+
+    ``units``: module names of ``model`` in the order a forward pass first calls them, each called
+    once per pass (:func:`bayesq.baselines.brecq.reconstruction_units`). Inside
+    :meth:`pass_from` ``(first)``, units before ``first`` return their kept outputs without running
+    (in call order: the n-th call of the context gets the n-th kept output) and the others run,
+    their outputs recorded; :meth:`keep` makes the recorded outputs the kept ones. A model that
+    calls a unit more or less than once per pass is seen on the first (full) pass, after which
+    every pass runs in full (``active`` False): reuse is exact only when each unit's inputs come
+    from the units before it. The passes give the outputs of full passes bit for bit (the same
+    operations on the same inputs).
+    """
+
+    def __init__(self, model: nn.Module, units: Sequence[str]) -> None:
+        self.model = model
+        self.mods = [model.get_submodule(u) for u in units]
+        self.kept: list[list[Any]] | None = None  # per unit, its outputs in call order
+        self.fresh: list[list[Any]] = []
+        self.first = 0  # the unit the last pass ran from
+        self.active = True
+
+    @contextmanager
+    def pass_from(self, first: int) -> Iterator[None]:
+        """Forward passes of ``model`` inside run from unit ``first`` (0, or no outputs kept yet:
+        full passes)."""
+        if not (self.active and self.mods):
+            self.active = False
+            yield
+            return
+        self.first = first = first if self.kept is not None else 0
+        self.fresh = [[] for _ in self.mods]
+        calls = [0]
+        handles = [self.model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))]
+        handles += [mod.register_forward_hook(lambda _m, _a, out, j=j: self.fresh[j].append(_cloned(out)))
+                    for j, mod in enumerate(self.mods) if j >= first]
+        for j in range(first):
+            self.mods[j].forward = self._replay(self.kept[j])
+        try:
+            yield
+        finally:
+            for j in range(first):
+                del self.mods[j].forward
+            for h in handles:
+                h.remove()
+        if self.kept is None and any(len(f) != calls[0] for f in self.fresh):
+            self.active, self.fresh = False, []  # a unit called more or less than once per pass: no reuse
+
+    @staticmethod
+    def _replay(outs: list[Any]):
+        calls = iter(outs)
+
+        def forward(*_args, **_kwargs):
+            return _cloned(next(calls))
+        return forward
+
+    def keep(self) -> None:
+        """The outputs of the last :meth:`pass_from` become the current weights' (the units it ran)."""
+        if not self.active:
+            return
+        if self.kept is None:
+            self.kept = self.fresh
+        else:
+            self.kept[self.first:] = self.fresh[self.first:]
+        self.fresh = []
+
+
+def _units_of(model: nn.Module, names: Sequence[str], batch: Batch) -> tuple[list[str], dict[str, int]]:
+    """The units of ``names`` in call order and the unit a change of each layer runs from: its
+    own, or 0 for a layer whose weight is tied to another parameter (e.g. a language model's head
+    and its token embedding, read before the first unit). (([], {}) where a layer's unit is never
+    called: no reuse.)"""
+    try:
+        units = reconstruction_units(model, names, batch)
+    except ValueError:
+        return [], {}
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    tied = {n for n in names if uses.get(id(model.get_submodule(n).weight), 0) > 1}
+    return [u.name for u in units], {n: 0 if n in tied else j for j, u in enumerate(units) for n in u.layers}
+
+
 def anneal_search(
     model: nn.Module, table: LossTable, encodings: Mapping[int, Mapping[str, QuantizedWeight]], batches: Sequence[Batch],
     budget: float, *, steps: int = 200, t_start: float = 0.05, t_end: float = 0.001, seed: int = 0,
-    progress: bool = False,
+    progress: bool = False, reuse: bool = True,
 ) -> SearchTrace:
     """Simulated annealing over one width per layer (module docstring).
 
@@ -104,6 +207,8 @@ def anneal_search(
         batches: the search inputs (the energy is the mean KL over them).
         budget: average bits per quantised weight.
         steps, t_start, t_end, seed: the schedule (temperatures relative to the start's energy).
+        reuse: run each proposal from the first unit it changes (:class:`UnitOutputs`; the same
+            energies as full passes); False: every pass in full.
 
     Raises:
         ValueError: an infeasible budget (from the start allocation).
@@ -118,9 +223,13 @@ def anneal_search(
     reference = reference_log_probs(model, batches)
     work = quantized_copy(model, {n: encodings[bits[j]][n] for n, j in zip(names, state)})
     params = {n: work.get_submodule(n).weight for n in names}
+    units, unit_of = _units_of(work, names, batches[0]) if reuse and batches else ([], {})
+    outputs = UnitOutputs(work, units)
 
-    def energy() -> float:
-        return float(kl_per_input(reference, work, batches).mean())
+    def energy(changed: Sequence[int] = ()) -> float:
+        first = min((unit_of[names[m]] for m in changed), default=0) if unit_of else 0
+        with outputs.pass_from(first):
+            return float(kl_per_input(reference, work, batches).mean())
 
     def put(i: int, j: int) -> None:
         with torch.no_grad():
@@ -128,6 +237,7 @@ def anneal_search(
 
     rng = random.Random(seed)
     e = start_e = energy()
+    outputs.keep()
     best, best_e, accepted = list(state), e, 0
     spent = sum(cost[i][j] for i, j in enumerate(state))
     for k in tqdm(range(steps), desc="annealing search", disable=not progress, leave=False):
@@ -146,9 +256,10 @@ def anneal_search(
         changed = [m for m in range(len(names)) if new[m] != state[m]]
         for m in changed:
             put(m, new[m])
-        e_new = energy()
+        e_new = energy(changed)
         if e_new < e or (temp > 0 and rng.random() < math.exp(-(e_new - e) / temp)):
             state, e, spent, accepted = new, e_new, total, accepted + 1
+            outputs.keep()
             if e < best_e:
                 best, best_e = list(state), e
         else:
