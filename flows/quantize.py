@@ -82,7 +82,8 @@ METHOD_SOURCES = {
     Method.LLOYD_BLOCK: ("bayesq/baselines/blockwise.py",),
     Method.OPTQ: ("bayesq/baselines/gptq.py",),
     Method.SMOOTHQUANT: ("bayesq/baselines/smoothquant.py", "bayesq/baselines/awq.py"),  # AWQ's code
-    Method.ANNEAL: ("bayesq/baselines/anneal.py", "bayesq/baselines/gptq.py"),  # GPTQ's rounding
+    Method.ANNEAL: ("bayesq/baselines/anneal.py", "bayesq/baselines/gptq.py",  # GPTQ's rounding,
+                    "bayesq/baselines/brecq.py"),  # BRECQ's units (the search reuses their outputs)
     Method.BAYESQ_DISTILL: ("bayesq/distill.py",),
     Method.BAYESQ_BRECQ: ("bayesq/baselines/brecq.py", "bayesq/baselines/adaround.py"),  # AdaRound's relaxation
     Method.ADAROUND: ("bayesq/baselines/adaround.py", "bayesq/baselines/gptq.py"),  # GPTQ's grids and variants
