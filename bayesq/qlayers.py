@@ -27,6 +27,7 @@ class _Packed(nn.Module):
             if getattr(pw, name) is None:
                 self.register_buffer(name, None)
         self.n, self.k, self.group_size, self.groups_per_row = pw.n, pw.k, pw.group_size, pw.groups_per_row
+        self.uniform_bits, self.layout = pw.uniform_bits, pw.layout
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.backend = backend
         self.cache_dense = True
@@ -34,7 +35,8 @@ class _Packed(nn.Module):
 
     def packed(self) -> PackedWeight:
         return PackedWeight(self.words, self.goff, self.gbits, self.scale, self.zero, self.lut, self.lutoff,
-                            self.dense, self.col_scale, self.n, self.k, self.group_size, self.groups_per_row)
+                            self.dense, self.col_scale, self.n, self.k, self.group_size, self.groups_per_row,
+                            self.uniform_bits, self.layout)
 
     def weight_dense(self) -> torch.Tensor:
         """(N, K) float32 dequantised weight (cached on the reference backend)."""

@@ -7,7 +7,8 @@
 # On a GPU machine with PyTorch and Triton but without this project's installed packages: run
 # benchmarks/gpu_site.sh here first, take .gpu along, and run there with PYTHONPATH=$PWD/.gpu/site.
 #
-# 1. correctness: the kernel and export tests with compiled Triton on the GPU (every bit-width,
+# 1. correctness: the kernel and export tests with compiled Triton on the GPU, autotuning off
+#    (BAYESQ_AUTOTUNE=0: each kernel at its first tile; step 2 checks the tuned ones) (every bit-width,
 #    mixed widths, LUT codebooks, every test shape, the benchmark's shapes) -> OUT/pytest.txt
 # 2. speed: benchmarks/kernels.py -> OUT/kernels.json and reports/kernels.md (copied to OUT);
 #    the exported embedded models from results/exports when the pipeline ran here, else each
@@ -17,7 +18,7 @@
 #    pipeline's input sizes and counts, random weights) -> OUT/scale.txt; failures' stderr
 #    -> OUT/errors.txt
 # PYTHON (default python3) runs it; SIZES (default resnet50,bert-base,gpt2,gpt2-medium; empty: none) the
-# model sizes of step 5; SWEEP=1 adds step 4: both GEMV kernels over tile shapes at batch 1
+# model sizes of step 5; SWEEP=1 adds step 4: the units GEMVs over tile shapes at batch 1 and 4
 # (kernels.py --sweep -> OUT/sweep.json, OUT/sweep.md); COST=0 skips step 3. PYTEST_S, KERNELS_S,
 # SWEEP_S: the time limits of steps 1, 2 and 4 in seconds (150, 230, 140; KERNELS_S=0 skips step 2).
 set -u
@@ -38,7 +39,7 @@ echo "== 1. kernel and export tests on CUDA" | tee -a "$OUT/gpu.log"
 # -o addopts= drops the project's -q, so -v names each test as it finishes (a run cut short
 # still says which failed); pytest-timeout, where installed, stops a test stuck for 90 s
 PER_TEST=$($PY -c "import pytest_timeout" 2>/dev/null && echo --timeout=90)
-timeout --kill-after=10 ${PYTEST_S:-150} $PY -m pytest -p no:cacheprovider -o addopts= -m "not ui" -n auto -v -rfE \
+BAYESQ_AUTOTUNE=0 timeout --kill-after=10 ${PYTEST_S:-150} $PY -m pytest -p no:cacheprovider -o addopts= -m "not ui" -n auto -v -rfE \
     --tb=short --durations=15 $PER_TEST tests/test_kernels.py tests/test_packing.py tests/test_export.py \
     > "$OUT/pytest.txt" 2>&1
 echo "pytest exit $?: $(grep -E "[0-9]+ (passed|failed)" "$OUT/pytest.txt" | tail -1); $(grep -c " PASSED " "$OUT/pytest.txt") passed and $(grep -c " FAILED " "$OUT/pytest.txt") failed so far" | tee -a "$OUT/gpu.log"

@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from bayesq.kernels.triton_dequant import _field
 
 
 @triton.jit
@@ -94,7 +93,7 @@ def check(seed: int = 0) -> float:
         scale = torch.rand(lb.n_groups, generator=gen, dtype=torch.float64).add(0.1).half().double()
         zero = torch.randint(0, 2**bits, (lb.n_groups,), generator=gen).double()
         pw = pack_weight(QuantizedWeight(lb, torch.full((lb.n_groups,), bits), codes,
-                                         {bits: UniformGrids(bits, scale, zero)}))
+                                         {bits: UniformGrids(bits, scale, zero)}), "stream")  # the row-major stream
         x = torch.randn(1, k, generator=gen)
         ref = (x.double() @ reference.dequantize(pw).double().T)[0]
         pw = pw.to(device)
@@ -108,76 +107,6 @@ def check(seed: int = 0) -> float:
 if __name__ == "__main__":
     print(f"largest relative error of the variants: {check():.2e}")
 
-
-# --- second GPU session: the unit GEMV on a transposed ("column-major") copy of the codes --------
-#
-# The first sweep put the library's unit GEMV (row-major words, tiles (rows, units)) at 8 weights per
-# SM cycle: with rows across one thread's registers only once, every weight costs one load of its
-# input element x[col] (plus shifts and two float ops). Stored with the rows contiguous
-# (words_t[unit word, row], as gemlite keeps its packed weights), the fast tile axis is the rows:
-# a thread holds several rows of one unit, so each x element it loads serves all of them, and the
-# word loads stay coalesced.
-
-
-@triton.jit
-def gemv_cols_kernel(x_ptr, out_ptr, wt_ptr, st_ptr, zt_ptr, N, K, B: tl.constexpr, GS: tl.constexpr,
-                     BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K):
-    """y[n] (+)= sum over this program's units u of s_t[g(u), n] * sum_j x[u * CPU + j] *
-    (c[n, u * CPU + j] - z_t[g(u), n]), the codes read from ``wt`` (units * WPU, N) int32 (the
-    row-major stream transposed: word i of unit u of row n at [u * WPU + i, n]), scale and zero
-    as (K // GS, N); grid (cdiv(N, BLOCK_N), SPLIT_K); out float32 (zeroed) when SPLIT_K > 1."""
-    CPU: tl.constexpr = 32 if B == 3 else 32 // B
-    WPU: tl.constexpr = 3 if B == 3 else 1
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    n_units = K // CPU
-    span = tl.cdiv(tl.cdiv(n_units, SPLIT_K), BLOCK_U) * BLOCK_U
-    u_lo = tl.program_id(1) * span
-    acc = tl.zeros((BLOCK_U, BLOCK_N), dtype=tl.float32)
-    for u0 in range(u_lo, tl.minimum(u_lo + span, n_units), BLOCK_U):
-        u = u0 + tl.arange(0, BLOCK_U)
-        umask = u < n_units
-        mask = umask[:, None] & rmask[None, :]
-        wp = wt_ptr + (u * WPU).to(tl.int64)[:, None] * N + rows[None, :]
-        w0 = tl.load(wp, mask=mask, other=0).to(tl.uint32, bitcast=True)
-        w1 = w0
-        w2 = w0
-        if B == 3:
-            w1 = tl.load(wp + N, mask=mask, other=0).to(tl.uint32, bitcast=True)
-            w2 = tl.load(wp + 2 * N, mask=mask, other=0).to(tl.uint32, bitcast=True)
-        gp = (u * CPU // GS).to(tl.int64)[:, None] * N + rows[None, :]
-        s = tl.load(st_ptr + gp, mask=mask, other=0.0).to(tl.float32)
-        zz = tl.load(zt_ptr + gp, mask=mask, other=0).to(tl.float32) + 8388608.0
-        part = tl.zeros((BLOCK_U, BLOCK_N), dtype=tl.float32)
-        for j in tl.static_range(CPU):
-            xj = tl.load(x_ptr + u * CPU + j, mask=umask, other=0.0).to(tl.float32)
-            magic = (_field(w0, w1, w2, j, B) | 0x4B000000).to(tl.float32, bitcast=True)
-            part += (magic - zz) * xj[:, None]
-        acc += part * s
-    y = tl.sum(acc, axis=0)
-    if SPLIT_K == 1:
-        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
-    else:
-        tl.atomic_add(out_ptr + rows, y, mask=rmask)
-
-
-def transposed(pw):
-    """(words_t, scale_t, zero_t) of a unit-aligned PackedWeight: (units * WPU, N), (K // GS, N) x 2."""
-    per_row = pw.k * pw.uniform_bits // 32
-    wt = pw.words[: pw.n * per_row].reshape(pw.n, per_row).T.contiguous()
-    g = pw.k // pw.group_size
-    return wt, pw.scale.reshape(pw.n, g).T.contiguous(), pw.zero.reshape(pw.n, g).T.contiguous()
-
-
-def cols_gemv(x: torch.Tensor, pw, parts, block_u: int, block_n: int, split_k: int, warps: int):
-    """A launch closure computing ``x (1, K) @ W^T`` from :func:`transposed` ``parts``; returns the output."""
-    wt, st, zt = parts
-    grid = (triton.cdiv(pw.n, block_n), split_k)
-
-    def run():
-        out = torch.zeros(1, pw.n, dtype=torch.float32, device=x.device) if split_k > 1 else \
-            torch.empty(1, pw.n, dtype=x.dtype, device=x.device)
-        gemv_cols_kernel[grid](x, out, wt, st, zt, pw.n, pw.k, B=pw.uniform_bits, GS=pw.group_size,
-                               BLOCK_U=block_u, BLOCK_N=block_n, SPLIT_K=split_k, num_warps=warps)
-        return out.to(x.dtype)
-    return run
+# The second session's two-dimensional GEMV on a transposed copy of the codes (gemv_cols_kernel)
+# became the library's batch-1 kernel after the third (triton_dequant.gemv_units_row_kernel on the
+# ``units`` layout of bayesq/kernels/packed.py), and left this file.

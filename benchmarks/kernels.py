@@ -97,13 +97,13 @@ def show(title: str, head: list[str], rows: list[list]) -> None:
     Console(width=200).print(t)
 
 
-def bench_ms(fn) -> float:
-    """Median milliseconds of ``fn()`` on the GPU: triton's do_bench (L2 flushed before each call),
-    else CUDA events around 50 calls after 10 warm-up calls, each after an L2 flush."""
+def bench_ms(fn, rep: int = 100) -> float:
+    """Median milliseconds of ``fn()`` on the GPU: triton's do_bench (L2 flushed before each call,
+    ``rep`` ms of calls), else CUDA events around 50 calls after 10 warm-up calls, each after an L2 flush."""
     try:
         from triton.testing import do_bench
 
-        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
     except ImportError:
         pass
     flush, times = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda"), []
@@ -191,8 +191,9 @@ def on_cuda(batch):
     return {key: v.cuda() for key, v in batch.items()} if isinstance(batch, dict) else batch.to("cuda", torch.float16)
 
 
-def timed(model, batch, reps: int = 30, warmup: int = 5) -> list[float]:
-    """Wall-clock seconds of ``reps`` synchronised forward passes after ``warmup`` ones."""
+def timed(model, batch, reps: int = 30, warmup: int = 5, run=None) -> list[float]:
+    """Wall-clock seconds of ``reps`` synchronised forward passes (or calls of ``run``) after
+    ``warmup`` ones."""
     from bayesq.forward import logits
 
     out = []
@@ -200,11 +201,29 @@ def timed(model, batch, reps: int = 30, warmup: int = 5) -> list[float]:
         for i in range(warmup + reps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            logits(model, batch)
+            run() if run else logits(model, batch)
             torch.cuda.synchronize()
             if i >= warmup:
                 out.append(time.perf_counter() - t0)
     return out
+
+
+def graphed(model, batch):
+    """``model``'s forward on ``batch`` captured once in a CUDA graph; returns its replay. Each
+    replay launches every kernel of the pass at once, so the host's per-layer launch cost (10-30
+    us a layer, longer than a small layer's GPU time) is paid at capture, not per call."""
+    from bayesq.forward import logits
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode(), torch.cuda.stream(side):
+        for _ in range(3):  # warm-up on a side stream, as capture needs
+            logits(model, batch)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph):
+        logits(model, batch)
+    return graph.replay
 
 
 def quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -288,6 +307,11 @@ def end_to_end(a) -> list[dict]:
                 lat = [t * 1e3 for t in timed(model, one)]
                 thr = [big / t for t in timed(model, batch)]
                 row[tag] = dict(latency_ms=quartiles(lat), throughput=quartiles(thr))
+                try:  # batch 1 again, the pass replayed from a CUDA graph
+                    row[tag]["graph_latency_ms"] = quartiles([t * 1e3 for t in timed(model, one,
+                                                                                       run=graphed(model, one))])
+                except Exception as err:  # noqa: BLE001 - a model that cannot be captured: say why
+                    row[tag]["graph_error"] = f"{type(err).__name__}: {str(err)[:120]}"
             rows.append(row)
         except Exception as err:  # noqa: BLE001 - report and go on with the next model
             import traceback
@@ -299,56 +323,66 @@ def end_to_end(a) -> list[dict]:
     return rows
 
 
-def sweep_rows(peak: float, seed: int) -> list[dict]:
-    """``--sweep``: batch-1 GEMVs side by side on the large and the BERT-sized shapes at 3 and 4
-    bits, each checked against the float32 reference: the library's choice (``dequant_linear``),
-    the unit GEMV (``gemv_words_kernel``) at the tiles that led the first H200 sweep, and the unit
-    GEMV on a transposed copy of the codes (``kernel_variants.gemv_cols_kernel``) over tiles
-    (units per step, rows per program) and K splits."""
+def sweep_configs(bits: int, m: int) -> list[tuple]:
+    """(kernel, BLOCK_N, BLOCK_U, warps, split-K) tried at ``m`` input rows: the library's choice
+    and the units GEMVs over tiles around its default."""
+    from bayesq.kernels.packed import unit_shape
+
+    base = 256 // unit_shape(bits)[0] // max(1, 1 << (m - 1).bit_length())  # units per step at the default
+    configs = [("library", 0, 0, 0, 0)]
+    if m > 1:
+        return configs + [("units", 64, bu, 4, split) for bu in (base, 2 * base) for split in (1, 4)]
+    for bu in sorted({max(1, base // 2), base, base * 2}):
+        for bn in (64, 128):
+            for split in (1, 4):
+                configs.append(("units", bn, bu, 4, split))
+    return configs + [("units", 128, base, 8, split) for split in (1, 4)]
+
+
+SWEEP_SHAPES = ((4096, 4096), (16384, 16384), (768, 3072), (3072, 768))
+
+
+def sweep_rows(peak: float, seed: int, device: str = "cuda", shapes=SWEEP_SHAPES, bench=bench_ms) -> list[dict]:
+    """``--sweep``: the units GEMVs (``launcher._units_gemv``: the row kernel at batch 1) over
+    tiles and K splits at batch 1 and 4, on the large and the BERT-sized shapes at 3 and 4 bits,
+    beside the library's default tile (``dequant_linear``); each checked against the float32
+    reference. ``device``, ``shapes`` and ``bench``
+    (milliseconds of a call) let the CPU check it under ``TRITON_INTERPRET=1``."""
     from bayesq.kernels import dequant_linear, launcher
 
-    import kernel_variants  # noqa: E402 - benchmarks/ is on sys.path when this script runs
-
     rows = []
-    words = [(8, 512, 4, 1), (8, 512, 4, 4), (8, 128, 4, 4), (16, 128, 4, 8), (16, 256, 8, 4)]
-    for n, k in ((4096, 4096), (16384, 16384), (768, 3072), (3072, 768)):
+    for n, k in shapes:
         for bits in (3, 4):
-            pw = random_packed(n, k, bits, seed).to("cuda")
-            parts = kernel_variants.transposed(pw)
-            x = torch.randn(1, k, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.float16)
-            ref = x.float() @ launcher.dequantize(pw, torch.float32, "torch").T
-            configs = [("library", 0, 0, 0, 0)]
-            configs += [("words", *t) for t in words if launcher._cdiv(k, t[1]) >= t[3]]
-            units = (2, 4, 8) if bits == 3 else (8, 16, 32)
-            configs += [("cols", bn, bu, 4, sp) for bu in units for bn in (64, 128, 256) for sp in (1, 4)]
-            for kernel, bn, bk, warps, split in configs:
-                rec = dict(n=n, k=k, bits=bits, kernel=kernel, bn=bn, bk=bk, warps=warps, split=split)
-                try:
-                    if kernel == "cols":
-                        run = kernel_variants.cols_gemv(x, pw, parts, bk, bn, split, warps)
-                    elif kernel == "words":
-                        def run(t=(bn, bk, warps, split)):
-                            return launcher._words_gemv(x, pw, None, t)
-                    else:
-                        def run():
-                            return dequant_linear(x, pw, None, "triton")
-                    rec["err"] = float((run().float().reshape(-1) - ref[0]).abs().max() / ref.abs().max())
-                    rec["us"] = bench_ms(run) * 1e3
-                except Exception as e:  # noqa: BLE001 - a tile the compiler refuses: say so, go on
-                    rows.append({**rec, "error": str(e)[:160]})
-                    continue
-                rec["gbs"] = moved_bytes(pw, 1) / (rec["us"] * 1e-6) / 1e9
-                rec["pct_peak"] = 100 * rec["gbs"] / peak
-                rows.append(rec)
-            for kernel in ("library", "words", "cols"):
-                done = [r for r in rows if r["n"] == n and r["k"] == k and r["bits"] == bits
-                        and r["kernel"] == kernel and "us" in r]
-                if done:
-                    b = max(done, key=lambda r: r["gbs"])
-                    print(f"sweep {n}x{k} {bits}-bit {kernel}: best BLOCK_N={b['bn']} BLOCK_K/U={b['bk']} "
-                          f"warps={b['warps']} split-K={b['split']} {b['us']:.1f} us, {b['pct_peak']:.0f} % of peak "
-                          f"(rel err {b['err']:.1e})", flush=True)
-            del pw, parts
+            pw = random_packed(n, k, bits, seed).to(device)
+            for m in (1, 4):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(device, torch.float16)
+                ref = x.float() @ launcher.dequantize(pw, torch.float32, "torch").T
+                for kernel, bn, bu, warps, split in sweep_configs(bits, m):
+                    rec = dict(n=n, k=k, bits=bits, m=m, kernel=kernel, bn=bn, bk=bu, warps=warps, split=split)
+                    try:
+                        if kernel == "units":
+                            def run(t=(bu, bn, warps, split)):
+                                return launcher._units_gemv(x, pw, None, t)
+                        else:
+                            def run():
+                                return dequant_linear(x, pw, None, "triton")
+                        rec["err"] = float((run().float() - ref).abs().max() / ref.abs().max())
+                        rec["us"] = bench(run, rep=40) * 1e3
+                    except Exception as e:  # noqa: BLE001 - a tile the compiler refuses: say so, go on
+                        rows.append({**rec, "error": str(e)[:160]})
+                        continue
+                    rec["gbs"] = moved_bytes(pw, m) / (rec["us"] * 1e-6) / 1e9
+                    rec["pct_peak"] = 100 * rec["gbs"] / peak
+                    rows.append(rec)
+                for kernel in ("library", "units"):
+                    done = [r for r in rows if (r["n"], r["k"], r["bits"], r["m"], r["kernel"]) == (n, k, bits, m, kernel)
+                            and "us" in r]
+                    if done:
+                        b = max(done, key=lambda r: r["gbs"])
+                        print(f"sweep {n}x{k} {bits}-bit M={m} {kernel}: best BLOCK_N={b['bn']} BLOCK_U={b['bk']} "
+                              f"warps={b['warps']} split-K={b['split']} {b['us']:.1f} us, {b['pct_peak']:.0f} % of peak "
+                              f"(rel err {b['err']:.1e})", flush=True)
+            del pw
     return rows
 
 
@@ -373,10 +407,12 @@ def gpu(a) -> dict:
     e2e = end_to_end(a)
     if any("error" not in r for r in e2e):
         show("end to end: median [IQR] latency (batch 1) and throughput; quantised vs FP16",
-             ["model", "inputs", "fp16 ms", "quant ms", "lat ratio", "batch", "fp16 ex/s", "quant ex/s", "thr ratio",
+             ["model", "inputs", "fp16 ms", "quant ms", "lat ratio", "graph fp16 | quant | ratio", "batch",
+              "fp16 ex/s", "quant ex/s", "thr ratio",
               "max|dlogit|"],
              [[r["model"], r["inputs"][:40], iqr(r["fp16"]["latency_ms"], ".3f"),
                iqr(r["quantized"]["latency_ms"], ".3f"), r["quantized"]["latency_ms"][0] / r["fp16"]["latency_ms"][0],
+               graph_cells(r["fp16"], r["quantized"]),
                r["batch"], iqr(r["fp16"]["throughput"], ".0f"), iqr(r["quantized"]["throughput"], ".0f"),
                r["quantized"]["throughput"][0] / r["fp16"]["throughput"][0], f"{r['max_logit_diff']:.2e}"]
               for r in e2e if "error" not in r])
@@ -397,13 +433,13 @@ def sweep_markdown(result: dict, command: str) -> str:
     done = [r for r in result["sweep"] if "us" in r]
     lines = [f"# GEMV kernel sweep on {result['device']}", "", f"`{command}`; copy bandwidth "
              f"{result['peak_gbs']:.0f} GB/s. Batch 1, fp16 x, float32 accumulation; each kernel's best tile.", "",
-             "| N x K | bits | kernel | BLOCK_N | BLOCK_K (cols: units) | warps | split-K | us | % peak | rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for n, k, bits, kernel in sorted({(r["n"], r["k"], r["bits"], r["kernel"]) for r in done}):
-        b = max((r for r in done if (r["n"], r["k"], r["bits"], r["kernel"]) == (n, k, bits, kernel)),
+             "| N x K | bits | batch | kernel | BLOCK_N | BLOCK_U | warps | split-K | us | % peak | rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for n, k, bits, m, kernel in sorted({(r["n"], r["k"], r["bits"], r["m"], r["kernel"]) for r in done}):
+        b = max((r for r in done if (r["n"], r["k"], r["bits"], r["m"], r["kernel"]) == (n, k, bits, m, kernel)),
                 key=lambda r: r["gbs"])
         tile = "| - | - | - | - |" if kernel == "library" else f"| {b['bn']} | {b['bk']} | {b['warps']} | {b['split']} |"
-        lines.append(f"| {n}x{k} | {bits} | {kernel} {tile} "
+        lines.append(f"| {n}x{k} | {bits} | {m} | {kernel} {tile} "
                      f"{b['us']:.1f} | {b['pct_peak']:.1f} | {b['err']:.1e} |")
     failed = [r for r in result["sweep"] if "error" in r]
     if failed:
@@ -432,7 +468,7 @@ def markdown(result: dict, command: str) -> str:
                      f"{r['gbs']:.0f} | {r['pct_peak']:.1f} | {r['speedup']:.2f} | {r['limit_file']:.2f} | "
                      f"{r['limit_mem']:.2f} | {r['max_abs_err']:.1e} |")
     lines += ["", "Goal: at least 80 % of the copy bandwidth at batch 1 for 3 and 4 bits on the large shapes "
-              "(4096x4096, 8192x8192).", ""]
+              "(4096x4096, 8192x8192, 16384x16384).", ""]
     for bits in (3, 4):
         pct = [r["pct_peak"] for r in result["kernels"] if r["bits"] == bits and r["m"] == 1 and r["n"] >= 4096]
         if pct:
@@ -441,19 +477,32 @@ def markdown(result: dict, command: str) -> str:
     ok = [r for r in result["end_to_end"] if "error" not in r]
     lines += ["", "## Exported models against FP16", "",
               "Median [IQR] over 30 runs after 5 warm-up runs; latency at batch 1, throughput at the batch shown.", "",
-              "| model | export | inputs | FP16 ms | quantised ms | latency ratio | batch | FP16 ex/s | quantised ex/s "
-              "| throughput ratio | max abs logit diff |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| model | export | inputs | FP16 ms | quantised ms | latency ratio | FP16 graph ms | quantised graph ms "
+              "| graph ratio | batch | FP16 ex/s | quantised ex/s | throughput ratio | max abs logit diff |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ok:
         f, q = r["fp16"], r["quantized"]
         lines.append(f"| {r['model']} | {Path(r['export']).name if r['export'].endswith('.safetensors') else r['export']} "
                      f"| {r['inputs']} | {iqr(f['latency_ms'], '.3f')} | {iqr(q['latency_ms'], '.3f')} | "
-                     f"{q['latency_ms'][0] / f['latency_ms'][0]:.2f} | {r['batch']} | {iqr(f['throughput'], '.0f')} | "
-                     f"{iqr(q['throughput'], '.0f')} | {q['throughput'][0] / f['throughput'][0]:.2f} | "
-                     f"{r['max_logit_diff']:.2e} |")
+                     f"{q['latency_ms'][0] / f['latency_ms'][0]:.2f} | {graph_cells(f, q)} | {r['batch']} | "
+                     f"{iqr(f['throughput'], '.0f')} | {iqr(q['throughput'], '.0f')} | "
+                     f"{q['throughput'][0] / f['throughput'][0]:.2f} | {r['max_logit_diff']:.2e} |")
+    for r in ok:
+        for tag in ("fp16", "quantized"):
+            if "graph_error" in r[tag]:
+                lines.append(f"\n{r['model']} {tag}: no CUDA graph: {r[tag]['graph_error']}")
     for r in result["end_to_end"]:
         if "error" in r:
             lines.append(f"\n{r['model']}: failed: {r['error']}")
     return "\n".join(lines) + "\n"
+
+
+def graph_cells(f: dict, q: dict) -> str:
+    """``FP16 graph ms | quantised graph ms | ratio`` cells (``-`` where a capture failed)."""
+    if "graph_latency_ms" not in f or "graph_latency_ms" not in q:
+        return "- | - | -"
+    fg, qg = f["graph_latency_ms"], q["graph_latency_ms"]
+    return f"{iqr(fg, '.3f')} | {iqr(qg, '.3f')} | {qg[0] / fg[0]:.2f}"
 
 
 def median_us(fn, reps: int = 7) -> float:
@@ -506,8 +555,8 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--threads", type=int, help="torch CPU threads (CPU timings on a busy machine: 1)")
-    p.add_argument("--sweep", action="store_true", help="only time both GEMV kernels over tile shapes and warps "
-                   "(batch 1, large shapes)")
+    p.add_argument("--sweep", action="store_true", help="only time the units GEMVs over tile shapes, warps and K "
+                   "splits (batch 1 and 4, large and BERT-sized shapes)")
     p.add_argument("--report", type=Path, help="write the GPU tables as Markdown to this file")
     p.add_argument("--random-weights", action="store_true",
                    help="end to end on each embedded architecture with random weights, quantised here")

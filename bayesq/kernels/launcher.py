@@ -16,14 +16,26 @@ import torch
 from torch.nn import functional as F
 
 from bayesq.kernels import reference
-from bayesq.kernels.packed import PackedWeight
+from bayesq.kernels.packed import PackedWeight, aligned, unit_shape
 
-GEMV_MAX_ROWS = 8  # batch rows up to which the GEMV kernel (no tl.dot) is used
-ALIGNED_MIN_K = 128  # fewest input columns per step of the word-aligned GEMV (its tiles: triton_dequant)
-# batch-1 unit GEMV (triton_dequant.gemv_words_kernel): BLOCK_N, BLOCK_K, warps, K slices. The
-# fastest tile at 3 and 4 bits on 4096^2, 16384^2 and 3072x768 in a sweep on an H200
-# (reports/kernels.md); splitting K (atomic sums, two extra launches) was slower there.
-WORDS_TILE = (8, 512, 4, 1)
+GEMV_MAX_ROWS = 8  # batch rows up to which a GEMV kernel (no tl.dot) is used
+SPLIT_MIN_PROGRAMS = 1024  # fewer row programs than this: the units GEMV splits K (4 ways)
+
+
+def units_tile(bits: int, m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_U, BLOCK_N, warps, K slices) of the units GEMVs for ``m`` input rows of a (n, k)
+    weight. At batch 1 (``gemv_units_row_kernel``): 256 codes per step, 128 rows (3 bits) or 64,
+    split 4 ways when there are fewer than :data:`SPLIT_MIN_PROGRAMS` row programs: the fastest
+    transposed-codes tiles of the H200 sweeps (reports/kernels.md). More rows
+    (``gemv_units_kernel``) divide the units per step by the rows' power of two (the best of
+    the two tried at 4 rows); its three-dimensional tiles spilled registers (20-40x slower) at
+    4,096 weights per program in the third sweep."""
+    cpu, _ = unit_shape(bits)
+    block_n = 128 if bits == 3 and m == 1 else 64
+    block_u = max(1, 256 // cpu // max(1, 1 << (m - 1).bit_length()))
+    units = k // cpu
+    split = 4 if _cdiv(n, block_n) < SPLIT_MIN_PROGRAMS and units >= 4 * block_u else 1
+    return block_u, block_n, 4, split
 
 
 def triton_available() -> bool:
@@ -52,12 +64,12 @@ def resolve_backend(backend: str, device: torch.device, pw: PackedWeight) -> str
     if backend == "triton":
         if not triton_available():
             raise ValueError("backend='triton' needs the triton package (pip install triton)")
+        if pw.mode == "dense":  # on any device
+            raise ValueError("this weight is held dense (VQ codebook or per-row-group column scales): "
+                             "use backend='torch'")
         if device.type != "cuda" and not _interpret():
             raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before the first "
                              "launch; or use backend='auto' (PyTorch reference on CPU)")
-        if pw.mode == "dense":
-            raise ValueError("this weight is held dense (VQ codebook or per-row-group column scales): "
-                             "use backend='torch'")
     return backend
 
 
@@ -78,32 +90,29 @@ def _args(pw: PackedWeight):
             pw.lut if pw.lut.numel() else pw.words, pw.lutoff if pw.lutoff.numel() else pw.words)
 
 
-def aligned(pw: PackedWeight) -> bool:
-    """The word-aligned GEMV applies: one width in {2, 3, 4, 8}, affine, full power-of-two groups
-    dividing both K and the tile, K a multiple of 32 (every row starts on a word)."""
-    gs = pw.group_size
-    return (pw.uniform_bits in (2, 3, 4, 8) and pw.mode == "affine" and pw.k % 32 == 0 and pw.k % gs == 0
-            and gs & (gs - 1) == 0 and ALIGNED_MIN_K % gs == 0)
-
-
-def unit_aligned(pw: PackedWeight) -> bool:
-    """The batch-1 unit GEMV applies: :func:`aligned`, and groups of a multiple of 32 (a unit of
-    32 codes never straddles two groups)."""
-    return aligned(pw) and pw.group_size % 32 == 0
-
-
-def _words_gemv(x2: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, tile=None) -> torch.Tensor:
-    """(1, N) ``x2 W^T (+ bias)`` by ``gemv_words_kernel``; ``tile`` (BLOCK_N, BLOCK_K, warps,
-    K slices) overrides :data:`WORDS_TILE` (benchmarks/kernels.py's sweep)."""
+def _units_gemv(x2: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, tile=None) -> torch.Tensor:
+    """(M, N) ``x2 W^T (+ bias)`` for x2 (M <= 8, K) by ``gemv_units_row_kernel`` (M = 1) or
+    ``gemv_units_kernel`` (``pw`` in the units layout); ``tile`` (BLOCK_U, BLOCK_N, warps, K slices) overrides :func:`units_tile`
+    (benchmarks/kernels.py's sweep)."""
     from bayesq.kernels import triton_dequant as tk
 
-    bn, bk, warps, split = tile or WORDS_TILE
-    out = torch.zeros(1, pw.n, dtype=torch.float32, device=x2.device) if split > 1 else \
-        torch.empty(1, pw.n, dtype=x2.dtype, device=x2.device)
-    tk.gemv_words_kernel[(_cdiv(pw.n, bn), split)](
-        x2, out, bias if bias is not None else pw.words, pw.col_scale if pw.col_scale is not None else pw.words,
-        pw.words, pw.scale, pw.zero, pw.n, pw.k, B=pw.uniform_bits, GS=pw.group_size, HAS_BIAS=bias is not None,
-        HAS_COL=pw.col_scale is not None, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps)
+    m = x2.shape[0]
+    bu, bn, warps, split = tile or units_tile(pw.uniform_bits, m, pw.n, pw.k)
+    out = torch.zeros(m, pw.n, dtype=torch.float32, device=x2.device) if split > 1 else \
+        torch.empty(m, pw.n, dtype=x2.dtype, device=x2.device)
+    bias_arg = bias if bias is not None else pw.words
+    col = pw.col_scale if pw.col_scale is not None else pw.words
+    if m == 1:
+        tk.gemv_units_row_kernel[(_cdiv(pw.n, bn), split)](
+            x2, out, bias_arg, col, pw.words, pw.scale, pw.zero, pw.n, pw.k, B=pw.uniform_bits, GS=pw.group_size,
+            HAS_BIAS=bias is not None, HAS_COL=pw.col_scale is not None, BLOCK_U=bu, BLOCK_N=bn, SPLIT_K=split,
+            num_warps=warps)
+        return out.to(x2.dtype)
+    tk.gemv_units_kernel[(_cdiv(pw.n, bn), split)](
+        x2, out, bias_arg, col, pw.words, pw.scale, pw.zero, m, pw.n, pw.k, x2.stride(0), out.stride(0),
+        B=pw.uniform_bits, GS=pw.group_size,
+        HAS_BIAS=bias is not None, HAS_COL=pw.col_scale is not None, BLOCK_M=max(1, 1 << (m - 1).bit_length()),
+        BLOCK_U=bu, BLOCK_N=bn, SPLIT_K=split, num_warps=warps)
     return out.to(x2.dtype)
 
 
@@ -120,8 +129,8 @@ def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None 
                    backend: str = "auto", weight: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x W^T + bias``: x (..., K) float16/bfloat16/float32 -> (..., N) in x's dtype.
 
-    Triton: one row by the unit GEMV where :func:`unit_aligned`; up to ``GEMV_MAX_ROWS`` rows by a
-    GEMV kernel (the word-aligned one where :func:`aligned`); more rows dequantise the weight once
+    Triton: up to ``GEMV_MAX_ROWS`` rows by a GEMV kernel (the units GEMV for the ``units``
+    layout, the word-aligned one where :func:`aligned`, else the general one); more rows dequantise the weight once
     into x's dtype (a transient (N, K) tensor) and run ``F.linear`` (cuBLAS: tensor cores, TF32 as PyTorch allows). The tiled Triton
     GEMM with the decode inside ``tl.dot`` tiles measured 20-100x slower than cuBLAS on an H200
     (reports/kernels.md). ``weight``: a cached dequantised weight for the reference path.
@@ -135,11 +144,11 @@ def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None 
     m = x2.shape[0]
     if m > GEMV_MAX_ROWS:  # dequantise once (2-D grid over the weight), then the dense matmul library
         return F.linear(x, dequantize(pw, x.dtype, backend), None if bias is None else bias.to(x.dtype))
-    if m == 1 and unit_aligned(pw):  # its own output buffer (float32 when K is split)
-        return _words_gemv(x2, pw, bias).reshape(*x.shape[:-1], pw.n)
-    out = torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
     if m == 0:
-        return out.reshape(*x.shape[:-1], pw.n)
+        return torch.empty(*x.shape[:-1], pw.n, dtype=x.dtype, device=x.device)
+    if pw.layout == "units":  # its own output buffer (float32 when K is split)
+        return _units_gemv(x2, pw, bias).reshape(*x.shape[:-1], pw.n)
+    out = torch.empty(m, pw.n, dtype=x.dtype, device=x.device)
     col = pw.col_scale if pw.col_scale is not None else pw.words
     b = bias if bias is not None else pw.words
     common = dict(ROW_ALIGNED=bool(pw.groups_per_row), LUT=pw.mode == "lut", UNIFORM_B=pw.uniform_bits,
@@ -159,12 +168,22 @@ def dequant_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None 
 
 
 def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
-    """(N, K) dense weight in ``dtype`` (Triton ``dequant_kernel`` or the reference)."""
+    """(N, K) dense weight in ``dtype`` (Triton ``dequant_kernel`` or the reference). The units
+    layout decodes into a (K, N) buffer (rows contiguous, as it stores them) and returns its
+    transposed view: ``F.linear`` takes it as it is, and ``reshape`` copies where needed."""
     if resolve_backend(backend, pw.device, pw) == "torch":
         w = reference.dequantize(pw)
         return w.to(dtype)
     from bayesq.kernels import triton_dequant as tk
 
+    if pw.layout == "units":
+        out_t = torch.empty(pw.k, pw.n, dtype=dtype, device=pw.device)
+        bu, bn = 8, 64
+        grid = (_cdiv(pw.n, bn), _cdiv(pw.k // unit_shape(pw.uniform_bits)[0], bu))
+        tk.dequant_units_kernel[grid](out_t, pw.words, pw.scale, pw.zero, pw.n, pw.k, B=pw.uniform_bits,
+                                      GS=pw.group_size, BLOCK_U=bu, BLOCK_N=bn)
+        out = out_t.T
+        return out if pw.col_scale is None else (out.float() / pw.col_scale[None, :]).to(dtype)
     out = torch.empty(pw.n, pw.k, dtype=dtype, device=pw.device)
     grid = (_cdiv(pw.n, 32), _cdiv(pw.k, 64))
     tk.dequant_kernel[grid](out, *_args(pw), pw.n, pw.k, pw.group_size, pw.groups_per_row,

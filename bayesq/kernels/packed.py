@@ -17,6 +17,19 @@ same width b and is full, that is simply bit ``(n K + k) * b`` and the kernels s
     dense:   W held dequantised (VQ codebooks, column scales per output-row group)
 
 and AWQ's column scales (one row) divide the input: ``y = W (x / s)``.
+
+Two in-memory orders of the same codes (``layout``):
+
+* ``stream``: the code stream above, row after row; ``scale`` / ``zero`` in group order.
+* ``units`` (:func:`to_units`; :func:`pack_weight` picks it for every :func:`unit_aligned`
+  weight: one width b in {2, 3, 4, 8}, affine, K and the group size multiples of 32): each row's
+  codes come in units of 32 // b codes in one word (b = 3: 32 codes in three words), and the
+  words are stored with the rows contiguous, word ``i`` of unit ``u`` of row ``n`` at
+  ``(u * WPU + i) * N + n`` (WPU words per unit); ``scale`` / ``zero`` of group column ``c`` of
+  row ``n`` at ``c * N + n``. A GEMV thread then holds several rows of one unit, so each input
+  element it loads serves all of them, and the word loads stay coalesced (1.6x FP16 on a
+  16384^2 layer at batch 1 on an H200, where the row-major stream ran at FP16's speed:
+  reports/kernels.md). The bytes are the same; only their order differs.
 """
 
 from __future__ import annotations
@@ -43,6 +56,8 @@ class PackedWeight:
         col_scale: (K,) float32 input divisor or None.
         n, k: output and input size; group_size; groups_per_row: GPR (0: not row-aligned);
         uniform_bits: b when every group is full and b bits wide, else 0.
+        layout: ``stream`` or ``units`` (module docstring): the order of ``words``, ``scale`` and
+            ``zero``.
     Per-group data read by the kernels: 8 bytes (mixed widths) or 3 bytes (uniform_bits) per group.
     """
 
@@ -60,6 +75,7 @@ class PackedWeight:
     group_size: int
     groups_per_row: int
     uniform_bits: int = 0
+    layout: str = "stream"
 
     @property
     def mode(self) -> str:
@@ -85,12 +101,69 @@ class PackedWeight:
         return self.words.numel() * 4
 
 
+ALIGNED_MIN_K = 128  # fewest input columns per step of the word-aligned GEMV (its tiles: triton_dequant)
+
+
+def aligned(pw: PackedWeight) -> bool:
+    """The word-aligned GEMV applies: one width in {2, 3, 4, 8}, affine, full power-of-two groups
+    dividing both K and the tile, K a multiple of 32 (every row starts on a word)."""
+    gs = pw.group_size
+    return (pw.uniform_bits in (2, 3, 4, 8) and pw.mode == "affine" and pw.k % 32 == 0 and pw.k % gs == 0
+            and gs & (gs - 1) == 0 and ALIGNED_MIN_K % gs == 0)
+
+
+def unit_aligned(pw: PackedWeight) -> bool:
+    """The ``units`` layout applies: one width b in {2, 3, 4, 8}, affine, full groups whose size is
+    a multiple of 32 (a unit of 32 codes never straddles two groups), K a multiple of the group."""
+    return (pw.uniform_bits in (2, 3, 4, 8) and pw.mode == "affine" and pw.group_size % 32 == 0
+            and pw.k % pw.group_size == 0)
+
+
+def unit_shape(bits: int) -> tuple[int, int]:
+    """(codes, words) of one unit of ``bits``-bit codes: (32 // b, 1), or (32, 3) for b = 3."""
+    return (32, 3) if bits == 3 else (32 // bits, 1)
+
+
+def _transpose_parts(pw: PackedWeight, to_units: bool) -> PackedWeight:
+    """``pw``'s words (slack word kept last), scales and zeros with rows and columns swapped."""
+    n, cols = pw.n, pw.k * pw.uniform_bits // 32  # words per row
+    gc = pw.k // pw.group_size
+    body = pw.words[:-1]
+    if body.numel() != n * cols:
+        raise ValueError(f"a {n} x {pw.k} weight of {pw.uniform_bits} bits has {n * cols} code words, not "
+                         f"{body.numel()}")
+
+    def swap(t: torch.Tensor, width: int) -> torch.Tensor:
+        return (t.reshape(n, width).T if to_units else t.reshape(width, n).T).reshape(-1)
+
+    return replace(pw, words=torch.cat([swap(body, cols), pw.words[-1:]]), scale=swap(pw.scale, gc),
+                   zero=swap(pw.zero, gc), layout="units" if to_units else "stream")
+
+
+def to_units(pw: PackedWeight) -> PackedWeight:
+    """The same weight in the ``units`` layout (module docstring); ``pw`` must be :func:`unit_aligned`."""
+    if pw.layout == "units":
+        return pw
+    if not unit_aligned(pw):
+        raise ValueError("the units layout needs one width in {2, 3, 4, 8}, affine codes and full groups of a "
+                         "multiple of 32 dividing K")
+    return _transpose_parts(pw, True)
+
+
+def to_stream(pw: PackedWeight) -> PackedWeight:
+    """The same weight in the ``stream`` layout (the export's code order)."""
+    return pw if pw.layout == "stream" else _transpose_parts(pw, False)
+
+
 def _int32_words(stream: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(words_of(stream).numpy().astype("<u4").view("<i4"))
 
 
-def pack_weight(qw) -> PackedWeight:
-    """:class:`PackedWeight` of a :class:`bayesq.result.QuantizedWeight` (codes repacked)."""
+def pack_weight(qw, layout: str = "auto") -> PackedWeight:
+    """:class:`PackedWeight` of a :class:`bayesq.result.QuantizedWeight` (codes repacked);
+    ``layout``: ``auto`` (``units`` where :func:`unit_aligned`, else ``stream``) or ``stream``."""
+    if layout not in ("auto", "stream"):
+        raise ValueError(f"layout must be auto or stream, got {layout!r}")
     lb = qw.blocks
     n, k = lb.shape[0], lb.numel // lb.shape[0]
     gpr = lb.groups_per_row if lb.row_aligned else 0
@@ -130,5 +203,6 @@ def pack_weight(qw) -> PackedWeight:
     stored = scale.half()
     if not torch.equal(stored.double(), scale):
         stored = scale.float()  # fp32 stored scales
-    return PackedWeight(words, goff, gbits.to(torch.uint8), stored, zero.to(torch.uint8), lut, lutoff, None, col,
-                        n, k, lb.group_size, gpr, int(gbits[0]) if full else 0)
+    pw = PackedWeight(words, goff, gbits.to(torch.uint8), stored, zero.to(torch.uint8), lut, lutoff, None, col,
+                      n, k, lb.group_size, gpr, int(gbits[0]) if full else 0)
+    return to_units(pw) if layout == "auto" and unit_aligned(pw) else pw

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from bayesq.kernels.packed import PackedWeight
+from bayesq.kernels.packed import PackedWeight, to_stream
 
 
 def element_groups(pw: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,7 +19,8 @@ def element_groups(pw: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def unpack_codes(pw: PackedWeight) -> torch.Tensor:
-    """(N, K) int64 codes from the packed stream."""
+    """(N, K) int64 codes from the packed stream (either layout)."""
+    pw = to_stream(pw)
     g, p = element_groups(pw)
     b = pw.gbits.to(torch.int64)[g]
     off = pw.goff.to(torch.int64)[g] + p * b
@@ -33,6 +34,7 @@ def dequantize(pw: PackedWeight) -> torch.Tensor:
     """(N, K) float32 weight: the decoding of ``packed.py`` in float64, then rounded once."""
     if pw.dense is not None:
         return pw.dense
+    pw = to_stream(pw)
     g, _ = element_groups(pw)
     code = unpack_codes(pw)
     if pw.lut.numel():

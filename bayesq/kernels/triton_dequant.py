@@ -13,6 +13,9 @@ layout of ``packed.py``: group ``g`` and position ``p`` of each element, its str
   boundaries: contiguous word loads unpacked by shifts, scale applied per group.
 * ``dequant_kernel``: writes the dense weight (Conv2d runs cuDNN on it, and Linear layers with
   more than 8 input rows cuBLAS: see ``launcher.py``).
+* ``gemv_units_row_kernel`` (one input row), ``gemv_units_kernel`` (2-8 rows) and
+  ``dequant_units_kernel``: the same for weights in the ``units`` layout (``packed.py``: one width, codes stored with the rows contiguous), decoding a unit of
+  32 codes with compile-time shifts.
 
 All accumulate in float32. Run on CPU with ``TRITON_INTERPRET=1`` (set before the first launch).
 """
@@ -28,7 +31,9 @@ import triton.language as tl
 # interpreter runs the first alone)
 ALIGNED_TILES = [(32, 256, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4), (64, 128, 4), (16, 128, 4),
                  (32, 512, 8), (64, 256, 8)]  # BLOCK_N, BLOCK_K, warps
-_TILES = ALIGNED_TILES[:1] if os.environ.get("TRITON_INTERPRET", "0") == "1" else ALIGNED_TILES
+# the first tile alone under the interpreter, or with BAYESQ_AUTOTUNE=0 (correctness runs on a GPU)
+_ONE = os.environ.get("TRITON_INTERPRET", "0") == "1" or os.environ.get("BAYESQ_AUTOTUNE", "1") == "0"
+_TILES = ALIGNED_TILES[:1] if _ONE else ALIGNED_TILES
 
 
 @triton.jit
@@ -207,56 +212,54 @@ def _field(w0, w1, w2, J: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def gemv_words_kernel(x_ptr, out_ptr, bias_ptr, col_ptr, words_ptr, scale_ptr, zero_ptr, N, K,
-                      B: tl.constexpr, GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COL: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K):
-    """Batch-1 GEMV for one bit-width ``B`` in {2, 3, 4, 8}, affine codes, full groups of ``GS``
-    (``GS % 32 == 0``), ``K % 32 == 0``: every row starts on a word, and its codes come in units
-    (one word of 32 // B codes; for B == 3, three words of 32 codes). Tiles stay two-dimensional,
-    (rows, units): code ``j`` of every unit is one shift and mask of the unit's words (``j``
-    unrolled, shifts known at compile time), ``c - z`` is exact in float32 as
-    ``float(2**23 + c) - (2**23 + z)`` and meets the input column ``unit * codes + j``:
+def _unit_tile(words_ptr, scale_ptr, zero_ptr, u, rows, rmask, n_units, N, B: tl.constexpr, GS: tl.constexpr):
+    """Units ``u`` (BLOCK_U,) of ``rows`` (BLOCK_N,) in the ``units`` layout: (umask, mask, w0, w1,
+    w2, s, z), the words (BLOCK_U, BLOCK_N) uint32 (w1, w2 repeat w0 unless B == 3) and each
+    unit's group scale and zero-point as float32 (0 where masked)."""
+    CPU: tl.constexpr = 32 if B == 3 else 32 // B
+    WPU: tl.constexpr = 3 if B == 3 else 1
+    umask = u < n_units
+    mask = umask[:, None] & rmask[None, :]
+    wp = words_ptr + (u * WPU).to(tl.int64)[:, None] * N + rows[None, :]
+    w0 = tl.load(wp, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    w1 = w0
+    w2 = w0
+    if B == 3:
+        w1 = tl.load(wp + N, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        w2 = tl.load(wp + 2 * N, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    gp = (u * CPU // GS).to(tl.int64)[:, None] * N + rows[None, :]
+    s = tl.load(scale_ptr + gp, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(zero_ptr + gp, mask=mask, other=0).to(tl.float32)
+    return umask, mask, w0, w1, w2, s, z
 
-        y[n] = sum_units s[n, g(u)] * sum_j x[col(u, j)] * (c[n, col(u, j)] - z[n, g(u)])
 
-    grid (cdiv(N, BLOCK_N), SPLIT_K): program (i, s) sums K slice s of rows i; with ``SPLIT_K > 1``
-    the slices add atomically into a zeroed float32 ``out`` (the bias from slice 0), else ``out``
-    is written in its own dtype (``SPLIT_K`` is a runtime argument: one compilation serves every
-    split > 1). float32 accumulation; x (1, K) contiguous."""
+@triton.jit
+def gemv_units_row_kernel(x_ptr, out_ptr, bias_ptr, col_ptr, words_ptr, scale_ptr, zero_ptr, N, K,
+                          B: tl.constexpr, GS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_COL: tl.constexpr,
+                          BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K):
+    """:func:`gemv_units_kernel` for one input row (x (1, K) contiguous) with two-dimensional
+    (units, rows) tiles: the three-dimensional tiles with a batch axis of 1 ran 1.7-2.2x slower
+    on an H200 (reports/kernels.md). Same equation, grid and split-K contract."""
     CPU: tl.constexpr = 32 if B == 3 else 32 // B  # codes per unit
-    WPU: tl.constexpr = 3 if B == 3 else 1  # words per unit
-    U: tl.constexpr = BLOCK_K // CPU  # units per tile
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    row_word = rows.to(tl.int64) * (K // 32 * B)  # (BLOCK_N,) first word of each row
-    row_group = rows.to(tl.int64) * (K // GS)
-    span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_lo = tl.program_id(1) * span
-    ui = tl.arange(0, U)
-    acc = tl.zeros((BLOCK_N, U), dtype=tl.float32)
-    for k0 in range(k_lo, tl.minimum(k_lo + span, K), BLOCK_K):
-        ucol = k0 + ui * CPU  # (U,) first input column of each unit
-        umask = ucol < K
-        mask = rmask[:, None] & umask[None, :]
-        wp = words_ptr + row_word[:, None] + (ucol // CPU * WPU)[None, :]
-        w0 = tl.load(wp, mask=mask, other=0).to(tl.uint32, bitcast=True)
-        w1 = w0
-        w2 = w0
-        if B == 3:
-            w1 = tl.load(wp + 1, mask=mask, other=0).to(tl.uint32, bitcast=True)
-            w2 = tl.load(wp + 2, mask=mask, other=0).to(tl.uint32, bitcast=True)
-        g = row_group[:, None] + (ucol // GS)[None, :]
-        s = tl.load(scale_ptr + g, mask=mask, other=0.0).to(tl.float32)
-        zz = tl.load(zero_ptr + g, mask=mask, other=0).to(tl.float32) + 8388608.0  # 2**23 + z
-        part = tl.zeros((BLOCK_N, U), dtype=tl.float32)
+    n_units = K // CPU
+    span = tl.cdiv(tl.cdiv(n_units, SPLIT_K), BLOCK_U) * BLOCK_U
+    u_lo = tl.program_id(1) * span
+    acc = tl.zeros((BLOCK_U, BLOCK_N), dtype=tl.float32)
+    for u0 in range(u_lo, tl.minimum(u_lo + span, n_units), BLOCK_U):
+        u = u0 + tl.arange(0, BLOCK_U)
+        umask, mask, w0, w1, w2, s, z = _unit_tile(words_ptr, scale_ptr, zero_ptr, u, rows, rmask, n_units, N, B, GS)
+        zz = z + 8388608.0  # 2**23 + z
+        part = tl.zeros((BLOCK_U, BLOCK_N), dtype=tl.float32)
         for j in tl.static_range(CPU):
-            xj = tl.load(x_ptr + ucol + j, mask=umask, other=0.0).to(tl.float32)
+            xj = tl.load(x_ptr + u * CPU + j, mask=umask, other=0.0).to(tl.float32)
             if HAS_COL:
-                xj = xj / tl.load(col_ptr + ucol + j, mask=umask, other=1.0)
+                xj = xj / tl.load(col_ptr + u * CPU + j, mask=umask, other=1.0)
             magic = (_field(w0, w1, w2, j, B) | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + c
-            part += (magic - zz) * xj[None, :]
+            part += (magic - zz) * xj[:, None]
         acc += part * s
-    y = tl.sum(acc, axis=1)
+    y = tl.sum(acc, axis=0)
     if SPLIT_K == 1:
         if HAS_BIAS:
             y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -266,3 +269,71 @@ def gemv_words_kernel(x_ptr, out_ptr, bias_ptr, col_ptr, words_ptr, scale_ptr, z
             first = (tl.program_id(1) == 0).to(tl.float32)
             y += first * tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.atomic_add(out_ptr + rows, y, mask=rmask)
+
+
+@triton.jit
+def gemv_units_kernel(x_ptr, out_ptr, bias_ptr, col_ptr, words_ptr, scale_ptr, zero_ptr, M, N, K,
+                      stride_xm, stride_om, B: tl.constexpr, GS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      HAS_COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_U: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SPLIT_K):
+    """GEMV for M <= BLOCK_M input rows on the ``units`` layout (``packed.py``): one width ``B`` in
+    {2, 3, 4, 8}, affine codes, groups of ``GS`` (a multiple of 32) dividing K. A tile is (units,
+    rows) with the rows contiguous; code ``j`` of every unit is one shift and mask of its words
+    (``j`` unrolled, shifts known at compile time), ``c - z`` is exact in float32 as
+    ``float(2**23 + c) - (2**23 + z)``, decoded once for all M input rows, and meets input column
+    ``u * CPU + j`` (CPU codes per unit):
+
+        y[m, n] = sum_u s[g(u), n] * sum_j x[m, u * CPU + j] * (c[n, u * CPU + j] - z[g(u), n])
+
+    grid (cdiv(N, BLOCK_N), SPLIT_K): program (i, s) sums unit slice s of rows i; with
+    ``SPLIT_K > 1`` the slices add atomically into a zeroed float32 ``out`` (the bias from slice
+    0), else ``out`` is written in its own dtype. float32 accumulation."""
+    CPU: tl.constexpr = 32 if B == 3 else 32 // B  # codes per unit
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rm = tl.arange(0, BLOCK_M)
+    n_units = K // CPU
+    span = tl.cdiv(tl.cdiv(n_units, SPLIT_K), BLOCK_U) * BLOCK_U
+    u_lo = tl.program_id(1) * span
+    acc = tl.zeros((BLOCK_M, BLOCK_U, BLOCK_N), dtype=tl.float32)
+    for u0 in range(u_lo, tl.minimum(u_lo + span, n_units), BLOCK_U):
+        u = u0 + tl.arange(0, BLOCK_U)
+        umask, mask, w0, w1, w2, s, z = _unit_tile(words_ptr, scale_ptr, zero_ptr, u, rows, rmask, n_units, N, B, GS)
+        zz = z + 8388608.0  # 2**23 + z
+        xmask = (rm[:, None] < M) & umask[None, :]
+        part = tl.zeros((BLOCK_M, BLOCK_U, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(CPU):
+            col = u * CPU + j
+            xj = tl.load(x_ptr + rm[:, None] * stride_xm + col[None, :], mask=xmask, other=0.0).to(tl.float32)
+            if HAS_COL:
+                xj = xj / tl.load(col_ptr + col, mask=umask, other=1.0)[None, :]
+            magic = (_field(w0, w1, w2, j, B) | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + c
+            part += (magic - zz)[None, :, :] * xj[:, :, None]
+        acc += part * s[None, :, :]
+    y = tl.sum(acc, axis=1)  # (BLOCK_M, BLOCK_N)
+    omask = (rm[:, None] < M) & rmask[None, :]
+    optr = out_ptr + rm[:, None] * stride_om + rows[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        if HAS_BIAS:
+            first = (tl.program_id(1) == 0).to(tl.float32)
+            y += first * tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+        tl.atomic_add(optr, y, mask=omask)
+
+
+@triton.jit
+def dequant_units_kernel(out_ptr, words_ptr, scale_ptr, zero_ptr, N, K, B: tl.constexpr, GS: tl.constexpr,
+                         BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W transposed from the ``units`` layout: out[k, n] = s[g, n] * (c[n, k] - z[g, n]), out
+    (K, N) (each store a row of contiguous outputs); grid (cdiv(N, BLOCK_N), cdiv(K / CPU, BLOCK_U))."""
+    CPU: tl.constexpr = 32 if B == 3 else 32 // B
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    u = tl.program_id(1) * BLOCK_U + tl.arange(0, BLOCK_U)
+    _, mask, w0, w1, w2, s, z = _unit_tile(words_ptr, scale_ptr, zero_ptr, u, rows, rows < N, K // CPU, N, B, GS)
+    for j in tl.static_range(CPU):
+        w = (_field(w0, w1, w2, j, B).to(tl.float32) - z) * s  # (c - z) exact, one rounding
+        tl.store(out_ptr + (u * CPU + j).to(tl.int64)[:, None] * N + rows[None, :], w.to(out_ptr.dtype.element_ty),
+                 mask=mask)
