@@ -17,15 +17,17 @@
 #    inputs on the GPU (benchmarks/scale.py --device cuda; the embedded architectures at the
 #    pipeline's input sizes and counts, random weights) -> OUT/scale.txt; failures' stderr
 #    -> OUT/errors.txt
-# PYTHON (default python3) runs it; SIZES (default resnet50,bert-base,gpt2,gpt2-medium; empty: none) the
-# model sizes of step 5; SWEEP=1 adds step 4: the units GEMVs over tile shapes at batch 1 and 4
+# The defaults (steps 1-3) fit one 10-minute device call: at most 100 + 190 + 100 + 150 s (measured on
+# an H200 on 2026-11-30: step 1 took 104 s with 16 workers, steps 1-2 and the sweep 339 s in all).
+# PYTHON (default python3) runs it; SIZES (default empty: none; e.g. resnet50,bert-base,gpt2,gpt2-medium)
+# the model sizes of step 5; SWEEP=1 adds step 4: the units GEMVs over tile shapes at batch 1 and 4
 # (kernels.py --sweep -> OUT/sweep.json, OUT/sweep.md); COST=0 skips step 3. PYTEST_S, KERNELS_S,
-# SWEEP_S: the time limits of steps 1, 2 and 4 in seconds (150, 230, 140; KERNELS_S=0 skips step 2).
+# SWEEP_S: the time limits of steps 1, 2 and 4 in seconds (100, 190, 150; KERNELS_S=0 skips step 2).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-reports/gpu}
 PY=${PYTHON:-python3}
-SIZES=${SIZES-resnet50,bert-base,gpt2,gpt2-medium}
+SIZES=${SIZES-}
 mkdir -p "$OUT" reports
 unset TRITON_INTERPRET  # compiled kernels
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -39,16 +41,16 @@ echo "== 1. kernel and export tests on CUDA" | tee -a "$OUT/gpu.log"
 # -o addopts= drops the project's -q, so -v names each test as it finishes (a run cut short
 # still says which failed); pytest-timeout, where installed, stops a test stuck for 90 s
 PER_TEST=$($PY -c "import pytest_timeout" 2>/dev/null && echo --timeout=90)
-BAYESQ_AUTOTUNE=0 timeout --kill-after=10 ${PYTEST_S:-150} $PY -m pytest -p no:cacheprovider -o addopts= -m "not ui" -n auto -v -rfE \
+BAYESQ_AUTOTUNE=0 timeout --kill-after=10 ${PYTEST_S:-100} $PY -m pytest -p no:cacheprovider -o addopts= -m "not ui" -n auto -v -rfE \
     --tb=short --durations=15 $PER_TEST tests/test_kernels.py tests/test_packing.py tests/test_export.py \
     > "$OUT/pytest.txt" 2>&1
 echo "pytest exit $?: $(grep -E "[0-9]+ (passed|failed)" "$OUT/pytest.txt" | tail -1); $(grep -c " PASSED " "$OUT/pytest.txt") passed and $(grep -c " FAILED " "$OUT/pytest.txt") failed so far" | tee -a "$OUT/gpu.log"
 
-if [ "${KERNELS_S:-230}" != 0 ]; then
+if [ "${KERNELS_S:-190}" != 0 ]; then
     echo "== 2. kernel speed" | tee -a "$OUT/gpu.log"
     E2E=(--random-weights)
     [ -d results/exports ] && [ -d models ] && E2E=()
-    timeout ${KERNELS_S:-230} $PY benchmarks/kernels.py --models lite0-fmnist minilm-sentiment "${E2E[@]}" \
+    timeout ${KERNELS_S:-190} $PY benchmarks/kernels.py --models lite0-fmnist minilm-sentiment "${E2E[@]}" \
         --out "$OUT/kernels.json" --report reports/kernels.md 2>&1 | grep -v "it/s\]" | tee -a "$OUT/gpu.log"
     cp reports/kernels.md "$OUT/" 2>/dev/null
 fi
@@ -63,12 +65,12 @@ scale() {  # timeout, scale.py arguments; failed children's stderr gathered in O
 : > "$OUT/scale.txt"
 if [ "${COST:-1}" = 1 ]; then
     echo "== 3. one-time cost on CUDA: the embedded architectures at the pipeline's sizes" | tee -a "$OUT/gpu.log"
-    scale 120 --sizes lite0 --pixels 64 --calibration 500 --selection 2000 --timeout 55
-    scale 190 --sizes minilm --tokens 64 --calibration 1000 --selection 2000 --timeout 90
+    scale 100 --sizes lite0 --pixels 64 --calibration 500 --selection 2000 --timeout 45
+    scale 150 --sizes minilm --tokens 64 --calibration 1000 --selection 2000 --timeout 70
 fi
 if [ -n "${SWEEP:-}" ]; then
     echo "== 4. GEMV tile sweep" | tee -a "$OUT/gpu.log"
-    timeout ${SWEEP_S:-140} $PY benchmarks/kernels.py --sweep --out "$OUT/sweep.json" --report "$OUT/sweep.md" 2>&1 | tee -a "$OUT/gpu.log"
+    timeout ${SWEEP_S:-150} $PY benchmarks/kernels.py --sweep --out "$OUT/sweep.json" --report "$OUT/sweep.md" 2>&1 | tee -a "$OUT/gpu.log"
 fi
 if [ -n "$SIZES" ]; then
     echo "== 5. one-time cost on CUDA: $SIZES" | tee -a "$OUT/gpu.log"
