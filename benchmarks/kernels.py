@@ -324,8 +324,9 @@ def end_to_end(a) -> list[dict]:
 
 
 def sweep_configs(bits: int, m: int) -> list[tuple]:
-    """(kernel, BLOCK_N, BLOCK_U, warps, split-K) tried at ``m`` input rows: the library's choice
-    and the units GEMVs over tiles around its default."""
+    """(kernel, BLOCK_N, BLOCK_U, warps, split-K) tried at ``m`` input rows: the library's choice,
+    the units GEMVs over tiles around its default and, at batch 1, the row kernel with the
+    mantissa decode (``kernel_variants.gemv_mantissa_kernel``: fewer integer operations per code)."""
     from bayesq.kernels.packed import unit_shape
 
     base = 256 // unit_shape(bits)[0] // max(1, 1 << (m - 1).bit_length())  # units per step at the default
@@ -336,7 +337,9 @@ def sweep_configs(bits: int, m: int) -> list[tuple]:
         for bn in (64, 128):
             for split in (1, 4):
                 configs.append(("units", bn, bu, 4, split))
-    return configs + [("units", 128, base, 8, split) for split in (1, 4)]
+    configs += [("units", 128, base, 8, split) for split in (1, 4)]
+    return configs + [("mantissa", bn, bu, warps, 4) for bn, bu, warps in
+                      ((64, base, 4), (128, base, 4), (64, 2 * base, 4), (128, base, 8))]
 
 
 SWEEP_SHAPES = ((4096, 4096), (16384, 16384), (768, 3072), (3072, 768))
@@ -345,10 +348,12 @@ SWEEP_SHAPES = ((4096, 4096), (16384, 16384), (768, 3072), (3072, 768))
 def sweep_rows(peak: float, seed: int, device: str = "cuda", shapes=SWEEP_SHAPES, bench=bench_ms) -> list[dict]:
     """``--sweep``: the units GEMVs (``launcher._units_gemv``: the row kernel at batch 1) over
     tiles and K splits at batch 1 and 4, on the large and the BERT-sized shapes at 3 and 4 bits,
-    beside the library's default tile (``dequant_linear``); each checked against the float32
-    reference. ``device``, ``shapes`` and ``bench``
+    beside the library's default tile (``dequant_linear``) and the mantissa-decode variant (batch
+    1); each checked against the float32 reference. ``device``, ``shapes`` and ``bench``
     (milliseconds of a call) let the CPU check it under ``TRITON_INTERPRET=1``."""
     from bayesq.kernels import dequant_linear, launcher
+
+    import kernel_variants  # noqa: E402 - benchmarks/ is on sys.path when this script runs
 
     rows = []
     for n, k in shapes:
@@ -360,7 +365,9 @@ def sweep_rows(peak: float, seed: int, device: str = "cuda", shapes=SWEEP_SHAPES
                 for kernel, bn, bu, warps, split in sweep_configs(bits, m):
                     rec = dict(n=n, k=k, bits=bits, m=m, kernel=kernel, bn=bn, bk=bu, warps=warps, split=split)
                     try:
-                        if kernel == "units":
+                        if kernel == "mantissa":
+                            run = kernel_variants.mantissa_gemv(x, pw, (bu, bn, warps, split))
+                        elif kernel == "units":
                             def run(t=(bu, bn, warps, split)):
                                 return launcher._units_gemv(x, pw, None, t)
                         else:
@@ -374,7 +381,7 @@ def sweep_rows(peak: float, seed: int, device: str = "cuda", shapes=SWEEP_SHAPES
                     rec["gbs"] = moved_bytes(pw, m) / (rec["us"] * 1e-6) / 1e9
                     rec["pct_peak"] = 100 * rec["gbs"] / peak
                     rows.append(rec)
-                for kernel in ("library", "units"):
+                for kernel in ("library", "units", "mantissa"):
                     done = [r for r in rows if (r["n"], r["k"], r["bits"], r["m"], r["kernel"]) == (n, k, bits, m, kernel)
                             and "us" in r]
                     if done:
