@@ -22,7 +22,7 @@
 # PYTHON (default python3) runs it; SIZES (default empty: none; e.g. resnet50,bert-base,gpt2,gpt2-medium)
 # the model sizes of step 5; SWEEP=1 adds step 4: the units GEMVs over tile shapes at batch 1 and 4
 # (kernels.py --sweep -> OUT/sweep.json, OUT/sweep.md); COST=0 skips step 3. PYTEST_S, KERNELS_S,
-# SWEEP_S: the time limits of steps 1, 2 and 4 in seconds (100, 190, 150; KERNELS_S=0 skips step 2).
+# SWEEP_S: the time limits of steps 1, 2 and 4 in seconds (100, 190, 150; PYTEST_S=0 / KERNELS_S=0 skip steps 1 / 2).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-reports/gpu}
@@ -37,14 +37,16 @@ echo "== $(date -u +%FT%TZ) device" | tee "$OUT/gpu.log"
   $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee -a "$OUT/gpu.log"
 
-echo "== 1. kernel and export tests on CUDA" | tee -a "$OUT/gpu.log"
-# -o addopts= drops the project's -q, so -v names each test as it finishes (a run cut short
-# still says which failed); pytest-timeout, where installed, stops a test stuck for 90 s
-PER_TEST=$($PY -c "import pytest_timeout" 2>/dev/null && echo --timeout=90)
-BAYESQ_AUTOTUNE=0 timeout --kill-after=10 ${PYTEST_S:-100} $PY -m pytest -p no:cacheprovider -o addopts= -m "not ui" -n auto -v -rfE \
-    --tb=short --durations=15 $PER_TEST tests/test_kernels.py tests/test_packing.py tests/test_export.py \
-    > "$OUT/pytest.txt" 2>&1
-echo "pytest exit $?: $(grep -E "[0-9]+ (passed|failed)" "$OUT/pytest.txt" | tail -1); $(grep -c " PASSED " "$OUT/pytest.txt") passed and $(grep -c " FAILED " "$OUT/pytest.txt") failed so far" | tee -a "$OUT/gpu.log"
+if [ "${PYTEST_S:-100}" != 0 ]; then
+    echo "== 1. kernel and export tests on CUDA" | tee -a "$OUT/gpu.log"
+    # -o addopts= drops the project's -q, so -v names each test as it finishes (a run cut short
+    # still says which failed); pytest-timeout, where installed, stops a test stuck for 90 s
+    PER_TEST=$($PY -c "import pytest_timeout" 2>/dev/null && echo --timeout=90)
+    BAYESQ_AUTOTUNE=0 timeout --kill-after=10 ${PYTEST_S:-100} $PY -m pytest -p no:cacheprovider -o addopts= -m "not ui" -n auto -v -rfE \
+        --tb=short --durations=15 $PER_TEST tests/test_kernels.py tests/test_packing.py tests/test_export.py \
+        > "$OUT/pytest.txt" 2>&1
+    echo "pytest exit $?: $(grep -E "[0-9]+ (passed|failed)" "$OUT/pytest.txt" | tail -1); $(grep -c " PASSED " "$OUT/pytest.txt") passed and $(grep -c " FAILED " "$OUT/pytest.txt") failed so far" | tee -a "$OUT/gpu.log"
+fi
 
 if [ "${KERNELS_S:-190}" != 0 ]; then
     echo "== 2. kernel speed" | tee -a "$OUT/gpu.log"
