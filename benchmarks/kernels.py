@@ -439,7 +439,7 @@ def sweep_markdown(result: dict, command: str) -> str:
     """``--sweep --report FILE``: the best tile of each kernel per shape and width."""
     done = [r for r in result["sweep"] if "us" in r]
     lines = [f"# GEMV kernel sweep on {result['device']}", "", f"`{command}`; copy bandwidth "
-             f"{result['peak_gbs']:.0f} GB/s. Batch 1, fp16 x, float32 accumulation; each kernel's best tile.", "",
+             f"{result['peak_gbs']:.0f} GB/s. Batches 1 and 4, fp16 x, float32 accumulation; each kernel's best tile.", "",
              "| N x K | bits | batch | kernel | BLOCK_N | BLOCK_U | warps | split-K | us | % peak | rel err |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, k, bits, m, kernel in sorted({(r["n"], r["k"], r["bits"], r["m"], r["kernel"]) for r in done}):
