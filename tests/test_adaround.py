@@ -9,7 +9,7 @@ from torch import nn
 
 from bayesq.baselines.activations import input_stats
 from bayesq.baselines.adaround import (
-    AdaRoundConfig, _loss_and_grad, adaround_loss, adaround_rows, beta_at, initial_logits, rectified_sigmoid,
+    AdaRoundConfig, Relaxation, adaround_loss, adaround_rows, beta_at, initial_logits, rectified_sigmoid,
 )
 from bayesq.methods import Inputs, quantize_with
 
@@ -45,19 +45,27 @@ def test_beta_schedule_warmup_then_linear():
     assert beta_at(100, 100, 0.2, (20.0, 2.0)) == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("b", [None, 3.0])
-def test_loss_and_grad_vs_autograd(b):
-    W, H, scale, zero, maxq = _layer(0)
+@pytest.mark.parametrize("b", [None, 3.0, 20.0])
+def test_relaxation_grad_vs_autograd(b):
+    """The hand-derived gradient equals autograd's on :func:`adaround_loss`, also where the
+    rectified sigmoid clips (no gradient through h) and where the grid clamps the code: a weight
+    at the grid's top (the code above it is clamped) and one below the grid (both codes clamped)."""
+    W, H, scale, zero, maxq = _layer(0, out=3)
+    W[1, 2] = scale[1, 2] * (maxq[1, 2] - zero[1, 2])  # on the top level: low = maxq
+    W[2, 4] = scale[2, 4] * (-1.5 - zero[2, 4])  # below the grid: low = -2
     low = torch.floor(W / scale) + zero
+    assert low[1, 2] == maxq[1, 2] and low[2, 4] == -2
     v = torch.randn(W.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2
     v[0, 0] = 30.0  # clipped at 1: no gradient through h
     vg = v.clone().requires_grad_()
-    ref = adaround_loss(vg, W, H, scale, zero, maxq, low, 0.05, b)
-    ref.backward()
-    loss, grad = _loss_and_grad(v[None], W[None], H[None], scale[None], zero[None], maxq[None], low[None], 0.05, b)
-    torch.testing.assert_close(loss, ref.detach())
-    torch.testing.assert_close(grad[0], vg.grad)
-    assert grad[0, 0, 0] == 0
+    adaround_loss(vg, W, H, scale, zero, maxq, low, 0.05, b).backward()
+    grad = Relaxation(W[None], H[None], scale[None], zero[None], maxq[None].double(), low[None]).grad(v[None], 0.05, b)
+    torch.testing.assert_close(grad[0], vg.grad, rtol=1e-12, atol=1e-12)
+    assert grad[0, 0, 0] == 0 and grad[0, 2, 4] == 0
+    if b is None:  # the grid clamps the code above the top level: the reconstruction passes nothing
+        assert grad[0, 1, 2] == 0
+    else:  # the regulariser still pulls h to 0 or 1
+        assert grad[0, 1, 2] != 0
 
 
 def test_adaround_diagonal_metric_is_nearest_rounding():

@@ -71,7 +71,7 @@ def beta_at(step: int, iters: int, warmup: float, beta: tuple[float, float]) -> 
 def adaround_loss(v: torch.Tensor, W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                   maxq: torch.Tensor, low: torch.Tensor, lam: float, b: float | None) -> torch.Tensor:
     """The objective of the module docstring for one group of rows (autograd form; the solver
-    uses its hand-derived gradient, :func:`_loss_and_grad`): ``W, v, scale, zero, maxq, low``
+    uses its hand-derived gradient, :class:`Relaxation`): ``W, v, scale, zero, maxq, low``
     (rows, d), ``H`` (d, d)."""
     D = scale * ((low + rectified_sigmoid(v)).clamp(torch.zeros_like(maxq), maxq) - zero) - W
     rec = (D * (D @ H)).sum()
@@ -80,24 +80,38 @@ def adaround_loss(v: torch.Tensor, W: torch.Tensor, H: torch.Tensor, scale: torc
     return rec + lam * (1 - (2 * rectified_sigmoid(v) - 1).abs().pow(b)).sum()
 
 
-def _loss_and_grad(v, W, H, scale, zero, maxq, low, lam, b):
-    """(loss, dloss/dv) of :func:`adaround_loss`, batched over groups of rows: ``v, W, scale,
-    zero, maxq, low`` (groups, rows, d), ``H`` (groups, d, d); one product ``D H`` per step."""
-    sig = torch.sigmoid(v)
-    raw = sig * (ZETA - GAMMA) + GAMMA
-    h = raw.clamp(0.0, 1.0)
-    c = low + h
-    inside = (c >= 0) & (c <= maxq)
-    D = scale * (c.clamp(torch.zeros_like(maxq), maxq) - zero) - W
-    G = D @ H
-    loss = (D * G).sum()
-    dh = 2 * G * scale * inside  # d rec / d h
-    if b is not None:
-        u = 2 * h - 1
-        loss = loss + lam * (1 - u.abs().pow(b)).sum()
-        dh = dh - lam * b * u.abs().pow(b - 1) * torch.sign(u) * 2
-    live = (raw > 0) & (raw < 1)  # the clip passes no gradient outside (0, 1)
-    return loss, dh * live * sig * (1 - sig) * (ZETA - GAMMA)
+class Relaxation:
+    """:func:`adaround_loss`'s gradient in ``v``, derived by hand, for groups of rows on fixed grids.
+
+    ``W, scale, zero, maxq, low`` (groups, rows, d), ``H`` (groups, d, d), one dtype. What no step
+    changes is computed once: ``low - zero``, the codes' bounds ``[clamp(low, 0, maxq),
+    clamp(low + 1, 0, maxq)] - zero`` (the rectified sigmoid's clip and the grid's in one clamp:
+    ``clamp(low + clamp(r, 0, 1), 0, maxq) = clamp(low + r, clamp(low, 0, maxq), clamp(low + 1, 0,
+    maxq))``), and the constant factors of both terms. A step then runs one ``D H`` product and
+    about fifteen elementwise passes; the loss itself, which Adam never reads, is not computed.
+    """
+
+    def __init__(self, W, H, scale, zero, maxq, low):
+        self.H, self.scale = H, scale
+        self.neg_w = -W
+        self.shift = low - zero
+        self.lo = low.clamp(torch.zeros_like(maxq), maxq) - zero
+        self.hi = (low + 1).clamp(torch.zeros_like(maxq), maxq) - zero
+        self.rec = 2 * (ZETA - GAMMA) * scale  # d rec / d r = 2 (D H) * scale inside the grid; dr/dsig = zeta - gamma
+
+    def grad(self, v: torch.Tensor, lam: float, b: float | None) -> torch.Tensor:
+        """d :func:`adaround_loss` / d ``v``, shaped as ``v``; ``b`` None: the reconstruction term alone."""
+        sig = torch.sigmoid(v)
+        raw = sig * (ZETA - GAMMA) + GAMMA  # rectified sigmoid before its clip
+        y = raw + self.shift  # code - zero before the clamps
+        cz = torch.clamp(y, self.lo, self.hi)
+        g = torch.addcmul(self.neg_w, self.scale, cz) @ self.H  # D H
+        g.mul_(self.rec).mul_(cz == y)  # no gradient where the grid clamps the code
+        if b is not None:  # lam (1 - |u|^b), u = 2 h - 1: d/dr = -2 lam b |u|^(b-1) sign(u)
+            u = raw * 2 - 1
+            g.sub_(torch.copysign(u.abs().pow_(b - 1), u), alpha=2 * lam * b * (ZETA - GAMMA))
+        live = (raw > 0) & (raw < 1)  # the clip passes no gradient outside (0, 1)
+        return g.mul_(live).mul_(torch.addcmul(sig, sig, sig, value=-1))  # dsig/dv = sig (1 - sig)
 
 
 def adaround_rows(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: torch.Tensor,
@@ -131,11 +145,11 @@ def adaround_rows(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: t
     Ht = Hg.to(dt)
     Wt, st, zt, mt, lt = (grouped(x.to(dt)) for x in (W, s, zero, maxq, low))
     v = grouped(initial_logits((ratio - torch.floor(ratio)).clamp(0.0, 1 - 1e-6)).to(dt)).requires_grad_()
+    relaxed = Relaxation(Wt, Ht, st, zt, mt, lt)
     opt = torch.optim.Adam([v], lr=lr)
     for step in tqdm(range(iters), desc=f"AdaRound {name}".strip(), disable=not progress, leave=False,
                      mininterval=1.0):
-        _, grad = _loss_and_grad(v.detach(), Wt, Ht, st, zt, mt, lt, lam, beta_at(step, iters, warmup, beta))
-        v.grad = grad
+        v.grad = relaxed.grad(v.detach(), lam, beta_at(step, iters, warmup, beta))
         opt.step()
     up = (rectified_sigmoid(v.detach()) >= 0.5).reshape(n_out, d)
     codes = torch.minimum(torch.clamp(low + up, min=0), maxq.double()).to(torch.int64)
