@@ -97,14 +97,16 @@ def test_baselines_config_bad_value_names_field(key, value, match):
 
 
 def test_params_yaml_loads_with_every_method():
-    """The quick profile runs every method but the learned rivals (AdaRound: about 26 minutes per
+    """The quick profile runs every method but the learned rivals (AdaRound: about 37 minutes per
     MiniLM encoding at the paper's 10,000 steps; BRECQ, and BayesQ + BRECQ; LSQ, LSQ+, PACT, DoReFa, Bit-Split; OCS,
-    three expand ratios of GPTQ's variants) and ZeroQ (its distillation, the slowest quick row on a
-    2-core Xeon); the full profile runs all of them."""
+    three expand ratios of GPTQ's variants), ZeroQ (its distillation, the slowest quick row on a
+    2-core Xeon) and BayesQ's own variant rows (distilled, K-FAC, paper-literal: 8.1 minutes of a cold
+    run, and `make ablations` has them); the full profile runs all of them."""
     raw = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
     p = load_params(raw)
     full_only = {Method.ADAROUND, Method.BRECQ, Method.LSQ, Method.LSQ_PLUS, Method.PACT, Method.DOREFA,
-                 Method.BIT_SPLIT, Method.OCS, Method.BAYESQ_BRECQ, Method.ZEROQ}
+                 Method.BIT_SPLIT, Method.OCS, Method.BAYESQ_BRECQ, Method.ZEROQ,
+                 Method.BAYESQ_DISTILL, Method.BAYESQ_EF, Method.BAYESQ_PAPER}
     assert set(p.methods) == set(Method) - full_only and p.baselines.hawq_probes >= 1
     assert set(load_params({**raw, "profile": "full"}).methods) == set(Method)
 
