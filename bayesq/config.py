@@ -376,6 +376,7 @@ class QuantConfig:
     cd_passes: int = setting(2, integer(0, "0: error-feedback codes as they are"))
     select_grids: bool = True
     bias_correction: bool = True
+    output_offset: bool = True
     proxy: Proxy = Proxy.CLOSED
     mc_samples: int = setting(8, rule(lambda v: v >= 4 and v % 2 == 0, "need an even number >= 4 (antithetic pairs)"))
     mc_top_fraction: float = setting(0.1, within("(0, 1]"))

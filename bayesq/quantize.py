@@ -40,6 +40,7 @@ from bayesq.expected_loss import Book, LayerTable, LossTable, apply_mc_proxy, po
 from bayesq.forward import Batch, batch_size, first_inputs, kept_state, model_batches
 from bayesq.memory import check as check_memory_fits, estimate as estimate_memory, release_freed
 from bayesq.methods import Inputs, Outcome, register
+from bayesq.output_offset import OutputOffset, fit_output_offset
 from bayesq.posterior import ROWS_IN_PASS, Posterior, fit_posterior as _fit_posterior, input_moments
 from bayesq.refit import refit_rows, refit_scales, row_equations
 from bayesq.result import (
@@ -952,10 +953,11 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
     release_freed()
     enc = select_encoding(model, cands, progress=progress)
     del cands
-    qmodel, weights, _ = assemble(model, enc, posterior, calibration, config.distill, config.budget, config.seed,
-                                  progress)
+    qmodel, weights, _, offset = assemble(model, enc, posterior, calibration, config.distill, config.budget,
+                                          config.seed, progress)
     return QuantizationResult(qmodel, weights, enc.allocation, enc.table, posterior if keep_posterior else None,
-                              enc.name, enc.selection_kl, correction, unquantized_weights(model, layers, exclude))
+                              enc.name, enc.selection_kl, correction, unquantized_weights(model, layers, exclude),
+                              offset)
 
 
 @register(BayesQConfig)
@@ -970,22 +972,30 @@ def bayesq_method(model: nn.Module, config: BayesQConfig, budget: float, inputs:
 def assemble(
     model: nn.Module, enc: Encoding, posterior: Posterior | None, calibration: Sequence[Batch] | None,
     distill_cfg: DistillConfig | None, budget: float, seed: int = 0, progress: bool = False,
-) -> tuple[nn.Module, dict[str, QuantizedWeight], DistillResult | None]:
+) -> tuple[nn.Module, dict[str, QuantizedWeight], DistillResult | None, OutputOffset | None]:
     """The last stage: the model running ``enc`` (a copy; its bias correction applied), its
     scales distilled to the posterior teacher first when ``distill_cfg.applies(budget)``
     (:func:`bayesq.distill.distill` on ``calibration``; the correction is then applied only if
-    distillation trained no bias, which already fits the mean).
+    distillation trained no bias, which already fits the mean), then its output layer's bias
+    refitted to the FP model's mean prediction on ``calibration`` when ``enc.quant.output_offset``
+    (:func:`bayesq.output_offset.fit_output_offset`; not without calibration batches).
 
     Returns:
-        (quantised model, the encoded layers it runs, the :class:`DistillResult` or None).
+        (quantised model, the encoded layers it runs, the :class:`DistillResult` or None, the
+        :class:`OutputOffset` applied or None).
     """
     if distill_cfg is None or not distill_cfg.applies(budget):
-        return quantized_copy(model, enc.weights, enc.correction), enc.weights, None
-    if posterior is None or calibration is None:
-        raise ValueError("distillation needs the posterior (its teacher) and calibration batches")
-    res = distill(model, enc.weights, posterior, calibration, distill_cfg, scale_bits=enc.quant.scale_bits,
-                  lut_bits=enc.quant.lut_bits, seed=seed, progress=progress)
-    qmodel = apply_distilled(model, res)
-    if enc.correction is not None and not res.biases:
-        enc.correction.apply(qmodel, model)
-    return qmodel, res.weights, res
+        qmodel, weights, res = quantized_copy(model, enc.weights, enc.correction), enc.weights, None
+    else:
+        if posterior is None or calibration is None:
+            raise ValueError("distillation needs the posterior (its teacher) and calibration batches")
+        res = distill(model, enc.weights, posterior, calibration, distill_cfg, scale_bits=enc.quant.scale_bits,
+                      lut_bits=enc.quant.lut_bits, seed=seed, progress=progress)
+        qmodel, weights = apply_distilled(model, res), res.weights
+        if enc.correction is not None and not res.biases:
+            enc.correction.apply(qmodel, model)
+    offset = None
+    if enc.quant.output_offset and calibration:
+        offset = fit_output_offset(model, qmodel, calibration, progress)
+        offset.apply(qmodel)
+    return qmodel, weights, res, offset

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from bayesq.bias_correction import BiasCorrection
+from bayesq.output_offset import OutputOffset
 from bayesq.blocks import LayerBlocks, kept_matrices, unquantized_weights
 from bayesq.expected_loss import Book, LossTable
 from bayesq.posterior import Posterior
@@ -145,7 +146,9 @@ class QuantizationResult:
     applied to ``model`` (None: ``quant.bias_correction`` off; its ``skipped`` lists the layers
     whose output shift had nowhere to go). ``unquantized``: every other floating parameter with
     two or more dimensions, by name, with the reason it stays in floating point
-    (:func:`bayesq.blocks.unquantized_weights`).
+    (:func:`bayesq.blocks.unquantized_weights`). ``output_offset``: the output layer's bias
+    refit applied to ``model`` last (:mod:`bayesq.output_offset`; None: ``quant.output_offset``
+    off or no calibration; its ``skipped`` says why a model has none).
     """
 
     model: nn.Module
@@ -157,6 +160,7 @@ class QuantizationResult:
     selection_kl: Mapping[str, float] = field(default_factory=dict)
     correction: BiasCorrection | None = None
     unquantized: Mapping[str, str] = field(default_factory=dict)
+    output_offset: OutputOffset | None = None
 
     @property
     def average_bits(self) -> float:

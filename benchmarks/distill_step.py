@@ -66,7 +66,7 @@ def main() -> None:
                 dcfg = replace(dcfg, agreement=a.agreement)
             if a.steps is not None:
                 dcfg = replace(dcfg, steps=a.steps)
-            fitted, _, d = assemble(model, enc, res.posterior, calibration, dcfg, a.budget, a.seed, progress=True)
+            fitted, _, d, _ = assemble(model, enc, res.posterior, calibration, dcfg, a.budget, a.seed, progress=True)
             with torch.no_grad():
                 kl = kl_per_input(reference, fitted, test)
             p = paired_difference(base, kl)

@@ -177,6 +177,10 @@ def quantize(
     if res.correction is not None:
         skipped = "".join(f"\n  not corrected: {k} ({why})" for k, why in res.correction.skipped.items())
         typer.echo(f"bias correction: {len(res.correction.targets)} layers' mean outputs restored{skipped}")
+    off = res.output_offset
+    if off is not None:
+        typer.echo(f"output offset: {off.layer}'s bias refitted, calibration KL {off.kl_before:.5f} -> {off.kl_after:.5f}"
+                   if off.layer else f"output offset: none ({off.skipped})")
 
 
 

@@ -77,13 +77,14 @@ def method_settings(params, method) -> tuple:
     """(posterior, quant) settings a BayesQ row runs with: params.yaml's, except ``bayesq-ef``
     (K-FAC posterior, error-feedback rounding) and ``bayesq-paper`` (the paper-literal
     configuration: the Fisher from every calibration input, prior precision fixed at
-    ``posterior.damping``, the ``draws`` objective, nearest rounding, no bias correction)."""
+    ``posterior.damping``, the ``draws`` objective, nearest rounding, no bias correction and no output offset)."""
     if Method(method) == Method.BAYESQ_EF:
         return (replace(params.posterior, curvature=Curvature.KFAC),
                 replace(params.quant, rounding=Rounding.ERROR_FEEDBACK))
     if Method(method) == Method.BAYESQ_PAPER:
         return (replace(params.posterior, prior=Prior.FIXED, curvature_share=1.0),
-                replace(params.quant, objective=Objective.DRAWS, rounding=Rounding.NEAREST, bias_correction=False))
+                replace(params.quant, objective=Objective.DRAWS, rounding=Rounding.NEAREST, bias_correction=False,
+                                        output_offset=False))
     return params.posterior, params.quant
 
 

@@ -348,8 +348,12 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
             enc = brecq_encoding(model, enc, batches, BASELINE_CONFIGS[Method.BRECQ](quant, baselines, seed))
         if enc.correction is not None:
             extra |= {"bias_corrected": len(enc.correction.targets), "bias_skipped": dict(enc.correction.skipped)}
-        qmodel, qweights, res = assemble(model, enc, post, batches,
-                                         distill if Method(method) == Method.BAYESQ_DISTILL else None, budget, seed)
+        qmodel, qweights, res, offset = assemble(model, enc, post, batches,
+                                                 distill if Method(method) == Method.BAYESQ_DISTILL else None, budget,
+                                                 seed)
+        if offset is not None:
+            extra |= {"output_offset_layer": offset.layer or "", "output_offset_skipped": offset.skipped,
+                      "output_offset_kl": [offset.kl_before, offset.kl_after]}
         if res is not None:
             extra |= {"distill_seconds": res.seconds, "distill_sample_scale": res.sample_scale,
                      "distill_teacher_agreement": res.teacher_agreement,

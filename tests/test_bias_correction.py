@@ -138,9 +138,11 @@ def test_quantize_model_correction_in_model_and_export(tmp_path):
     res = quantize_model(_cnn(), batches, cfg, progress=False)
     assert dict(res.correction.targets) == {"0": "1.running_mean", "3": "4.running_mean", "7": "7.bias"}
     assert res.model[1].running_mean.ne(_cnn()[1].running_mean).any()
-    # the model returned is the uncorrected encoding plus the correction
-    torch.testing.assert_close(res.model(batches[0]),
-                               quantized_copy(_cnn(), res.weights, res.correction)(batches[0]), rtol=0, atol=0)
+    # the model returned is the uncorrected encoding plus the correction, then the output offset
+    rebuilt = quantized_copy(_cnn(), res.weights, res.correction)
+    assert res.output_offset.layer == "7"
+    res.output_offset.apply(rebuilt)
+    torch.testing.assert_close(res.model(batches[0]), rebuilt(batches[0]), rtol=0, atol=0)
     save_export(tmp_path / "m.safetensors", res.model, res.weights, q, res.allocation.total_bits)
     back = load(tmp_path / "m.safetensors", skeleton=_cnn())
     with torch.no_grad():

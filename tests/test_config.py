@@ -62,6 +62,7 @@ def test_load_params_unknown_profile():
         (QuantConfig, {"feedback_table": "yes"}, "quant.feedback_table"),
         (QuantConfig, {"feedback_search": "yes"}, "quant.feedback_search"),
         (QuantConfig, {"refit": 1}, "quant.refit"),
+        (QuantConfig, {"output_offset": "yes"}, "quant.output_offset"),
         (QuantConfig, {"codebook": "vq", "unit": "tensor", "vq_dim": 4, "group_size": 30, "rounding": "nearest"}, "quant.group_size"),
         (BayesQConfig, {"budget": -1.0}, "config.budget"),
     ],

@@ -16,7 +16,9 @@ from bayesq.baselines.rtn import rtn_quantize
 from bayesq.blocks import quantizable_layers
 from bayesq.config import BayesQConfig, Granularity, QuantConfig
 from bayesq.error_feedback import error_feedback_groups
+from bayesq.output_offset import fit_output_offset
 from bayesq.quantize import quantize_model
+from bayesq.result import quantized_copy
 from bayesq.storage import grid_bits, header_bits
 
 CFG = QuantConfig(group_size=16, unit_groups=2)
@@ -249,6 +251,26 @@ def test_gptq_select_bias_correction_offers_each_variant_corrected():
         assert both.kl[k] == pytest.approx(v, rel=1e-12)
     assert both.variant == min(both.kl, key=both.kl.get)
     assert both.kl[both.variant] <= plain.kl[plain.variant]
+    assert plain.result.output_offset is None  # offered with the correction only
+
+
+def test_gptq_select_bias_correction_refits_the_kept_output_bias():
+    """With the correction, the kept variant's model is its corrected copy with the output offset
+    of :func:`bayesq.output_offset.fit_output_offset` on the calibration batches added to the
+    last layer's bias, and nothing else changed."""
+    model, batches, stats = _calibrated(1)
+    both = gptq_select(model, stats, batches, 4.0, CFG, group_sizes=GROUP_SIZES, bias_correction=True)
+    res = both.result
+    plain = quantized_copy(model, res.weights, res.correction)
+    offset = fit_output_offset(model, plain, batches)
+    assert res.output_offset.layer == offset.layer is not None
+    torch.testing.assert_close(res.output_offset.shift, offset.shift, rtol=0, atol=0)
+    a, b = res.model.state_dict(), plain.state_dict()
+    for key in a:
+        if key == f"{offset.layer}.bias":
+            torch.testing.assert_close(a[key] - b[key], offset.shift.to(a[key].dtype), rtol=0, atol=1e-12)
+        else:
+            assert torch.equal(a[key], b[key]), key
 
 
 def test_gptq_select_infeasible_budget_names_minimum():

@@ -740,8 +740,9 @@ def test_library_stages_in_order_vs_quantize_model():
     table = build_table(post, layer_blocks(quantizable_layers(model), 32, 8), q, model=model, calibration=batches,
                         progress=False)
     enc = encode_best(model, post, table, q, 3.0, calibration=batches)
-    qmodel, weights, distilled = assemble(model, enc, post, batches, cfg.distill, 3.0)
+    qmodel, weights, distilled, offset = assemble(model, enc, post, batches, cfg.distill, 3.0)
     assert distilled is None and enc.name == whole.encoding
+    assert offset.layer is not None and torch.equal(offset.shift, whole.output_offset.shift)
     for name, qw in whole.weights.items():
         assert torch.equal(weights[name].codes, qw.codes)
     x = batches[0]

@@ -237,7 +237,8 @@ def awq_select(
                            exclude=exclude, scales=scales, method=method)
     batches = list(batches)  # read by the correction's target search and by the selection
     correction = stats_correction(model, stats, batches) if bias_correction else None
-    return select_best(cands, model, batches if selection is None else selection, correction, reference)
+    return select_best(cands, model, batches if selection is None else selection, correction, reference,
+                       batches if bias_correction else None)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from bayesq.config import BayesQConfig, Granularity, QuantConfig
 from bayesq.forward import Batch, call, kept_state, model_batches, padding_mask
 from bayesq.memory import release_freed
 from bayesq.methods import Inputs, Outcome, register
+from bayesq.output_offset import fit_output_offset
 from bayesq.quantize import Encoding, group_grid, quantize_model
 from bayesq.result import QuantizationResult, QuantizedWeight, quantized_copy
 
@@ -391,7 +392,8 @@ def bayesq_brecq(model: nn.Module, calibration: Sequence[Batch], config: BayesQB
     The bits, grids (refitted scales included) and allocation are BayesQ's; only the codes change.
     BayesQ's bias correction is not applied: the reconstruction fits each block's output, its mean
     included, and the correction on top overshoots (docs/findings.md: KL 0.0785 against 0.0576
-    without it on lite0, 0.00617 against 0.00297 on MiniLM).
+    without it on lite0, 0.00617 against 0.00297 on MiniLM). The output offset
+    (``quant.output_offset``, :mod:`bayesq.output_offset`) is fitted again on the re-rounded model.
 
     Returns:
         :class:`bayesq.result.QuantizationResult` (``correction`` None; ``encoding`` and
@@ -412,7 +414,11 @@ def bayesq_brecq(model: nn.Module, calibration: Sequence[Batch], config: BayesQB
         res = quantize_model(model, batches, replace(config.bayesq, budget=budget), progress=config.brecq.progress,
                              selection=selection, exclude=exclude)
         weights = _relearned(model, res.weights, batches, config.brecq)
-        return replace(res, model=quantized_copy(model, weights), weights=weights, correction=None)
+        qmodel, offset = quantized_copy(model, weights), None
+        if config.bayesq.quant.output_offset:  # refitted on the re-rounded model, as the pipeline's assemble does
+            offset = fit_output_offset(model, qmodel, batches, config.brecq.progress)
+            offset.apply(qmodel)
+        return replace(res, model=qmodel, weights=weights, correction=None, output_offset=offset)
 
 
 def _relearned(model: nn.Module, weights: dict[str, QuantizedWeight], batches: Sequence[Batch],

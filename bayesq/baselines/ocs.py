@@ -286,7 +286,8 @@ def ocs_select(
                            expand_ratios=expand_ratios, act_order=act_order, damp=damp, exclude=exclude)
     batches = list(batches)
     correction = stats_correction(model, stats, batches) if bias_correction else None
-    return select_best(cands, model, batches if selection is None else selection, correction, reference)
+    return select_best(cands, model, batches if selection is None else selection, correction, reference,
+                       batches if bias_correction else None)
 
 
 @dataclass(frozen=True)

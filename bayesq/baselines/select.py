@@ -19,6 +19,9 @@ each layer's mean output shift on the calibration inputs moved back into its bia
 BatchNorm reading it (:mod:`bayesq.bias_correction`, no stored parameter added), as the
 ``<variant>+bc`` candidate. It is not part of GPTQ or AWQ as published; BayesQ's default uses
 it, so a baseline at its strongest is offered it too.
+With it, the kept candidate's output-layer bias is also refitted on the calibration inputs so
+that its mean prediction is the FP model's (:mod:`bayesq.output_offset`), as BayesQ's default
+does last; the candidates are scored without that refit.
 
 Selection: the variant with the least mean ``KL(p_FP(y|x) || p_Q(y|x))`` over the calibration
 inputs (the inputs the method's statistics come from; never the test set). Ties keep the first
@@ -48,6 +51,7 @@ from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch
 from bayesq.memory import release_freed
 from bayesq.methods import Inputs, Outcome, read
+from bayesq.output_offset import fit_output_offset
 from bayesq.quantize import selection_looks
 from bayesq.result import Allocation, QuantizationResult, quantized_copy
 from bayesq.storage import budget_bits, unit_cost_bits
@@ -258,6 +262,7 @@ def corrected(result: QuantizationResult, model: nn.Module, correction: BiasCorr
 def select_best(
     candidates: Mapping[str, Callable[[], QuantizationResult]], model: nn.Module, batches: Iterable[Batch],
     correction: BiasCorrection | None = None, reference: Sequence[torch.Tensor] | None = None,
+    calibration: Sequence[Batch] | None = None,
 ) -> BaselineChoice:
     """Build every candidate in turn and keep the one with the least mean calibration KL.
 
@@ -282,6 +287,10 @@ def select_best(
         reference: the full-precision model's log-probabilities on ``batches``
             (:func:`bayesq.evaluation.reference_log_probs`; computed here when None): one pass
             shared by callers that score several selections on the same inputs.
+        calibration: given, the kept candidate's output-layer bias is then refitted on these
+            inputs so that its mean prediction is the FP model's (:mod:`bayesq.output_offset`;
+            the result's ``output_offset``), as BayesQ's default does; callers pass it with the
+            bias correction.
 
     Raises:
         ValueError: no candidates, or no calibration batch.
@@ -314,8 +323,11 @@ def select_best(
                 best, best_kl, best_losses = (label, replace(res, model=None)), score, losses
         del res
     label, kept = best
-    return BaselineChoice(replace(kept, model=quantized_copy(model, kept.weights, kept.correction)),
-                          label, kl, bits, inputs)
+    qmodel, offset = quantized_copy(model, kept.weights, kept.correction), None
+    if calibration:
+        offset = fit_output_offset(model, qmodel, calibration)
+        offset.apply(qmodel)
+    return BaselineChoice(replace(kept, model=qmodel, output_offset=offset), label, kl, bits, inputs)
 
 
 def _resolved_worse(losses: torch.Tensor, best: torch.Tensor) -> bool:

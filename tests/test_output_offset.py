@@ -1,0 +1,156 @@
+import copy
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import minimize
+from torch import nn
+
+from bayesq.config import BayesQConfig, DistillConfig, QuantConfig
+from bayesq.output_offset import fit_output_offset, logit_offset, mean_kl, output_layer
+from bayesq.quantize import quantize_model
+from nets import TinyCausalLM, lm_batches
+
+
+def _logits(n=60, c=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    fp = 2.0 * torch.randn(n, c, generator=g, dtype=torch.float64)
+    q = fp + 0.4 * torch.randn(n, c, generator=g, dtype=torch.float64) + torch.linspace(-0.5, 0.7, c, dtype=torch.float64)
+    return fp, q
+
+
+def _net(seed=0, bias=True):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3, bias=bias)).double().eval()
+
+
+def _batches(n=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(8, 6, generator=g, dtype=torch.float64) for _ in range(n)]
+
+
+def test_logit_offset_vs_scipy_minimize():
+    """The L-BFGS fit of (1) against scipy's BFGS on the same objective (a sum-zero offset), and
+    the optimum's defining property: the mean predicted distributions agree."""
+    fp, q = _logits()
+    c = logit_offset(fp, q)
+
+    def f(x):
+        return float(mean_kl(fp, q, torch.as_tensor(x)))
+
+    ref = minimize(f, np.zeros(4), method="BFGS", options={"gtol": 1e-12}).x
+    ref = ref - ref.mean()
+    np.testing.assert_allclose(c.numpy(), ref, atol=1e-6)
+    assert abs(float(c.sum())) < 1e-12
+    torch.testing.assert_close(torch.softmax(q + c, -1).mean(0), torch.softmax(fp, -1).mean(0), rtol=0, atol=1e-8)
+    assert mean_kl(fp, q, c) < mean_kl(fp, q, torch.zeros(4, dtype=torch.float64))
+
+
+def test_logit_offset_recovers_a_constant_shift():
+    fp, _ = _logits(c=3)
+    shift = torch.tensor([0.3, -0.5, 0.2], dtype=torch.float64)
+    c = logit_offset(fp, fp - shift)
+    torch.testing.assert_close(c, shift - shift.mean(), rtol=0, atol=1e-7)
+    assert float(mean_kl(fp, fp - shift, c)) < 1e-12
+
+
+def test_logit_offset_binary_vs_grid_search():
+    """C = 2: (1) is a function of the margin offset alone; a fine grid finds the same minimum."""
+    fp, q = _logits(c=2, seed=3)
+    c = logit_offset(fp, q)
+    grid = torch.linspace(-2, 2, 40001, dtype=torch.float64)
+    losses = torch.stack([mean_kl(fp, q, torch.stack([-d / 2, d / 2])) for d in grid])
+    assert abs(float(c[1] - c[0]) - float(grid[losses.argmin()])) < 2e-4
+
+
+def test_logit_offset_bad_input_errors():
+    fp, q = _logits()
+    with pytest.raises(ValueError, match=r"\(N, C\)"):
+        logit_offset(fp, q[:, :3])
+    with pytest.raises(ValueError, match="non-finite"):
+        logit_offset(fp, torch.where(q > 3, torch.nan, q))
+
+
+def test_output_layer_finds_the_head_or_says_why_not():
+    x = _batches(1)[0]
+    assert output_layer(_net(), x) == ("2", "")
+    name, why = output_layer(_net(bias=False), x)
+    assert name is None and "2 has no bias" in why
+
+    class Scaled(nn.Module):  # a head that transforms the last Linear's output
+        def __init__(self):
+            super().__init__()
+            self.net = _net()
+
+        def forward(self, x):
+            return 2 * self.net(x)
+
+    name, why = output_layer(Scaled(), x)
+    assert name is None and "transforms it further" in why
+
+    class Dict(nn.Module):  # logits in a dict, as a Hugging Face model returns them
+        def __init__(self):
+            super().__init__()
+            self.body, self.classifier = nn.Linear(6, 5), nn.Linear(5, 2)
+
+        def forward(self, x):
+            return {"logits": self.classifier(torch.relu(self.body(x)))}
+
+    assert output_layer(Dict().double(), x) == ("classifier", "")
+    lm = TinyCausalLM()
+    name, why = output_layer(lm, lm_batches([[5, 7]])[0])
+    assert name is None and "not one row of class logits" in why
+
+
+def test_fit_output_offset_vs_fit_on_predictions():
+    """The offset of a perturbed copy is :func:`logit_offset` of both models' logits; applying it
+    lowers the calibration KL to ``kl_after``; neither model is changed by the fit."""
+    model, batches = _net(), _batches()
+    qmodel = copy.deepcopy(model)
+    with torch.no_grad():
+        qmodel[0].bias.add_(0.3)
+        qmodel[2].weight.mul_(0.9)
+    before = [p.clone() for p in qmodel.parameters()]
+    off = fit_output_offset(model, qmodel, batches)
+    assert all(torch.equal(a, b) for a, b in zip(before, qmodel.parameters()))
+    x = torch.cat(batches)
+    with torch.no_grad():
+        fp, q = model(x), qmodel(x)
+    torch.testing.assert_close(off.shift, logit_offset(fp.float(), q.float()), rtol=0, atol=1e-12)  # float32 logits
+    assert off.layer == "2" and off.kl_after < off.kl_before
+    off.apply(qmodel)
+    with torch.no_grad():
+        assert float(mean_kl(fp, qmodel(x), torch.zeros(3, dtype=torch.float64))) == pytest.approx(off.kl_after, abs=1e-9)
+    with pytest.raises(ValueError, match="output_offset: false"):
+        fit_output_offset(model, qmodel, [])
+
+
+def test_fit_output_offset_skipped_without_a_bias():
+    model = _net(bias=False)
+    off = fit_output_offset(model, copy.deepcopy(model), _batches())
+    assert off.layer is None and off.shift is None and "no bias" in off.skipped
+
+
+def test_quantize_model_output_offset_only_moves_the_output_bias():
+    """BayesQ with and without ``quant.output_offset``: the same codes; the models differ only in
+    the output layer's bias, by the offset fitted on the calibration inputs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5)).double()
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(16, 32, generator=g, dtype=torch.float64) for _ in range(4)]
+    runs = {}
+    for on in (True, False):
+        cfg = BayesQConfig(budget=3.0, quant=QuantConfig(group_size=32, unit_groups=2, output_offset=on),
+                           distill=DistillConfig(max_budget=0))
+        runs[on] = quantize_model(model, batches, cfg, progress=False)
+    with_, without = runs[True], runs[False]
+    assert without.output_offset is None and with_.output_offset.layer == "4"
+    for name, qw in with_.weights.items():
+        assert torch.equal(qw.codes, without.weights[name].codes)
+    a, b = with_.model.state_dict(), without.model.state_dict()
+    for key in a:
+        if key == "4.bias":
+            torch.testing.assert_close(a[key] - b[key], with_.output_offset.shift, rtol=0, atol=1e-12)
+        else:
+            assert torch.equal(a[key], b[key]), key
+    assert with_.output_offset.kl_after <= with_.output_offset.kl_before
