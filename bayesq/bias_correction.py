@@ -33,7 +33,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from bayesq.forward import Batch, call
+from bayesq.forward import Batch, hooked_call
 
 
 def output_shift(w: torch.Tensor, q: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
@@ -68,17 +68,7 @@ def _readers(model: nn.Module, batch: Batch, layers: Mapping[str, nn.Module]) ->
 
     module_names = {id(m): n for n, m in model.named_modules()}
     leaves = [m for m in model.modules() if not list(m.children())]
-    handles = [m.register_forward_pre_hook(pre) for m in leaves]
-    handles += [m.register_forward_hook(post) for m in layers.values()]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            call(model, batch)  # the hooks read the layer outputs
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
+    hooked_call(model, batch, post=[(m, post) for m in layers.values()], pre=[(m, pre) for m in leaves])
     return readers
 
 

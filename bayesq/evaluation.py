@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from bayesq import metrics
 from bayesq.forward import (
-    Batch, call, first_inputs, logits, output_logits, per_input, positions, predictions, split_batches,
+    Batch, call, eval_mode, first_inputs, logits, output_logits, per_input, positions, predictions, split_batches,
 )
 from bayesq.memory import release_freed
 
@@ -34,17 +34,12 @@ from bayesq.memory import release_freed
 def each_batch(model: nn.Module, batches: Iterable[Batch], fn: Callable[[nn.Module, Batch], Tensor],
                desc: str | None = None, terminal_only: bool = False) -> list[Tensor]:
     """The one evaluation loop: ``fn(model, batch)`` for every batch in order, in eval mode
-    without gradients (the model's training flag restored afterwards); ``desc``: a progress bar
+    without gradients (every module's mode restored afterwards); ``desc``: a progress bar
     over the batches with that label (``terminal_only``: shown on a terminal only, not in logs).
     No batches give an empty list; callers that need at least one input say so (:func:`predict`)."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            hide = True if desc is None else (None if terminal_only else False)
-            return [fn(model, b) for b in tqdm(batches, desc=desc, disable=hide, leave=False)]
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad():
+        hide = True if desc is None else (None if terminal_only else False)
+        return [fn(model, b) for b in tqdm(batches, desc=desc, disable=hide, leave=False)]
 
 
 def predict(model: nn.Module, batches: Iterable[Batch], desc: str = "predict") -> Tensor:
@@ -142,7 +137,7 @@ def reference_log_probs(model: nn.Module, batches: Iterable[Batch], desc: str | 
 
 
 def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: Sequence[Batch],
-                 desc: str | None = None) -> torch.Tensor:
+                 desc: str | None = None, log_probs: list[Tensor] | None = None) -> torch.Tensor:
     """Per input, ``KL(p_ref || p_model) = sum_c p_ref (log p_ref - log p_model)``: (N,) float64.
 
     Per-token logits (B, T, V): the mean over the input's real tokens of the per-token KL
@@ -156,6 +151,9 @@ def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: S
         model: the quantised model.
         batches: the calibration batches (tensors or dicts of tensors), same order.
         desc: a progress bar over the batches with this label (None: none).
+        log_probs: given, ``model``'s (B, C) float64 log-probabilities of each batch of row
+            logits are appended to it in order (per-token logits append nothing): the scores'
+            by-product, for a caller that reads them again (the output offset's fit).
 
     Raises:
         ValueError: a reference of another number of batches, or a batch whose reference has
@@ -176,6 +174,8 @@ def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: S
             ref = ref_of()
             if ref.shape != logq.shape:
                 raise mismatch(i, ref, tuple(logq.shape))
+            if log_probs is not None:
+                log_probs.append(logq)
             return (ref.exp() * (ref - logq)).sum(-1)
         ref = ref_of()
         if ref.shape != z.shape:

@@ -66,6 +66,33 @@ def call(model: nn.Module, batch: Batch) -> Any:
     return model(**batch) if isinstance(batch, Mapping) else model(batch)
 
 
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode inside; on exit every module gets its own train/eval mode back
+    (``model.train(flag)`` would give every submodule the top module's)."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def hooked_call(model: nn.Module, batch: Batch, post: Iterable[tuple[nn.Module, Callable]] = (),
+                pre: Iterable[tuple[nn.Module, Callable]] = ()) -> Any:
+    """``call(model, batch)`` once in eval mode without gradients, with forward hooks
+    ``hook(module, inputs, output)`` (``post``) and pre-hooks ``hook(module, inputs)`` (``pre``)
+    registered as (module, hook) pairs for that pass only; every module's mode given back."""
+    handles = [m.register_forward_hook(h) for m, h in post] + [m.register_forward_pre_hook(h) for m, h in pre]
+    try:
+        with eval_mode(model), torch.no_grad():
+            return call(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 class Taps:
     """Zero scalar leaves (float32, one per device) that :func:`layer_calls` with ``taps`` adds to
     every layer output made with gradients enabled: ``output + leaf`` has the output's values and
@@ -107,7 +134,7 @@ def layer_calls(
     :func:`bayesq.blocks.tied_layers`) calls ``on_call`` under that layer's name and module too:
     the statistics of a shared weight sum over every place it is used. ``weights_require_grad``:
     the layers' weights require grad inside, so their outputs join the autograd graph even when the user froze them (a curvature pass
-    differentiates the outputs). On exit the hooks are removed and the model's training flag and
+    differentiates the outputs). On exit the hooks are removed and every module's mode and
     the weights' ``requires_grad`` are as they were. ``taps``: every output made with gradients
     enabled is replaced by ``taps(output)`` (:class:`Taps`), which ``on_call`` gets, and no
     parameter of the model requires grad inside (the outputs are differentiated, never a weight).
@@ -127,7 +154,6 @@ def layer_calls(
             handles.append(mod.register_forward_hook(hook(owner, layers[owner])))
     params = list({id(p): p for p in [*model.parameters(), *(m.weight for m in layers.values())]}.values())
     needs_grad = [(p, p.requires_grad) for p in params]
-    was_training = model.training
     try:
         if taps is not None:
             for p in params:
@@ -135,14 +161,13 @@ def layer_calls(
         if weights_require_grad:
             for m in layers.values():
                 m.weight.requires_grad_(True)
-        model.eval()
-        yield
+        with eval_mode(model):
+            yield
     finally:
         for h in handles:
             h.remove()
         for p, flag in needs_grad:
             p.requires_grad_(flag)
-        model.train(was_training)
 
 
 def token_mask(batch: Batch, z: torch.Tensor) -> torch.Tensor | None:
@@ -245,13 +270,8 @@ def drops_padding(model: nn.Module, batches: list[Batch]) -> bool:
     the first input, eval mode, no gradients; a classifier's layer inputs are kept as they are)."""
     if not any(padding_mask(b) is not None for b in batches):
         return False
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            return output_logits(call(model, first_inputs(batches, 1)[0])).dim() == 3
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad():
+        return output_logits(call(model, first_inputs(batches, 1)[0])).dim() == 3
 
 
 def logits(model: nn.Module, batch: Batch) -> torch.Tensor:

@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from bayesq.forward import Batch, batch_size, call, output_logits
+from bayesq.forward import Batch, batch_size, hooked_call, output_logits
 
 BYTES_PER_WEIGHT = 4
 BYTES_PER_MOMENT = 10
@@ -152,13 +152,7 @@ def _output_bytes(model: nn.Module, batch: Batch) -> tuple[int, int]:
         if isinstance(out, torch.Tensor):
             total[0] += out.numel() * out.element_size()
 
-    hooks = [m.register_forward_hook(add) for m in model.modules()]
-    try:
-        with torch.no_grad():
-            z = output_logits(call(model, batch))
-    finally:
-        for h in hooks:
-            h.remove()
+    z = output_logits(hooked_call(model, batch, post=[(m, add) for m in model.modules()]))
     return total[0], z.numel() if z.dim() == 3 else 0
 
 

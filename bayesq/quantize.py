@@ -954,7 +954,7 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
     enc = select_encoding(model, cands, progress=progress)
     del cands
     qmodel, weights, _, offset = assemble(model, enc, posterior, calibration, config.distill, config.budget,
-                                          config.seed, progress)
+                                          config.seed, progress, selection=selection)
     return QuantizationResult(qmodel, weights, enc.allocation, enc.table, posterior if keep_posterior else None,
                               enc.name, enc.selection_kl, correction, unquantized_weights(model, layers, exclude),
                               offset)
@@ -971,14 +971,17 @@ def bayesq_method(model: nn.Module, config: BayesQConfig, budget: float, inputs:
 
 def assemble(
     model: nn.Module, enc: Encoding, posterior: Posterior | None, calibration: Sequence[Batch] | None,
-    distill_cfg: DistillConfig | None, budget: float, seed: int = 0, progress: bool = False,
+    distill_cfg: DistillConfig | None, budget: float, seed: int = 0, progress: bool = False, *,
+    selection: Sequence[Batch] | None = None, selection_fp: Sequence[torch.Tensor] | None = None,
 ) -> tuple[nn.Module, dict[str, QuantizedWeight], DistillResult | None, OutputOffset | None]:
     """The last stage: the model running ``enc`` (a copy; its bias correction applied), its
     scales distilled to the posterior teacher first when ``distill_cfg.applies(budget)``
     (:func:`bayesq.distill.distill` on ``calibration``; the correction is then applied only if
     distillation trained no bias, which already fits the mean), then its output layer's bias
-    refitted to the FP model's mean prediction on ``calibration`` when ``enc.quant.output_offset``
-    (:func:`bayesq.output_offset.fit_output_offset`; not without calibration batches).
+    refitted to the FP model's mean prediction on ``calibration`` and the held-out ``selection``
+    inputs when ``enc.quant.output_offset`` (:func:`bayesq.output_offset.fit_output_offset`,
+    ``selection_fp``: the FP model's log-probabilities on ``selection`` if the caller has them;
+    not without calibration batches).
 
     Returns:
         (quantised model, the encoded layers it runs, the :class:`DistillResult` or None, the
@@ -996,6 +999,7 @@ def assemble(
             enc.correction.apply(qmodel, model)
     offset = None
     if enc.quant.output_offset and calibration:
-        offset = fit_output_offset(model, qmodel, calibration, progress)
+        offset = fit_output_offset(model, qmodel, calibration, progress, selection=selection,
+                                   selection_fp=selection_fp)
         offset.apply(qmodel)
     return qmodel, weights, res, offset

@@ -325,13 +325,13 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
     extra = {}
     if Method(method) in BAYESQ_ROWS:
         batches = list(calibration_batches(entry, splits, data, calibration, seed)[1]) if calibration else None
+        selection = selection_batches(entry, splits, data, calibration, seed) if calibration else None
         if encoding_file:  # the bayesq row's encoding: same posterior, table and settings
             enc, read = load_encoding(Path(encoding_file))
             post = load_posterior(model, Path(posterior_file)) if posterior_file else None
             stats_read, reference_read = read["stats_read"], read["reference_read"]
             extra["encoding_seconds"] = read["seconds"]
         else:
-            selection = selection_batches(entry, splits, data, calibration, seed) if calibration else None
             enc, post, stats_read = _bayesq(model, table, budget, allocation_cfg, quant, posterior_file, seed, batches,
                                             stats_file, selection, reference_file, tables)
             reference_read = bool(reference_file) and selection is not None and bool(enc.selection_kl)
@@ -348,12 +348,13 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
             enc = brecq_encoding(model, enc, batches, BASELINE_CONFIGS[Method.BRECQ](quant, baselines, seed))
         if enc.correction is not None:
             extra |= {"bias_corrected": len(enc.correction.targets), "bias_skipped": dict(enc.correction.skipped)}
+        selection_fp = load_reference(Path(reference_file)) if reference_file and selection is not None else None
         qmodel, qweights, res, offset = assemble(model, enc, post, batches,
                                                  distill if Method(method) == Method.BAYESQ_DISTILL else None, budget,
-                                                 seed)
+                                                 seed, selection=selection, selection_fp=selection_fp)
         if offset is not None:
             extra |= {"output_offset_layer": offset.layer or "", "output_offset_skipped": offset.skipped,
-                      "output_offset_kl": [offset.kl_before, offset.kl_after]}
+                      "output_offset_kl": [offset.kl_before, offset.kl_after], "output_offset_inputs": offset.inputs}
         if res is not None:
             extra |= {"distill_seconds": res.seconds, "distill_sample_scale": res.sample_scale,
                      "distill_teacher_agreement": res.teacher_agreement,

@@ -171,7 +171,8 @@ def test_bayesq_brecq_vs_brecq_codes_on_bayesq_encoding():
     """BayesQ + BRECQ is BayesQ's result (the same grid candidate, allocation, grids and bits)
     with each layer's codes those of :func:`brecq_codes` run on BayesQ's encoding, and without
     BayesQ's bias correction: the quantised model's biases are the FP model's (the output layer's
-    plus the output offset fitted on the re-rounded model) and its weights the new codes decoded."""
+    plus the output offset fitted on the re-rounded model over the calibration and selection
+    inputs) and its weights the new codes decoded."""
     net, cal, sel = _residual_net()
     bq = BayesQConfig(quant=QuantConfig(group_size=32, unit_groups=2), distill=DistillConfig(max_budget=0))
     cfg = BayesQBRECQConfig(bq, BRECQConfig(iters=30, progress=False))
@@ -194,7 +195,7 @@ def test_bayesq_brecq_vs_brecq_codes_on_bayesq_encoding():
         if n == res.output_offset.layer:
             fp_bias = m.bias + res.output_offset.shift.to(m.bias.dtype)
             rebuilt = quantized_copy(net, res.weights)
-            assert torch.equal(res.output_offset.shift, fit_output_offset(net, rebuilt, cal).shift)
+            assert torch.equal(res.output_offset.shift, fit_output_offset(net, rebuilt, cal, selection=sel).shift)
         assert (q.bias is None) == (m.bias is None) and (m.bias is None or torch.equal(q.bias, fp_bias))
         assert torch.equal(q.weight, ref.dequantize().reshape(m.weight.shape).to(m.weight.dtype))
     assert any(not torch.equal(res.weights[n].codes, base.weights[n].codes) for n in layers)  # rounded again

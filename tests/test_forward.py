@@ -367,3 +367,38 @@ def test_layer_calls_taps_keep_outputs_and_differentiate_outputs_not_weights():
     with torch.no_grad(), layer_calls(model, {"0": model[0]}, record, taps=Taps()):
         model(x)
     assert seen["0"] == (False, False)  # no gradients: nothing tapped
+
+
+def test_hooked_call_runs_hooks_once_in_eval_and_gives_each_module_its_mode_back():
+    """One pass with the hooks, no gradients, every module in eval mode; afterwards a mixed-mode
+    model has each module's own mode back (not the top module's) and the hooks are gone, also
+    after an error; the passes built on :func:`eval_mode` (evaluation, bias-correction readers,
+    output layer, memory estimate) keep mixed modes too."""
+    from bayesq.bias_correction import _readers
+    from bayesq.evaluation import predict
+    from bayesq.forward import eval_mode, hooked_call
+    from bayesq.memory import estimate
+    from bayesq.output_offset import output_layer
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)).eval()
+    model[1].train()  # a user's mixed modes: the top module in eval, one child training
+    modes = [m.training for m in model.modules()]
+    seen = []
+    x = torch.randn(5, 3, requires_grad=True)
+    out = hooked_call(model, x, post=[(model[2], lambda m, i, o: seen.append(("post", o.requires_grad, m.training)))],
+                      pre=[(model[0], lambda m, i: seen.append(("pre", model[1].training)))])
+    assert seen == [("pre", False), ("post", False, False)] and not out.requires_grad
+    assert [m.training for m in model.modules()] == modes
+    hooked_call(model, x)
+    assert len(seen) == 2  # the hooks are gone
+    with pytest.raises(RuntimeError, match="boom"):
+        with eval_mode(model):
+            assert not any(m.training for m in model.modules())
+            raise RuntimeError("boom")
+    assert [m.training for m in model.modules()] == modes
+    layers = {"0": model[0], "2": model[2]}
+    predict(model, [x.detach()], None)
+    _readers(model, x.detach(), layers)
+    output_layer(model, x.detach())
+    estimate(model, layers, [x.detach()])
+    assert [m.training for m in model.modules()] == modes

@@ -317,3 +317,20 @@ def test_gptq_allocation_candidate_bad_allocation_raises():
         gptq_allocation_quantize(model, stats, bits, 3.5, CFG)
     with pytest.raises(ValueError, match="units"):
         gptq_allocation_quantize(model, stats, {**bits, "0": bits["0"] + (2,)}, 4.0, CFG)
+
+
+def test_gptq_select_held_out_offset_vs_fit_on_both_input_sets():
+    """With held-out selection inputs, the kept variant's offset is the one fitted by forward
+    passes on the calibration and selection batches together (the scores' log-probabilities
+    reused for the selection part give the same offset)."""
+    model, batches, stats = _calibrated(1)
+    g = torch.Generator().manual_seed(71)
+    held = [torch.randn(16, 16, generator=g, dtype=torch.float64) for _ in range(3)]
+    res = gptq_select(model, stats, batches, 4.0, CFG, group_sizes=GROUP_SIZES, bias_correction=True,
+                      selection=held).result
+    plain = quantized_copy(model, res.weights, res.correction)
+    both = fit_output_offset(model, plain, batches + held)
+    alone = fit_output_offset(model, plain, batches)
+    assert res.output_offset.inputs == 32 + 48 == both.inputs
+    torch.testing.assert_close(res.output_offset.shift, both.shift, rtol=0, atol=1e-7)  # float32 logits vs float64
+    assert (res.output_offset.shift - alone.shift).abs().max() > 1e-4  # the selection inputs moved it

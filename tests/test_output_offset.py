@@ -154,3 +154,45 @@ def test_quantize_model_output_offset_only_moves_the_output_bias():
         else:
             assert torch.equal(a[key], b[key]), key
     assert with_.output_offset.kl_after <= with_.output_offset.kl_before
+
+
+def test_fit_output_offset_selection_vs_fit_on_all_batches():
+    """Selection inputs join the fit: the offset equals the fit on the calibration and selection
+    batches as one set, with the selection logits computed or given (log-probabilities serve as
+    logits); given logits of the wrong count are refused."""
+    model, cal, sel = _net(), _batches(), _batches(n=3, seed=5)
+    qmodel = copy.deepcopy(model)
+    with torch.no_grad():
+        qmodel[2].weight.mul_(0.8)
+        qmodel[0].bias.add_(0.2)
+    whole = fit_output_offset(model, qmodel, cal + sel)
+    split = fit_output_offset(model, qmodel, cal, selection=sel)
+    torch.testing.assert_close(split.shift, whole.shift, rtol=0, atol=1e-12)
+    assert split.inputs == whole.inputs == 56 and split.kl_before == pytest.approx(whole.kl_before, abs=1e-12)
+    with torch.no_grad():
+        fp_lp = [torch.log_softmax(model(b), -1) for b in sel]
+        q_lp = [torch.log_softmax(qmodel(b), -1) + 5.0 for b in sel]  # a per-row constant changes nothing
+    given = fit_output_offset(model, qmodel, cal, selection=sel, selection_fp=fp_lp, selection_q=q_lp)
+    torch.testing.assert_close(given.shift, whole.shift, rtol=0, atol=1e-6)  # float32 logits vs float64 log-probs
+    assert (whole.shift - fit_output_offset(model, qmodel, cal).shift).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="16 rows for 24 selection inputs"):
+        fit_output_offset(model, qmodel, cal, selection=sel, selection_q=q_lp[:2])
+
+
+def test_quantize_model_offset_fitted_on_calibration_and_selection():
+    """With held-out selection inputs, BayesQ's offset is the fit on both input sets of the same
+    model without its offset."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 5)).double()
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(16, 32, generator=g, dtype=torch.float64) for _ in range(3)]
+    held = [torch.randn(16, 32, generator=g, dtype=torch.float64) for _ in range(2)]
+    runs = {}
+    for on in (True, False):
+        cfg = BayesQConfig(budget=3.0, quant=QuantConfig(group_size=32, unit_groups=2, output_offset=on),
+                           distill=DistillConfig(max_budget=0))
+        runs[on] = quantize_model(model, batches, cfg, progress=False, selection=held)
+    off = runs[True].output_offset
+    want = fit_output_offset(model, runs[False].model, batches + held)
+    assert off.inputs == 80 and off.layer == "2"
+    torch.testing.assert_close(off.shift, want.shift, rtol=0, atol=1e-9)

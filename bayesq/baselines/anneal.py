@@ -299,7 +299,7 @@ def anneal_select(
     cands = {"annealed": lambda: build(trace.best), "start": lambda: build(trace.start)}
     correction = stats_correction(model, stats, batches) if bias_correction else None
     choice = select_best(cands, model, batches if selection is None else selection, correction, reference,
-                         batches if bias_correction else None)
+                         batches if bias_correction else None, held_out=selection is not None)
     return choice, trace
 
 

@@ -238,7 +238,7 @@ def awq_select(
     batches = list(batches)  # read by the correction's target search and by the selection
     correction = stats_correction(model, stats, batches) if bias_correction else None
     return select_best(cands, model, batches if selection is None else selection, correction, reference,
-                       batches if bias_correction else None)
+                       batches if bias_correction else None, held_out=selection is not None)
 
 
 @dataclass(frozen=True)

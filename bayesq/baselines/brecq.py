@@ -393,7 +393,8 @@ def bayesq_brecq(model: nn.Module, calibration: Sequence[Batch], config: BayesQB
     BayesQ's bias correction is not applied: the reconstruction fits each block's output, its mean
     included, and the correction on top overshoots (docs/findings.md: KL 0.0785 against 0.0576
     without it on lite0, 0.00617 against 0.00297 on MiniLM). The output offset
-    (``quant.output_offset``, :mod:`bayesq.output_offset`) is fitted again on the re-rounded model.
+    (``quant.output_offset``, :mod:`bayesq.output_offset`) is fitted again on the re-rounded model,
+    on the calibration and ``selection`` inputs.
 
     Returns:
         :class:`bayesq.result.QuantizationResult` (``correction`` None; ``encoding`` and
@@ -416,7 +417,8 @@ def bayesq_brecq(model: nn.Module, calibration: Sequence[Batch], config: BayesQB
         weights = _relearned(model, res.weights, batches, config.brecq)
         qmodel, offset = quantized_copy(model, weights), None
         if config.bayesq.quant.output_offset:  # refitted on the re-rounded model, as the pipeline's assemble does
-            offset = fit_output_offset(model, qmodel, batches, config.brecq.progress)
+            offset = fit_output_offset(model, qmodel, batches, config.brecq.progress,
+                                       selection=model_batches(model, selection, "selection"))
             offset.apply(qmodel)
         return replace(res, model=qmodel, weights=weights, correction=None, output_offset=offset)
 

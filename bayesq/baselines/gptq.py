@@ -223,7 +223,7 @@ def gptq_select(
     """The GPTQ variant of :func:`gptq_candidates` with the least mean calibration
     ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from); ``bias_correction``:
     each variant also in its bias-corrected form, and the kept one's output offset refitted on
-    ``batches`` (:func:`bayesq.baselines.select.select_best`).
+    ``batches`` and ``selection`` (:func:`bayesq.baselines.select.select_best`).
     ``selection``: inputs held out of ``batches`` to score the variants on instead (the
     bias correction is still fitted on ``batches``). ``reference``: the FP model's log-probabilities
     on the scored inputs, when the caller already has them (:func:`select_best`). ``rounding``: as
@@ -237,7 +237,7 @@ def gptq_select(
     batches = list(batches)  # read by the correction's target search and by the selection
     correction = stats_correction(model, stats, batches) if bias_correction else None
     return select_best(cands, model, batches if selection is None else selection, correction, reference,
-                       batches if bias_correction else None)
+                       batches if bias_correction else None, held_out=selection is not None)
 
 
 @dataclass(frozen=True)

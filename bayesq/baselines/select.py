@@ -19,9 +19,10 @@ each layer's mean output shift on the calibration inputs moved back into its bia
 BatchNorm reading it (:mod:`bayesq.bias_correction`, no stored parameter added), as the
 ``<variant>+bc`` candidate. It is not part of GPTQ or AWQ as published; BayesQ's default uses
 it, so a baseline at its strongest is offered it too.
-With it, the kept candidate's output-layer bias is also refitted on the calibration inputs so
-that its mean prediction is the FP model's (:mod:`bayesq.output_offset`), as BayesQ's default
-does last; the candidates are scored without that refit.
+With it, the kept candidate's output-layer bias is also refitted on the calibration inputs and
+the held-out selection inputs, if any, so that its mean prediction is the FP model's
+(:mod:`bayesq.output_offset`), as BayesQ's default does last; the candidates are scored without
+that refit.
 
 Selection: the variant with the least mean ``KL(p_FP(y|x) || p_Q(y|x))`` over the calibration
 inputs (the inputs the method's statistics come from; never the test set). Ties keep the first
@@ -262,7 +263,7 @@ def corrected(result: QuantizationResult, model: nn.Module, correction: BiasCorr
 def select_best(
     candidates: Mapping[str, Callable[[], QuantizationResult]], model: nn.Module, batches: Iterable[Batch],
     correction: BiasCorrection | None = None, reference: Sequence[torch.Tensor] | None = None,
-    calibration: Sequence[Batch] | None = None,
+    calibration: Sequence[Batch] | None = None, held_out: bool = False,
 ) -> BaselineChoice:
     """Build every candidate in turn and keep the one with the least mean calibration KL.
 
@@ -291,6 +292,9 @@ def select_best(
             inputs so that its mean prediction is the FP model's (:mod:`bayesq.output_offset`;
             the result's ``output_offset``), as BayesQ's default does; callers pass it with the
             bias correction.
+        held_out: ``batches`` are inputs held out of ``calibration``: the offset is fitted on
+            both, with the two models' log-probabilities on ``batches`` from the scoring (no
+            further forward pass over them).
 
     Raises:
         ValueError: no candidates, or no calibration batch.
@@ -303,7 +307,7 @@ def select_best(
     reference = reference_log_probs(model, batches) if reference is None else reference
     first = selection_looks(batches)
     kl, bits, inputs = {}, {}, {}
-    best, best_kl, best_losses = None, math.inf, None
+    best, best_kl, best_losses, best_log_probs = None, math.inf, None, None
     for name, build in candidates.items():
         release_freed()  # the last candidate's model copy: its small tensors stay resident in the C heap
         res = build()
@@ -311,21 +315,25 @@ def select_best(
             if label != name:  # in place: the kept form holds no model (rebuilt at the end)
                 res = corrected(res, model, correction, in_place=True)
             bits[label] = res.average_bits
-            losses = kl_per_input(reference[:first], res.model, batches[:first])
+            log_probs = []  # (B, C) per batch: the output offset's fit reads the kept one's
+            losses = kl_per_input(reference[:first], res.model, batches[:first], log_probs=log_probs)
             if first < len(batches) and best_losses is not None and _resolved_worse(losses, best_losses[:len(losses)]):
                 kl[label], inputs[label] = float(losses.mean()), len(losses)
                 continue
             if first < len(batches):
-                losses = torch.cat([losses, kl_per_input(reference[first:], res.model, batches[first:])])
+                rest = kl_per_input(reference[first:], res.model, batches[first:], log_probs=log_probs)
+                losses = torch.cat([losses, rest])
             kl[label], inputs[label] = float(losses.mean()), len(losses)
             score = math.inf if math.isnan(kl[label]) else kl[label]
             if best is None or score < best_kl:  # its weights and correction; one model copy alive at a time
                 best, best_kl, best_losses = (label, replace(res, model=None)), score, losses
+                best_log_probs = log_probs
         del res
     label, kept = best
     qmodel, offset = quantized_copy(model, kept.weights, kept.correction), None
     if calibration:
-        offset = fit_output_offset(model, qmodel, calibration)
+        held = dict(selection=batches, selection_fp=reference, selection_q=best_log_probs) if held_out else {}
+        offset = fit_output_offset(model, qmodel, calibration, **held)
         offset.apply(qmodel)
     return BaselineChoice(replace(kept, model=qmodel, output_offset=offset), label, kl, bits, inputs)
 

@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
-from bayesq.forward import Batch, batch_size, prediction_rows, predictions
+from bayesq.forward import Batch, batch_size, eval_mode, prediction_rows, predictions
 
 CURVATURES = ("hessian", "ggn")
 Tensors = list[torch.Tensor]
@@ -169,13 +169,11 @@ def hutchinson_diagonal(
     weights = [layers[n].weight for n in names]
     curv = {n: torch.zeros(w.shape, dtype=torch.float64, device=w.device) for n, w in zip(names, weights)}
     needs_grad = [w.requires_grad for w in weights]
-    was_training = model.training
-    model.eval()
     n_seen = 0
     try:
         for w in weights:
             w.requires_grad_(True)
-        with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+        with eval_mode(model), torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
             desc = f"hutchinson-{curvature}"
             for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
                 matvec = _MATVECS[curvature](prediction_rows(*predictions(model, batch)), weights)
@@ -185,7 +183,6 @@ def hutchinson_diagonal(
     finally:
         for w, req in zip(weights, needs_grad):
             w.requires_grad_(req)
-        model.train(was_training)
     if n_seen == 0:
         raise ValueError(
             "empty calibration set: the posterior needs at least one unlabelled input batch"
