@@ -43,6 +43,9 @@ class Inputs:
         reference: the FP model's log-probabilities on the scored batches
             (:func:`bayesq.evaluation.reference_log_probs`), one tensor per batch (per-token
             logits: an :class:`bayesq.evaluation.FPReference`, recomputed where read).
+        calibration_fp: the FP model's logits on ``calibration``, one (B, C) tensor per batch
+            (:func:`bayesq.evaluation.predict` per batch): the output offset's fit reads them
+            instead of a forward pass (BayesQ and the baselines offered the bias correction).
         traces: layer name -> Hessian trace (HAWQ).
         allocation: layer name -> unit bit-widths that GPTQ also tries as a variant.
         exclude: layer names or glob patterns left in floating point.
@@ -52,6 +55,7 @@ class Inputs:
     selection: Sequence[Batch] | None = None
     stats: Mapping[str, Any] | None = None
     reference: Sequence[Tensor] | None = None
+    calibration_fp: Sequence[Tensor] | None = None
     traces: Mapping[str, float] | None = None
     allocation: Mapping[str, Sequence[int]] | None = None
     exclude: Sequence[str] = ()

@@ -147,7 +147,8 @@ def output_layer(model: nn.Module, batch: Batch) -> tuple[str | None, str]:
 def fit_output_offset(model: nn.Module, qmodel: nn.Module, calibration: Iterable[Batch],
                       progress: bool = False, *, selection: Iterable[Batch] | None = None,
                       selection_fp: Sequence[torch.Tensor] | None = None,
-                      selection_q: Sequence[torch.Tensor] | None = None) -> OutputOffset:
+                      selection_q: Sequence[torch.Tensor] | None = None,
+                      calibration_fp: Sequence[torch.Tensor] | None = None) -> OutputOffset:
     """The :class:`OutputOffset` of ``qmodel`` (the quantised copy of ``model``), fitted (1) on
     the calibration inputs and the held-out ``selection`` inputs together: the output layer found
     on the first calibration batch, then both models' logits on every batch (a progress bar each
@@ -159,10 +160,14 @@ def fit_output_offset(model: nn.Module, qmodel: nn.Module, calibration: Iterable
             log-probabilities on ``selection``, one (B, C) tensor per batch in order, where the
             caller already has them (the selection's scores): they are used instead of a forward
             pass. (1) reads them through a softmax only, so log-probabilities serve as logits.
+        calibration_fp: the full-precision model's logits on ``calibration``, one (B, C) tensor
+            per batch in order (e.g. saved once for every model quantised from the same
+            calibration draw), used instead of its forward pass; float32 logits as
+            :func:`bayesq.evaluation.predict` gives give the same offset bit for bit.
 
     Raises:
         ValueError: empty calibration set; ``selection_fp`` / ``selection_q`` of another number
-            of rows than ``selection`` has inputs.
+            of rows than ``selection`` has inputs, ``calibration_fp`` than ``calibration``.
     """
     batches = list(calibration)
     if not batches:
@@ -172,26 +177,26 @@ def fit_output_offset(model: nn.Module, qmodel: nn.Module, calibration: Iterable
     if layer is None:
         return OutputOffset(None, None, why)
     held = list(selection or ())
-    fp = predict(model, batches, "output offset: FP logits" if progress else None).double()
+    fp = _given_or_predicted(calibration_fp, model, batches, "FP", progress, "calibration")
     q = predict(qmodel, batches, "output offset: quantised logits" if progress else None).double()
     if held:
-        fp_held = _given_or_predicted(selection_fp, model, held, "FP", progress)
-        q_held = _given_or_predicted(selection_q, qmodel, held, "quantised", progress)
+        fp_held = _given_or_predicted(selection_fp, model, held, "FP", progress, "selection")
+        q_held = _given_or_predicted(selection_q, qmodel, held, "quantised", progress, "selection")
         fp, q = torch.cat([fp, fp_held]), torch.cat([q, q_held])
     c = logit_offset(fp, q)
     zero = torch.zeros_like(c)
     return OutputOffset(layer, c, "", float(mean_kl(fp, q, zero)), float(mean_kl(fp, q, c)), len(fp))
 
 
-def _given_or_predicted(given: Sequence[torch.Tensor] | None, model: nn.Module, held: list[Batch], which: str,
-                        progress: bool) -> torch.Tensor:
-    """(N_sel, C) float64: the caller's per-batch logits ``given`` on the selection inputs ``held``
-    (checked against their count), else ``model``'s by a forward pass."""
+def _given_or_predicted(given: Sequence[torch.Tensor] | None, model: nn.Module, batches: list[Batch], which: str,
+                        progress: bool, inputs: str) -> torch.Tensor:
+    """(N, C) float64: the caller's per-batch logits ``given`` on ``batches`` (the ``inputs``
+    ones; checked against their count), else ``model``'s by a forward pass."""
     if given is None:
-        return predict(model, held, f"output offset: {which} logits, selection" if progress else None).double()
+        return predict(model, batches, f"output offset: {which} logits, {inputs}" if progress else None).double()
     out = torch.cat([z.detach().reshape(-1, z.shape[-1]).double().cpu() for z in given])
-    n = sum(batch_size(b) for b in held)
+    n = sum(batch_size(b) for b in batches)
     if len(out) != n:
-        raise ValueError(f"{which} logits on the selection inputs have {len(out)} rows for {n} selection inputs: "
-                         "pass one (B, C) tensor per selection batch, in order (or None to compute them)")
+        raise ValueError(f"{which} logits on the {inputs} inputs have {len(out)} rows for {n} {inputs} inputs: "
+                         f"pass one (B, C) tensor per {inputs} batch, in order (or None to compute them)")
     return out

@@ -39,7 +39,7 @@ from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import Book, LayerTable, LossTable, apply_mc_proxy, posterior_tables
 from bayesq.forward import Batch, batch_size, first_inputs, kept_state, model_batches
 from bayesq.memory import check as check_memory_fits, estimate as estimate_memory, release_freed
-from bayesq.methods import Inputs, Outcome, register
+from bayesq.methods import Inputs, Outcome, read, register
 from bayesq.output_offset import OutputOffset, fit_output_offset
 from bayesq.posterior import ROWS_IN_PASS, Posterior, fit_posterior as _fit_posterior, input_moments
 from bayesq.refit import refit_rows, refit_scales, row_equations
@@ -872,6 +872,7 @@ def quantize_model(
     model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig = BayesQConfig(),
     *, posterior: Posterior | None = None, progress: bool = True, selection: Iterable[Batch] | None = None,
     exclude: Sequence[str] = (), check_memory: bool = True, keep_posterior: bool = False,
+    reference: Sequence[torch.Tensor] | None = None, calibration_fp: Sequence[torch.Tensor] | None = None,
 ) -> QuantizationResult:
     """BayesQ: posterior -> expected-loss tables -> allocation -> quantised model.
 
@@ -900,6 +901,12 @@ def quantize_model(
         keep_posterior: return the posterior in the result (its ``posterior``; to distil or
             quantise at another budget without a second curvature pass). Off by default: it is as
             large as the model in float32, and it is released before the candidates are scored.
+        reference: the FP model's log-probabilities on ``selection`` (else on ``calibration``),
+            :func:`bayesq.evaluation.reference_log_probs` of those batches, where the caller has
+            them; else computed once here and read by both the grid selection and the output
+            offset's fit.
+        calibration_fp: the FP model's logits on ``calibration``, one (B, C) tensor per batch,
+            where the caller has them: the output offset's fit reads them instead of a forward pass.
 
     Returns:
         :class:`QuantizationResult` with the quantised copy of the model, the codes and
@@ -916,11 +923,11 @@ def quantize_model(
     with kept_state(model):
         model.eval()  # every pass reads the model as deployed (frozen BatchNorm, no dropout)
         return _quantize_model(model, calibration, config, posterior, progress, selection, tuple(exclude),
-                               check_memory, keep_posterior)
+                               check_memory, keep_posterior, reference, calibration_fp)
 
 
 def _quantize_model(model, calibration, config, posterior, progress, selection, exclude,
-                    check_memory, keep_posterior) -> QuantizationResult:
+                    check_memory, keep_posterior, reference, calibration_fp) -> QuantizationResult:
     layers = quantizable_layers(model, exclude)
     check_finite(layers)
     check_model_finite(model)
@@ -951,10 +958,15 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
     if not (keep_posterior or config.distill.applies(config.budget)):
         posterior = None
     release_freed()
-    enc = select_encoding(model, cands, progress=progress)
+    if reference is None and selection and (len(cands.built) > 1 or (q.output_offset and calibration)):
+        # one FP pass over the held-out inputs, read by the selection and by the offset's fit
+        reference = reference_log_probs(model, cands.scored, "FP on the selection inputs" if progress else None)
+    enc = select_encoding(model, cands, reference=reference, progress=progress)
     del cands
     qmodel, weights, _, offset = assemble(model, enc, posterior, calibration, config.distill, config.budget,
-                                          config.seed, progress, selection=selection)
+                                          config.seed, progress, selection=selection,
+                                          selection_fp=reference if selection else None,
+                                          calibration_fp=calibration_fp)
     return QuantizationResult(qmodel, weights, enc.allocation, enc.table, posterior if keep_posterior else None,
                               enc.name, enc.selection_kl, correction, unquantized_weights(model, layers, exclude),
                               offset)
@@ -965,14 +977,18 @@ def bayesq_method(model: nn.Module, config: BayesQConfig, budget: float, inputs:
     """:func:`quantize_model` at ``budget`` (``config.budget`` is replaced) on the calibration and
     selection batches; ``details``: the grids kept (``encoding``) and each candidate's selection KL."""
     res = quantize_model(model, inputs.need_calibration("BayesQ"), replace(config, budget=budget),
-                         selection=inputs.selection, exclude=tuple(inputs.exclude))
-    return Outcome(res, {"encoding": res.encoding, "encoding_kl": dict(res.selection_kl)})
+                         selection=inputs.selection, exclude=tuple(inputs.exclude), reference=inputs.reference,
+                         calibration_fp=inputs.calibration_fp)
+    fitted = res.output_offset is not None and res.output_offset.layer is not None
+    return Outcome(res, {"encoding": res.encoding, "encoding_kl": dict(res.selection_kl)},
+                   read(inputs, "reference") | (read(inputs, "calibration_fp") if fitted else frozenset()))
 
 
 def assemble(
     model: nn.Module, enc: Encoding, posterior: Posterior | None, calibration: Sequence[Batch] | None,
     distill_cfg: DistillConfig | None, budget: float, seed: int = 0, progress: bool = False, *,
     selection: Sequence[Batch] | None = None, selection_fp: Sequence[torch.Tensor] | None = None,
+    calibration_fp: Sequence[torch.Tensor] | None = None,
 ) -> tuple[nn.Module, dict[str, QuantizedWeight], DistillResult | None, OutputOffset | None]:
     """The last stage: the model running ``enc`` (a copy; its bias correction applied), its
     scales distilled to the posterior teacher first when ``distill_cfg.applies(budget)``
@@ -980,8 +996,8 @@ def assemble(
     distillation trained no bias, which already fits the mean), then its output layer's bias
     refitted to the FP model's mean prediction on ``calibration`` and the held-out ``selection``
     inputs when ``enc.quant.output_offset`` (:func:`bayesq.output_offset.fit_output_offset`,
-    ``selection_fp``: the FP model's log-probabilities on ``selection`` if the caller has them;
-    not without calibration batches).
+    ``selection_fp``: the FP model's log-probabilities on ``selection``, ``calibration_fp`` its
+    logits on ``calibration``, if the caller has them; not without calibration batches).
 
     Returns:
         (quantised model, the encoded layers it runs, the :class:`DistillResult` or None, the
@@ -1000,6 +1016,6 @@ def assemble(
     offset = None
     if enc.quant.output_offset and calibration:
         offset = fit_output_offset(model, qmodel, calibration, progress, selection=selection,
-                                   selection_fp=selection_fp)
+                                   selection_fp=selection_fp, calibration_fp=calibration_fp)
         offset.apply(qmodel)
     return qmodel, weights, res, offset

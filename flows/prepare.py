@@ -23,8 +23,8 @@ from bayesq.blocks import excluded, layer_blocks
 from bayesq.canonical import canonical
 from bayesq.config import BayesQConfig, Curvature, replace
 from bayesq.curvature.kfac import KFACFactors
-from bayesq.evaluation import reference_log_probs
-from bayesq.forward import by_length
+from bayesq.evaluation import predict, reference_log_probs
+from bayesq.forward import batch_size, by_length
 from bayesq.harness.data.calibration import sample_calibration_indices, sample_selection_indices
 from bayesq.harness.data.sentiment import seeded_permutation
 from bayesq.harness.models.zoo import _take, get_entry
@@ -264,34 +264,49 @@ def stats_task(name: str, model_file: str, model_digest: str, raw: str, raw_dige
     return {"path": str(path), "sha256": file_sha256(path), "seconds": seconds}
 
 
+CALIBRATION_PART = "calibration."  # key prefix of the calibration logits in a reference file
+
+
 @task(cache_policy=CACHE, persist_result=True, task_run_name="FP on the selection draw {name} s{seed}")
 def reference_task(name: str, model_file: str, model_digest: str, raw: str, raw_digest: str,
                    data, calibration, seed: int, out: str, code: str) -> dict:
     """The FP model's log-probabilities on the seed's selection draw (:func:`selection_batches`,
-    :func:`bayesq.evaluation.reference_log_probs`), saved as safetensors
-    ``<out>/<model>_s<seed>.safetensors`` (one float64 (rows, C) tensor per batch): one forward
-    pass read by every row that scores a selection on the draw (BayesQ's grids, GPTQ's and AWQ's
-    variants) instead of one per row. Returns ``{"path", "sha256", "seconds"}``, or ``{}`` when
-    selections are scored on the calibration inputs (``calibration.selection: calibration``)."""
+    :func:`bayesq.evaluation.reference_log_probs`) and its logits on the calibration draw
+    (:func:`calibration_batches`, :func:`bayesq.evaluation.predict`), saved as safetensors
+    ``<out>/<model>_s<seed>.safetensors`` (one float64 (rows, C) tensor per selection batch, one
+    float32 one per calibration batch): forward passes read by every row that scores a selection
+    on the draw (BayesQ's grids, GPTQ's and AWQ's variants) or fits the output offset instead of
+    one per row (:func:`load_reference`). Returns ``{"path", "sha256", "seconds"}``, or ``{}``
+    when selections are scored on the calibration inputs (``calibration.selection: calibration``)."""
 
     entry = get_entry(name)
-    batches = selection_batches(entry, entry.load_splits(data, Path(raw)), data, calibration, seed)
+    splits = entry.load_splits(data, Path(raw))
+    batches = selection_batches(entry, splits, data, calibration, seed)
     if batches is None:
         return {}
+    model = load_model(entry, Path(model_file))
     start = time.perf_counter()
-    ref = reference_log_probs(load_model(entry, Path(model_file)), batches)
+    ref = reference_log_probs(model, batches)
+    cal = list(calibration_batches(entry, splits, data, calibration, seed)[1])
+    logits = predict(model, cal).split([batch_size(b) for b in cal])
     seconds = time.perf_counter() - start
-    path = save_tensors(Path(out) / f"{name}_s{seed}.safetensors",
-                        {f"{i:06d}": r.contiguous() for i, r in enumerate(ref)}, {"seed": str(seed)})
+    tensors = {f"{i:06d}": r.contiguous() for i, r in enumerate(ref)}
+    tensors |= {f"{CALIBRATION_PART}{i:06d}": z.contiguous() for i, z in enumerate(logits)}
+    path = save_tensors(Path(out) / f"{name}_s{seed}.safetensors", tensors, {"seed": str(seed)})
     return {"path": str(path), "sha256": file_sha256(path), "seconds": seconds}
 
 
-def load_reference(path: Path) -> list:
-    """The per-batch log-probabilities saved by :func:`reference_task`, in batch order."""
+def load_reference(path: Path, part: str = "selection") -> list:
+    """What :func:`reference_task` saved, one tensor per batch in batch order: the FP
+    log-probabilities on the selection draw (``part="selection"``) or its logits on the
+    calibration draw (``part="calibration"``)."""
     from safetensors import safe_open
 
+    if part not in ("selection", "calibration"):
+        raise ValueError(f"part = {part!r}: a reference file holds the 'selection' and 'calibration' parts")
     with safe_open(str(path), "pt") as f:
-        return [f.get_tensor(k) for k in sorted(f.keys())]
+        keys = [k for k in f.keys() if k.startswith(CALIBRATION_PART) == (part == "calibration")]
+        return [f.get_tensor(k) for k in sorted(keys)]
 
 
 def shared_cost(record: dict, stats: dict, reference: dict | None = None) -> dict:

@@ -125,7 +125,8 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
     ``baselines.select`` they keep the variant with the least KL on the selection inputs
     (:func:`flows.prepare.selection_batches`; the calibration batches when
     ``calibration.selection: calibration``) against the FP log-probabilities ``reference_file``
-    (:func:`flows.prepare.reference_task`; computed when None), and ``allocation`` (layer -> unit
+    (:func:`flows.prepare.reference_task`; computed when None; the output offset's fit reads its
+    logits on the calibration batches), and ``allocation`` (layer -> unit
     bit-widths) adds GPTQ on it as a variant. The outcome's ``details`` are ``variant`` (its
     name), ``variant_kl``, ``variant_bits`` and ``variant_inputs`` (candidate -> KL / true average
     bits / inputs the KL is a mean over: fewer for a candidate dropped after the first look);
@@ -137,27 +138,28 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
     batches = list(calibration_batches(entry, splits, data, calibration, seed)[1])
     selection = selection_batches(entry, splits, data, calibration, seed) if baselines.select else None
     given = reference_file and selection is not None
+    logits = load_reference(Path(reference_file), "calibration") if reference_file else None
     inputs = Inputs(calibration=batches, selection=selection, allocation=allocation,
                     stats=load_stats(Path(stats_file)) if stats_file else None,
-                    reference=load_reference(Path(reference_file)) if given else None, exclude=exclude)
+                    reference=load_reference(Path(reference_file)) if given else None,
+                    calibration_fp=logits or None, exclude=exclude)
     return quantize_with(model, config, budget, inputs)
 
 
 def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: str | None, seed: int,
-            batches=None, stats_file: str | None = None, selection=None, reference_file: str | None = None,
+            batches=None, stats_file: str | None = None, selection=None, reference=None,
             tables: dict | None = None):
     """BayesQ's allocation and encoding from a cached table (:func:`bayesq.quantize.encode_best`,
     the library's own step): (Encoding, posterior).
 
     ``batches``: calibration batches (the grid selection scores on ``selection``, else on them; error-feedback rounding
     under a diagonal posterior and the bias correction read the layers' input statistics: from
-    ``stats_file`` when given, else computed from the batches; ``reference_file``: the FP
-    log-probabilities on ``selection``, computed here when None; ``tables``: the other grid
-    candidates' tables, built here when None)."""
+    ``stats_file`` when given, else computed from the batches; ``reference``: the FP
+    log-probabilities on ``selection`` (:func:`flows.prepare.load_reference`), computed here when
+    None; ``tables``: the other grid candidates' tables, built here when None)."""
 
     post = load_posterior(model, Path(posterior_file)) if posterior_file else None
     stats = load_stats(Path(stats_file)) if stats_file and needs_input_stats(post, quant) else None
-    reference = load_reference(Path(reference_file)) if reference_file and selection is not None else None
     return encode_best(model, post, table, quant, budget, allocation_cfg, seed=seed, calibration=batches,
                        stats=stats, selection=selection, reference=reference, tables=tables), post, stats is not None
 
@@ -326,6 +328,7 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
     if Method(method) in BAYESQ_ROWS:
         batches = list(calibration_batches(entry, splits, data, calibration, seed)[1]) if calibration else None
         selection = selection_batches(entry, splits, data, calibration, seed) if calibration else None
+        reference = load_reference(Path(reference_file)) if reference_file and selection is not None else None
         if encoding_file:  # the bayesq row's encoding: same posterior, table and settings
             enc, read = load_encoding(Path(encoding_file))
             post = load_posterior(model, Path(posterior_file)) if posterior_file else None
@@ -333,7 +336,7 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
             extra["encoding_seconds"] = read["seconds"]
         else:
             enc, post, stats_read = _bayesq(model, table, budget, allocation_cfg, quant, posterior_file, seed, batches,
-                                            stats_file, selection, reference_file, tables)
+                                            stats_file, selection, reference, tables)
             reference_read = bool(reference_file) and selection is not None and bool(enc.selection_kl)
             if encodings_dir:
                 path = Path(encodings_dir) / f"{name}_{method}_b{budget}_s{seed}.pt"
@@ -348,10 +351,10 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
             enc = brecq_encoding(model, enc, batches, BASELINE_CONFIGS[Method.BRECQ](quant, baselines, seed))
         if enc.correction is not None:
             extra |= {"bias_corrected": len(enc.correction.targets), "bias_skipped": dict(enc.correction.skipped)}
-        selection_fp = load_reference(Path(reference_file)) if reference_file and selection is not None else None
-        qmodel, qweights, res, offset = assemble(model, enc, post, batches,
-                                                 distill if Method(method) == Method.BAYESQ_DISTILL else None, budget,
-                                                 seed, selection=selection, selection_fp=selection_fp)
+        qmodel, qweights, res, offset = assemble(
+            model, enc, post, batches, distill if Method(method) == Method.BAYESQ_DISTILL else None, budget, seed,
+            selection=selection, selection_fp=reference,
+            calibration_fp=(load_reference(Path(reference_file), "calibration") or None) if reference_file else None)
         if offset is not None:
             extra |= {"output_offset_layer": offset.layer or "", "output_offset_skipped": offset.skipped,
                       "output_offset_kl": [offset.kl_before, offset.kl_after], "output_offset_inputs": offset.inputs}

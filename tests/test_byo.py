@@ -235,6 +235,25 @@ def test_sources_stage_runs_declared_models(byo_models, byo_data, tmp_path, pref
     assert "No user models are declared" in (tmp_path / "none" / "sources.md").read_text()
 
 
+def test_run_sources_with_none_declared_starts_no_flow(tmp_path, monkeypatch):
+    import flows.sources as sources
+
+    def no_flow(*_a, **_k):
+        raise AssertionError("the Prefect flow started with no sources declared")
+
+    monkeypatch.setattr(sources, "sources_flow", no_flow)
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["sources"] = []
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(raw))
+    assert sources.run_sources(params, tmp_path / "none") == {"records": [], "failures": [], "paired": []}
+    assert "No user models are declared" in (tmp_path / "none" / "sources.md").read_text()
+    raw["sources"] = [{"name": "m", "model": "torchvision:resnet18", "data": "x.jsonl"}]
+    params.write_text(yaml.safe_dump(raw))
+    with pytest.raises(AssertionError, match="flow started"):  # declared: the flow runs them
+        sources.run_sources(params, tmp_path / "some")
+
+
 def test_run_row_leaves_no_export_when_the_check_fails(byo_models, byo_data, tmp_path, monkeypatch, one_thread):
     import flows.byo as byo
 

@@ -639,10 +639,10 @@ def test_stats_task_round_trip_vs_input_stats(tmp_path, tiny_entry):
 
 def test_reference_task_round_trip_vs_reference_log_probs(tmp_path, tiny_entry):
     from bayesq.config import replace
-    from bayesq.evaluation import reference_log_probs
+    from bayesq.evaluation import predict, reference_log_probs
 
     from flows.finetune import load_model
-    from flows.prepare import load_reference, reference_task, selection_batches, shared_cost
+    from flows.prepare import calibration_batches, load_reference, reference_task, selection_batches, shared_cost
 
     params, entry, model_file, src, args = _tiny_task_inputs(tmp_path)
     rec = reference_task.fn(*args, params.calibration, 17, str(tmp_path / "ref"), "code")
@@ -651,6 +651,13 @@ def test_reference_task_round_trip_vs_reference_log_probs(tmp_path, tiny_entry):
     got = load_reference(Path(rec["path"]))
     assert len(got) == len(want) > 1 and all(torch.equal(g, w) for g, w in zip(got, want))
     assert got[0].dtype == torch.float64 and rec["seconds"] > 0
+    # the calibration part: the FP logits of each calibration batch, as predict gives them
+    cal = list(calibration_batches(entry, entry.load_splits(params.data, src), params.data, params.calibration, 17)[1])
+    logits = load_reference(Path(rec["path"]), "calibration")
+    assert len(logits) == len(cal) > 1 and len(cal) != len(got)
+    assert all(torch.equal(z, predict(load_model(entry, model_file), [b])) for z, b in zip(logits, cal))
+    with pytest.raises(ValueError, match="'selection' and 'calibration'"):
+        load_reference(Path(rec["path"]), "test")
     # scored on the calibration inputs: nothing to share
     assert reference_task.fn(*args, replace(params.calibration, selection="calibration"), 17,
                              str(tmp_path / "ref2"), "code") == {}

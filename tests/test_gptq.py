@@ -10,12 +10,14 @@ from test_select import brute_uniform, explicit_kl, variant_name
 
 from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.gptq import (
-    damped_hessian, gptq_allocation_quantize, gptq_candidates, gptq_quantize, gptq_select,
+    GPTQConfig, damped_hessian, gptq_allocation_quantize, gptq_candidates, gptq_quantize, gptq_select,
 )
 from bayesq.baselines.rtn import rtn_quantize
 from bayesq.blocks import quantizable_layers
 from bayesq.config import BayesQConfig, Granularity, QuantConfig
 from bayesq.error_feedback import error_feedback_groups
+from bayesq.evaluation import predict
+from bayesq.methods import Inputs, quantize_with
 from bayesq.output_offset import fit_output_offset
 from bayesq.quantize import quantize_model
 from bayesq.result import quantized_copy
@@ -334,3 +336,20 @@ def test_gptq_select_held_out_offset_vs_fit_on_both_input_sets():
     assert res.output_offset.inputs == 32 + 48 == both.inputs
     torch.testing.assert_close(res.output_offset.shift, both.shift, rtol=0, atol=1e-7)  # float32 logits vs float64
     assert (res.output_offset.shift - alone.shift).abs().max() > 1e-4  # the selection inputs moved it
+
+
+def test_gptq_method_reads_given_calibration_logits_for_the_offset():
+    """Inputs.calibration_fp (the FP logits per calibration batch, as predict gives them) gives
+    the offset of the forward pass bit for bit, and is what the fit reads: other logits move it."""
+    model, batches, stats = _calibrated(1)
+    g = torch.Generator().manual_seed(71)
+    held = [torch.randn(16, 16, generator=g, dtype=torch.float64) for _ in range(3)]
+    cfg = GPTQConfig(quant=CFG, group_sizes=GROUP_SIZES, bias_correction=True)
+    computed = quantize_with(model, cfg, 4.0, Inputs(calibration=batches, selection=held, stats=stats))
+    fp = [predict(model, [b]) for b in batches]
+    given = quantize_with(model, cfg, 4.0, Inputs(calibration=batches, selection=held, stats=stats, calibration_fp=fp))
+    assert torch.equal(given.result.output_offset.shift, computed.result.output_offset.shift)
+    assert "calibration_fp" in given.read and "calibration_fp" not in computed.read
+    moved = quantize_with(model, cfg, 4.0, Inputs(calibration=batches, selection=held, stats=stats,
+                                                   calibration_fp=[z + torch.arange(4.0) for z in fp]))
+    assert (moved.result.output_offset.shift - computed.result.output_offset.shift).abs().max() > 1e-3

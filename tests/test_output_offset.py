@@ -7,6 +7,7 @@ from scipy.optimize import minimize
 from torch import nn
 
 from bayesq.config import BayesQConfig, DistillConfig, QuantConfig
+from bayesq.evaluation import predict, reference_log_probs
 from bayesq.output_offset import fit_output_offset, logit_offset, mean_kl, output_layer
 from bayesq.quantize import quantize_model
 from nets import TinyCausalLM, lm_batches
@@ -177,6 +178,52 @@ def test_fit_output_offset_selection_vs_fit_on_all_batches():
     assert (whole.shift - fit_output_offset(model, qmodel, cal).shift).abs().max() > 1e-4
     with pytest.raises(ValueError, match="16 rows for 24 selection inputs"):
         fit_output_offset(model, qmodel, cal, selection=sel, selection_q=q_lp[:2])
+
+
+def test_fit_output_offset_given_calibration_logits_vs_forward_pass():
+    """The FP logits on the calibration batches given per batch (as predict gives them) give the
+    offset of the forward pass bit for bit; other logits are read (the offset moves); a wrong
+    row count is refused."""
+    model, cal, sel = _net(), _batches(), _batches(n=3, seed=5)
+    qmodel = copy.deepcopy(model)
+    with torch.no_grad():
+        qmodel[2].weight.mul_(0.8)
+    fp = [predict(model, [b]) for b in cal]
+    want = fit_output_offset(model, qmodel, cal, selection=sel)
+    got = fit_output_offset(model, qmodel, cal, selection=sel, calibration_fp=fp)
+    assert torch.equal(got.shift, want.shift) and got.inputs == want.inputs == 56
+    moved = fit_output_offset(model, qmodel, cal, calibration_fp=[z + torch.tensor([0.0, 1.0, -1.0]) for z in fp])
+    assert (moved.shift - fit_output_offset(model, qmodel, cal).shift).abs().max() > 0.1
+    with pytest.raises(ValueError, match="24 rows for 32 calibration inputs"):
+        fit_output_offset(model, qmodel, cal, calibration_fp=fp[:3])
+
+
+def test_quantize_model_one_fp_pass_over_the_selection_inputs():
+    """The grid selection and the offset's fit share one FP pass over the held-out inputs; with
+    ``reference`` and ``calibration_fp`` given, none, and the same model bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 5)).double()
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(16, 32, generator=g, dtype=torch.float64) for _ in range(3)]
+    held = [torch.randn(16, 32, generator=g, dtype=torch.float64) for _ in range(2)]
+    cfg = BayesQConfig(budget=3.0, quant=QuantConfig(group_size=32, unit_groups=2), distill=DistillConfig(max_budget=0))
+    seen = []
+    hook = model.register_forward_hook(lambda m, i, o: seen.append((m is model, i[0])))
+    try:
+        def fp_calls(on):
+            return sum(top and any(x is b for b in on) for top, x in seen)
+        res = quantize_model(model, batches, cfg, progress=False, selection=held)
+        assert len(res.selection_kl) == 2 and fp_calls(held) == len(held)  # two grids scored, one FP pass
+        seen.clear()
+        ref = reference_log_probs(model, held)
+        fp = [predict(model, [b]) for b in batches]
+        seen.clear()
+        given = quantize_model(model, batches, cfg, progress=False, selection=held, reference=ref, calibration_fp=fp)
+    finally:
+        hook.remove()
+    assert fp_calls(held) == 0
+    assert torch.equal(given.output_offset.shift, res.output_offset.shift)
+    assert all(torch.equal(given.model.state_dict()[k], v) for k, v in res.model.state_dict().items())
 
 
 def test_quantize_model_offset_fitted_on_calibration_and_selection():

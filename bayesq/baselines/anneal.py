@@ -275,7 +275,7 @@ def anneal_select(
     cfg: QuantConfig = QuantConfig(), *, steps: int = 200, search_inputs: int = 256, t_start: float = 0.05,
     t_end: float = 0.001, seed: int = 0, act_order: bool = True, damp: float = DAMP, bias_correction: bool = False,
     selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
-    exclude: Sequence[str] = (), progress: bool = False,
+    exclude: Sequence[str] = (), progress: bool = False, calibration_fp: Sequence[torch.Tensor] | None = None,
 ) -> tuple[BaselineChoice, SearchTrace]:
     """The searched assignment or the start, whichever has the least KL on ``selection`` (else
     ``batches``); the search runs on the first ``search_inputs`` inputs of ``batches``.
@@ -299,7 +299,8 @@ def anneal_select(
     cands = {"annealed": lambda: build(trace.best), "start": lambda: build(trace.start)}
     correction = stats_correction(model, stats, batches) if bias_correction else None
     choice = select_best(cands, model, batches if selection is None else selection, correction, reference,
-                         batches if bias_correction else None, held_out=selection is not None)
+                         batches if bias_correction else None, held_out=selection is not None,
+                         calibration_fp=calibration_fp)
     return choice, trace
 
 
@@ -336,7 +337,7 @@ def anneal_method(model: nn.Module, config: AnnealConfig, budget: float, inputs:
         model, stats, batches, budget, config.quant, steps=config.steps, search_inputs=config.search_inputs,
         t_start=config.t_start, t_end=config.t_end, seed=config.seed, bias_correction=config.bias_correction,
         selection=inputs.selection, reference=inputs.reference, exclude=tuple(inputs.exclude),
-        progress=config.progress)
+        progress=config.progress, calibration_fp=inputs.calibration_fp)
     out = choice_outcome(choice, inputs)
     details = dict(out.details, start_kl=trace.start_kl, search_kl=trace.best_kl, accepted=trace.accepted)
     return Outcome(out.result, details, out.read)

@@ -221,13 +221,15 @@ def awq_select(
     group_sizes: Sequence[int] = GROUP_SIZES, grid: int = GRID, bias_correction: bool = False,
     selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
     exclude: Sequence[str] = (), scales: ScaleRule | None = None, method: str = "AWQ",
+    calibration_fp: Sequence[torch.Tensor] | None = None,
 ) -> BaselineChoice:
     """The AWQ variant of :func:`awq_candidates` with the least mean calibration
     ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from); ``bias_correction``:
     each variant also in its bias-corrected form (:func:`bayesq.baselines.select.select_best`).
     ``selection``: inputs held out of ``batches`` to score the variants on instead (the
     bias correction is still fitted on ``batches``). ``reference``: the FP model's log-probabilities
-    on the scored inputs, when the caller already has them (:func:`select_best`). ``scales``,
+    on the scored inputs, when the caller already has them (:func:`select_best`), and
+    ``calibration_fp`` its logits on ``batches`` (the offset's fit). ``scales``,
     ``method``: as :func:`awq_candidates`.
 
     Raises:
@@ -238,7 +240,8 @@ def awq_select(
     batches = list(batches)  # read by the correction's target search and by the selection
     correction = stats_correction(model, stats, batches) if bias_correction else None
     return select_best(cands, model, batches if selection is None else selection, correction, reference,
-                       batches if bias_correction else None, held_out=selection is not None)
+                       batches if bias_correction else None, held_out=selection is not None,
+                       calibration_fp=calibration_fp)
 
 
 @dataclass(frozen=True)
@@ -265,5 +268,6 @@ def awq_method(model: nn.Module, config: AWQConfig, budget: float, inputs: Input
                                           grid=config.grid, exclude=exclude), inputs)
     choice = awq_select(model, stats, batches, budget, config.quant, granularity=config.granularity,
                         group_sizes=config.group_sizes, grid=config.grid, bias_correction=config.bias_correction,
-                        selection=inputs.selection, reference=inputs.reference, exclude=exclude)
+                        selection=inputs.selection, reference=inputs.reference, exclude=exclude,
+                        calibration_fp=inputs.calibration_fp)
     return choice_outcome(choice, inputs)

@@ -219,6 +219,7 @@ def gptq_select(
     act_order: bool = True, damp: float = DAMP, bias_correction: bool = False,
     selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
     exclude: Sequence[str] = (), rounding: LayerRounding | None = None,
+    calibration_fp: Sequence[torch.Tensor] | None = None,
 ) -> BaselineChoice:
     """The GPTQ variant of :func:`gptq_candidates` with the least mean calibration
     ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from); ``bias_correction``:
@@ -226,7 +227,8 @@ def gptq_select(
     ``batches`` and ``selection`` (:func:`bayesq.baselines.select.select_best`).
     ``selection``: inputs held out of ``batches`` to score the variants on instead (the
     bias correction is still fitted on ``batches``). ``reference``: the FP model's log-probabilities
-    on the scored inputs, when the caller already has them (:func:`select_best`). ``rounding``: as
+    on the scored inputs, when the caller already has them (:func:`select_best`), and
+    ``calibration_fp`` its logits on ``batches`` (the offset's fit). ``rounding``: as
     :func:`gptq_quantize`.
 
     Raises:
@@ -237,7 +239,8 @@ def gptq_select(
     batches = list(batches)  # read by the correction's target search and by the selection
     correction = stats_correction(model, stats, batches) if bias_correction else None
     return select_best(cands, model, batches if selection is None else selection, correction, reference,
-                       batches if bias_correction else None, held_out=selection is not None)
+                       batches if bias_correction else None, held_out=selection is not None,
+                       calibration_fp=calibration_fp)
 
 
 @dataclass(frozen=True)
@@ -274,5 +277,5 @@ def grid_method_outcome(model: nn.Module, config, budget: float, inputs: Inputs,
     choice = gptq_select(model, stats, batches, budget, config.quant, granularity=config.granularity,
                          group_sizes=config.group_sizes, allocation=inputs.allocation,
                          bias_correction=config.bias_correction, selection=inputs.selection,
-                         reference=inputs.reference, **opts)
+                         reference=inputs.reference, calibration_fp=inputs.calibration_fp, **opts)
     return choice_outcome(choice, inputs)

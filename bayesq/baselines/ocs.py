@@ -277,7 +277,7 @@ def ocs_select(
     group_sizes: Sequence[int] = GROUP_SIZES, expand_ratios: Sequence[float] = EXPAND_RATIOS,
     act_order: bool = True, damp: float = DAMP, bias_correction: bool = False,
     selection: Sequence[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
-    exclude: Sequence[str] = (),
+    exclude: Sequence[str] = (), calibration_fp: Sequence[torch.Tensor] | None = None,
 ) -> BaselineChoice:
     """The OCS variant of :func:`ocs_candidates` with the least mean ``KL(p_FP || p_Q)`` on
     ``selection`` (else ``batches``), each also bias-corrected with ``bias_correction`` (fitted on
@@ -287,7 +287,8 @@ def ocs_select(
     batches = list(batches)
     correction = stats_correction(model, stats, batches) if bias_correction else None
     return select_best(cands, model, batches if selection is None else selection, correction, reference,
-                       batches if bias_correction else None, held_out=selection is not None)
+                       batches if bias_correction else None, held_out=selection is not None,
+                       calibration_fp=calibration_fp)
 
 
 @dataclass(frozen=True)
@@ -328,7 +329,7 @@ def ocs_method(model: nn.Module, config: OCSConfig, budget: float, inputs: Input
         outcome = choice_outcome(ocs_select(model, stats, batches, budget, config.quant,
                                             expand_ratios=config.expand_ratios, selection=inputs.selection,
                                             bias_correction=config.bias_correction, reference=inputs.reference,
-                                            **opts), inputs)
+                                            calibration_fp=inputs.calibration_fp, **opts), inputs)
     return replace(outcome, details={**outcome.details, "unsplit": unsplit_layers(model, exclude=exclude)})
 
 

@@ -264,6 +264,7 @@ def select_best(
     candidates: Mapping[str, Callable[[], QuantizationResult]], model: nn.Module, batches: Iterable[Batch],
     correction: BiasCorrection | None = None, reference: Sequence[torch.Tensor] | None = None,
     calibration: Sequence[Batch] | None = None, held_out: bool = False,
+    calibration_fp: Sequence[torch.Tensor] | None = None,
 ) -> BaselineChoice:
     """Build every candidate in turn and keep the one with the least mean calibration KL.
 
@@ -295,6 +296,9 @@ def select_best(
         held_out: ``batches`` are inputs held out of ``calibration``: the offset is fitted on
             both, with the two models' log-probabilities on ``batches`` from the scoring (no
             further forward pass over them).
+        calibration_fp: the full-precision model's logits on ``calibration``, one (B, C) tensor
+            per batch, when the caller has them (:class:`bayesq.methods.Inputs`): the offset's
+            fit reads them instead of a forward pass.
 
     Raises:
         ValueError: no candidates, or no calibration batch.
@@ -333,7 +337,7 @@ def select_best(
     qmodel, offset = quantized_copy(model, kept.weights, kept.correction), None
     if calibration:
         held = dict(selection=batches, selection_fp=reference, selection_q=best_log_probs) if held_out else {}
-        offset = fit_output_offset(model, qmodel, calibration, **held)
+        offset = fit_output_offset(model, qmodel, calibration, calibration_fp=calibration_fp, **held)
         offset.apply(qmodel)
     return BaselineChoice(replace(kept, model=qmodel, output_offset=offset), label, kl, bits, inputs)
 
@@ -362,7 +366,9 @@ def choice_outcome(choice: BaselineChoice, inputs: Inputs) -> Outcome:
     ``details``, ``variant`` / ``variant_kl`` / ``variant_bits`` / ``variant_inputs``."""
     details = {"variant": choice.variant, "variant_kl": dict(choice.kl), "variant_bits": dict(choice.avg_bits),
                "variant_inputs": dict(choice.inputs)}
-    return Outcome(choice.result, details, read(inputs, "stats", "reference"))
+    fitted = choice.result.output_offset is not None and choice.result.output_offset.layer is not None
+    return Outcome(choice.result, details,
+                   read(inputs, "stats", "reference") | (read(inputs, "calibration_fp") if fitted else frozenset()))
 
 
 def mixed_outcome(result: QuantizationResult, inputs: Inputs) -> Outcome:

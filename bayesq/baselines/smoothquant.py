@@ -94,5 +94,5 @@ def smoothquant_method(model: nn.Module, config: SmoothQuantConfig, budget: floa
     choice = awq_select(model, stats, batches, budget, config.quant, granularity=config.granularity,
                         group_sizes=config.group_sizes, bias_correction=config.bias_correction,
                         selection=inputs.selection, reference=inputs.reference, exclude=exclude, scales=rule,
-                        method="SmoothQuant")
+                        method="SmoothQuant", calibration_fp=inputs.calibration_fp)
     return choice_outcome(choice, inputs)
