@@ -67,9 +67,14 @@ class OutputOffset:
     kl_after: float = float("nan")
     inputs: int = 0
 
+    @property
+    def fitted(self) -> bool:
+        """Whether there is an offset (not skipped): what :meth:`apply` adds."""
+        return self.layer is not None and self.shift is not None
+
     def apply(self, qmodel: nn.Module) -> None:
         """Add :attr:`shift` to the output layer's bias of ``qmodel`` in place (nothing when skipped)."""
-        if self.layer is None or self.shift is None:
+        if not self.fitted:
             return
         bias = qmodel.get_submodule(self.layer).bias
         with torch.no_grad():
@@ -185,7 +190,9 @@ def fit_output_offset(model: nn.Module, qmodel: nn.Module, calibration: Iterable
         fp, q = torch.cat([fp, fp_held]), torch.cat([q, q_held])
     c = logit_offset(fp, q)
     zero = torch.zeros_like(c)
-    return OutputOffset(layer, c, "", float(mean_kl(fp, q, zero)), float(mean_kl(fp, q, c)), len(fp))
+    # a KL is >= 0; the float64 sum of its terms can round to -1e-17 when the two match
+    before, after = (max(0.0, float(mean_kl(fp, q, s))) for s in (zero, c))
+    return OutputOffset(layer, c, "", before, after, len(fp))
 
 
 def _given_or_predicted(given: Sequence[torch.Tensor] | None, model: nn.Module, batches: list[Batch], which: str,

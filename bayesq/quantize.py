@@ -979,9 +979,13 @@ def bayesq_method(model: nn.Module, config: BayesQConfig, budget: float, inputs:
     res = quantize_model(model, inputs.need_calibration("BayesQ"), replace(config, budget=budget),
                          selection=inputs.selection, exclude=tuple(inputs.exclude), reference=inputs.reference,
                          calibration_fp=inputs.calibration_fp)
-    fitted = res.output_offset is not None and res.output_offset.layer is not None
+    fitted = res.output_offset is not None and res.output_offset.fitted
+    # the selection scores several candidates against the reference; the offset's fit reads it as
+    # the FP side of the held-out inputs
+    scored = bool(res.selection_kl) or (fitted and inputs.selection is not None)
     return Outcome(res, {"encoding": res.encoding, "encoding_kl": dict(res.selection_kl)},
-                   read(inputs, "reference") | (read(inputs, "calibration_fp") if fitted else frozenset()))
+                   (read(inputs, "reference") if scored else frozenset())
+                   | (read(inputs, "calibration_fp") if fitted else frozenset()))
 
 
 def assemble(

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -86,6 +88,23 @@ def test_gptq_method_vs_gptq_select():
     for name, qw in want.result.weights.items():
         assert torch.equal(out.result.weights[name].codes, qw.codes)
     assert quantize_with(model, GPTQConfig(Q, group_sizes=(32,)), 3.0, Inputs(calibration=batches)).read == set()
+
+
+def test_bayesq_method_reports_the_reference_read_only_when_it_scores_with_it():
+    """BayesQ reads a given reference (the FP log-probabilities on the selection inputs) when it
+    scores two grid candidates or fits the output offset on the held-out inputs; with one
+    candidate and no offset it reads nothing, and says so."""
+    from bayesq.evaluation import reference_log_probs
+
+    model, batches, sel = _model(), _batches(), _batches(2, seed=2)
+    given = Inputs(calibration=batches, selection=sel, reference=reference_log_probs(model, sel))
+    off = DistillConfig(max_budget=0)
+    assert "reference" in quantize_with(model, BayesQConfig(quant=Q, distill=off), 3.0, given).read
+    alone = replace(Q, select_grids=False, output_offset=False)
+    out = quantize_with(model, BayesQConfig(quant=alone, distill=off), 3.0, given)
+    assert out.result.selection_kl == {} and out.read == set()
+    offset = quantize_with(model, BayesQConfig(quant=replace(alone, output_offset=True), distill=off), 3.0, given)
+    assert offset.result.output_offset.fitted and "reference" in offset.read
 
 
 def test_quantize_with_an_unregistered_config_names_the_registered_ones():

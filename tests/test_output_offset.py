@@ -243,3 +243,21 @@ def test_quantize_model_offset_fitted_on_calibration_and_selection():
     want = fit_output_offset(model, runs[False].model, batches + held)
     assert off.inputs == 80 and off.layer == "2"
     torch.testing.assert_close(off.shift, want.shift, rtol=0, atol=1e-9)
+
+
+def test_fit_output_offset_reports_kl_at_least_zero_when_a_shift_is_undone():
+    """The given FP logits are three times the model's plus a per-class shift, the quantised
+    copy's output layer three times the model's: the offset undoes the shift up to rounding, and
+    the float64 sum of the KL's terms then rounds to about -3e-18 on this draw. A KL (>= 0) is
+    reported as 0 or more, with the shift recovered."""
+    model, batches = _net(31), _batches(seed=31)
+    shift = torch.tensor([0.3, -0.5, 0.2], dtype=torch.float64)
+    qmodel = copy.deepcopy(model)
+    with torch.no_grad():
+        qmodel[2].weight.mul_(3)
+        qmodel[2].bias.mul_(3)
+    fp = [model(x).detach() * 3 + shift for x in batches]
+    off = fit_output_offset(model, qmodel, batches, calibration_fp=fp)
+    torch.testing.assert_close(off.shift, shift - shift.mean(), rtol=0, atol=1e-7)
+    assert off.kl_before > 0.01 and 0.0 <= off.kl_after < 1e-12
+    assert off.fitted and not fit_output_offset(_net(bias=False), _net(bias=False), batches).fitted

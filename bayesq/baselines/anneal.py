@@ -41,7 +41,7 @@ from bayesq.baselines.activations import InputStats
 from bayesq.baselines.brecq import reconstruction_units
 from bayesq.baselines.gptq import DAMP, gptq_codes, gptq_table
 from bayesq.baselines.select import (
-    BaselineChoice, choice_outcome, given_allocation, select_best, stats_correction, stats_of,
+    BaselineChoice, choice_outcome, given_allocation, select_variants, stats_of,
 )
 from bayesq.blocks import checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
@@ -297,10 +297,7 @@ def anneal_select(
         return baseline_result(model, layers, weights, alloc, table, exclude)
 
     cands = {"annealed": lambda: build(trace.best), "start": lambda: build(trace.start)}
-    correction = stats_correction(model, stats, batches) if bias_correction else None
-    choice = select_best(cands, model, batches if selection is None else selection, correction, reference,
-                         batches if bias_correction else None, held_out=selection is not None,
-                         calibration_fp=calibration_fp)
+    choice = select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp)
     return choice, trace
 
 

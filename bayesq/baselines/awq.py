@@ -35,8 +35,8 @@ from torch import nn
 
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.select import (
-    GROUP_SIZES, BaselineChoice, baseline_blocks, check_feasible, cheapest_bits, choice_outcome, mixed_min_bits,
-    mixed_outcome, select_best, stats_correction, stats_of, uniform_variants,
+    GROUP_SIZES, BaselineChoice, baseline_blocks, cheapest_bits, check_feasible, choice_outcome, mixed_min_bits,
+    mixed_outcome, select_variants, stats_of, uniform_variants,
 )
 from bayesq.blocks import LayerBlocks, checked_layers
 from bayesq.canonical import on_canonical
@@ -237,11 +237,7 @@ def awq_select(
     """
     cands = awq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes, grid=grid,
                            exclude=exclude, scales=scales, method=method)
-    batches = list(batches)  # read by the correction's target search and by the selection
-    correction = stats_correction(model, stats, batches) if bias_correction else None
-    return select_best(cands, model, batches if selection is None else selection, correction, reference,
-                       batches if bias_correction else None, held_out=selection is not None,
-                       calibration_fp=calibration_fp)
+    return select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp)
 
 
 @dataclass(frozen=True)

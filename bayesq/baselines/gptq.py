@@ -33,8 +33,8 @@ from torch import nn
 
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.select import (
-    GROUP_SIZES, BaselineChoice, baseline_blocks, check_feasible, cheapest_bits, choice_outcome, given_allocation,
-    mixed_min_bits, mixed_outcome, select_best, stats_correction, stats_of, uniform_variants,
+    GROUP_SIZES, BaselineChoice, baseline_blocks, cheapest_bits, check_feasible, choice_outcome,
+    given_allocation, mixed_min_bits, mixed_outcome, select_variants, stats_of, uniform_variants,
 )
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
@@ -236,11 +236,7 @@ def gptq_select(
     """
     cands = gptq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes,
                             allocation=allocation, act_order=act_order, damp=damp, exclude=exclude, rounding=rounding)
-    batches = list(batches)  # read by the correction's target search and by the selection
-    correction = stats_correction(model, stats, batches) if bias_correction else None
-    return select_best(cands, model, batches if selection is None else selection, correction, reference,
-                       batches if bias_correction else None, held_out=selection is not None,
-                       calibration_fp=calibration_fp)
+    return select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from torch import nn
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.gptq import DAMP, gptq_candidates, gptq_quantize
 from bayesq.baselines.select import (
-    GROUP_SIZES, BaselineChoice, choice_outcome, mixed_outcome, select_best, stats_correction, stats_of,
+    GROUP_SIZES, BaselineChoice, choice_outcome, mixed_outcome, select_variants, stats_of,
 )
 from bayesq.blocks import checked_layers, tied_layers
 from bayesq.canonical import on_canonical
@@ -284,11 +284,7 @@ def ocs_select(
     ``batches``: the folded model has the original layers), as :func:`bayesq.baselines.gptq.gptq_select`."""
     cands = ocs_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes,
                            expand_ratios=expand_ratios, act_order=act_order, damp=damp, exclude=exclude)
-    batches = list(batches)
-    correction = stats_correction(model, stats, batches) if bias_correction else None
-    return select_best(cands, model, batches if selection is None else selection, correction, reference,
-                       batches if bias_correction else None, held_out=selection is not None,
-                       calibration_fp=calibration_fp)
+    return select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp)
 
 
 @dataclass(frozen=True)

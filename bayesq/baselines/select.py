@@ -342,6 +342,24 @@ def select_best(
     return BaselineChoice(replace(kept, model=qmodel, output_offset=offset), label, kl, bits, inputs)
 
 
+def select_variants(
+    candidates: Mapping[str, Callable[[], QuantizationResult]], model: nn.Module,
+    stats: Mapping[str, InputStats], batches: Iterable[Batch], bias_correction: bool = False,
+    selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
+    calibration_fp: Sequence[torch.Tensor] | None = None,
+) -> BaselineChoice:
+    """:func:`select_best` as the statistics-reading baselines' ``*_select`` functions call it:
+    the candidates scored on ``selection`` (inputs held out of ``batches``; None: on ``batches``,
+    the calibration inputs ``stats`` come from); with ``bias_correction`` each also in its form
+    corrected by :func:`stats_correction`, and the kept one's output offset fitted on ``batches``
+    (and ``selection``). ``reference`` / ``calibration_fp``: as :func:`select_best`."""
+    batches = list(batches)  # read by the correction's target search and by the selection
+    correction = stats_correction(model, stats, batches) if bias_correction else None
+    return select_best(candidates, model, batches if selection is None else selection, correction, reference,
+                       batches if bias_correction else None, held_out=selection is not None,
+                       calibration_fp=calibration_fp)
+
+
 def _resolved_worse(losses: torch.Tensor, best: torch.Tensor) -> bool:
     """Whether ``losses`` is resolved above ``best`` on the same inputs (a non-finite loss counts
     as worse once ``best`` is finite)."""
@@ -366,7 +384,7 @@ def choice_outcome(choice: BaselineChoice, inputs: Inputs) -> Outcome:
     ``details``, ``variant`` / ``variant_kl`` / ``variant_bits`` / ``variant_inputs``."""
     details = {"variant": choice.variant, "variant_kl": dict(choice.kl), "variant_bits": dict(choice.avg_bits),
                "variant_inputs": dict(choice.inputs)}
-    fitted = choice.result.output_offset is not None and choice.result.output_offset.layer is not None
+    fitted = choice.result.output_offset is not None and choice.result.output_offset.fitted
     return Outcome(choice.result, details,
                    read(inputs, "stats", "reference") | (read(inputs, "calibration_fp") if fitted else frozenset()))
 
