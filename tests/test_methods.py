@@ -23,6 +23,7 @@ from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.smoothquant import SmoothQuantConfig
 from bayesq.blocks import quantizable_layers
 from bayesq.config import BayesQConfig, DistillConfig, Granularity, QuantConfig
+from bayesq.evaluation import reference_log_probs
 from flows.params import Method
 from bayesq.methods import Inputs, quantize_with, register, registered
 
@@ -94,8 +95,6 @@ def test_bayesq_method_reports_the_reference_read_only_when_it_scores_with_it():
     """BayesQ reads a given reference (the FP log-probabilities on the selection inputs) when it
     scores two grid candidates or fits the output offset on the held-out inputs; with one
     candidate and no offset it reads nothing, and says so."""
-    from bayesq.evaluation import reference_log_probs
-
     model, batches, sel = _model(), _batches(), _batches(2, seed=2)
     given = Inputs(calibration=batches, selection=sel, reference=reference_log_probs(model, sel))
     off = DistillConfig(max_budget=0)
