@@ -504,7 +504,9 @@ class DistillConfig:
 
 @dataclass(frozen=True)
 class BayesQConfig:
-    """Everything :func:`bayesq.quantize_model` needs besides the model and calibration data."""
+    """Everything :func:`bayesq.quantize_model` needs besides the model and calibration data;
+    ``progress``: a bar over each step (the curvature pass, the tables, the encodings, the
+    selection) unless ``quantize_model`` is told otherwise."""
 
     budget: float = setting(3.0, above(0, what="average bits per weight"))
     posterior: PosteriorConfig = field(default_factory=PosteriorConfig)
@@ -512,6 +514,7 @@ class BayesQConfig:
     allocation: AllocationConfig = field(default_factory=AllocationConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     seed: int = 0
+    progress: bool = True
 
     def __post_init__(self) -> None:
         validate(self, "config", self._relations)

@@ -514,6 +514,7 @@ def posterior_tables(
 def rtn_table(
     weights: Mapping[str, torch.Tensor], blocks: list[LayerBlocks], cfg: QuantConfig,
     element_weight: Mapping[str, torch.Tensor] | None = None, grids: Callable | None = None,
+    progress: bool = False,
 ) -> LossTable:
     """Min/max grids and their squared rounding error per unit (the baselines' own mixed rule).
 
@@ -522,10 +523,10 @@ def rtn_table(
     input second moments ``diag(H)`` per column: the diagonal part of the layer-output error;
     read once per layer, so a :class:`bayesq.memory.LazyMap` holds one layer's at a time).
     ``grids(w, bits, mask) -> UniformGrids`` replaces the min/max grids (ACIQ's clipped ranges);
-    ``w`` and ``mask`` are (G, group_size) float64.
+    ``w`` and ``mask`` are (G, group_size) float64. ``progress``: a bar over the layers.
     """
     tables = []
-    for lb in blocks:
+    for lb in tqdm(blocks, desc="grids and rounding errors", disable=not progress, leave=False):
         omega = None if element_weight is None else element_weight[lb.name]
         tables.append(_rtn_layer(lb, weights[lb.name], omega, cfg, grids))
         release_freed()

@@ -870,7 +870,7 @@ def grid_tables(
 @on_canonical
 def quantize_model(
     model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig = BayesQConfig(),
-    *, posterior: Posterior | None = None, progress: bool = True, selection: Iterable[Batch] | None = None,
+    *, posterior: Posterior | None = None, progress: bool | None = None, selection: Iterable[Batch] | None = None,
     exclude: Sequence[str] = (), check_memory: bool = True, keep_posterior: bool = False,
     reference: Sequence[torch.Tensor] | None = None, calibration_fp: Sequence[torch.Tensor] | None = None,
 ) -> QuantizationResult:
@@ -889,6 +889,7 @@ def quantize_model(
             codebook, table, allocation and rounding settings, and the distillation applied at
             budgets up to ``config.distill.max_budget`` (0 by default: off; same codes and bits).
         posterior: a posterior fitted earlier (skips the curvature pass).
+        progress: a bar over each step; None: ``config.progress``.
         selection: input batches held out of ``calibration`` (e.g. another draw of training
             inputs): the grid candidates are scored on them, which also admits the other range
             search as a candidate (:func:`grid_candidates`); None scores on ``calibration``.
@@ -922,6 +923,7 @@ def quantize_model(
     """
     with kept_state(model):
         model.eval()  # every pass reads the model as deployed (frozen BatchNorm, no dropout)
+        progress = config.progress if progress is None else progress
         return _quantize_model(model, calibration, config, posterior, progress, selection, tuple(exclude),
                                check_memory, keep_posterior, reference, calibration_fp)
 

@@ -106,6 +106,48 @@ def test_bayesq_method_reports_the_reference_read_only_when_it_scores_with_it():
     assert offset.result.output_offset.fitted and "reference" in offset.read
 
 
+def _progress(config, on: bool):
+    """``config`` with every progress switch it has set to ``on`` (BayesQ + BRECQ: both parts')."""
+    if isinstance(config, BayesQBRECQConfig):
+        return replace(config, bayesq=replace(config.bayesq, progress=on), brecq=replace(config.brecq, progress=on))
+    return replace(config, progress=on)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{type(c).__name__}")
+def test_quantize_with_every_method_shows_progress_unless_switched_off(config, capsys):
+    """Every method's config has a progress switch, on by default (a user of ``quantize_with`` on a
+    large model sees each step move, not minutes of silence), and off it prints nothing."""
+    assert all(c.default is True for c in _progress_fields(type(config)))
+    model, batches, sel = _model(), _batches(), _batches(2, seed=2)
+    capsys.readouterr()
+    quantize_with(model, _progress(config, False), 4.0, Inputs(calibration=batches, selection=sel))
+    assert capsys.readouterr().err == ""
+    quantize_with(model, _progress(config, True), 4.0, Inputs(calibration=batches, selection=sel))
+    assert "it/s" in capsys.readouterr().err
+
+
+def _progress_fields(cls) -> list:
+    from dataclasses import fields
+
+    own = [f for f in fields(cls) if f.name == "progress"]
+    parts = [f for f in fields(cls) if f.name in ("bayesq", "brecq")]
+    assert own or parts, f"{cls.__name__} has no progress switch"
+    return own + [g for f in parts for g in _progress_fields(type(f.default_factory()))]
+
+
+def test_gptq_method_shows_each_step(capsys):
+    """GPTQ's bars name its steps: the statistics pass, the variants (the one under way as the
+    postfix), the layers each encodes and the scoring passes."""
+    model, batches, sel = _model(), _batches(), _batches(2, seed=2)
+    capsys.readouterr()
+    quantize_with(model, GPTQConfig(Q, group_sizes=(32,), bias_correction=True), 4.0,
+                  Inputs(calibration=batches, selection=sel))
+    err = capsys.readouterr().err
+    for step in ("layer-input statistics", "variants", "uniform-3-g32]", "grids and rounding errors",
+                 "encode (error-feedback)", "FP on the scored inputs", "selection KL (uniform-3-g32+bc)"):
+        assert step in err, step
+
+
 def test_quantize_with_an_unregistered_config_names_the_registered_ones():
     class Unknown:
         pass

@@ -65,30 +65,32 @@ def aciq_grids(w: torch.Tensor, bits: int, mask: torch.Tensor, scale_bits: int =
 @on_canonical
 def aciq_quantize(
     model: nn.Module, budget: float, cfg: QuantConfig = QuantConfig(),
-    *, granularity: Granularity = Granularity.CHANNEL, exclude: Sequence[str] = (),
+    *, granularity: Granularity = Granularity.CHANNEL, exclude: Sequence[str] = (), progress: bool = False,
 ) -> QuantizationResult:
     """ACIQ at ``budget`` average bits (all metadata counted), one clipped grid per channel;
-    ``exclude``: module names or glob patterns kept in floating point (the result's ``unquantized``)."""
+    ``exclude``: module names or glob patterns kept in floating point (the result's ``unquantized``);
+    ``progress``: bars over the layers' grids, then their encodings."""
     layers = checked_layers(model, exclude=exclude)
     blocks = rtn_blocks(layer_blocks(layers, cfg.group_size, cfg.unit_groups), Granularity(granularity), cfg)
     weights = {n: m.weight for n, m in layers.items()}
     table = rtn_table(weights, blocks, cfg,
-                      grids=lambda w, b, mask: aciq_grids(w, b, mask, cfg.scale_bits))
+                      grids=lambda w, b, mask: aciq_grids(w, b, mask, cfg.scale_bits), progress=progress)
     allocation = allocate(table, budget)
-    qweights = encode(table, allocation, weights)
+    qweights = encode(table, allocation, weights, progress=progress)
     return baseline_result(model, layers, qweights, allocation, table, exclude)
 
 
 @dataclass(frozen=True)
 class ACIQConfig:
-    """Analytical clipping (:func:`aciq_quantize`) at ``granularity``."""
+    """Analytical clipping (:func:`aciq_quantize`) at ``granularity`` (``progress``: its bars)."""
 
     granularity: Granularity = Granularity.CHANNEL
     quant: QuantConfig = field(default_factory=QuantConfig)
+    progress: bool = True
 
 
 @register(ACIQConfig)
 def aciq_method(model: nn.Module, config: ACIQConfig, budget: float, inputs: Inputs) -> Outcome:
     """:func:`aciq_quantize` (data-free: reads nothing of ``inputs`` but ``exclude``)."""
     return Outcome(aciq_quantize(model, budget, config.quant, granularity=config.granularity,
-                                 exclude=tuple(inputs.exclude)))
+                                 exclude=tuple(inputs.exclude), progress=config.progress))

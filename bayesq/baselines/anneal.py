@@ -297,7 +297,8 @@ def anneal_select(
         return baseline_result(model, layers, weights, alloc, table, exclude)
 
     cands = {"annealed": lambda: build(trace.best), "start": lambda: build(trace.start)}
-    choice = select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp)
+    choice = select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp,
+                             progress)
     return choice, trace
 
 
@@ -329,7 +330,7 @@ def anneal_method(model: nn.Module, config: AnnealConfig, budget: float, inputs:
     """The annealing search from ``inputs.stats`` (else computed) on the calibration batches,
     its result against the start chosen on ``inputs.selection``; ``details`` add the search's
     ``start_kl``, ``search_kl`` and ``accepted``."""
-    batches, stats = stats_of(model, inputs, "the annealing search")
+    batches, stats = stats_of(model, inputs, "the annealing search", config.progress)
     choice, trace = anneal_select(
         model, stats, batches, budget, config.quant, steps=config.steps, search_inputs=config.search_inputs,
         t_start=config.t_start, t_end=config.t_end, seed=config.seed, bias_correction=config.bias_correction,

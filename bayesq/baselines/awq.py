@@ -32,6 +32,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.select import (
@@ -144,7 +145,7 @@ def _add_scale_cost(table: LossTable, extra: dict[str, int]) -> LossTable:
 def awq_quantize(
     model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(),
     *, granularity: Granularity = Granularity.GROUP, grid: int = GRID, exclude: Sequence[str] = (),
-    scales: ScaleRule | None = None,
+    scales: ScaleRule | None = None, progress: bool = False,
 ) -> QuantizationResult:
     """AWQ at ``budget`` average bits (codes, grids, headers and the stored scales counted).
 
@@ -152,6 +153,7 @@ def awq_quantize(
     glob patterns kept in floating point (the result's ``unquantized``; they need no statistics).
     ``scales``: each scaled layer's column scales from this rule instead of AWQ's search
     (SmoothQuant's, :mod:`bayesq.baselines.smoothquant`); storage and mixed rule unchanged.
+    ``progress``: a bar over the layers' scale searches, then one over their encodings.
 
     Raises:
         ValueError: missing stats, an infeasible budget, non-finite weights.
@@ -160,7 +162,7 @@ def awq_quantize(
     blocks = baseline_blocks(layers, Granularity(granularity), cfg)
     ref_bits = max((b for b in cfg.bits if b <= budget), default=min(cfg.bits))
     scaled, omega, col_scale, extra = {}, {}, {}, {}
-    for lb in blocks:
+    for lb in tqdm(blocks, desc="AWQ scales", disable=not progress, leave=False):
         mod = layers[lb.name]
         W = mod.weight.detach().double().reshape(lb.shape[0], -1)  # (out, d_in)
         kernel = math.prod(mod.weight.shape[2:])
@@ -175,9 +177,9 @@ def awq_quantize(
             extra[lb.name] = 16 * n_scales
         scaled[lb.name] = (W * cols).reshape(lb.shape)
         omega[lb.name] = st.row_diag(W.shape[0]) / cols.pow(2)
-    table = _add_scale_cost(rtn_table(scaled, blocks, cfg, element_weight=omega), extra)
+    table = _add_scale_cost(rtn_table(scaled, blocks, cfg, element_weight=omega, progress=progress), extra)
     allocation = allocate(table, budget)
-    qweights = encode(table, allocation, scaled)
+    qweights = encode(table, allocation, scaled, progress=progress)
     qweights = {n: replace(q, col_scale=col_scale.get(n)) for n, q in qweights.items()}
     return baseline_result(model, layers, qweights, allocation, table, exclude)
 
@@ -186,15 +188,15 @@ def awq_quantize(
 def awq_candidates(
     model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(), *,
     granularity: Granularity = Granularity.GROUP, group_sizes: Sequence[int] = GROUP_SIZES, grid: int = GRID,
-    exclude: Sequence[str] = (), scales: ScaleRule | None = None, method: str = "AWQ",
+    exclude: Sequence[str] = (), scales: ScaleRule | None = None, method: str = "AWQ", progress: bool = False,
 ) -> dict[str, Callable[[], QuantizationResult]]:
     """Budget-feasible AWQ variants, unbuilt: ``mixed`` (:func:`awq_quantize` at ``granularity``)
     when its cheapest allocation fits, and ``uniform-<b>-g<G>`` / ``uniform-<b>-channel`` for
     each width of ``cfg.bits`` with a fitting layout from ``group_sizes`` (scale search at
     that width). The stored scales (:func:`scale_bits_total`) are counted in every variant.
     ``exclude``: module names or glob patterns kept in floating point (the result's
-    ``unquantized``; they need no statistics). ``scales``: as :func:`awq_quantize`; ``method``:
-    the name errors give.
+    ``unquantized``; they need no statistics). ``scales``, ``progress``: as :func:`awq_quantize`;
+    ``method``: the name errors give.
 
     Raises:
         ValueError: missing stats, or no variant fits the budget (naming the minimum feasible one).
@@ -206,10 +208,10 @@ def awq_candidates(
     out: dict[str, Callable[[], QuantizationResult]] = {}
     if mixed_min_bits(layers, granularity, cfg, extra) <= budget_bits(budget, n):
         out["mixed"] = partial(awq_quantize, model, stats, budget, cfg, granularity=granularity, grid=grid,
-                               exclude=exclude, scales=scales)
+                               exclude=exclude, scales=scales, progress=progress)
     for v in uniform_variants(layers, budget, cfg, group_sizes, extra):
         out[v.name] = partial(awq_quantize, model, stats, budget, v.config(cfg), granularity=v.granularity,
-                              grid=grid, exclude=exclude, scales=scales)
+                              grid=grid, exclude=exclude, scales=scales, progress=progress)
     check_feasible(out, method, budget, cheapest_bits(layers, granularity, cfg, group_sizes, extra))
     return out
 
@@ -221,7 +223,7 @@ def awq_select(
     group_sizes: Sequence[int] = GROUP_SIZES, grid: int = GRID, bias_correction: bool = False,
     selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
     exclude: Sequence[str] = (), scales: ScaleRule | None = None, method: str = "AWQ",
-    calibration_fp: Sequence[torch.Tensor] | None = None,
+    calibration_fp: Sequence[torch.Tensor] | None = None, progress: bool = False,
 ) -> BaselineChoice:
     """The AWQ variant of :func:`awq_candidates` with the least mean calibration
     ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from); ``bias_correction``:
@@ -230,20 +232,23 @@ def awq_select(
     bias correction is still fitted on ``batches``). ``reference``: the FP model's log-probabilities
     on the scored inputs, when the caller already has them (:func:`select_best`), and
     ``calibration_fp`` its logits on ``batches`` (the offset's fit). ``scales``,
-    ``method``: as :func:`awq_candidates`.
+    ``method``, ``progress``: as :func:`awq_candidates` (``progress``: also bars over the variants
+    and the scoring passes, :func:`bayesq.baselines.select.select_best`).
 
     Raises:
         ValueError: as :func:`awq_candidates`; an empty ``batches``.
     """
     cands = awq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes, grid=grid,
-                           exclude=exclude, scales=scales, method=method)
-    return select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp)
+                           exclude=exclude, scales=scales, method=method, progress=progress)
+    return select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp,
+                           progress)
 
 
 @dataclass(frozen=True)
 class AWQConfig:
     """AWQ (:func:`awq_quantize`, ``grid`` scale exponents searched); with ``select`` the variant
-    of :func:`awq_select` with the least KL on the selection inputs, else the ``mixed`` rule."""
+    of :func:`awq_select` with the least KL on the selection inputs, else the ``mixed`` rule;
+    ``progress``: bars over the statistics pass, the scale searches, the variants and the scoring."""
 
     quant: QuantConfig = field(default_factory=QuantConfig)
     granularity: Granularity = Granularity.GROUP
@@ -251,19 +256,20 @@ class AWQConfig:
     group_sizes: tuple[int, ...] = GROUP_SIZES
     grid: int = GRID
     bias_correction: bool = False
+    progress: bool = True
 
 
 @register(AWQConfig)
 def awq_method(model: nn.Module, config: AWQConfig, budget: float, inputs: Inputs) -> Outcome:
     """AWQ from ``inputs.stats`` (else computed from the calibration batches), selection as
     :func:`bayesq.baselines.gptq.gptq_method` (no allocation variant)."""
-    batches, stats = stats_of(model, inputs, "AWQ")
+    batches, stats = stats_of(model, inputs, "AWQ", config.progress)
     exclude = tuple(inputs.exclude)
     if not config.select:
         return mixed_outcome(awq_quantize(model, stats, budget, config.quant, granularity=config.granularity,
-                                          grid=config.grid, exclude=exclude), inputs)
+                                          grid=config.grid, exclude=exclude, progress=config.progress), inputs)
     choice = awq_select(model, stats, batches, budget, config.quant, granularity=config.granularity,
                         group_sizes=config.group_sizes, grid=config.grid, bias_correction=config.bias_correction,
                         selection=inputs.selection, reference=inputs.reference, exclude=exclude,
-                        calibration_fp=inputs.calibration_fp)
+                        calibration_fp=inputs.calibration_fp, progress=config.progress)
     return choice_outcome(choice, inputs)

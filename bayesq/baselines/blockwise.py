@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from bayesq.blocks import checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
@@ -45,7 +46,8 @@ from bayesq.result import QuantizationResult, baseline_result
 BLOCK_CODEBOOKS = (Codebook.UNIFORM, Codebook.LLOYD)
 
 
-def weight_table(layers: dict[str, nn.Module], cfg: QuantConfig, codebook: Codebook) -> LossTable:
+def weight_table(layers: dict[str, nn.Module], cfg: QuantConfig, codebook: Codebook,
+                 progress: bool = False) -> LossTable:
     """Loss table of ``codebook`` fitted to each layer's weights under the identity metric.
 
     Entries are ``L_u(b) = 0.5 sum_{i in u} (Q_b(w_i) - w_i)^2`` for the fitted codebook ``Q_b``
@@ -62,7 +64,8 @@ def weight_table(layers: dict[str, nn.Module], cfg: QuantConfig, codebook: Codeb
         raise ValueError(f"codebook must be one of {[c.value for c in BLOCK_CODEBOOKS]}, got '{codebook.value}'")
     fit_cfg = replace(cfg, objective=Objective.DEPLOYED, codebook=codebook, rounding=Rounding.NEAREST)
     tables = []
-    for lb in layer_blocks(layers, cfg.group_size, cfg.unit_groups):
+    blocks = layer_blocks(layers, cfg.group_size, cfg.unit_groups)
+    for lb in tqdm(blocks, desc=f"{codebook.value} block quantisers", disable=not progress, leave=False):
         w = layers[lb.name].weight.detach().double()
         tables.append(layer_table(lb, w, None, fit_cfg, omega=torch.ones_like(w)))
         release_freed()
@@ -72,19 +75,19 @@ def weight_table(layers: dict[str, nn.Module], cfg: QuantConfig, codebook: Codeb
 @on_canonical
 def blockwise_quantize(
     model: nn.Module, budget: float, cfg: QuantConfig = QuantConfig(), *,
-    codebook: Codebook = Codebook.UNIFORM, exclude: Sequence[str] = (),
+    codebook: Codebook = Codebook.UNIFORM, exclude: Sequence[str] = (), progress: bool = False,
 ) -> QuantizationResult:
     """Per-block ``codebook`` quantisers fitted to the weights alone, at ``budget`` average bits
     (all metadata counted); ``exclude``: module names or glob patterns kept in floating point
-    (the result's ``unquantized``).
+    (the result's ``unquantized``); ``progress``: bars over the layers' fits, then their encodings.
 
     Raises:
         ValueError: an unknown codebook, non-finite weights, an infeasible budget.
     """
     layers = checked_layers(model, exclude=exclude)
-    table = weight_table(layers, cfg, codebook)
+    table = weight_table(layers, cfg, codebook, progress)
     allocation = allocate(table, budget)
-    qweights = encode(table, allocation, {n: m.weight for n, m in layers.items()})
+    qweights = encode(table, allocation, {n: m.weight for n, m in layers.items()}, progress=progress)
     return baseline_result(model, layers, qweights, allocation, table, exclude)
 
 
@@ -92,10 +95,11 @@ def blockwise_quantize(
 class BlockwiseConfig:
     """Per-block quantisers fitted to the weights (:func:`blockwise_quantize`): ``codebook``
     ``uniform`` (per-group range with MSE-optimal clipping) or ``lloyd`` (a k-means table per
-    allocation unit)."""
+    allocation unit); ``progress``: its bars."""
 
     codebook: Codebook = Codebook.UNIFORM
     quant: QuantConfig = field(default_factory=QuantConfig)
+    progress: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -112,4 +116,4 @@ class BlockwiseConfig:
 def blockwise_method(model: nn.Module, config: BlockwiseConfig, budget: float, inputs: Inputs) -> Outcome:
     """:func:`blockwise_quantize` (data-free: reads nothing of ``inputs`` but ``exclude``)."""
     return Outcome(blockwise_quantize(model, budget, config.quant, codebook=config.codebook,
-                                      exclude=tuple(inputs.exclude)))
+                                      exclude=tuple(inputs.exclude), progress=config.progress))

@@ -93,11 +93,11 @@ def _granularity(granularity: Granularity | str) -> Granularity:
 
 
 def gptq_table(layers: dict[str, nn.Module], stats: dict[str, InputStats], blocks: list[LayerBlocks],
-               cfg: QuantConfig) -> LossTable:
+               cfg: QuantConfig, progress: bool = False) -> LossTable:
     """Min/max grids of every candidate with GPTQ's mixed-rule loss ``sum H_jj (Q_b(w) - w)^2``."""
     weights = {n: m.weight for n, m in layers.items()}
     omega = LazyMap(layers, lambda n: stats[n].row_diag(layers[n].weight.shape[0]))  # (out, d_in), per layer
-    return rtn_table(weights, blocks, cfg, element_weight=omega)
+    return rtn_table(weights, blocks, cfg, element_weight=omega, progress=progress)
 
 
 def gptq_codes(layers: dict[str, nn.Module], stats: dict[str, InputStats], table: LossTable, allocation: Allocation,
@@ -119,9 +119,10 @@ def gptq_codes(layers: dict[str, nn.Module], stats: dict[str, InputStats], table
 
 def gptq_solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, InputStats], table: LossTable,
                allocation: Allocation, act_order: bool, damp: float, exclude: Sequence[str],
-               rounding: LayerRounding | None = None, scale_bits: int = 16) -> QuantizationResult:
+               rounding: LayerRounding | None = None, scale_bits: int = 16,
+               progress: bool = False) -> QuantizationResult:
     """:func:`gptq_codes` as a baseline's result (the quantised copy of ``model``)."""
-    qweights = gptq_codes(layers, stats, table, allocation, act_order, damp, rounding, scale_bits)
+    qweights = gptq_codes(layers, stats, table, allocation, act_order, damp, rounding, scale_bits, progress)
     return baseline_result(model, layers, qweights, allocation, table, exclude)
 
 
@@ -129,7 +130,7 @@ def gptq_solve(model: nn.Module, layers: dict[str, nn.Module], stats: dict[str, 
 def gptq_quantize(
     model: nn.Module, stats: dict[str, InputStats], granularity: Granularity, budget: float,
     cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP, exclude: Sequence[str] = (),
-    rounding: LayerRounding | None = None,
+    rounding: LayerRounding | None = None, progress: bool = False,
 ) -> QuantizationResult:
     """GPTQ at ``budget`` average bits (all metadata counted) with channel or group grids.
 
@@ -141,6 +142,7 @@ def gptq_quantize(
         exclude: module names or glob patterns kept in floating point (the result's
             ``unquantized``; they need no statistics).
         rounding: another method's rounding on the same grids (AdaRound), else error feedback.
+        progress: a bar over the layers as they are encoded.
 
     Raises:
         ValueError: per-tensor granularity (GPTQ uses channel or group grids), missing stats,
@@ -148,16 +150,16 @@ def gptq_quantize(
     """
     granularity = _granularity(granularity)
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
-    table = gptq_table(layers, stats, baseline_blocks(layers, granularity, cfg), cfg)
+    table = gptq_table(layers, stats, baseline_blocks(layers, granularity, cfg), cfg, progress)
     return gptq_solve(model, layers, stats, table, allocate(table, budget), act_order, damp, exclude, rounding,
-                      cfg.scale_bits)
+                      cfg.scale_bits, progress)
 
 
 @on_canonical
 def gptq_allocation_quantize(
     model: nn.Module, stats: dict[str, InputStats], unit_bits: Mapping[str, Sequence[int]], budget: float,
     cfg: QuantConfig = QuantConfig(), *, act_order: bool = True, damp: float = DAMP, exclude: Sequence[str] = (),
-    rounding: LayerRounding | None = None,
+    rounding: LayerRounding | None = None, progress: bool = False,
 ) -> QuantizationResult:
     """GPTQ's error-feedback solver on a supplied allocation (e.g. BayesQ's ``Allocation.unit_bits``).
 
@@ -167,16 +169,17 @@ def gptq_allocation_quantize(
 
     Args:
         unit_bits: layer name -> bit-width of each unit, every width in ``cfg.bits``.
-        exclude, rounding: as :func:`gptq_quantize`.
+        exclude, rounding, progress: as :func:`gptq_quantize`.
 
     Raises:
         ValueError: missing stats, a layer's unit count or a width not matching ``cfg``, a cost
             above the budget, non-finite weights.
     """
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
-    table = gptq_table(layers, stats, layer_blocks(layers, cfg.group_size, cfg.unit_groups, cfg.unit.value), cfg)
+    table = gptq_table(layers, stats, layer_blocks(layers, cfg.group_size, cfg.unit_groups, cfg.unit.value), cfg,
+                       progress)
     return gptq_solve(model, layers, stats, table, given_allocation(table, unit_bits, budget), act_order, damp,
-                      exclude, rounding, cfg.scale_bits)
+                      exclude, rounding, cfg.scale_bits, progress)
 
 
 @on_canonical
@@ -184,14 +187,14 @@ def gptq_candidates(
     model: nn.Module, stats: dict[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(), *,
     granularity: Granularity = Granularity.GROUP, group_sizes: Sequence[int] = GROUP_SIZES,
     allocation: Mapping[str, Sequence[int]] | None = None, act_order: bool = True, damp: float = DAMP,
-    exclude: Sequence[str] = (), rounding: LayerRounding | None = None,
+    exclude: Sequence[str] = (), rounding: LayerRounding | None = None, progress: bool = False,
 ) -> dict[str, Callable[[], QuantizationResult]]:
     """Budget-feasible GPTQ variants (module docstring of :mod:`bayesq.baselines.select`), unbuilt.
 
     ``allocation`` (:func:`gptq_allocation_quantize`) unless ``allocation`` is None, ``mixed``
     (:func:`gptq_quantize` at ``granularity``) when its cheapest allocation fits and
     ``uniform-<b>-g<G>`` / ``uniform-<b>-channel`` for each width of ``cfg.bits`` with a fitting
-    layout from ``group_sizes``, in that order. ``exclude``, ``rounding``: as :func:`gptq_quantize`.
+    layout from ``group_sizes``, in that order. ``exclude``, ``rounding``, ``progress``: as :func:`gptq_quantize`.
 
     Raises:
         ValueError: missing stats, or no variant fits the budget (naming the minimum feasible one).
@@ -199,7 +202,7 @@ def gptq_candidates(
     granularity = _granularity(granularity)
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
     n = sum(m.weight.numel() for m in layers.values())
-    opts = dict(act_order=act_order, damp=damp, exclude=exclude, rounding=rounding)
+    opts = dict(act_order=act_order, damp=damp, exclude=exclude, rounding=rounding, progress=progress)
     out: dict[str, Callable[[], QuantizationResult]] = {}
     if allocation is not None:  # first: usually the best, so the selection drops the others early
         out["allocation"] = partial(gptq_allocation_quantize, model, stats, allocation, budget, cfg, **opts)
@@ -219,7 +222,7 @@ def gptq_select(
     act_order: bool = True, damp: float = DAMP, bias_correction: bool = False,
     selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
     exclude: Sequence[str] = (), rounding: LayerRounding | None = None,
-    calibration_fp: Sequence[torch.Tensor] | None = None,
+    calibration_fp: Sequence[torch.Tensor] | None = None, progress: bool = False,
 ) -> BaselineChoice:
     """The GPTQ variant of :func:`gptq_candidates` with the least mean calibration
     ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from); ``bias_correction``:
@@ -229,21 +232,25 @@ def gptq_select(
     bias correction is still fitted on ``batches``). ``reference``: the FP model's log-probabilities
     on the scored inputs, when the caller already has them (:func:`select_best`), and
     ``calibration_fp`` its logits on ``batches`` (the offset's fit). ``rounding``: as
-    :func:`gptq_quantize`.
+    :func:`gptq_quantize`. ``progress``: a bar over the variants, the layers each encodes and the
+    scoring passes (:func:`select_best`).
 
     Raises:
         ValueError: as :func:`gptq_candidates`; an empty ``batches``.
     """
     cands = gptq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes,
-                            allocation=allocation, act_order=act_order, damp=damp, exclude=exclude, rounding=rounding)
-    return select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp)
+                            allocation=allocation, act_order=act_order, damp=damp, exclude=exclude, rounding=rounding,
+                            progress=progress)
+    return select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp,
+                           progress)
 
 
 @dataclass(frozen=True)
 class GPTQConfig:
     """GPTQ (:func:`gptq_quantize`); with ``select`` the variant of :func:`gptq_select` with the
     least KL on the selection inputs (``group_sizes`` its uniform layouts; ``bias_correction``:
-    each variant also bias-corrected), else the ``mixed`` rule at ``granularity``."""
+    each variant also bias-corrected), else the ``mixed`` rule at ``granularity``; ``progress``:
+    bars over the statistics pass, the variants, their layers and the scoring passes."""
 
     quant: QuantConfig = field(default_factory=QuantConfig)
     granularity: Granularity = Granularity.GROUP
@@ -252,6 +259,7 @@ class GPTQConfig:
     act_order: bool = True
     damp: float = DAMP
     bias_correction: bool = False
+    progress: bool = True
 
 
 @register(GPTQConfig)
@@ -264,10 +272,10 @@ def gptq_method(model: nn.Module, config: GPTQConfig, budget: float, inputs: Inp
 
 def grid_method_outcome(model: nn.Module, config, budget: float, inputs: Inputs, method: str, **opts) -> Outcome:
     """The handler of a method on GPTQ's grids and variants (GPTQ, AdaRound): ``config``'s
-    ``select``, ``granularity``, ``quant``, ``group_sizes`` and ``bias_correction`` as in
-    :class:`GPTQConfig`; ``opts`` go to :func:`gptq_quantize` / :func:`gptq_select`."""
-    batches, stats = stats_of(model, inputs, method)
-    opts["exclude"] = tuple(inputs.exclude)
+    ``select``, ``granularity``, ``quant``, ``group_sizes``, ``bias_correction`` and ``progress`` as
+    in :class:`GPTQConfig`; ``opts`` go to :func:`gptq_quantize` / :func:`gptq_select`."""
+    batches, stats = stats_of(model, inputs, method, config.progress)
+    opts.update(exclude=tuple(inputs.exclude), progress=config.progress)
     if not config.select:
         return mixed_outcome(gptq_quantize(model, stats, config.granularity, budget, config.quant, **opts), inputs)
     choice = gptq_select(model, stats, batches, budget, config.quant, granularity=config.granularity,

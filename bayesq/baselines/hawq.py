@@ -76,11 +76,12 @@ def hawq_quantize(
 class HAWQConfig:
     """HAWQ-style allocation from Hessian traces (:func:`hawq_quantize`); ``probes``
     Hutchinson probes per batch and ``seed`` when the traces are computed
-    (:func:`hessian_traces`)."""
+    (:func:`hessian_traces`; ``progress``: a bar over its batches)."""
 
     quant: QuantConfig = field(default_factory=QuantConfig)
     probes: int = 16
     seed: int = 0
+    progress: bool = True
 
 
 @register(HAWQConfig)
@@ -91,6 +92,6 @@ def hawq_method(model: nn.Module, config: HAWQConfig, budget: float, inputs: Inp
     traces = inputs.traces
     if traces is None:
         traces = hessian_traces(model, inputs.need_calibration("HAWQ"), probes=config.probes, seed=config.seed,
-                                exclude=exclude)
+                                exclude=exclude, progress=config.progress)
     return Outcome(hawq_quantize(model, dict(traces), budget, config.quant, exclude=exclude), {},
                    read(inputs, "traces"))

@@ -208,11 +208,12 @@ def ocs_candidates(
     model: nn.Module, stats: Mapping[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(), *,
     granularity: Granularity = Granularity.GROUP, group_sizes: Sequence[int] = GROUP_SIZES,
     expand_ratios: Sequence[float] = EXPAND_RATIOS, act_order: bool = True, damp: float = DAMP,
-    exclude: Sequence[str] = (), mixed_only: bool = False,
+    exclude: Sequence[str] = (), mixed_only: bool = False, progress: bool = False,
 ) -> dict[str, Callable[[], QuantizationResult]]:
     """Every expand ratio's GPTQ variants (:func:`bayesq.baselines.gptq.gptq_candidates` on the
     expanded model), named ``r<ratio>-<variant>``, unbuilt, each building a result of ``model``;
-    ``mixed_only``: each ratio's ``mixed`` rule alone.
+    ``mixed_only``: each ratio's ``mixed`` rule alone; ``progress``: a bar over the layers each
+    build encodes.
 
     Raises:
         ValueError: missing statistics, or no variant fits the budget at any ratio.
@@ -227,7 +228,7 @@ def ocs_candidates(
         def build(variant: str, counts=counts, inner_budget=inner_budget, ratio=ratio) -> QuantizationResult:
             with expanded(model, layers, counts) as splits:
                 ext = _stats_of_expanded(stats, layers, splits)
-                opts = dict(act_order=act_order, damp=damp, exclude=exclude)
+                opts = dict(act_order=act_order, damp=damp, exclude=exclude, progress=progress)
                 try:
                     if variant == "mixed" and mixed_only:
                         res = gptq_quantize(model, ext, granularity, inner_budget, cfg, **opts)
@@ -262,11 +263,12 @@ def ocs_candidates(
 def ocs_quantize(
     model: nn.Module, stats: Mapping[str, InputStats], budget: float, cfg: QuantConfig = QuantConfig(), *,
     ratio: float = EXPAND_RATIOS[0], granularity: Granularity = Granularity.GROUP, act_order: bool = True,
-    damp: float = DAMP, exclude: Sequence[str] = (), **_,
+    damp: float = DAMP, exclude: Sequence[str] = (), progress: bool = False, **_,
 ) -> QuantizationResult:
-    """OCS at one expand ratio with GPTQ's ``mixed`` rule at ``granularity`` (no selection)."""
+    """OCS at one expand ratio with GPTQ's ``mixed`` rule at ``granularity`` (no selection;
+    ``progress``: a bar over the layers)."""
     build = ocs_candidates(model, stats, budget, cfg, granularity=granularity, expand_ratios=(ratio,),
-                           act_order=act_order, damp=damp, exclude=exclude, mixed_only=True)
+                           act_order=act_order, damp=damp, exclude=exclude, mixed_only=True, progress=progress)
     return next(iter(build.values()))()
 
 
@@ -277,14 +279,17 @@ def ocs_select(
     group_sizes: Sequence[int] = GROUP_SIZES, expand_ratios: Sequence[float] = EXPAND_RATIOS,
     act_order: bool = True, damp: float = DAMP, bias_correction: bool = False,
     selection: Sequence[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
-    exclude: Sequence[str] = (), calibration_fp: Sequence[torch.Tensor] | None = None,
+    exclude: Sequence[str] = (), calibration_fp: Sequence[torch.Tensor] | None = None, progress: bool = False,
 ) -> BaselineChoice:
     """The OCS variant of :func:`ocs_candidates` with the least mean ``KL(p_FP || p_Q)`` on
     ``selection`` (else ``batches``), each also bias-corrected with ``bias_correction`` (fitted on
-    ``batches``: the folded model has the original layers), as :func:`bayesq.baselines.gptq.gptq_select`."""
+    ``batches``: the folded model has the original layers), as :func:`bayesq.baselines.gptq.gptq_select`
+    (``progress`` too)."""
     cands = ocs_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes,
-                           expand_ratios=expand_ratios, act_order=act_order, damp=damp, exclude=exclude)
-    return select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp)
+                           expand_ratios=expand_ratios, act_order=act_order, damp=damp, exclude=exclude,
+                           progress=progress)
+    return select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp,
+                           progress)
 
 
 @dataclass(frozen=True)
@@ -292,7 +297,7 @@ class OCSConfig:
     """OCS on GPTQ's rounding (module docstring). ``select``: the variant (expand ratio and GPTQ
     variant) with the least KL on the selection inputs, else the ``mixed`` rule at the first of
     ``expand_ratios``; ``granularity``, ``group_sizes``, ``act_order``, ``damp``,
-    ``bias_correction`` as :class:`bayesq.baselines.gptq.GPTQConfig`."""
+    ``bias_correction``, ``progress`` as :class:`bayesq.baselines.gptq.GPTQConfig`."""
 
     quant: QuantConfig = field(default_factory=QuantConfig)
     granularity: Granularity = Granularity.GROUP
@@ -302,6 +307,7 @@ class OCSConfig:
     act_order: bool = True
     damp: float = DAMP
     bias_correction: bool = False
+    progress: bool = True
 
     def __post_init__(self) -> None:
         ratios = tuple(self.expand_ratios)
@@ -314,10 +320,10 @@ class OCSConfig:
 def ocs_method(model: nn.Module, config: OCSConfig, budget: float, inputs: Inputs) -> Outcome:
     """OCS from ``inputs.stats`` (else computed from the calibration batches); ``details`` as
     GPTQ's (its ``variant`` names the expand ratio) plus ``unsplit``: layer -> why it was not split."""
-    batches, stats = stats_of(model, inputs, "OCS")
+    batches, stats = stats_of(model, inputs, "OCS", config.progress)
     exclude = tuple(inputs.exclude)
     opts = dict(granularity=config.granularity, group_sizes=config.group_sizes, act_order=config.act_order,
-                damp=config.damp, exclude=exclude)
+                damp=config.damp, exclude=exclude, progress=config.progress)
     if not config.select:
         outcome = mixed_outcome(ocs_quantize(model, stats, budget, config.quant, ratio=config.expand_ratios[0],
                                              **opts), inputs)

@@ -34,28 +34,32 @@ def rtn_blocks(blocks: list[LayerBlocks], granularity: Granularity, cfg: QuantCo
 @on_canonical
 def rtn_quantize(
     model: nn.Module, granularity: Granularity, budget: float, cfg: QuantConfig = QuantConfig(),
-    *, exclude: Sequence[str] = (),
+    *, exclude: Sequence[str] = (), progress: bool = False,
 ) -> QuantizationResult:
     """RTN at ``budget`` average bits (all metadata counted) with the given scale granularity;
-    ``exclude``: module names or glob patterns kept in floating point (the result's ``unquantized``)."""
+    ``exclude``: module names or glob patterns kept in floating point (the result's ``unquantized``);
+    ``progress``: bars over the layers' grids, then their encodings."""
     layers = checked_layers(model, exclude=exclude)
     blocks = rtn_blocks(layer_blocks(layers, cfg.group_size, cfg.unit_groups), Granularity(granularity), cfg)
     weights = {n: m.weight for n, m in layers.items()}
-    table = rtn_table(weights, blocks, cfg)
+    table = rtn_table(weights, blocks, cfg, progress=progress)
     allocation = allocate(table, budget)
-    qweights = encode(table, allocation, weights)
+    qweights = encode(table, allocation, weights, progress=progress)
     return baseline_result(model, layers, qweights, allocation, table, exclude)
 
 
 @dataclass(frozen=True)
 class RTNConfig:
-    """Round-to-nearest on min/max grids at ``granularity`` (:func:`rtn_quantize`)."""
+    """Round-to-nearest on min/max grids at ``granularity`` (:func:`rtn_quantize`; ``progress``:
+    its bars)."""
 
     granularity: Granularity = Granularity.CHANNEL
     quant: QuantConfig = field(default_factory=QuantConfig)
+    progress: bool = True
 
 
 @register(RTNConfig)
 def rtn_method(model: nn.Module, config: RTNConfig, budget: float, inputs: Inputs) -> Outcome:
     """:func:`rtn_quantize` (data-free: reads nothing of ``inputs`` but ``exclude``)."""
-    return Outcome(rtn_quantize(model, config.granularity, budget, config.quant, exclude=tuple(inputs.exclude)))
+    return Outcome(rtn_quantize(model, config.granularity, budget, config.quant, exclude=tuple(inputs.exclude),
+                                progress=config.progress))

@@ -40,6 +40,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.rtn import rtn_blocks
@@ -264,7 +265,7 @@ def select_best(
     candidates: Mapping[str, Callable[[], QuantizationResult]], model: nn.Module, batches: Iterable[Batch],
     correction: BiasCorrection | None = None, reference: Sequence[torch.Tensor] | None = None,
     calibration: Sequence[Batch] | None = None, held_out: bool = False,
-    calibration_fp: Sequence[torch.Tensor] | None = None,
+    calibration_fp: Sequence[torch.Tensor] | None = None, progress: bool = False,
 ) -> BaselineChoice:
     """Build every candidate in turn and keep the one with the least mean calibration KL.
 
@@ -299,6 +300,8 @@ def select_best(
         calibration_fp: the full-precision model's logits on ``calibration``, one (B, C) tensor
             per batch, when the caller has them (:class:`bayesq.methods.Inputs`): the offset's
             fit reads them instead of a forward pass.
+        progress: a bar over the candidates (the one being built and scored as its postfix) and
+            one over the batches of each scoring pass, of the reference pass and of the offset's fit.
 
     Raises:
         ValueError: no candidates, or no calibration batch.
@@ -308,11 +311,14 @@ def select_best(
     batches = list(batches)
     if not batches:
         raise ValueError("empty calibration set: the selection scores candidates on calibration (or held-out) inputs")
-    reference = reference_log_probs(model, batches) if reference is None else reference
+    if reference is None:
+        reference = reference_log_probs(model, batches, "FP on the scored inputs" if progress else None)
     first = selection_looks(batches)
     kl, bits, inputs = {}, {}, {}
     best, best_kl, best_losses, best_log_probs = None, math.inf, None, None
-    for name, build in candidates.items():
+    bar = tqdm(candidates.items(), desc="variants", total=len(candidates), disable=not progress, leave=False)
+    for name, build in bar:
+        bar.set_postfix_str(name)
         release_freed()  # the last candidate's model copy: its small tensors stay resident in the C heap
         res = build()
         for label in [name] + ([f"{name}+bc"] if correction else []):
@@ -320,12 +326,13 @@ def select_best(
                 res = corrected(res, model, correction, in_place=True)
             bits[label] = res.average_bits
             log_probs = []  # (B, C) per batch: the output offset's fit reads the kept one's
-            losses = kl_per_input(reference[:first], res.model, batches[:first], log_probs=log_probs)
+            desc = f"selection KL ({label})" if progress else None
+            losses = kl_per_input(reference[:first], res.model, batches[:first], desc, log_probs=log_probs)
             if first < len(batches) and best_losses is not None and _resolved_worse(losses, best_losses[:len(losses)]):
                 kl[label], inputs[label] = float(losses.mean()), len(losses)
                 continue
             if first < len(batches):
-                rest = kl_per_input(reference[first:], res.model, batches[first:], log_probs=log_probs)
+                rest = kl_per_input(reference[first:], res.model, batches[first:], desc, log_probs=log_probs)
                 losses = torch.cat([losses, rest])
             kl[label], inputs[label] = float(losses.mean()), len(losses)
             score = math.inf if math.isnan(kl[label]) else kl[label]
@@ -337,7 +344,7 @@ def select_best(
     qmodel, offset = quantized_copy(model, kept.weights, kept.correction), None
     if calibration:
         held = dict(selection=batches, selection_fp=reference, selection_q=best_log_probs) if held_out else {}
-        offset = fit_output_offset(model, qmodel, calibration, calibration_fp=calibration_fp, **held)
+        offset = fit_output_offset(model, qmodel, calibration, progress, calibration_fp=calibration_fp, **held)
         offset.apply(qmodel)
     return BaselineChoice(replace(kept, model=qmodel, output_offset=offset), label, kl, bits, inputs)
 
@@ -346,18 +353,18 @@ def select_variants(
     candidates: Mapping[str, Callable[[], QuantizationResult]], model: nn.Module,
     stats: Mapping[str, InputStats], batches: Iterable[Batch], bias_correction: bool = False,
     selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
-    calibration_fp: Sequence[torch.Tensor] | None = None,
+    calibration_fp: Sequence[torch.Tensor] | None = None, progress: bool = False,
 ) -> BaselineChoice:
     """:func:`select_best` as the statistics-reading baselines' ``*_select`` functions call it:
     the candidates scored on ``selection`` (inputs held out of ``batches``; None: on ``batches``,
     the calibration inputs ``stats`` come from); with ``bias_correction`` each also in its form
     corrected by :func:`stats_correction`, and the kept one's output offset fitted on ``batches``
-    (and ``selection``). ``reference`` / ``calibration_fp``: as :func:`select_best`."""
+    (and ``selection``). ``reference`` / ``calibration_fp`` / ``progress``: as :func:`select_best`."""
     batches = list(batches)  # read by the correction's target search and by the selection
     correction = stats_correction(model, stats, batches) if bias_correction else None
     return select_best(candidates, model, batches if selection is None else selection, correction, reference,
                        batches if bias_correction else None, held_out=selection is not None,
-                       calibration_fp=calibration_fp)
+                       calibration_fp=calibration_fp, progress=progress)
 
 
 def _resolved_worse(losses: torch.Tensor, best: torch.Tensor) -> bool:
@@ -370,13 +377,15 @@ def _resolved_worse(losses: torch.Tensor, best: torch.Tensor) -> bool:
     return paired_difference(losses, best).ci_low > 0
 
 
-def stats_of(model: nn.Module, inputs: Inputs, method: str) -> tuple[list[Batch], Mapping[str, InputStats]]:
+def stats_of(model: nn.Module, inputs: Inputs, method: str,
+             progress: bool = False) -> tuple[list[Batch], Mapping[str, InputStats]]:
     """(calibration batches, layer-input statistics) a statistics-reading baseline's handler
-    works from: ``inputs.stats`` when given, else :func:`input_stats` on the calibration batches."""
+    works from: ``inputs.stats`` when given, else :func:`input_stats` on the calibration batches
+    (``progress``: a bar over them)."""
     batches = inputs.need_calibration(method)
     if inputs.stats is not None:
         return batches, inputs.stats
-    return batches, input_stats(model, batches, exclude=tuple(inputs.exclude))
+    return batches, input_stats(model, batches, exclude=tuple(inputs.exclude), progress=progress)
 
 
 def choice_outcome(choice: BaselineChoice, inputs: Inputs) -> Outcome:

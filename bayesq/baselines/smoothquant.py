@@ -65,7 +65,7 @@ def smooth_scales(W: torch.Tensor, stats: InputStats, kernel: int, alpha: float 
 @dataclass(frozen=True)
 class SmoothQuantConfig:
     """SmoothQuant weight-only (:func:`smooth_scales` on AWQ's code) with migration strength
-    ``alpha``; ``select``, ``group_sizes``, ``bias_correction``, ``granularity`` as
+    ``alpha``; ``select``, ``group_sizes``, ``bias_correction``, ``granularity``, ``progress`` as
     :class:`bayesq.baselines.awq.AWQConfig`."""
 
     quant: QuantConfig = field(default_factory=QuantConfig)
@@ -74,6 +74,7 @@ class SmoothQuantConfig:
     group_sizes: tuple[int, ...] = GROUP_SIZES
     alpha: float = ALPHA
     bias_correction: bool = False
+    progress: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= float(self.alpha) <= 1.0:
@@ -85,14 +86,14 @@ class SmoothQuantConfig:
 def smoothquant_method(model: nn.Module, config: SmoothQuantConfig, budget: float, inputs: Inputs) -> Outcome:
     """SmoothQuant from ``inputs.stats`` (else computed from the calibration batches), selection
     as :func:`bayesq.baselines.awq.awq_method`."""
-    batches, stats = stats_of(model, inputs, "SmoothQuant")
+    batches, stats = stats_of(model, inputs, "SmoothQuant", config.progress)
     rule = partial(smooth_scales, alpha=float(config.alpha))
     exclude = tuple(inputs.exclude)
     if not config.select:
         return mixed_outcome(awq_quantize(model, stats, budget, config.quant, granularity=config.granularity,
-                                          exclude=exclude, scales=rule), inputs)
+                                          exclude=exclude, scales=rule, progress=config.progress), inputs)
     choice = awq_select(model, stats, batches, budget, config.quant, granularity=config.granularity,
                         group_sizes=config.group_sizes, bias_correction=config.bias_correction,
                         selection=inputs.selection, reference=inputs.reference, exclude=exclude, scales=rule,
-                        method="SmoothQuant", calibration_fp=inputs.calibration_fp)
+                        method="SmoothQuant", calibration_fp=inputs.calibration_fp, progress=config.progress)
     return choice_outcome(choice, inputs)
