@@ -66,7 +66,10 @@ def main() -> None:
                 dcfg = replace(dcfg, agreement=a.agreement)
             if a.steps is not None:
                 dcfg = replace(dcfg, steps=a.steps)
-            fitted, _, d, _ = assemble(model, enc, res.posterior, calibration, dcfg, a.budget, a.seed, progress=True)
+            # the output offset (params.yaml's quant.output_offset) refitted after distillation on the same
+            # calibration and selection inputs as the BayesQ row's
+            fitted, _, d, _ = assemble(model, enc, res.posterior, calibration, dcfg, a.budget, a.seed, progress=True,
+                                       selection=selection)
             with torch.no_grad():
                 kl = kl_per_input(reference, fitted, test)
             p = paired_difference(base, kl)

@@ -65,7 +65,7 @@ def quantize(
     distill: bool = typer.Option(False, help="distil scales at budgets up to distill.max_budget, kept only if the "
                                              "held-out KL drops (off by default, like the pipeline's bayesq row; "
                                              "the bayesq-distill row has it: accepted on both embedded models at 3.0 "
-                                             "bits, test KL 5-10 % lower)"),
+                                             "bits, test KL 1-10 % lower for 2-10x the one-time cost)"),
     method: str = typer.Option("bayesq", help="bayesq, bayesq-ef, bayesq-paper, bayesq-brecq (BayesQ's encoding "
                                               "rounded again by BRECQ), or a baseline: gptq, optq, awq, "
                                               "smoothquant, hawq, zeroq, anneal, aciq, clip-block, lloyd-block, "
