@@ -137,7 +137,7 @@ def reference_log_probs(model: nn.Module, batches: Iterable[Batch], desc: str | 
 
 
 def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: Sequence[Batch],
-                 desc: str | None = None, log_probs: list[Tensor] | None = None) -> torch.Tensor:
+                 desc: str | None = None, logits: list[Tensor] | None = None) -> torch.Tensor:
     """Per input, ``KL(p_ref || p_model) = sum_c p_ref (log p_ref - log p_model)``: (N,) float64.
 
     Per-token logits (B, T, V): the mean over the input's real tokens of the per-token KL
@@ -151,9 +151,10 @@ def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: S
         model: the quantised model.
         batches: the calibration batches (tensors or dicts of tensors), same order.
         desc: a progress bar over the batches with this label (None: none).
-        log_probs: given, ``model``'s (B, C) float64 log-probabilities of each batch of row
-            logits are appended to it in order (per-token logits append nothing): the scores'
-            by-product, for a caller that reads them again (the output offset's fit).
+        logits: given, ``model``'s (B, C) float32 logits of each batch of row logits are
+            appended to it in order, as :func:`predict` gives them (per-token logits append
+            nothing): the scores' by-product, for a caller that reads them again (the output
+            offset's fit, which then fits what a forward pass would give, bit for bit).
 
     Raises:
         ValueError: a reference of another number of batches, or a batch whose reference has
@@ -174,8 +175,8 @@ def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: S
             ref = ref_of()
             if ref.shape != logq.shape:
                 raise mismatch(i, ref, tuple(logq.shape))
-            if log_probs is not None:
-                log_probs.append(logq)
+            if logits is not None:
+                logits.append(z.detach().float())
             return (ref.exp() * (ref - logq)).sum(-1)
         ref = ref_of()
         if ref.shape != z.shape:

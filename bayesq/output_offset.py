@@ -153,7 +153,8 @@ def fit_output_offset(model: nn.Module, qmodel: nn.Module, calibration: Iterable
                       progress: bool = False, *, selection: Iterable[Batch] | None = None,
                       selection_fp: Sequence[torch.Tensor] | None = None,
                       selection_q: Sequence[torch.Tensor] | None = None,
-                      calibration_fp: Sequence[torch.Tensor] | None = None) -> OutputOffset:
+                      calibration_fp: Sequence[torch.Tensor] | None = None,
+                      calibration_q: Sequence[torch.Tensor] | None = None) -> OutputOffset:
     """The :class:`OutputOffset` of ``qmodel`` (the quantised copy of ``model``), fitted (1) on
     the calibration inputs and the held-out ``selection`` inputs together: the output layer found
     on the first calibration batch, then both models' logits on every batch (a progress bar each
@@ -169,10 +170,13 @@ def fit_output_offset(model: nn.Module, qmodel: nn.Module, calibration: Iterable
             per batch in order (e.g. saved once for every model quantised from the same
             calibration draw), used instead of its forward pass; float32 logits as
             :func:`bayesq.evaluation.predict` gives give the same offset bit for bit.
+        calibration_q: ``qmodel``'s logits or log-probabilities on ``calibration``, likewise
+            (e.g. the selection's scores when it scored on the calibration inputs).
 
     Raises:
         ValueError: empty calibration set; ``selection_fp`` / ``selection_q`` of another number
-            of rows than ``selection`` has inputs, ``calibration_fp`` than ``calibration``.
+            of rows than ``selection`` has inputs, ``calibration_fp`` / ``calibration_q`` than
+            ``calibration``.
     """
     batches = list(calibration)
     if not batches:
@@ -183,7 +187,7 @@ def fit_output_offset(model: nn.Module, qmodel: nn.Module, calibration: Iterable
         return OutputOffset(None, None, why)
     held = list(selection or ())
     fp = _given_or_predicted(calibration_fp, model, batches, "FP", progress, "calibration")
-    q = predict(qmodel, batches, "output offset: quantised logits" if progress else None).double()
+    q = _given_or_predicted(calibration_q, qmodel, batches, "quantised", progress, "calibration")
     if held:
         fp_held = _given_or_predicted(selection_fp, model, held, "FP", progress, "selection")
         q_held = _given_or_predicted(selection_q, qmodel, held, "quantised", progress, "selection")

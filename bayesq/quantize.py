@@ -561,6 +561,10 @@ class Encoding:
         selection_inputs: candidate name -> the inputs it was scored on: the first look's
             (:func:`selection_looks`) for a candidate resolved worse than the anchor there, and
             for the anchor too when no other was left; else all of them.
+        scored_logits: the kept candidate's (B, C) float32 logits on each scored batch, in
+            order, when the selection scored it on all of them and its logits have no token axis
+            (the output offset's fit reads them instead of running the model again: the same
+            logits bit for bit); else None.
     """
 
     name: str
@@ -572,6 +576,7 @@ class Encoding:
     correction: BiasCorrection | None = None
     selection_margin: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     selection_inputs: Mapping[str, int] = field(default_factory=dict)
+    scored_logits: Sequence[torch.Tensor] | None = None
 
 
 SELECTION_FIRST_LOOK = 0.25  # share of the scored inputs in the selection's first look ...
@@ -725,6 +730,7 @@ def select_encoding(model: nn.Module, cands: Candidates, *, reference: Sequence[
     if len(built) == 1:
         return Encoding(next(iter(built)), *next(iter(built.values())), {}, correction)
     fp = {}  # the FP log-probabilities of each look's batches
+    scored_logits: dict[str, list[torch.Tensor]] = {}  # each candidate's, by-products of its scores
     scoring = [None, copy.deepcopy(model)]  # one quantised copy, holding the candidate named first
 
     def score(name: str, part: slice) -> torch.Tensor:
@@ -735,7 +741,8 @@ def select_encoding(model: nn.Module, cands: Candidates, *, reference: Sequence[
         if scoring[0] != name:  # exactly quantized_copy(model, its encoding, correction)
             load_quantized(scoring[1], model, built[name][3], correction)
             scoring[0] = name
-        return kl_per_input(fp[key], scoring[1].eval(), scored[part], f"selection KL ({name})" if progress else None)
+        return kl_per_input(fp[key], scoring[1].eval(), scored[part], f"selection KL ({name})" if progress else None,
+                            logits=scored_logits.setdefault(name, []))
 
     anchor = "minmax" if "minmax" in built else next(iter(built))
     if reference is not None and len(reference) != len(scored):
@@ -743,8 +750,12 @@ def select_encoding(model: nn.Module, cands: Candidates, *, reference: Sequence[
                          "batches: pass reference_log_probs of the same batches, in the same order")
     kept, margins, kls = sequential_choice(score, list(built), anchor, selection_looks(scored), len(scored))
     cq, t, allocation, qw = built[kept]
+    kept_lp = scored_logits.get(kept) or None
+    if kept_lp is not None and sum(len(z) for z in kept_lp) != sum(batch_size(b) for b in scored):
+        kept_lp = None  # scored on the first look only
     return Encoding(kept, cq, t, allocation, qw, {k: float(v.mean()) for k, v in kls.items()}, correction,
-                    {k: (d.ci_low, d.ci_high) for k, d in margins.items()}, {k: len(v) for k, v in kls.items()})
+                    {k: (d.ci_low, d.ci_high) for k, d in margins.items()}, {k: len(v) for k, v in kls.items()},
+                    kept_lp)
 
 
 # ---- posterior and table --------------------------------------------------------------------------
@@ -960,15 +971,21 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
     if not (keep_posterior or config.distill.applies(config.budget)):
         posterior = None
     release_freed()
-    if reference is None and selection and (len(cands.built) > 1 or (q.output_offset and calibration)):
-        # one FP pass over the held-out inputs, read by the selection and by the offset's fit
-        reference = reference_log_probs(model, cands.scored, "FP on the selection inputs" if progress else None)
+    if reference is None and (len(cands.built) > 1 or (selection and q.output_offset and calibration)):
+        # one FP pass over the scored inputs, read by the selection and by the offset's fit
+        label = f"FP on the {'selection' if selection else 'calibration'} inputs"
+        reference = reference_log_probs(model, cands.scored, label if progress else None)
     enc = select_encoding(model, cands, reference=reference, progress=progress)
     del cands
+    # the offset's fit reads both models' outputs on the scored inputs from the selection's scores:
+    # on the held-out inputs when there are some, else on the calibration inputs
+    if selection:
+        offset_inputs = dict(selection_fp=reference, selection_q=enc.scored_logits, calibration_fp=calibration_fp)
+    else:
+        offset_inputs = dict(calibration_fp=calibration_fp if calibration_fp is not None else reference,
+                             calibration_q=enc.scored_logits)
     qmodel, weights, _, offset = assemble(model, enc, posterior, calibration, config.distill, config.budget,
-                                          config.seed, progress, selection=selection,
-                                          selection_fp=reference if selection else None,
-                                          calibration_fp=calibration_fp)
+                                          config.seed, progress, selection=selection, **offset_inputs)
     return QuantizationResult(qmodel, weights, enc.allocation, enc.table, posterior if keep_posterior else None,
                               enc.name, enc.selection_kl, correction, unquantized_weights(model, layers, exclude),
                               offset)
@@ -994,7 +1011,8 @@ def assemble(
     model: nn.Module, enc: Encoding, posterior: Posterior | None, calibration: Sequence[Batch] | None,
     distill_cfg: DistillConfig | None, budget: float, seed: int = 0, progress: bool = False, *,
     selection: Sequence[Batch] | None = None, selection_fp: Sequence[torch.Tensor] | None = None,
-    calibration_fp: Sequence[torch.Tensor] | None = None,
+    calibration_fp: Sequence[torch.Tensor] | None = None, selection_q: Sequence[torch.Tensor] | None = None,
+    calibration_q: Sequence[torch.Tensor] | None = None,
 ) -> tuple[nn.Module, dict[str, QuantizedWeight], DistillResult | None, OutputOffset | None]:
     """The last stage: the model running ``enc`` (a copy; its bias correction applied), its
     scales distilled to the posterior teacher first when ``distill_cfg.applies(budget)``
@@ -1003,7 +1021,10 @@ def assemble(
     refitted to the FP model's mean prediction on ``calibration`` and the held-out ``selection``
     inputs when ``enc.quant.output_offset`` (:func:`bayesq.output_offset.fit_output_offset`,
     ``selection_fp``: the FP model's log-probabilities on ``selection``, ``calibration_fp`` its
-    logits on ``calibration``, if the caller has them; not without calibration batches).
+    logits on ``calibration``, ``selection_q`` / ``calibration_q`` the logits or log-probabilities
+    of ``enc``'s model on ``selection`` / ``calibration`` (:attr:`Encoding.scored_logits`; not
+    read when distillation changes that model), if the caller has them; not without calibration
+    batches).
 
     Returns:
         (quantised model, the encoded layers it runs, the :class:`DistillResult` or None, the
@@ -1012,6 +1033,7 @@ def assemble(
     if distill_cfg is None or not distill_cfg.applies(budget):
         qmodel, weights, res = quantized_copy(model, enc.weights, enc.correction), enc.weights, None
     else:
+        selection_q = calibration_q = None  # the scored model's outputs, not the distilled one's
         if posterior is None or calibration is None:
             raise ValueError("distillation needs the posterior (its teacher) and calibration batches")
         res = distill(model, enc.weights, posterior, calibration, distill_cfg, scale_bits=enc.quant.scale_bits,
@@ -1022,6 +1044,7 @@ def assemble(
     offset = None
     if enc.quant.output_offset and calibration:
         offset = fit_output_offset(model, qmodel, calibration, progress, selection=selection,
-                                   selection_fp=selection_fp, calibration_fp=calibration_fp)
+                                   selection_fp=selection_fp, selection_q=selection_q, calibration_fp=calibration_fp,
+                                   calibration_q=calibration_q)
         offset.apply(qmodel)
     return qmodel, weights, res, offset

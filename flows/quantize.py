@@ -353,7 +353,9 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
             extra |= {"bias_corrected": len(enc.correction.targets), "bias_skipped": dict(enc.correction.skipped)}
         qmodel, qweights, res, offset = assemble(
             model, enc, post, batches, distill if Method(method) == Method.BAYESQ_DISTILL else None, budget, seed,
-            selection=selection, selection_fp=reference,
+            selection=selection, selection_fp=reference,  # the kept candidate's scores stand for a forward pass
+            selection_q=enc.scored_logits if selection is not None else None,
+            calibration_q=enc.scored_logits if selection is None else None,
             calibration_fp=(load_reference(Path(reference_file), "calibration") or None) if reference_file else None)
         if offset is not None:
             extra |= {"output_offset_layer": offset.layer or "", "output_offset_skipped": offset.skipped,

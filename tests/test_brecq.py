@@ -201,6 +201,23 @@ def test_bayesq_brecq_vs_brecq_codes_on_bayesq_encoding():
     assert any(not torch.equal(res.weights[n].codes, base.weights[n].codes) for n in layers)  # rounded again
 
 
+def test_brecq_encoding_drops_the_scored_logits_of_the_model_it_rounds_again():
+    """The selection's logits of BayesQ's kept candidate stand for a forward pass of that model
+    only: the re-rounded encoding carries none, so the output offset's fit runs the new model."""
+    from bayesq.baselines.brecq import brecq_encoding
+    from bayesq.quantize import build_table, encode_best, fit_posterior
+
+    net, cal, sel = _residual_net()
+    q = QuantConfig(group_size=32, unit_groups=2)
+    post = fit_posterior(net, cal, BayesQConfig(quant=q), progress=False)
+    table = build_table(post, layer_blocks(quantizable_layers(net), 32, 2), q, model=net, calibration=cal,
+                        progress=False)
+    enc = encode_best(net, post, table, q, 3.0, calibration=cal, selection=sel)
+    assert enc.scored_logits is not None and sum(len(z) for z in enc.scored_logits) == 16
+    again = brecq_encoding(net, enc, cal, BRECQConfig(iters=5, progress=False))
+    assert again.scored_logits is None and again.name == enc.name
+
+
 def test_bayesq_brecq_rejects_distillation_and_missing_calibration():
     net, cal, sel = _residual_net()
     distilled = BayesQBRECQConfig(BayesQConfig(distill=DistillConfig(max_budget=3.5)), BRECQConfig(iters=5))

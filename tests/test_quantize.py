@@ -665,6 +665,38 @@ def test_quantize_model_progress_names_every_step(capsys):
     assert [s for s in steps if s not in err] == []
 
 
+@pytest.mark.parametrize("held_out", [True, False])
+def test_quantize_model_offset_reads_the_selection_scores_vs_forward_passes(monkeypatch, held_out):
+    """The output offset's fit reads the kept candidate's scored logits and the FP reference
+    instead of running either model again on the scored inputs (the held-out ones, else the
+    calibration ones): the offset fitted by a forward pass of the quantised model, bit for bit."""
+    import copy
+
+    import bayesq.output_offset as oo
+    from bayesq.evaluation import reference_log_probs
+    from bayesq.quantize import quantized_copy
+
+    model, cal = _model().double(), [b.double() for b in _calibration()]
+    sel = [b.double() for b in _calibration(2)[::-1]] if held_out else None
+    cfg = BayesQConfig(budget=3.0, quant=CFG, distill=DistillConfig(max_budget=0))
+    seen, predict = [], oo.predict
+    monkeypatch.setattr(oo, "predict", lambda m, batches, desc=None: seen.append(len(batches)) or predict(m, batches))
+    res = quantize_model(model, cal, cfg, progress=False, selection=sel)
+    monkeypatch.setattr(oo, "predict", predict)
+    assert len(res.selection_kl) == 2 and res.output_offset.fitted
+    assert seen == ([len(cal), len(cal)] if held_out else [])  # both models on the calibration inputs only
+    qmodel = quantized_copy(model, res.weights, res.correction)
+    fp = reference_log_probs(model, sel or cal)  # the selection's reference
+    want = oo.fit_output_offset(model, copy.deepcopy(qmodel), cal, selection=sel,
+                                **(dict(selection_fp=fp) if held_out else dict(calibration_fp=fp)))
+    assert torch.equal(res.output_offset.shift, want.shift)
+    assert res.output_offset.inputs == want.inputs == 8 * (5 if held_out else 3)
+    assert res.output_offset.shift.abs().max() > 1e-6  # an offset that moved, so the comparison can fail
+    want.apply(qmodel)
+    with torch.no_grad():
+        assert torch.equal(res.model(cal[0]), qmodel(cal[0]))
+
+
 def test_quantize_model_channels_last_vs_contiguous():
     cfg = BayesQConfig(budget=3.0, quant=CFG, distill=DistillConfig(max_budget=0))
     plain = quantize_model(_model().double(), [b.double() for b in _calibration()], cfg, progress=False)
@@ -730,6 +762,7 @@ def test_library_stages_in_order_vs_quantize_model():
     """fit_posterior -> build_table -> encode_best -> assemble, called one by one (as the
     pipeline's cached tasks do), give quantize_model's model and codes."""
     from bayesq.blocks import layer_blocks, quantizable_layers
+    from bayesq.evaluation import reference_log_probs
     from bayesq.quantize import assemble, build_table, encode_best, fit_posterior
 
     model, batches = _model(), _calibration()
@@ -740,7 +773,10 @@ def test_library_stages_in_order_vs_quantize_model():
     table = build_table(post, layer_blocks(quantizable_layers(model), 32, 8), q, model=model, calibration=batches,
                         progress=False)
     enc = encode_best(model, post, table, q, 3.0, calibration=batches)
-    qmodel, weights, distilled, offset = assemble(model, enc, post, batches, cfg.distill, 3.0)
+    # scored on the calibration inputs: the offset's fit reads the selection's outputs there
+    qmodel, weights, distilled, offset = assemble(model, enc, post, batches, cfg.distill, 3.0,
+                                                  calibration_fp=reference_log_probs(model, batches),
+                                                  calibration_q=enc.scored_logits)
     assert distilled is None and enc.name == whole.encoding
     assert offset.layer is not None and torch.equal(offset.shift, whole.output_offset.shift)
     for name, qw in whole.weights.items():

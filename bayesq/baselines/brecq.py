@@ -437,7 +437,7 @@ def brecq_encoding(model: nn.Module, enc: Encoding, batches: Sequence[Batch], co
     with canonical(model), kept_state(model):
         model.eval()
         weights = _relearned(model, enc.weights, model_batches(model, batches), config)
-    return replace(enc, weights=weights, correction=None)
+    return replace(enc, weights=weights, correction=None, scored_logits=None)  # not the scored model's
 
 
 @register(BayesQBRECQConfig)

@@ -315,7 +315,7 @@ def select_best(
         reference = reference_log_probs(model, batches, "FP on the scored inputs" if progress else None)
     first = selection_looks(batches)
     kl, bits, inputs = {}, {}, {}
-    best, best_kl, best_losses, best_log_probs = None, math.inf, None, None
+    best, best_kl, best_losses, best_logits = None, math.inf, None, None
     bar = tqdm(candidates.items(), desc="variants", total=len(candidates), disable=not progress, leave=False)
     for name, build in bar:
         bar.set_postfix_str(name)
@@ -325,25 +325,25 @@ def select_best(
             if label != name:  # in place: the kept form holds no model (rebuilt at the end)
                 res = corrected(res, model, correction, in_place=True)
             bits[label] = res.average_bits
-            log_probs = []  # (B, C) per batch: the output offset's fit reads the kept one's
+            logits = []  # (B, C) float32 per batch: the output offset's fit reads the kept one's
             desc = f"selection KL ({label})" if progress else None
-            losses = kl_per_input(reference[:first], res.model, batches[:first], desc, log_probs=log_probs)
+            losses = kl_per_input(reference[:first], res.model, batches[:first], desc, logits=logits)
             if first < len(batches) and best_losses is not None and _resolved_worse(losses, best_losses[:len(losses)]):
                 kl[label], inputs[label] = float(losses.mean()), len(losses)
                 continue
             if first < len(batches):
-                rest = kl_per_input(reference[first:], res.model, batches[first:], desc, log_probs=log_probs)
+                rest = kl_per_input(reference[first:], res.model, batches[first:], desc, logits=logits)
                 losses = torch.cat([losses, rest])
             kl[label], inputs[label] = float(losses.mean()), len(losses)
             score = math.inf if math.isnan(kl[label]) else kl[label]
             if best is None or score < best_kl:  # its weights and correction; one model copy alive at a time
                 best, best_kl, best_losses = (label, replace(res, model=None)), score, losses
-                best_log_probs = log_probs
+                best_logits = logits
         del res
     label, kept = best
     qmodel, offset = quantized_copy(model, kept.weights, kept.correction), None
     if calibration:
-        held = dict(selection=batches, selection_fp=reference, selection_q=best_log_probs) if held_out else {}
+        held = dict(selection=batches, selection_fp=reference, selection_q=best_logits) if held_out else {}
         offset = fit_output_offset(model, qmodel, calibration, progress, calibration_fp=calibration_fp, **held)
         offset.apply(qmodel)
     return BaselineChoice(replace(kept, model=qmodel, output_offset=offset), label, kl, bits, inputs)
