@@ -194,15 +194,20 @@ def stages(a) -> None:
     """``--stages``: BayesQ's default and GPTQ's strongest variant stage by stage in this process
     (as benchmarks/one_time_cost.py), each stage's wall seconds, peak RSS (sampled every 20 ms)
     and RSS after it once freed memory is returned to the system (:meth:`StagePeaks.settled`:
-    what stays held, apart from what the allocator keeps)."""
+    what stays held, apart from what the allocator keeps). BayesQ's last stage (the output
+    offset's fit) runs twice: as the library runs it, reading the kept candidate's logits from
+    the selection's scores, and, for comparison, running the kept model over the selection
+    inputs again (not part of BayesQ's cost)."""
     from bayesq.baselines.activations import input_stats
     from bayesq.baselines.gptq import gptq_select
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.canonical import canonical
     from bayesq.config import BayesQConfig
+    from bayesq.evaluation import reference_log_probs
     from bayesq.memory import estimate
     from bayesq.quantize import (
-        bias_correction, ef_column_metric, encode_candidates, grid_tables, posterior_and_stats, select_encoding,
+        assemble, bias_correction, ef_column_metric, encode_candidates, grid_tables, posterior_and_stats,
+        select_encoding,
     )
     from flows.params import read_params
 
@@ -228,9 +233,16 @@ def stages(a) -> None:
                                           calibration=cal, column_metric=metric, correction=correction, selection=sel,
                                           tables=tables, consume_metric=True)
             del post, metric, correction, tables  # as quantize_model: not read by the selection
-            with peaks.stage("bayesq select"):
-                select_encoding(model, cands)
+            with peaks.stage("bayesq select"):  # as quantize_model: one FP pass, read by the offset's fit too
+                reference = reference_log_probs(model, sel)
+                enc = select_encoding(model, cands, reference=reference)
             del cands
+            with peaks.stage("bayesq assemble + output offset"):  # reads the kept candidate's scored logits
+                assemble(model, enc, None, cal, cfg.distill, a.budget, selection=sel, selection_fp=reference,
+                         selection_q=enc.scored_logits)
+            with peaks.stage("  the same, kept model run again"):  # what it cost before it read them
+                assemble(model, enc, None, cal, cfg.distill, a.budget, selection=sel, selection_fp=reference)
+            del enc, reference
         if "gptq" in a.methods:
             b = params.baselines
             with peaks.stage("gptq input stats"):
