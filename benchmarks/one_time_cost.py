@@ -3,9 +3,11 @@
 BayesQ (the library default, distillation off): posterior fit and layer-input statistics (one
 pass, as ``quantize_model``: the error-feedback metric and the bias correction read them) + loss
 table + :func:`bayesq.quantize.encode_best` (its other candidates' tables, every allocation and
-encoding, the KL on the held-out selection inputs that picks one). GPTQ as the pipeline's ``gptq``
-row runs it: layer-input statistics + :func:`bayesq.baselines.gptq.gptq_select` (every variant,
-BayesQ's allocation among them, the KL on the same selection inputs that picks one). Same
+encoding, the KL on the held-out selection inputs that picks one) + :func:`bayesq.quantize.assemble`
+(the quantised model and its output offset). GPTQ as the pipeline's ``gptq`` row runs it:
+layer-input statistics + :func:`bayesq.baselines.gptq.gptq_select` (every variant, BayesQ's
+allocation among them, the KL on the same selection inputs that picks one, the kept one's output
+offset). Each computes the FP model's outputs it reads itself (the pipeline caches them). Same
 fine-tuned model, same calibration and selection inputs, same budget, one thread each after the
 other.
 
@@ -78,7 +80,10 @@ def bayesq_stages(model, calibration, params, budget: float, seed: int, selectio
     """Wall seconds of each BayesQ stage; the kept :class:`~bayesq.quantize.Encoding`."""
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.memory import estimate
-    from bayesq.quantize import bias_correction, ef_column_metric, encode_best, grid_tables, posterior_and_stats
+    from bayesq.evaluation import reference_log_probs
+    from bayesq.quantize import (
+        assemble, bias_correction, ef_column_metric, encode_best, grid_tables, posterior_and_stats,
+    )
     from bayesq.config import BayesQConfig, DistillConfig
 
     cfg = BayesQConfig(budget=budget, posterior=params.posterior, quant=params.quant,
@@ -95,10 +100,15 @@ def bayesq_stages(model, calibration, params, budget: float, seed: int, selectio
     with _timed(stages, "table"):  # every grid candidate's, built together as quantize_model does
         tables = grid_tables(post, blocks, q, held_out=selection is not None, seed=seed, model=model,
                              calibration=calibration, column_metric=metric)
-    with _timed(stages, "allocate+encode+select"):
+    with _timed(stages, "allocate+encode+select"):  # one FP pass over the scored inputs, as quantize_model
+        reference = reference_log_probs(model, selection if selection is not None else calibration)
         enc = encode_best(model, post, next(iter(tables.values())), q, budget, cfg.allocation, seed=seed,
                           calibration=calibration, column_metric=metric, correction=correction, selection=selection,
-                          tables=tables)
+                          tables=tables, reference=reference)
+    with _timed(stages, "assemble+offset"):  # as quantize_model: the selection's outputs read, not recomputed
+        held = (dict(selection_fp=reference, selection_q=enc.scored_logits) if selection is not None
+                else dict(calibration_fp=reference, calibration_q=enc.scored_logits))
+        assemble(model, enc, None, calibration, cfg.distill, budget, seed, selection=selection, **held)
     return stages, enc
 
 
