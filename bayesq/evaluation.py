@@ -57,7 +57,12 @@ def predict(model: nn.Module, batches: Iterable[Batch], desc: str = "predict") -
 
 def _log_probs(model: nn.Module, batch: Batch) -> torch.Tensor:
     """(B, C) float64 log-probabilities of ``model`` on ``batch``."""
-    z = logits(model, batch)
+    return log_probs(logits(model, batch))
+
+
+def log_probs(z: Tensor) -> Tensor:
+    """(R, C) float64 ``log_softmax`` of logits ``z`` (..., C) in any float dtype: what
+    :func:`reference_log_probs` holds per batch."""
     return F.log_softmax(z.reshape(-1, z.shape[-1]).double(), dim=-1)
 
 

@@ -371,11 +371,28 @@ def by_length(batches: Iterable[Batch]) -> list[Batch]:
     batches (images) and batches without right padding come back as they are.
     """
     batches = list(batches)
-    if not batches or not all(isinstance(b, Mapping) and "attention_mask" in b for b in batches):
+    sorted_ = _length_sorted(batches)
+    if sorted_ is None:
         return batches
+    every, order, keys = sorted_
+    size = batch_size(batches[0])
+    out = []
+    for i in range(0, len(order), size):
+        idx = order[i:i + size]
+        longest = int(every["attention_mask"][idx].sum(1).max())
+        out.append({k: v[idx][:, :longest] if k in keys else v[idx] for k, v in every.items()})
+    return out
+
+
+def _length_sorted(batches: list[Batch]) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[str]] | None:
+    """:func:`by_length`'s regrouping: (every input joined and padded to the widest batch, the
+    (N,) int64 stable order by real tokens, the (B, L) keys cut per batch), or None where the
+    batches come back as they are (no right-padded ``attention_mask``)."""
+    if not batches or not all(isinstance(b, Mapping) and "attention_mask" in b for b in batches):
+        return None
     masks = [b["attention_mask"] for b in batches]
     if any(m.dim() != 2 or bool((m[:, 1:] > m[:, :-1]).any()) for m in masks):
-        return batches  # not right padding (or not (B, L)): cutting would drop real tokens
+        return None  # not right padding (or not (B, L)): cutting would drop real tokens
     width = max(m.shape[1] for m in masks)
     keys = [k for k, v in batches[0].items() if torch.is_tensor(v) and v.dim() == 2 and v.shape == masks[0].shape]
 
@@ -384,14 +401,36 @@ def by_length(batches: Iterable[Batch]) -> list[Batch]:
         return torch.nn.functional.pad(v, (0, width - v.shape[1])) if k in keys else v
 
     every = {k: torch.cat([padded(b, k) for b in batches]) for k in batches[0]}
-    order = every["attention_mask"].sum(1).argsort(stable=True)
-    size = batch_size(batches[0])
-    out = []
-    for i in range(0, len(order), size):
-        idx = order[i:i + size]
-        longest = int(every["attention_mask"][idx].sum(1).max())
-        out.append({k: v[idx][:, :longest] if k in keys else v[idx] for k, v in every.items()})
-    return out
+    return every, every["attention_mask"].sum(1).argsort(stable=True), keys
+
+
+def pass_logits(outputs: list[torch.Tensor | None], batches: Iterable[Batch]) -> list[torch.Tensor] | None:
+    """A pass's logits back in the order of ``batches``: one (B, C) tensor per batch, or None.
+
+    ``outputs``: the (B, C) logits of every forward call of a pass over :func:`by_length`
+    ``(batches)``, in its order (whole batches or parts of them; None for a call whose logits
+    have a token axis), as the curvature pass and the layer-input statistics collect them
+    (``logits=``). Their rows are the inputs in :func:`by_length`'s order; they are put back
+    in the order of ``batches`` and split into its batches. None unless every call gave (B, C)
+    logits and their rows are exactly the inputs of ``batches`` (a pass that skipped batches,
+    or a curvature that called the model more or less than once per input).
+    """
+    batches = list(batches)
+    n = sum(batch_size(b) for b in batches)
+    if not outputs or any(z is None for z in outputs) or sum(len(z) for z in outputs) != n:
+        return None
+    rows = torch.cat(outputs)
+    sorted_ = _length_sorted(batches)
+    if sorted_ is not None:  # row i of the pass is input order[i]
+        rows = torch.empty_like(rows).index_copy_(0, sorted_[1].to(rows.device), rows)
+    return list(rows.split([batch_size(b) for b in batches]))
+
+
+def collect_logits(outputs: list[torch.Tensor | None] | None, z: torch.Tensor) -> None:
+    """Append a pass's output ``z`` to ``outputs`` (when given): detached (B, C) logits, or None
+    for per-token ones (not kept: (B, T, V) is large, and :func:`pass_logits` reads rows per input)."""
+    if outputs is not None:
+        outputs.append(z.detach() if z.dim() == 2 else None)
 
 
 def positions(batch: Batch) -> int:

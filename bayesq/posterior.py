@@ -50,7 +50,8 @@ from bayesq.curvature.lowrank import truncate
 from bayesq.curvature.patches import input_rows
 from bayesq.memory import release_freed
 from bayesq.forward import (
-    Batch, batch_size, by_length, call, drops_padding, layer_calls, padding_mask, split_batches, token_rows,
+    Batch, batch_size, by_length, call, collect_logits, drops_padding, layer_calls, output_logits, padding_mask,
+    split_batches, token_rows,
 )
 
 BACKOFF = 3.0
@@ -365,7 +366,8 @@ class CurvatureBackend(ABC):
 
     ``rows_in_pass``: its calibration pass can also hand each layer's input rows to an
     ``on_rows(name, rows)`` callback (as :func:`forward_inputs` does), so one pass also gives
-    the layer-input statistics."""
+    the layer-input statistics, and its ``fit`` takes a ``logits`` list that receives the
+    model's outputs of that pass (one forward call per input)."""
 
     rows_in_pass: ClassVar[bool] = False
 
@@ -391,10 +393,12 @@ class DiagonalCurvature(CurvatureBackend):
         """(name -> float64 sum over inputs of the curvature diagonal, shaped like the weight; inputs
         seen). With ``splits_batches``, also a ``max_inputs`` keyword: the most inputs of a pass."""
 
-    def fit(self, model, calibration, layers, cfg, *, seed, progress, on_rows, max_inputs=None):
+    def fit(self, model, calibration, layers, cfg, *, seed, progress, on_rows, max_inputs=None, logits=None):
         batches = by_length(calibration)
         if self.splits_batches:
-            diag, n = self.diagonal(model, batches, layers, cfg, seed, progress, on_rows, max_inputs=max_inputs)
+            extra = {} if logits is None else {"logits": logits}  # the backends whose pass reports them
+            diag, n = self.diagonal(model, batches, layers, cfg, seed, progress, on_rows, max_inputs=max_inputs,
+                                    **extra)
         else:
             diag, n = self.diagonal(model, split_batches(batches, max_inputs), layers, cfg, seed, progress, on_rows)
         weights = {name: m.weight for name, m in layers.items()}
@@ -408,10 +412,10 @@ class FisherCurvature(DiagonalCurvature):
     rows_in_pass = True
     splits_batches = True
 
-    def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows, max_inputs=None):
+    def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows, max_inputs=None, logits=None):
         return fisher_diagonal(model, calibration, layers, label_samples=cfg.label_samples, seed=seed,
                                progress=progress, on_rows=on_rows, max_inputs=max_inputs,
-                               share=cfg.curvature_share)
+                               share=cfg.curvature_share, logits=logits)
 
 
 class EmpiricalFisherCurvature(DiagonalCurvature):
@@ -421,9 +425,9 @@ class EmpiricalFisherCurvature(DiagonalCurvature):
     rows_in_pass = True
     splits_batches = True
 
-    def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows, max_inputs=None):
+    def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows, max_inputs=None, logits=None):
         return empirical_fisher_diagonal(model, calibration, layers, progress=progress, on_rows=on_rows,
-                                         max_inputs=max_inputs, share=cfg.curvature_share)
+                                         max_inputs=max_inputs, share=cfg.curvature_share, logits=logits)
 
 
 class HutchinsonCurvature(DiagonalCurvature):
@@ -476,6 +480,7 @@ def fit_posterior(
     progress: bool = True,
     on_rows: Callable[[str, torch.Tensor], None] | None = None,
     max_inputs: int | None = None,
+    logits: list[torch.Tensor | None] | None = None,
 ) -> Posterior:
     """Label-free posterior of ``layers``' weights with the backend :data:`CURVATURES` holds for
     ``cfg.curvature``.
@@ -489,20 +494,24 @@ def fit_posterior(
     ``max_inputs``: the diagonal backends' pass holds at most this many inputs at once (batches
     run in parts, :func:`bayesq.curvature.fisher.fisher_diagonal`; the same sums up to float rounding, the activation
     memory of a part instead of a batch; e.g. :attr:`bayesq.memory.MemoryEstimate.pass_inputs`); None:
-    whole batches.
+    whole batches. ``logits``: a list that receives the model's logits of each forward call of a
+    :data:`ROWS_IN_PASS` backend's pass (:func:`bayesq.forward.pass_logits` puts them in the order of
+    ``calibration``); any other backend leaves it empty.
     """
     curv = Curvature(cfg.curvature)
     backend = CURVATURES[curv]
     if on_rows is not None and not backend.rows_in_pass:
         raise ValueError(f"on_rows needs a Fisher curvature pass ({', '.join(c.value for c in ROWS_IN_PASS)}), not "
                          f"'{curv.value}': take the layer inputs with forward_inputs instead")
+    extra = {"logits": logits} if logits is not None and backend.rows_in_pass else {}
     return backend.fit(model, calibration, layers, cfg, seed=seed, progress=progress, on_rows=on_rows,
-                       max_inputs=max_inputs)
+                       max_inputs=max_inputs, **extra)
 
 
 def forward_inputs(
     model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module],
     on_rows: Callable[[str, torch.Tensor], None], *, progress: bool = False, desc: str = "layer inputs",
+    logits: list[torch.Tensor | None] | None = None,
 ) -> int:
     """One forward pass (eval mode, no grad) calling ``on_rows(name, rows)`` for every layer call
     (``progress``: a bar over the batches, labelled ``desc``).
@@ -516,7 +525,9 @@ def forward_inputs(
     A model with per-token logits (a language model, (B, T, V)) on padded batches gets its
     padded tokens' rows dropped (:func:`bayesq.forward.token_rows`: (1, 1, R, d_in), the R real
     tokens; :func:`bayesq.forward.drops_padding` reads the logits of the first input once); a
-    classifier's rows are kept as they are. Returns the number of inputs seen.
+    classifier's rows are kept as they are. ``logits``: a list that receives the model's logits
+    on each batch of the pass (:func:`bayesq.forward.collect_logits`; :func:`bayesq.forward.pass_logits`
+    puts them in the order of ``calibration``). Returns the number of inputs seen.
     """
     last: list = [None, None]  # the last Linear input tensor seen and its rows
     batches = by_length(calibration)
@@ -537,7 +548,9 @@ def forward_inputs(
     with layer_calls(model, layers, record), torch.no_grad():
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
             mask[0] = padding_mask(batch) if drop else None
-            call(model, batch)  # the hooks read the layer inputs
+            out = call(model, batch)  # the hooks read the layer inputs
+            collect_logits(logits, output_logits(out))
+            del out
             n += batch_size(batch)
             last[:] = (None, None)
     return n

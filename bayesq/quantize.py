@@ -35,9 +35,9 @@ from bayesq.distill import DistillResult, apply_distilled, distill
 from bayesq.error_feedback import (
     LazyMetrics, coordinate_descent, damped_metrics, error_feedback_groups, feedback_gain, shared_factors,
 )
-from bayesq.evaluation import kl_per_input, reference_log_probs
+from bayesq.evaluation import kl_per_input, log_probs, reference_log_probs
 from bayesq.expected_loss import Book, LayerTable, LossTable, apply_mc_proxy, posterior_tables
-from bayesq.forward import Batch, batch_size, first_inputs, kept_state, model_batches
+from bayesq.forward import Batch, batch_size, first_inputs, kept_state, model_batches, pass_logits
 from bayesq.memory import check as check_memory_fits, estimate as estimate_memory, release_freed
 from bayesq.methods import Inputs, Outcome, read, register
 from bayesq.output_offset import OutputOffset, fit_output_offset
@@ -783,6 +783,7 @@ def fit_posterior(
 def posterior_and_stats(
     model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module], cfg: PosteriorConfig,
     q: QuantConfig, *, seed: int = 0, progress: bool = True, max_inputs: int | None = None,
+    logits: list[torch.Tensor | None] | None = None,
 ) -> tuple[Posterior, dict[str, InputStats] | None]:
     """The posterior of ``layers`` and, when :func:`needs_input_stats` says the encoding reads
     them, the layers' input statistics (else None): taken in the posterior's own pass when its
@@ -790,11 +791,12 @@ def posterior_and_stats(
     :func:`bayesq.baselines.activations.input_stats`, one pass fewer), else by one more forward
     pass. ``calibration``: re-iterable batches in the model's dtype; ``model`` in eval mode;
     ``max_inputs``: the most inputs the curvature pass holds at once
-    (:func:`bayesq.posterior.fit_posterior`)."""
+    (:func:`bayesq.posterior.fit_posterior`); ``logits``: a list that receives the model's logits
+    of the curvature pass (:func:`bayesq.posterior.fit_posterior`)."""
     one_pass = Curvature(cfg.curvature) in ROWS_IN_PASS  # diagonal: the posterior has no K-FAC factors
     sums = StatsSums(abs_mean=False) if one_pass and _reads_stats(q, kfac=False) else None
     posterior = _fit_posterior(model, calibration, layers, cfg, seed=seed, progress=progress, on_rows=sums,
-                               max_inputs=max_inputs)
+                               max_inputs=max_inputs, logits=logits)
     if not needs_input_stats(posterior, q):
         return posterior, None
     if sums is not None:
@@ -951,9 +953,11 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
     need = estimate_memory(model, layers, calibration) if calibration and layers else None
     if check_memory and need is not None:
         check_memory_fits(need, next(iter(layers.values())).weight.device)
+    outputs: list[torch.Tensor | None] = []  # the FP model's logits of the curvature pass: read below, not recomputed
     if posterior is None:
         posterior, stats = posterior_and_stats(model, calibration, layers, config.posterior, q, seed=config.seed,
-                                               progress=progress, max_inputs=need and need.pass_inputs)
+                                               progress=progress, max_inputs=need and need.pass_inputs,
+                                               logits=outputs)
     else:
         stats = _input_stats(posterior, model, calibration, progress) if needs_input_stats(posterior, q) else None
     metric = ef_column_metric(posterior, q, model, calibration, progress=progress, stats=stats)
@@ -971,19 +975,27 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
     if not (keep_posterior or config.distill.applies(config.budget)):
         posterior = None
     release_freed()
+    # the FP model's (B, C) logits on the calibration inputs (model dtype), from the curvature pass
+    fp = pass_logits(outputs, calibration) if calibration else None
+    del outputs
     if reference is None and (len(cands.built) > 1 or (selection and q.output_offset and calibration)):
-        # one FP pass over the scored inputs, read by the selection and by the offset's fit
+        # one FP pass over the scored inputs, read by the selection and by the offset's fit (on
+        # the calibration inputs, the curvature pass has made it)
         label = f"FP on the {'selection' if selection else 'calibration'} inputs"
-        reference = reference_log_probs(model, cands.scored, label if progress else None)
+        reference = ([log_probs(z) for z in fp] if fp is not None and not selection
+                     else reference_log_probs(model, cands.scored, label if progress else None))
     enc = select_encoding(model, cands, reference=reference, progress=progress)
     del cands
-    # the offset's fit reads both models' outputs on the scored inputs from the selection's scores:
-    # on the held-out inputs when there are some, else on the calibration inputs
+    # the offset's fit reads both models' outputs on the scored inputs from the selection's scores
+    # (on the held-out inputs when there are some, else on the calibration inputs), the FP model's
+    # on the calibration inputs from the curvature pass (float32, as predict gives them)
+    if calibration_fp is None:
+        calibration_fp = reference if reference is not None and not selection else (
+            None if fp is None else [z.float() for z in fp])
     if selection:
         offset_inputs = dict(selection_fp=reference, selection_q=enc.scored_logits, calibration_fp=calibration_fp)
     else:
-        offset_inputs = dict(calibration_fp=calibration_fp if calibration_fp is not None else reference,
-                             calibration_q=enc.scored_logits)
+        offset_inputs = dict(calibration_fp=calibration_fp, calibration_q=enc.scored_logits)
     qmodel, weights, _, offset = assemble(model, enc, posterior, calibration, config.distill, config.budget,
                                           config.seed, progress, selection=selection, **offset_inputs)
     return QuantizationResult(qmodel, weights, enc.allocation, enc.table, posterior if keep_posterior else None,

@@ -7,7 +7,9 @@ encoding, the KL on the held-out selection inputs that picks one) + :func:`bayes
 (the quantised model and its output offset). GPTQ as the pipeline's ``gptq`` row runs it:
 layer-input statistics + :func:`bayesq.baselines.gptq.gptq_select` (every variant, BayesQ's
 allocation among them, the KL on the same selection inputs that picks one, the kept one's output
-offset). Each computes the FP model's outputs it reads itself (the pipeline caches them). Same
+offset). Each computes the FP model's outputs it reads itself (the pipeline caches them), on the
+calibration inputs in its own first pass (as the library does: the curvature pass, the statistics
+pass). Same
 fine-tuned model, same calibration and selection inputs, same budget, one thread each after the
 other.
 
@@ -80,7 +82,8 @@ def bayesq_stages(model, calibration, params, budget: float, seed: int, selectio
     """Wall seconds of each BayesQ stage; the kept :class:`~bayesq.quantize.Encoding`."""
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.memory import estimate
-    from bayesq.evaluation import reference_log_probs
+    from bayesq.evaluation import log_probs, reference_log_probs
+    from bayesq.forward import pass_logits
     from bayesq.quantize import (
         assemble, bias_correction, ef_column_metric, encode_best, grid_tables, posterior_and_stats,
     )
@@ -92,21 +95,25 @@ def bayesq_stages(model, calibration, params, budget: float, seed: int, selectio
     blocks = layer_blocks(quantizable_layers(model), q.group_size, q.unit_groups, q.unit.value)
     with _timed(stages, "posterior + input stats"):  # one pass, as quantize_model: the metric and the bias correction
         layers = quantizable_layers(model)
+        outputs = []  # the FP logits of the pass, read by the selection / the offset as quantize_model does
         post, stats = posterior_and_stats(model, calibration, layers, cfg.posterior, q, seed=seed, progress=False,
-                                          max_inputs=estimate(model, layers, calibration).pass_inputs)
+                                          max_inputs=estimate(model, layers, calibration).pass_inputs, logits=outputs)
+        fp = pass_logits(outputs, calibration)
     with _timed(stages, "metric + bias correction"):
         metric = ef_column_metric(post, q, stats=stats)
         correction = bias_correction(model, stats, calibration) if q.bias_correction else None
     with _timed(stages, "table"):  # every grid candidate's, built together as quantize_model does
         tables = grid_tables(post, blocks, q, held_out=selection is not None, seed=seed, model=model,
                              calibration=calibration, column_metric=metric)
-    with _timed(stages, "allocate+encode+select"):  # one FP pass over the scored inputs, as quantize_model
-        reference = reference_log_probs(model, selection if selection is not None else calibration)
+    with _timed(stages, "allocate+encode+select"):  # the FP model on the scored inputs, as quantize_model
+        reference = ([log_probs(z) for z in fp] if selection is None and fp is not None
+                     else reference_log_probs(model, selection if selection is not None else calibration))
         enc = encode_best(model, post, next(iter(tables.values())), q, budget, cfg.allocation, seed=seed,
                           calibration=calibration, column_metric=metric, correction=correction, selection=selection,
                           tables=tables, reference=reference)
     with _timed(stages, "assemble+offset"):  # as quantize_model: the selection's outputs read, not recomputed
-        held = (dict(selection_fp=reference, selection_q=enc.scored_logits) if selection is not None
+        held = (dict(selection_fp=reference, selection_q=enc.scored_logits,
+                     calibration_fp=None if fp is None else [z.float() for z in fp]) if selection is not None
                 else dict(calibration_fp=reference, calibration_q=enc.scored_logits))
         assemble(model, enc, None, calibration, cfg.distill, budget, seed, selection=selection, **held)
     return stages, enc
@@ -117,15 +124,18 @@ def gptq_stages(model, calibration, params, budget: float, allocation, selection
     from bayesq.baselines.activations import input_stats
     from bayesq.baselines.gptq import gptq_select
     from bayesq.blocks import quantizable_layers
+    from bayesq.forward import pass_logits
 
-    stages = {}
-    with _timed(stages, "input stats"):
-        stats = input_stats(model, calibration, quantizable_layers(model), abs_mean=False)  # GPTQ reads H only
+    stages, outputs = {}, []
+    with _timed(stages, "input stats"):  # GPTQ reads H only; the pass's FP logits go to the offset's fit
+        stats = input_stats(model, calibration, quantizable_layers(model), abs_mean=False, logits=outputs)
+        fp = pass_logits(outputs, calibration)
     with _timed(stages, "solve+select"):
         choice = gptq_select(model, stats, calibration, budget, params.quant,
                              group_sizes=params.baselines.group_sizes, allocation=allocation,
                              act_order=params.baselines.gptq_act_order, damp=params.baselines.gptq_damp,
-                             bias_correction=params.baselines.bias_correction, selection=selection)
+                             bias_correction=params.baselines.bias_correction, selection=selection,
+                             calibration_fp=None if fp is None else [z.float() for z in fp])
     return stages, choice
 
 

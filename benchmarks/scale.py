@@ -194,16 +194,18 @@ def stages(a) -> None:
     """``--stages``: BayesQ's default and GPTQ's strongest variant stage by stage in this process
     (as benchmarks/one_time_cost.py), each stage's wall seconds, peak RSS (sampled every 20 ms)
     and RSS after it once freed memory is returned to the system (:meth:`StagePeaks.settled`:
-    what stays held, apart from what the allocator keeps). BayesQ's last stage (the output
+    what stays held, apart from what the allocator keeps). Each method's first pass also gives the
+    FP model's logits on the calibration inputs, as in the library. BayesQ's last stage (the output
     offset's fit) runs twice: as the library runs it, reading the kept candidate's logits from
-    the selection's scores, and, for comparison, running the kept model over the selection
-    inputs again (not part of BayesQ's cost)."""
+    the selection's scores and the FP logits from the curvature pass, and, for comparison, running
+    both models again (not part of BayesQ's cost)."""
     from bayesq.baselines.activations import input_stats
     from bayesq.baselines.gptq import gptq_select
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.canonical import canonical
     from bayesq.config import BayesQConfig
     from bayesq.evaluation import reference_log_probs
+    from bayesq.forward import pass_logits
     from bayesq.memory import estimate
     from bayesq.quantize import (
         assemble, bias_correction, ef_column_metric, encode_candidates, grid_tables, posterior_and_stats,
@@ -219,9 +221,12 @@ def stages(a) -> None:
         layers = quantizable_layers(model)
         blocks = layer_blocks(layers, q.group_size, q.unit_groups, q.unit.value)
         if "bayesq" in a.methods:
-            with peaks.stage("bayesq posterior + input stats"):
+            with peaks.stage("bayesq posterior + input stats"):  # and the FP logits, as quantize_model
+                outputs = []
                 post, st = posterior_and_stats(model, cal, layers, cfg.posterior, q, progress=False,
-                                               max_inputs=estimate(model, layers, cal).pass_inputs)
+                                               max_inputs=estimate(model, layers, cal).pass_inputs, logits=outputs)
+                fp = pass_logits(outputs, cal)
+                fp = None if fp is None else [z.float() for z in fp]
             with peaks.stage("bayesq metric + bias correction"):
                 metric = ef_column_metric(post, q, stats=st)
                 correction = bias_correction(model, st, cal)
@@ -237,20 +242,23 @@ def stages(a) -> None:
                 reference = reference_log_probs(model, sel)
                 enc = select_encoding(model, cands, reference=reference)
             del cands
-            with peaks.stage("bayesq assemble + output offset"):  # reads the kept candidate's scored logits
+            with peaks.stage("bayesq assemble + output offset"):  # reads the scored and the pass's logits
                 assemble(model, enc, None, cal, cfg.distill, a.budget, selection=sel, selection_fp=reference,
-                         selection_q=enc.scored_logits)
-            with peaks.stage("  the same, kept model run again"):  # what it cost before it read them
+                         selection_q=enc.scored_logits, calibration_fp=fp)
+            with peaks.stage("  the same, both models run again"):  # what it cost before it read them
                 assemble(model, enc, None, cal, cfg.distill, a.budget, selection=sel, selection_fp=reference)
-            del enc, reference
+            del enc, reference, fp
         if "gptq" in a.methods:
             b = params.baselines
-            with peaks.stage("gptq input stats"):
-                st = input_stats(model, cal, layers, abs_mean=False)
+            with peaks.stage("gptq input stats"):  # and the FP logits, as the library's GPTQ
+                outputs = []
+                st = input_stats(model, cal, layers, abs_mean=False, logits=outputs)
+                fp = pass_logits(outputs, cal)
+                fp = None if fp is None else [z.float() for z in fp]
             with peaks.stage("gptq solve + select"):
                 gptq_select(model, st, cal, a.budget, params.quant, group_sizes=b.group_sizes,
                             act_order=b.gptq_act_order, damp=b.gptq_damp, bias_correction=b.bias_correction,
-                            selection=sel)
+                            selection=sel, calibration_fp=fp)
     peaks._stop = True
     for name in peaks.seconds:
         print(f"  {name:36s} {peaks.seconds[name]:7.1f} s  peak {peaks.peaks[name]:6.2f} GiB  "

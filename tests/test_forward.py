@@ -4,7 +4,7 @@ from torch import nn
 
 from bayesq.baselines.activations import input_stats
 from bayesq.blocks import quantizable_layers
-from bayesq.forward import batch_size, by_length, logits, split_batches
+from bayesq.forward import batch_size, by_length, logits, pass_logits, split_batches
 
 
 def _bert():
@@ -99,6 +99,51 @@ def test_split_batches_fewest_near_equal_parts_same_inputs():
     assert split_batches(images, None)[0] is images[0]
     d = split_batches([{"input_ids": torch.arange(10).reshape(5, 2), "mask": torch.ones(5, 2)}], 2)
     assert [b["input_ids"][:, 0].tolist() for b in d] == [[0, 2], [4, 6], [8]]
+
+
+@pytest.mark.parametrize("max_inputs", [None, 3])
+def test_pass_logits_of_the_curvature_and_statistics_passes_vs_each_batch(max_inputs):
+    """The logits the Fisher pass (in parts of ``max_inputs``; half the batches with a backward
+    pass) and the layer-input statistics pass collect over the regrouped batches, put back in the
+    batches' order: each batch's own logits (float64 model: to rounding)."""
+    from bayesq.config import PosteriorConfig
+    from bayesq.posterior import fit_posterior
+
+    model = _bert()
+    batches = _padded_batches([[3, 9, 2, 9], [5, 1, 7, 4], [8, 2]])
+    with torch.no_grad():
+        want = [logits(model, b) for b in batches]
+    layers = quantizable_layers(model)
+    fisher, stats = [], []
+    fit_posterior(model, batches, layers, PosteriorConfig(curvature_share=0.5), seed=3, progress=False,
+                  on_rows=lambda name, rows: None, max_inputs=max_inputs, logits=fisher)
+    input_stats(model, batches, progress=False, logits=stats)
+    assert len(fisher) == (5 if max_inputs else 3) and len(stats) == 3  # parts: 2 + 2, 2 + 2, 2
+    for outputs in (fisher, stats):
+        got = pass_logits(outputs, batches)
+        assert [z.shape for z in got] == [w.shape for w in want]
+        for g, w in zip(got, want):
+            assert torch.allclose(g, w, rtol=0, atol=1e-12)
+    assert not torch.allclose(torch.cat(fisher), torch.cat(want), rtol=0, atol=1e-3)  # the pass's order differs
+
+
+def test_pass_logits_order_by_hand_and_none_unless_one_row_per_input():
+    batches = _padded_batches([[3, 2], [4]])  # by length: inputs 1, 0, 2
+    z = torch.arange(6.0).reshape(3, 2)
+    got = pass_logits([z[:2], z[2:]], batches)
+    assert torch.equal(got[0], z[[1, 0]]) and torch.equal(got[1], z[2:])
+    images = [torch.zeros(2, 3), torch.zeros(1, 3)]  # kept as they are: the rows in order
+    assert torch.equal(torch.cat(pass_logits([z], images)), z)
+    assert pass_logits([], batches) is None
+    assert pass_logits([z[:2]], batches) is None  # a batch the pass skipped
+    assert pass_logits([z, z[:1]], batches) is None  # more calls than inputs
+    assert pass_logits([z[:2], None], batches) is None  # per-token logits are not kept
+
+    model = _bert()
+    outputs: list = []
+    from bayesq.curvature.fisher import fisher_diagonal
+    fisher_diagonal(model, batches, quantizable_layers(model), progress=False, share=0.5, logits=outputs)
+    assert pass_logits(outputs, batches) is None  # without on_rows the forward-only batch is skipped
 
 
 def test_fisher_split_batches_vs_whole_batches():

@@ -353,3 +353,23 @@ def test_gptq_method_reads_given_calibration_logits_for_the_offset():
     moved = quantize_with(model, cfg, 4.0, Inputs(calibration=batches, selection=held, stats=stats,
                                                    calibration_fp=[z + torch.arange(4.0) for z in fp]))
     assert (moved.result.output_offset.shift - computed.result.output_offset.shift).abs().max() > 1e-3
+
+
+def test_gptq_method_reads_its_statistics_pass_logits_for_the_offset_vs_forward_pass(monkeypatch):
+    """Without statistics or logits given, the FP model's logits on the calibration inputs come from
+    the statistics pass: the offset's fit runs the quantised model only, and the offset is the one
+    fitted with the FP model's forward pass (``calibration_fp`` as predict gives it), bit for bit."""
+    import bayesq.output_offset as oo
+
+    model, batches, _ = _calibrated(1)
+    g = torch.Generator().manual_seed(71)
+    held = [torch.randn(16, 16, generator=g, dtype=torch.float64) for _ in range(3)]
+    cfg = GPTQConfig(quant=CFG, group_sizes=GROUP_SIZES, bias_correction=True)
+    fp = [predict(model, [b]) for b in batches]
+    given = quantize_with(model, cfg, 4.0, Inputs(calibration=batches, selection=held, calibration_fp=fp))
+    seen, forward = [], oo.predict
+    monkeypatch.setattr(oo, "predict", lambda m, b, desc=None: seen.append(m is model) or forward(m, b))
+    own = quantize_with(model, cfg, 4.0, Inputs(calibration=batches, selection=held))
+    assert seen == [False]  # the quantised model's pass; the FP model's logits were the statistics pass's
+    assert torch.equal(own.result.output_offset.shift, given.result.output_offset.shift)
+    assert "calibration_fp" not in own.read

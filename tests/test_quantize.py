@@ -666,25 +666,32 @@ def test_quantize_model_progress_names_every_step(capsys):
 
 
 @pytest.mark.parametrize("held_out", [True, False])
-def test_quantize_model_offset_reads_the_selection_scores_vs_forward_passes(monkeypatch, held_out):
+def test_quantize_model_offset_reads_the_selection_scores_and_the_curvature_pass_vs_forward_passes(
+        monkeypatch, held_out):
     """The output offset's fit reads the kept candidate's scored logits and the FP reference
     instead of running either model again on the scored inputs (the held-out ones, else the
-    calibration ones): the offset fitted by a forward pass of the quantised model, bit for bit."""
+    calibration ones), and the FP model's logits on the calibration inputs from the curvature
+    pass (without held-out inputs, the selection's reference too): the offset fitted by forward
+    passes of both models, bit for bit. The FP model runs over the calibration inputs once."""
     import copy
 
     import bayesq.output_offset as oo
+    import bayesq.quantize as qz
     from bayesq.evaluation import reference_log_probs
     from bayesq.quantize import quantized_copy
 
     model, cal = _model().double(), [b.double() for b in _calibration()]
     sel = [b.double() for b in _calibration(2)[::-1]] if held_out else None
     cfg = BayesQConfig(budget=3.0, quant=CFG, distill=DistillConfig(max_budget=0))
-    seen, predict = [], oo.predict
-    monkeypatch.setattr(oo, "predict", lambda m, batches, desc=None: seen.append(len(batches)) or predict(m, batches))
+    seen, predict, refs, ref = [], oo.predict, [], qz.reference_log_probs
+    monkeypatch.setattr(oo, "predict", lambda m, batches, desc=None: seen.append(m is model) or predict(m, batches))
+    monkeypatch.setattr(qz, "reference_log_probs", lambda m, batches, desc=None: refs.append(len(batches))
+                        or ref(m, batches))
     res = quantize_model(model, cal, cfg, progress=False, selection=sel)
     monkeypatch.setattr(oo, "predict", predict)
     assert len(res.selection_kl) == 2 and res.output_offset.fitted
-    assert seen == ([len(cal), len(cal)] if held_out else [])  # both models on the calibration inputs only
+    assert seen == ([False] if held_out else [])  # the quantised model on the calibration inputs only
+    assert refs == ([len(sel)] if held_out else [])  # the FP model on the held-out inputs only
     qmodel = quantized_copy(model, res.weights, res.correction)
     fp = reference_log_probs(model, sel or cal)  # the selection's reference
     want = oo.fit_output_offset(model, copy.deepcopy(qmodel), cal, selection=sel,

@@ -158,9 +158,11 @@ class StatsSums:
 def input_stats(
     model: nn.Module, calibration: Iterable[Batch], layers: dict[str, nn.Module] | None = None, *,
     progress: bool = False, abs_mean: bool = True, exclude: Sequence[str] = (),
+    logits: list[torch.Tensor | None] | None = None,
 ) -> dict[str, InputStats]:
     """:class:`InputStats` of every layer in ``layers`` from one forward pass (eval mode, no grad;
-    ``progress``: a bar over the batches; ``abs_mean``: also AWQ's mean magnitudes).
+    ``progress``: a bar over the batches; ``abs_mean``: also AWQ's mean magnitudes; ``logits``: a
+    list that receives the model's logits of that pass, :func:`bayesq.posterior.forward_inputs`).
 
     ``layers``: by default every quantisable layer of the model as :mod:`bayesq.canonical`
     rewrites it (an attention's ``q_proj`` / ``k_proj`` / ``v_proj`` / ``out_proj``, ...) but
@@ -173,5 +175,6 @@ def input_stats(
     if layers is None:
         layers = quantizable_layers(model, tuple(exclude))
     sums = StatsSums(abs_mean)
-    n = forward_inputs(model, calibration, layers, sums, progress=progress, desc="layer-input statistics")
+    n = forward_inputs(model, calibration, layers, sums, progress=progress, desc="layer-input statistics",
+                       logits=logits)
     return sums.stats(layers, n)

@@ -330,12 +330,12 @@ def anneal_method(model: nn.Module, config: AnnealConfig, budget: float, inputs:
     """The annealing search from ``inputs.stats`` (else computed) on the calibration batches,
     its result against the start chosen on ``inputs.selection``; ``details`` add the search's
     ``start_kl``, ``search_kl`` and ``accepted``."""
-    batches, stats = stats_of(model, inputs, "the annealing search", config.progress)
+    batches, stats, calibration_fp = stats_of(model, inputs, "the annealing search", config.progress)
     choice, trace = anneal_select(
         model, stats, batches, budget, config.quant, steps=config.steps, search_inputs=config.search_inputs,
         t_start=config.t_start, t_end=config.t_end, seed=config.seed, bias_correction=config.bias_correction,
         selection=inputs.selection, reference=inputs.reference, exclude=tuple(inputs.exclude),
-        progress=config.progress, calibration_fp=inputs.calibration_fp)
+        progress=config.progress, calibration_fp=calibration_fp)
     out = choice_outcome(choice, inputs)
     details = dict(out.details, start_kl=trace.start_kl, search_kl=trace.best_kl, accepted=trace.accepted)
     return Outcome(out.result, details, out.read)

@@ -263,7 +263,7 @@ class AWQConfig:
 def awq_method(model: nn.Module, config: AWQConfig, budget: float, inputs: Inputs) -> Outcome:
     """AWQ from ``inputs.stats`` (else computed from the calibration batches), selection as
     :func:`bayesq.baselines.gptq.gptq_method` (no allocation variant)."""
-    batches, stats = stats_of(model, inputs, "AWQ", config.progress)
+    batches, stats, calibration_fp = stats_of(model, inputs, "AWQ", config.progress)
     exclude = tuple(inputs.exclude)
     if not config.select:
         return mixed_outcome(awq_quantize(model, stats, budget, config.quant, granularity=config.granularity,
@@ -271,5 +271,5 @@ def awq_method(model: nn.Module, config: AWQConfig, budget: float, inputs: Input
     choice = awq_select(model, stats, batches, budget, config.quant, granularity=config.granularity,
                         group_sizes=config.group_sizes, grid=config.grid, bias_correction=config.bias_correction,
                         selection=inputs.selection, reference=inputs.reference, exclude=exclude,
-                        calibration_fp=inputs.calibration_fp, progress=config.progress)
+                        calibration_fp=calibration_fp, progress=config.progress)
     return choice_outcome(choice, inputs)

@@ -274,12 +274,12 @@ def grid_method_outcome(model: nn.Module, config, budget: float, inputs: Inputs,
     """The handler of a method on GPTQ's grids and variants (GPTQ, AdaRound): ``config``'s
     ``select``, ``granularity``, ``quant``, ``group_sizes``, ``bias_correction`` and ``progress`` as
     in :class:`GPTQConfig`; ``opts`` go to :func:`gptq_quantize` / :func:`gptq_select`."""
-    batches, stats = stats_of(model, inputs, method, config.progress)
+    batches, stats, calibration_fp = stats_of(model, inputs, method, config.progress)
     opts.update(exclude=tuple(inputs.exclude), progress=config.progress)
     if not config.select:
         return mixed_outcome(gptq_quantize(model, stats, config.granularity, budget, config.quant, **opts), inputs)
     choice = gptq_select(model, stats, batches, budget, config.quant, granularity=config.granularity,
                          group_sizes=config.group_sizes, allocation=inputs.allocation,
                          bias_correction=config.bias_correction, selection=inputs.selection,
-                         reference=inputs.reference, calibration_fp=inputs.calibration_fp, **opts)
+                         reference=inputs.reference, calibration_fp=calibration_fp, **opts)
     return choice_outcome(choice, inputs)

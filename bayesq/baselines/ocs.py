@@ -320,7 +320,7 @@ class OCSConfig:
 def ocs_method(model: nn.Module, config: OCSConfig, budget: float, inputs: Inputs) -> Outcome:
     """OCS from ``inputs.stats`` (else computed from the calibration batches); ``details`` as
     GPTQ's (its ``variant`` names the expand ratio) plus ``unsplit``: layer -> why it was not split."""
-    batches, stats = stats_of(model, inputs, "OCS", config.progress)
+    batches, stats, calibration_fp = stats_of(model, inputs, "OCS", config.progress)
     exclude = tuple(inputs.exclude)
     opts = dict(granularity=config.granularity, group_sizes=config.group_sizes, act_order=config.act_order,
                 damp=config.damp, exclude=exclude, progress=config.progress)
@@ -331,7 +331,7 @@ def ocs_method(model: nn.Module, config: OCSConfig, budget: float, inputs: Input
         outcome = choice_outcome(ocs_select(model, stats, batches, budget, config.quant,
                                             expand_ratios=config.expand_ratios, selection=inputs.selection,
                                             bias_correction=config.bias_correction, reference=inputs.reference,
-                                            calibration_fp=inputs.calibration_fp, **opts), inputs)
+                                            calibration_fp=calibration_fp, **opts), inputs)
     return replace(outcome, details={**outcome.details, "unsplit": unsplit_layers(model, exclude=exclude)})
 
 

@@ -50,7 +50,7 @@ from bayesq.config import Granularity, QuantConfig
 from bayesq.comparison import paired_difference
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import LossTable
-from bayesq.forward import Batch
+from bayesq.forward import Batch, pass_logits
 from bayesq.memory import release_freed
 from bayesq.methods import Inputs, Outcome, read
 from bayesq.output_offset import fit_output_offset
@@ -377,15 +377,24 @@ def _resolved_worse(losses: torch.Tensor, best: torch.Tensor) -> bool:
     return paired_difference(losses, best).ci_low > 0
 
 
-def stats_of(model: nn.Module, inputs: Inputs, method: str,
-             progress: bool = False) -> tuple[list[Batch], Mapping[str, InputStats]]:
-    """(calibration batches, layer-input statistics) a statistics-reading baseline's handler
-    works from: ``inputs.stats`` when given, else :func:`input_stats` on the calibration batches
-    (``progress``: a bar over them)."""
+def stats_of(model: nn.Module, inputs: Inputs, method: str, progress: bool = False
+             ) -> tuple[list[Batch], Mapping[str, InputStats], Sequence[torch.Tensor] | None]:
+    """(calibration batches, layer-input statistics, the FP model's logits on those batches) a
+    statistics-reading baseline's handler works from: ``inputs.stats`` when given, else
+    :func:`input_stats` on the calibration batches (``progress``: a bar over them); the logits
+    are ``inputs.calibration_fp`` when given, else those of the statistics pass (float32, one
+    (B, C) tensor per batch: what :func:`bayesq.evaluation.predict` gives, so the output
+    offset's fit need not run the FP model again), None when neither has them (per-token logits,
+    or statistics given without logits)."""
     batches = inputs.need_calibration(method)
     if inputs.stats is not None:
-        return batches, inputs.stats
-    return batches, input_stats(model, batches, exclude=tuple(inputs.exclude), progress=progress)
+        return batches, inputs.stats, inputs.calibration_fp
+    outputs: list[torch.Tensor | None] = []
+    stats = input_stats(model, batches, exclude=tuple(inputs.exclude), progress=progress, logits=outputs)
+    if inputs.calibration_fp is not None:
+        return batches, stats, inputs.calibration_fp
+    fp = pass_logits(outputs, batches)
+    return batches, stats, None if fp is None else [z.float() for z in fp]
 
 
 def choice_outcome(choice: BaselineChoice, inputs: Inputs) -> Outcome:

@@ -36,7 +36,8 @@ from tqdm.auto import tqdm
 
 from bayesq.curvature.patches import add_widened, input_rows, squared_grad_sum, sum_dtype
 from bayesq.forward import (
-    Batch, Taps, batch_size, layer_calls, padding_mask, prediction_rows, predictions, split_batches, token_rows,
+    Batch, Taps, batch_size, collect_logits, layer_calls, padding_mask, prediction_rows, predictions, split_batches,
+    token_rows,
 )
 from bayesq.memory import release_freed
 
@@ -54,6 +55,7 @@ def _squared_grad_sum(
     on_rows: Callable[[str, torch.Tensor], None] | None = None,
     max_inputs: int | None = None,
     share: float = 1.0,
+    logits: list[torch.Tensor | None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """``sum_n mean_s g_n(y_s)^2`` per layer, with per-example gradients from hooks.
 
@@ -78,6 +80,10 @@ def _squared_grad_sum(
     the sum over their n' inputs is scaled by n / n' (an unbiased estimate of the sum over all n
     inputs when the batches are exchangeable; by length-sorted batches a sample stratified by
     length); the other batches run forward only, for ``on_rows``.
+    ``logits``: a list that receives the model's logits of every forward call, in the pass's order
+    (:func:`bayesq.forward.collect_logits`; :func:`bayesq.forward.pass_logits` puts them back in
+    the order of the batches as given), so that a caller reading the FP model's outputs on these
+    inputs need not run it again.
     Returns (name -> tensor shaped like the weight, in ``sum_dtype``, inputs seen).
     """
     if on_rows is not None:
@@ -128,6 +134,7 @@ def _squared_grad_sum(
                 # also under torch.no_grad(); forward only (rows for on_rows) outside the share
                 with torch.set_grad_enabled(i in backward):
                     z, mask = predictions(model, part)
+                    collect_logits(logits, z)
                     out = prediction_rows(z, mask)  # (R, C)
                     if on_rows is not None:  # before the backward pass releases the inputs
                         _rows_to(on_rows, layers, acts, shapes, padding_mask(part) if mask is not None else None,
@@ -236,6 +243,7 @@ def fisher_diagonal(
     on_rows: Callable[[str, torch.Tensor], None] | None = None,
     max_inputs: int | None = None,
     share: float = 1.0,
+    logits: list[torch.Tensor | None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Sum over inputs of the sampled-label Fisher diagonal of every layer in ``layers``.
 
@@ -254,6 +262,8 @@ def fisher_diagonal(
         share: the share of the batches the backward pass reads, spread evenly over them; the
             sum over their inputs scaled to all inputs (``_squared_grad_sum``); ``on_rows`` still
             sees every batch. 1: every batch.
+        logits: a list that receives the model's logits of every forward call (see
+            ``_squared_grad_sum``).
 
     Returns:
         (fisher, n): name -> tensor shaped like the weight holding ``F_sum`` (in
@@ -274,7 +284,8 @@ def fisher_diagonal(
         return [torch.cat([torch.multinomial(torch.softmax(c.double(), -1), 1, generator=gen[0]).squeeze(1)
                            for c in chunks]) for _ in range(label_samples)]
 
-    return _squared_grad_sum(model, batches, layers, sampled_labels, "fisher", progress, on_rows, max_inputs, share)
+    return _squared_grad_sum(model, batches, layers, sampled_labels, "fisher", progress, on_rows, max_inputs, share,
+                             logits)
 
 
 def _check_labels(y: torch.Tensor, out: torch.Tensor, mask: torch.Tensor | None, index: int) -> torch.Tensor:
@@ -310,6 +321,7 @@ def empirical_fisher_diagonal(
     on_rows: Callable[[str, torch.Tensor], None] | None = None,
     max_inputs: int | None = None,
     share: float = 1.0,
+    logits: list[torch.Tensor | None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Sum over inputs of the empirical Fisher diagonal ``sum_n g_n(y_n)^2``.
 
@@ -319,7 +331,7 @@ def empirical_fisher_diagonal(
     token (as ``fisher_diagonal``).
 
     Args:
-        model, batches, layers, on_rows, max_inputs, share: as in ``fisher_diagonal`` (``max_inputs``
+        model, batches, layers, on_rows, max_inputs, share, logits: as in ``fisher_diagonal`` (``max_inputs``
             and ``share`` only without ``labels``, which come one per batch).
         labels: one (B,) int64 tensor of class indices per batch, aligned with ``batches``; for
             (B, T, V) logits one (B, T) tensor (entries at padded tokens are not read).
@@ -352,7 +364,8 @@ def empirical_fisher_diagonal(
         return [_check_labels(y, out, mask, count - 1)]
 
     desc = "empirical-fisher"
-    result = _squared_grad_sum(model, batches, layers, given_or_argmax, desc, progress, on_rows, max_inputs, share)
+    result = _squared_grad_sum(model, batches, layers, given_or_argmax, desc, progress, on_rows, max_inputs, share,
+                               logits)
     if label_iter is not None and next(label_iter, None) is not None:
         raise ValueError(f"labels has more entries than batches ({count}): "
                          "pass one (B,) label tensor per batch")
