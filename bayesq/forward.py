@@ -426,10 +426,13 @@ def pass_logits(outputs: list[torch.Tensor | None], batches: Iterable[Batch]) ->
     return list(rows.split([batch_size(b) for b in batches]))
 
 
-def collect_logits(outputs: list[torch.Tensor | None] | None, z: torch.Tensor) -> None:
-    """Append a pass's output ``z`` to ``outputs`` (when given): detached (B, C) logits, or None
-    for per-token ones (not kept: (B, T, V) is large, and :func:`pass_logits` reads rows per input)."""
+def collect_logits(outputs: list[torch.Tensor | None] | None, out: Any) -> None:
+    """Append the logits of a pass's model output ``out`` (:func:`output_logits`, read only when
+    ``outputs`` is given: a pass that is not asked for them reads no output) to ``outputs``:
+    detached (B, C) logits, or None for per-token ones (not kept: (B, T, V) is large, and
+    :func:`pass_logits` reads rows per input)."""
     if outputs is not None:
+        z = output_logits(out)
         outputs.append(z.detach() if z.dim() == 2 else None)
 
 

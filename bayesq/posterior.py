@@ -50,8 +50,8 @@ from bayesq.curvature.lowrank import truncate
 from bayesq.curvature.patches import input_rows
 from bayesq.memory import release_freed
 from bayesq.forward import (
-    Batch, batch_size, by_length, call, collect_logits, drops_padding, layer_calls, output_logits, padding_mask,
-    split_batches, token_rows,
+    Batch, batch_size, by_length, call, collect_logits, drops_padding, layer_calls, padding_mask, split_batches,
+    token_rows,
 )
 
 BACKOFF = 3.0
@@ -391,14 +391,14 @@ class DiagonalCurvature(CurvatureBackend):
     @abstractmethod
     def diagonal(self, model, calibration, layers, cfg, seed, progress, on_rows) -> tuple[dict[str, torch.Tensor], int]:
         """(name -> float64 sum over inputs of the curvature diagonal, shaped like the weight; inputs
-        seen). With ``splits_batches``, also a ``max_inputs`` keyword: the most inputs of a pass."""
+        seen). With ``splits_batches``, also ``max_inputs`` (the most inputs of a pass) and ``logits``
+        (a list that receives the pass's logits, or None) keywords."""
 
     def fit(self, model, calibration, layers, cfg, *, seed, progress, on_rows, max_inputs=None, logits=None):
         batches = by_length(calibration)
         if self.splits_batches:
-            extra = {} if logits is None else {"logits": logits}  # the backends whose pass reports them
             diag, n = self.diagonal(model, batches, layers, cfg, seed, progress, on_rows, max_inputs=max_inputs,
-                                    **extra)
+                                    logits=logits)
         else:
             diag, n = self.diagonal(model, split_batches(batches, max_inputs), layers, cfg, seed, progress, on_rows)
         weights = {name: m.weight for name, m in layers.items()}
@@ -548,9 +548,7 @@ def forward_inputs(
     with layer_calls(model, layers, record), torch.no_grad():
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
             mask[0] = padding_mask(batch) if drop else None
-            out = call(model, batch)  # the hooks read the layer inputs
-            collect_logits(logits, output_logits(out))
-            del out
+            collect_logits(logits, call(model, batch))  # the hooks read the layer inputs
             n += batch_size(batch)
             last[:] = (None, None)
     return n

@@ -146,6 +146,24 @@ def test_pass_logits_order_by_hand_and_none_unless_one_row_per_input():
     assert pass_logits(outputs, batches) is None  # without on_rows the forward-only batch is skipped
 
 
+def test_input_stats_reads_the_model_output_only_when_asked_for_its_logits():
+    """A model whose output holds no logits still gets its layer-input statistics (its output is not
+    read); asked for the pass's logits, the pass says what it cannot read."""
+    class Features(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return {"features": self.fc(x)}
+
+    model, batches = Features().double(), [torch.randn(5, 4, dtype=torch.float64)]
+    stats = input_stats(model, batches, progress=False)
+    assert torch.allclose(stats["fc"].H[0], batches[0].T @ batches[0] / 5, rtol=1e-12, atol=0)
+    with pytest.raises(TypeError, match="dict"):
+        input_stats(model, batches, progress=False, logits=[])
+
+
 def test_fisher_split_batches_vs_whole_batches():
     """The curvature pass over parts of the batches: the same sums (float64 model) and, for the
     sampled Fisher, the same labels (the generator draws row by row)."""
