@@ -89,6 +89,26 @@ def test_squared_grad_sum_vs_per_example_grad(name, limit, monkeypatch):
     torch.testing.assert_close(patches.squared_grad_sum(mod, a, g), ref, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("name", ["groups-stride", "linear-tokens"])
+@pytest.mark.parametrize("examples", [1, 3])  # straight into out | a batch sum added
+@pytest.mark.parametrize("inputs", [torch.float64, torch.float32])  # out in their dtype | wider (add_widened)
+def test_squared_grad_sum_into_out_vs_per_example_grad(name, examples, inputs):
+    """``out=`` (float64) adds the squares into a running sum in place and returns it: the sum so
+    far plus the squares of these examples, for one example (added directly when the dtypes
+    match) and several, from float64 inputs and from float32 ones."""
+    import bayesq.curvature.patches as patches
+
+    mod, _, a, _, g = _layer_grad(name, 3)
+    a, g = a[:examples], g[:examples]
+    start = torch.rand(mod.weight.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ref = start + per_example_grad(mod, a, g).pow(2).sum(0)
+    out = start.clone()
+    got = patches.squared_grad_sum(mod.to(inputs), a.to(inputs), g.to(inputs), out=out)
+    assert got is out
+    tol = 1e-12 if inputs == torch.float64 else 1e-5
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("n", [1, 7, (1 << 16) + 3, 3 * (1 << 16)])
 def test_add_widened_vs_mixed_dtype_add(n):
     """Chunked conversion gives exactly torch's mixed-dtype add (float32 -> float64 is exact),

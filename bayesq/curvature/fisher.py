@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from bayesq.curvature.patches import add_widened, input_rows, squared_grad_sum, sum_dtype
+from bayesq.curvature.patches import input_rows, squared_grad_sum, sum_dtype
 from bayesq.forward import (
     Batch, Taps, batch_size, collect_logits, layer_calls, padding_mask, prediction_rows, predictions, split_batches,
     token_rows,
@@ -104,11 +104,10 @@ def _squared_grad_sum(
             if acts.get(name) is not a:  # an earlier call of a module called again: its last call counts
                 return
             # square and sum the part in the model's dtype, accumulate in sum_dtype (at least float32)
-            sq = squared_grad_sum(mod, a, g)
             if step["passes"] > 1:
-                total[name] += sq.to(total[name].dtype) / step["passes"]
-            else:  # in place (no copy): one layer's squares held at a time
-                add_widened(total[name], sq)
+                total[name] += squared_grad_sum(mod, a, g).to(total[name].dtype) / step["passes"]
+            else:  # in place: each example's square straight into the sum (a wider sum: one layer's batch sum)
+                squared_grad_sum(mod, a, g, out=total[name])
             if step["last"]:
                 del acts[name]
         return hook

@@ -120,7 +120,8 @@ def per_example_grad(mod: nn.Module, a: torch.Tensor, g: torch.Tensor) -> torch.
 BATCHED_GRAD_ELEMENTS = 1 << 20  # per-example gradient elements a batch may materialise at once
 
 
-def squared_grad_sum(mod: nn.Module, a: torch.Tensor, g: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+def squared_grad_sum(mod: nn.Module, a: torch.Tensor, g: torch.Tensor, rows: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_n (dL_n/dW)^2``, shaped like the weight, in the inputs' dtype: the squares of
     :func:`per_example_grad` summed over the batch.
 
@@ -129,15 +130,29 @@ def squared_grad_sum(mod: nn.Module, a: torch.Tensor, g: torch.Tensor, rows: tor
     (N, *weight.shape) tensor, which is written and read twice: memory-bound, about 2x slower on
     MiniLM's layers with N = 32 (benchmarks/posterior.py). ``rows``: :func:`input_rows` of ``a``
     (unwidened) when the caller has them.
+
+    ``out``: a running sum shaped like the weight to add the result into, in place, and return
+    (:func:`add_widened` for a wider dtype). For one example (N = 1: a curvature pass in parts of
+    one input) and an ``out`` in the inputs' dtype (contiguous), its square goes straight into it
+    (``addcmul``: ``out += grad * grad``, no square or batch-sum temporaries; the CPU's fused
+    multiply-add rounds once where forming the square and adding it rounds twice, so the sums
+    differ in the last bits; ``benchmarks/squares.py``). Several examples or a wider ``out``:
+    their sum as without ``out``, added with :func:`add_widened`.
     """
     if rows is None:
         rows = input_rows(mod, a, g.shape, widen=False)  # (N, groups, T, d_in)
     grads = output_rows(mod, g, groups=True).transpose(-1, -2)  # (N, groups, out/groups, T)
-    if rows.shape[0] * mod.weight.numel() <= BATCHED_GRAD_ELEMENTS:
+    n = rows.shape[0]
+    direct = out is not None and n == 1 and out.dtype == rows.dtype and out.is_contiguous()
+    if n * mod.weight.numel() <= BATCHED_GRAD_ELEMENTS and not direct:
         total = torch.matmul(grads, rows).pow_(2).sum(0)  # (groups, out/groups, d_in)
     else:
-        total = torch.zeros(grads.shape[1], grads.shape[2], rows.shape[3], dtype=rows.dtype, device=rows.device)
-        for n in range(rows.shape[0]):
-            grad = torch.matmul(grads[n], rows[n])
+        total = (out.view(grads.shape[1], grads.shape[2], rows.shape[3]) if direct else
+                 torch.zeros(grads.shape[1], grads.shape[2], rows.shape[3], dtype=rows.dtype, device=rows.device))
+        for i in range(n):
+            grad = torch.matmul(grads[i], rows[i])
             total.addcmul_(grad, grad)
-    return total.reshape(mod.weight.shape)
+        if direct:
+            return out
+    total = total.reshape(mod.weight.shape)
+    return total if out is None else add_widened(out, total)
