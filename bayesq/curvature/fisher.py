@@ -106,7 +106,7 @@ def _squared_grad_sum(
             # square and sum the part in the model's dtype, accumulate in sum_dtype (at least float32)
             if step["passes"] > 1:
                 total[name] += squared_grad_sum(mod, a, g).to(total[name].dtype) / step["passes"]
-            else:  # in place: each example's square straight into the sum (a wider sum: one layer's batch sum)
+            else:  # in place: no copy of the sum (one input's square added straight into it)
                 squared_grad_sum(mod, a, g, out=total[name])
             if step["last"]:
                 del acts[name]

@@ -142,17 +142,16 @@ def squared_grad_sum(mod: nn.Module, a: torch.Tensor, g: torch.Tensor, rows: tor
     if rows is None:
         rows = input_rows(mod, a, g.shape, widen=False)  # (N, groups, T, d_in)
     grads = output_rows(mod, g, groups=True).transpose(-1, -2)  # (N, groups, out/groups, T)
-    n = rows.shape[0]
-    direct = out is not None and n == 1 and out.dtype == rows.dtype and out.is_contiguous()
-    if n * mod.weight.numel() <= BATCHED_GRAD_ELEMENTS and not direct:
+    if out is not None and rows.shape[0] == 1 and out.dtype == rows.dtype and out.is_contiguous():
+        grad = torch.matmul(grads[0], rows[0])  # (groups, out/groups, d_in)
+        out.view_as(grad).addcmul_(grad, grad)
+        return out
+    if rows.shape[0] * mod.weight.numel() <= BATCHED_GRAD_ELEMENTS:
         total = torch.matmul(grads, rows).pow_(2).sum(0)  # (groups, out/groups, d_in)
     else:
-        total = (out.view(grads.shape[1], grads.shape[2], rows.shape[3]) if direct else
-                 torch.zeros(grads.shape[1], grads.shape[2], rows.shape[3], dtype=rows.dtype, device=rows.device))
-        for i in range(n):
-            grad = torch.matmul(grads[i], rows[i])
+        total = torch.zeros(grads.shape[1], grads.shape[2], rows.shape[3], dtype=rows.dtype, device=rows.device)
+        for n in range(rows.shape[0]):
+            grad = torch.matmul(grads[n], rows[n])
             total.addcmul_(grad, grad)
-        if direct:
-            return out
     total = total.reshape(mod.weight.shape)
     return total if out is None else add_widened(out, total)
