@@ -37,9 +37,9 @@ endif
 
 ablations: venv data
 ifeq ($(PROFILE),quick)
-	dvc repro ablation_report
+	dvc repro ablation_report shift
 else
-	dvc exp run -S profile=$(PROFILE) ablation_report
+	dvc exp run -S profile=$(PROFILE) ablation_report shift
 endif
 
 test: venv

@@ -42,7 +42,7 @@ from bayesq.harness.corruptions import CORRUPTIONS
 from bayesq.harness.data.files import DataSource
 from bayesq.harness.data.sentiment import DOMAIN_FILES
 from bayesq.harness.models.config import DataConfig, FinetuneConfig
-from bayesq.harness.models.zoo import known_models
+from bayesq.harness.models.zoo import get_entry, known_models
 
 
 class Method(str, Enum):
@@ -329,6 +329,90 @@ class AblationConfig:
                        "cannot read its own lock; shorten the label")
 
 
+SHIFT_METHODS = (Method.BAYESQ, Method.GPTQ, Method.OPTQ, Method.AWQ)  # BayesQ and the strongest rivals with corrections
+
+
+@dataclass(frozen=True)
+class ShiftCase:
+    """One case of the ``shift`` stage: ``model`` calibrated on inputs from one part of the data
+    and tested on others. Text models: ``calibrate`` is a sentiment domain (``movie``: the
+    model's own training split) and ``test`` the domains tested (``movie``: its test split).
+    Image models: ``calibrate`` the classes whose training images calibrate, ``test`` ``("all",)``:
+    the test split, every class."""
+
+    name: str
+    model: str
+    calibrate: str | tuple[int, ...]
+    test: tuple[str, ...]
+
+
+_CASE_KEYS = ("model", "calibrate", "test")
+
+
+def _case_problems(name: str, case: Any) -> Iterator[tuple[str, Any, str]]:
+    """(where, value, why) of everything wrong with one ``shift.cases`` entry (nothing: valid)."""
+    where = f"shift.cases.{name}"
+    if not isinstance(case, Mapping) or set(case) != set(_CASE_KEYS):
+        yield where, case, f"need a mapping with exactly the keys {list(_CASE_KEYS)}"
+        return
+    known = known_models()
+    if case["model"] not in known:
+        yield f"{where}.model", case["model"], f"unknown model; known models: {', '.join(known)}"
+        return
+    entry = get_entry(case["model"])
+    test = case["test"]
+    if not isinstance(test, (list, tuple)) or not test:
+        yield f"{where}.test", test, "need a non-empty list"
+        return
+    if entry.task == "image":
+        cal, classes = case["calibrate"], getattr(entry, "num_classes", None)  # None: not declared by the entry
+        if (not isinstance(cal, (list, tuple)) or not cal
+                or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < (classes or c + 1) for c in cal)):
+            yield (f"{where}.calibrate", cal, "an image model calibrates on a list of its classes, integers in "
+                                              f"0..{classes - 1 if classes else 'C - 1'}, e.g. [0, 1, 2]")
+        elif len(set(cal)) == classes:
+            yield f"{where}.calibrate", cal, "every class: that is no shift; list a subset of the classes"
+        if list(test) != ["all"]:
+            yield f"{where}.test", test, "an image model is tested on its whole test split: [all]"
+    else:
+        domains = list(DOMAIN_FILES)
+        if case["calibrate"] not in domains:
+            yield f"{where}.calibrate", case["calibrate"], f"a text model calibrates on one domain of {domains}"
+        if not all(t in domains for t in test):
+            yield f"{where}.test", test, f"choose test domains from {domains}"
+        elif case["calibrate"] in test:
+            yield f"{where}.test", test, "the calibration domain is no shift; test on other domains"
+
+
+@dataclass(frozen=True)
+class ShiftConfig:
+    """The ``shift`` stage (``make ablations``; ``reports/shift.md``): each of ``methods`` with and
+    without its data-fitted corrections at ``budget``, calibrated on one part of the data and
+    tested on another, for every case of ``cases`` (``{name: {model, calibrate, test}}``,
+    :class:`ShiftCase`); at most ``test_examples`` examples per test set."""
+
+    budget: float = setting(3.0, above(0))
+    methods: tuple[Method, ...] = setting(SHIFT_METHODS, rule(
+        lambda v: len(v) > 0 and all(m in SHIFT_METHODS for m in v), f"choose from {[m.value for m in SHIFT_METHODS]}",
+        shown=lambda v: [m.value for m in v]))
+    test_examples: int = setting(5000, integer(1))
+    cases: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate(self, "shift", self._relations)
+
+    def _relations(self) -> Iterator[Relation]:
+        yield isinstance(self.cases, Mapping), "shift.cases", self.cases, "need a mapping {name: {model, calibrate, test}}"
+        for name, case in (self.cases.items() if isinstance(self.cases, Mapping) else ()):
+            for where, value, why in _case_problems(str(name), case):
+                yield False, where, value, why
+
+    def shift_cases(self) -> tuple[ShiftCase, ...]:
+        """The cases, in order, as :class:`ShiftCase` values."""
+        return tuple(ShiftCase(str(name), c["model"], c["calibrate"] if isinstance(c["calibrate"], str)
+                               else tuple(c["calibrate"]), tuple(c["test"])) for name, c in self.cases.items())
+
+
 @dataclass(frozen=True)
 class Params:
     """The whole of ``params.yaml`` after the selected profile's overrides are applied.
@@ -360,6 +444,7 @@ class Params:
     distill: DistillConfig = field(default_factory=DistillConfig)
     robustness: RobustnessConfig = field(default_factory=RobustnessConfig)
     ablations: AblationConfig = field(default_factory=AblationConfig)
+    shift: ShiftConfig = field(default_factory=ShiftConfig)
     sources: tuple[ByoModel, ...] = ()
     exclude: Mapping[str, tuple[str, ...]] = field(default_factory=dict, metadata=checks(
         rule(lambda v: isinstance(v, Mapping), "need a mapping {model: [module names or glob patterns]}, "
@@ -396,7 +481,7 @@ _SECTIONS = {
     "data": DataConfig, "finetune": FinetuneConfig, "calibration": CalibrationConfig,
     "posterior": PosteriorConfig, "quant": QuantConfig, "allocation": AllocationConfig,
     "baselines": BaselinesConfig, "distill": DistillConfig, "robustness": RobustnessConfig,
-    "ablations": AblationConfig,
+    "ablations": AblationConfig, "shift": ShiftConfig,
 }
 _LISTS = ("models", "seeds", "budgets", "methods")
 SOURCE_METHODS = ("bayesq", "gptq")  # methods of a `sources:` entry that names none (BayesQ and its strongest rival)
@@ -480,8 +565,8 @@ def ablation_params(params: Params, overrides: Mapping[str, Any], where: str = "
     changes: dict[str, dict[str, Any]] = {}
     for dotted, value in overrides.items():
         section, _, key = str(dotted).partition(".")
-        if section not in _SECTIONS or section == "ablations" or not key:
-            close = difflib.get_close_matches(section, [k for k in _SECTIONS if k != "ablations"], n=1)
+        if section not in _SECTIONS or section in ("ablations", "shift") or not key:
+            close = difflib.get_close_matches(section, [k for k in _SECTIONS if k not in ("ablations", "shift")], n=1)
             hint = f" (did you mean '{close[0]}.{key}'?)" if close else ""
             raise ValueError(f"{where}: '{dotted}' is not a 'section.key' of params.yaml{hint}")
         changes.setdefault(section, {})[key] = value

@@ -8,7 +8,7 @@ from torch import nn
 
 from bayesq.config import BayesQConfig, DistillConfig, QuantConfig
 from bayesq.evaluation import predict, reference_log_probs
-from bayesq.output_offset import fit_output_offset, logit_offset, mean_kl, output_layer
+from bayesq.output_offset import SHRINK, fit_output_offset, logit_offset, mean_kl, output_layer
 from bayesq.quantize import quantize_model
 from nets import TinyCausalLM, lm_batches
 
@@ -104,8 +104,8 @@ def test_output_layer_finds_the_head_or_says_why_not():
 
 
 def test_fit_output_offset_vs_fit_on_predictions():
-    """The offset of a perturbed copy is :func:`logit_offset` of both models' logits; applying it
-    lowers the calibration KL to ``kl_after``; neither model is changed by the fit."""
+    """The offset of a perturbed copy is ``SHRINK`` times :func:`logit_offset` of both models'
+    logits; applying it lowers the calibration KL to ``kl_after``; neither model is changed by the fit."""
     model, batches = _net(), _batches()
     qmodel = copy.deepcopy(model)
     with torch.no_grad():
@@ -117,13 +117,36 @@ def test_fit_output_offset_vs_fit_on_predictions():
     x = torch.cat(batches)
     with torch.no_grad():
         fp, q = model(x), qmodel(x)
-    torch.testing.assert_close(off.shift, logit_offset(fp.float(), q.float()), rtol=0, atol=1e-12)  # float32 logits
+    full = logit_offset(fp.float(), q.float())  # float32 logits
+    assert SHRINK == 0.5
+    torch.testing.assert_close(off.shift, SHRINK * full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(fit_output_offset(model, qmodel, batches, shrink=1.0).shift, full, rtol=0, atol=1e-12)
     assert off.layer == "2" and off.kl_after < off.kl_before
     off.apply(qmodel)
     with torch.no_grad():
         assert float(mean_kl(fp, qmodel(x), torch.zeros(3, dtype=torch.float64))) == pytest.approx(off.kl_after, abs=1e-9)
     with pytest.raises(ValueError, match="output_offset: false"):
         fit_output_offset(model, qmodel, [])
+    with pytest.raises(ValueError, match=r"shrink .* in \[0, 1\]"):
+        fit_output_offset(model, qmodel, batches, shrink=1.5)
+
+
+def test_half_offset_vs_full_fit_when_the_served_shift_is_a_third_of_calibrations():
+    """The reason for ``SHRINK``: the quantised copy shifts the logits by ``s`` on calibration
+    inputs and by ``s / 3`` on the inputs it serves (``t = 1/3`` of the module docstring). The
+    full fit ``c* = -s`` then raises the served KL above no offset (``t < 1/2``), half of it
+    lowers it (``t >= 1/4``), as the quadratic model says: served KL ratio to no offset
+    ``1 + ((shrink - t)^2 - t^2) / t^2`` for small shifts."""
+    g = torch.Generator().manual_seed(5)
+    calibration, served = (3.0 * torch.randn(4000, 3, generator=g, dtype=torch.float64) for _ in range(2))
+    s = torch.tensor([0.06, -0.04, -0.02], dtype=torch.float64)
+    c = logit_offset(calibration, calibration + s)
+    torch.testing.assert_close(c, -s, rtol=0, atol=1e-7)
+    zero = torch.zeros(3, dtype=torch.float64)
+    none, full, half = (float(mean_kl(served, served + s / 3, o)) for o in (zero, c, SHRINK * c))
+    assert full > none > half
+    for shrink, got in ((1.0, full), (SHRINK, half)):  # second order in the shift: within a few per cent
+        assert got / none == pytest.approx(1 + ((shrink - 1 / 3) ** 2 - (1 / 3) ** 2) / (1 / 3) ** 2, rel=0.05)
 
 
 def test_fit_output_offset_skipped_without_a_bias():
@@ -257,7 +280,7 @@ def test_fit_output_offset_reports_kl_at_least_zero_when_a_shift_is_undone():
         qmodel[2].weight.mul_(3)
         qmodel[2].bias.mul_(3)
     fp = [model(x).detach() * 3 + shift for x in batches]
-    off = fit_output_offset(model, qmodel, batches, calibration_fp=fp)
+    off = fit_output_offset(model, qmodel, batches, calibration_fp=fp, shrink=1.0)
     torch.testing.assert_close(off.shift, shift - shift.mean(), rtol=0, atol=1e-7)
     assert off.kl_before > 0.01 and 0.0 <= off.kl_after < 1e-12
     assert off.fitted and not fit_output_offset(_net(bias=False), _net(bias=False), batches).fitted
