@@ -1,6 +1,7 @@
 """What the output offset (``quant.output_offset``, ``bayesq/output_offset.py``) corrects, per
 calibration seed: the shift of the logits that BayesQ's quantised model makes, the predictions it
-changes, and the test KL and accuracy with and without the offset, paired.
+changes, and the test KL and accuracy with and without the offset (the default's: half of the
+fit, ``bayesq.output_offset.SHRINK``), paired.
 
 For each embedded model and seed, BayesQ's pipeline row (params.yaml's settings, the seed's
 calibration and held-out selection draws) is quantised once with the offset off; the offset is
@@ -16,7 +17,8 @@ is exactly what the default does last (:func:`bayesq.quantize.assemble`). Printe
 * the same for the least-squares offset, ``mean_n (z^FP_n - z^Q_n)`` on the same inputs
   (the bias correction's rule applied to the logits), against the KL fit;
 * the KL fit on the calibration inputs alone (the default until 2026-12-02), against the fit on
-  both input sets (the default's).
+  both input sets (the default's);
+* the offset fitted in full (the default until 2026-12-07), against the default's half of it.
 
     python benchmarks/output_offset.py [--models lite0-fmnist minilm-sentiment] [--seeds 17 18 19]
 """
@@ -108,6 +110,13 @@ def main() -> None:
                   f"calibration + selection (default) - calibration alone: KL "
                   f"{interval(paired_difference(kl['with'], kl_cal))}, accuracy (pts) "
                   f"{interval(paired_difference(100 * ok['with'], 100 * ok_cal))}", flush=True)
+            full = fit_output_offset(model, res.model, calibration, selection=selection, shrink=1.0)
+            z_full = z_q + full.shift.to(z_q)
+            kl_full, ok_full = kl_per_example(z_fp, z_full), (z_full.argmax(-1) == labels).double()
+            print(f"  offset fitted in full (the default before 2026-12-07): KL {kl_full.mean():.5f}, "
+                  f"{100 * ok_full.mean():.2f} %; halved (default) - full: KL "
+                  f"{interval(paired_difference(kl['with'], kl_full))}, accuracy (pts) "
+                  f"{interval(paired_difference(100 * ok['with'], 100 * ok_full))}", flush=True)
             print(f"  with - without: KL {interval(paired_difference(kl['with'], kl['without']))}, "
                   f"accuracy (pts) {interval(paired_difference(100 * ok['with'], 100 * ok['without']))}; "
                   f"without - FP: accuracy (pts) {interval(paired_difference(100 * ok['without'], 100 * ok['fp']))}",

@@ -71,7 +71,7 @@ from flows.tracking import (
 # Sources that only one method's rows run: each row's cache key leaves out the others', so a
 # change to one baseline re-runs only its rows (tests/test_flows.py checks, by profiling every
 # method's row, that no row calls into a source its key leaves out). Code no row runs (reports,
-# CLI, zoo, ablations) is left out of every row's key.
+# CLI, zoo, ablations, the shift stage) is left out of every row's key.
 METHOD_SOURCES = {
     Method.GPTQ: ("bayesq/baselines/gptq.py",),
     Method.AWQ: ("bayesq/baselines/awq.py",),
@@ -96,7 +96,7 @@ METHOD_SOURCES = {
     Method.BIT_SPLIT: ("bayesq/baselines/bitsplit.py", "bayesq/baselines/gptq.py"),
     Method.OCS: ("bayesq/baselines/ocs.py", "bayesq/baselines/gptq.py"),  # GPTQ on the expanded layers
 }
-NOT_IN_ROWS = ("flows/ablate.py", "flows/report.py", "flows/robustness_report.py", "flows/labels.py", "flows/cli.py",
+NOT_IN_ROWS = ("flows/ablate.py", "flows/shift.py", "flows/report.py", "flows/robustness_report.py", "flows/labels.py", "flows/cli.py",
                "flows/zoo.py", "flows/settings.py", "flows/__main__.py")
 
 

@@ -38,7 +38,7 @@ from bayesq.comparison import (
     paired_difference,
 )
 from bayesq.evaluation import predict
-from bayesq.harness.data.sentiment import binary_labels, load_vader_domain
+from bayesq.harness.data.sentiment import binary_labels, load_vader_domain, seeded_permutation
 from bayesq.harness.models.zoo import Splits, get_entry
 from bayesq.methods import Inputs, quantize_with
 from bayesq.output_offset import fit_output_offset
@@ -48,7 +48,7 @@ from flows.configs import method_config
 from flows.finetune import load_model, raw_path
 from flows.params import Method, ShiftCase, ablation_params
 from flows.prepare import calibration_batches, selection_batches
-from flows.robustness import domain_split, read_tensors
+from flows.robustness import DOMAIN_SEED, domain_split, read_tensors
 from flows.tracking import flow_run_namer, mlflow_child, mlflow_parent, row_params, say, write_run_file
 
 DEFAULT = "default"
@@ -68,8 +68,8 @@ BATCH = 64  # test examples per forward pass
 def case_splits(case: ShiftCase, params, raw: Path, test_examples: int) -> tuple[Splits, dict[str, Splits]]:
     """(the calibration pool as a :class:`Splits` whose training part is drawn from, {test name:
     a :class:`Splits` whose test part is scored}) of one case. Text: the ``movie`` domain is the
-    model's own training / test split, another domain its sentences labelled by sign (tests: the
-    first ``test_examples`` of a seeded order). Images: the training images of the calibration
+    model's own training / test split, another domain its sentences labelled by sign (tests: at
+    most ``test_examples`` of them, a seeded subset). Images: the training images of the calibration
     classes; the test split's first ``test_examples`` images, every class."""
     entry = get_entry(case.model)
     own = entry.load_splits(params.data, raw)
@@ -86,8 +86,11 @@ def case_splits(case: ShiftCase, params, raw: Path, test_examples: int) -> tuple
         pool = Splits(sentences, labels, [], none)
     tests = {}
     for domain in case.test:
-        inputs, labels = ((own.test_inputs[:test_examples], own.test_labels[:test_examples]) if domain == "movie"
-                          else domain_split(raw, domain, test_examples))
+        if domain == "movie":  # the test split, in its length order: a seeded subset of it when capped
+            keep = seeded_permutation(len(own.test_labels), DOMAIN_SEED)[:test_examples].sort().values
+            inputs, labels = [own.test_inputs[i] for i in keep.tolist()], own.test_labels[keep]
+        else:
+            inputs, labels = domain_split(raw, domain, test_examples)
         tests[domain] = Splits([], none, inputs, labels)
     return pool, tests
 
