@@ -5,8 +5,10 @@ run at every calibration size (and selection size) through the same row as the C
 (:func:`flows.byo.run_row`), with one test draw shared by all of them (:func:`bayesq.harness.data.files.draw_examples`
 takes the test examples first, so they depend on the seed and ``--test`` only). Printed per row:
 wall time of the quantisation, KL(FP || Q) with its 95 % interval, accuracy Q - FP (with
-labels), and the paired difference of each row's per-example KL to the same method at the
-largest calibration size (negative: the smaller set is closer to FP).
+labels), the paired difference of each row's per-example KL to the same method at the
+largest calibration size (negative: the smaller set is closer to FP), and, with BayesQ and GPTQ
+both run, BayesQ - GPTQ at every size (the floor of the CLI's draw sizes is the smallest
+calibration size where it is still resolved below 0).
 
     python benchmarks/byo_sizes.py --model ./minilm-sst --data reviews.parquet --text-column sentence \\
         --label-column label [--calibration 128 256 512 1024] [--selection 256] [--methods bayesq gptq] \\
@@ -68,6 +70,14 @@ def main() -> None:
         ref = next(x for m, c, s, x in rows if (m, c, s) == (method, top, sel))
         d = paired_difference(load_examples(Path(r["examples_file"])).kl, load_examples(Path(ref["examples_file"])).kl)
         print(f"{method:8s} cal {cal:5d} sel {sel:4d} - cal {top}: {d.diff:+.5f} [{d.ci_low:+.5f}, {d.ci_high:+.5f}]")
+    kl = {(m, c, s): load_examples(Path(r["examples_file"])).kl for m, c, s, r in rows}
+    if any(m == "bayesq" for m, _, _ in kl) and any(m == "gptq" for m, _, _ in kl):
+        print("\npaired KL difference BayesQ - GPTQ at each size (* resolved):")
+        for (m, cal, sel), v in kl.items():
+            if m == "bayesq" and ("gptq", cal, sel) in kl:
+                d = paired_difference(v, kl[("gptq", cal, sel)])
+                star = "*" if d.ci_high < 0 or d.ci_low > 0 else ""
+                print(f"cal {cal:5d} sel {sel:4d}: {d.diff:+.5f} [{d.ci_low:+.5f}, {d.ci_high:+.5f}]{star}", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ The CLI (``bayesq quantize --model ... --data ...``), the zoo flow (entries with
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,10 +41,12 @@ from bayesq.fidelity import ExampleScores, fidelity_report, score_examples
 from bayesq.forward import call, output_logits
 from bayesq.harness.data.calibration import sample_calibration_indices
 from bayesq.harness.data.files import (
+    DEFAULT_SIZES,
     DataSource,
     check_columns,
     draw_examples,
     featurizer,
+    fit_draw_sizes,
     load_rows,
     make_batches,
     read_labels,
@@ -75,6 +78,7 @@ class Prepared:
     labels: torch.Tensor | None
     preprocessor: dict
     data_digest: str
+    sizes_note: str = ""  # why the draw sizes are not the defaults (fitted to a small data set), or ""
 
 
 def _num_classes(src: ModelSource, fp: torch.nn.Module, batch) -> int:
@@ -86,7 +90,8 @@ def _num_classes(src: ModelSource, fp: torch.nn.Module, batch) -> int:
 
 def check(spec: ByoModel, seed: int):
     """Resolve the model and read the data, and check everything that can be checked without
-    building the model: columns, their kinds, labels, draw sizes. Returns (source, rows, draws).
+    building the model: columns, their kinds, labels, draw sizes. Returns (source, rows, draws,
+    :class:`~bayesq.harness.data.files.DrawSizes`).
 
     Raises:
         FileNotFoundError / ValueError: every bad input, named (see
@@ -101,10 +106,11 @@ def check(spec: ByoModel, seed: int):
     if src.causal_lm and spec.data.label_column:
         raise ValueError(f"{spec.model} is a causal language model: it has no class labels to score "
                          f"'{spec.data.label_column}' against; drop the label column (perplexity needs none)")
-    draws = draw_examples(len(ds), spec.calibration, spec.selection, spec.test, seed)
+    sizes = fit_draw_sizes(len(ds), spec.calibration, spec.selection, spec.test)
+    draws = draw_examples(len(ds), sizes.calibration, sizes.selection, sizes.test, seed)
     if src.num_classes:  # a callable's class count is known once it runs (prepare checks it then)
         read_labels(ds, draws.test, spec.data, src.num_classes, _label2id(src))
-    return src, ds, draws
+    return src, ds, draws, sizes
 
 
 def _label2id(src: ModelSource) -> dict | None:
@@ -123,10 +129,12 @@ def prepare(spec: ByoModel, seed: int, say=print) -> Prepared:
     """
     start = time.perf_counter()
     say(f"[byo] {spec.name}: reading {spec.model} and {spec.data.path} ...")
-    src, ds, draws = check(spec, seed)
+    src, ds, draws, sizes = check(spec, seed)
+    if sizes.note:
+        say(f"[byo] {spec.name}: {sizes.note}")
     say(f"[byo] {spec.name}: {src.kind.value} {src.auto_class or src.arch} ({src.modality.value}), "
-        f"{len(ds)} examples in {spec.data.path}: {spec.calibration} calibration, {spec.selection} selection, "
-        f"{spec.test} test (seed {seed})")
+        f"{len(ds)} examples in {spec.data.path}: {sizes.calibration} calibration, {sizes.selection} selection, "
+        f"{sizes.test} test (seed {seed})")
     fp = src.build()
     pre = src.preprocessor(spec.data.image_size)
     with unpacked(pre.get("files", {})) as folder:
@@ -137,7 +145,7 @@ def prepare(spec: ByoModel, seed: int, say=print) -> Prepared:
                          _label2id(src))
     say(f"[byo] {spec.name}: model built and {sum(map(len, (draws.calibration, draws.selection, draws.test)))} "
         f"examples preprocessed ({time.perf_counter() - start:.1f} s)")
-    return Prepared(spec, src, fp, draws, cal, sel or None, test, labels, pre, digest(Path(spec.data.path)))
+    return Prepared(spec, src, fp, draws, cal, sel or None, test, labels, pre, digest(Path(spec.data.path)), sizes.note)
 
 
 def report_paths(export: Path) -> tuple[Path, Path]:
@@ -217,7 +225,8 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
                                                                   if isinstance(v, (str, int, float))},
               "export": info.as_dict(), "loaded_logit_max_diff": logit_diff, "fidelity": report.as_dict(),
               "dataset": prep.spec.data.path, "dataset_digest": prep.data_digest,
-              "draws": json.loads(meta["draws"]), "examples_file": str(save_examples(out, scores, examples_dir))}
+              "draws": json.loads(meta["draws"]), "draw_sizes_note": prep.sizes_note,
+              "examples_file": str(save_examples(out, scores, examples_dir))}
     write_report(out, record, report.lines())
     return record
 
@@ -262,6 +271,19 @@ def paired_rows(records: list[dict], reference: str = "bayesq") -> list[dict]:
     return out
 
 
+def _small_test_line(record: dict) -> list[str]:
+    """A report line saying how much wider the intervals are for a test draw smaller than the
+    default (they narrow as ``1 / sqrt(n)``), with the KL's here; none for a full-size draw."""
+    n, full = record["draws"]["test"]["n"], DEFAULT_SIZES["test"]
+    if n >= full:
+        return []
+    f = record["fidelity"]
+    half = (f["kl_ci_high"] - f["kl_ci_low"]) / 2
+    return [f"- a small test draw: {n} examples, so every interval below is about {math.sqrt(full / n):.1f} times as "
+            f"wide as with the default {full} (the KL's half-width here {half:.5f}, {100 * half / max(f['kl'], 1e-30):.0f} % "
+            "of its value); more test examples narrow it as 1 / sqrt(n)"]
+
+
 def write_report(export: Path, record: dict, lines: list[str]) -> tuple[Path, Path]:
     """The row's ``.report.json`` (the record) and ``.report.md`` (a table a person reads)."""
     js, md = report_paths(export)
@@ -273,7 +295,9 @@ def write_report(export: Path, record: dict, lines: list[str]) -> tuple[Path, Pa
             f"{r['avg_bits']:.4f} bits per quantised weight, {r['avg_bits_all']:.4f} over all weight matrices",
             f"- loaded back without a skeleton: largest logit difference to the in-memory model "
             f"{r['loaded_logit_max_diff']:.2e}",
-            f"- draws (seed {r['seed']}): " + ", ".join(f"{k} {v['n']}" for k, v in r["draws"].items()),
+            f"- draws (seed {r['seed']}): " + ", ".join(f"{k} {v['n']}" for k, v in r["draws"].items())
+            + (f" ({r['draw_sizes_note']})" if r.get("draw_sizes_note") else ""),
+            *_small_test_line(r),
             f"- kept in floating point: {', '.join(f'{k} ({v})' for k, v in r['unquantized'].items()) or 'nothing'}",
             "", "Quantised vs full precision on the test draw (value [95 % paired bootstrap interval]):", "",
             "```", *lines, "```", ""]

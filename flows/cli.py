@@ -85,9 +85,13 @@ def quantize(
     checkpoint: str = typer.Option("", help="state dict for torchvision:<arch> / package.module:function"),
     num_classes: int = typer.Option(0, help="torchvision: class count (default: read from the checkpoint)"),
     tokenizer: str = typer.Option("", help="package.module:function reading text: a tokenizer folder"),
-    calibration: int = typer.Option(512, help="calibration examples drawn from --data (512: measured, benchmarks/byo_sizes.py)"),
-    selection: int = typer.Option(256, help="held-out selection examples (choose among grids / variants)"),
-    test: int = typer.Option(512, help="test examples the report compares Q with FP on"),
+    calibration: Optional[int] = typer.Option(None, help="calibration examples drawn from --data (default 512, "
+                                                         "measured: benchmarks/byo_sizes.py; with fewer rows the "
+                                                         "defaults shrink together to fit, and the run says so)"),
+    selection: Optional[int] = typer.Option(None, help="held-out selection examples (choose among grids / variants; "
+                                                       "default 256, shrunk likewise)"),
+    test: Optional[int] = typer.Option(None, help="test examples the report compares Q with FP on (default 512, "
+                                                  "shrunk likewise)"),
     name: str = typer.Option("", help="the model's name in the report and MLflow (default: the folder's)"),
     track: bool = typer.Option(True, help="log the row to MLflow (MLFLOW_TRACKING_URI; default mlflow.db)"),
 ) -> None:

@@ -105,7 +105,8 @@ class ByoModel:
         model: Hugging Face directory, ``torchvision:<arch>`` or ``package.module:function``.
         data: where the examples are and which columns to read.
         checkpoint, num_classes, tokenizer: see :func:`bayesq.harness.sources.resolve_model`.
-        calibration, selection, test: sizes of the three disjoint seeded draws.
+        calibration, selection, test: sizes of the three disjoint seeded draws (None: the
+            default, shrunk to fit the data: :func:`bayesq.harness.data.files.fit_draw_sizes`).
         budgets, methods: what to run (zoo file and params.yaml entries).
         exclude: module names or glob patterns kept in floating point.
     """
@@ -116,18 +117,18 @@ class ByoModel:
     checkpoint: str = ""
     num_classes: int = 0
     tokenizer: str = ""
-    calibration: int = 512  # benchmarks/byo_sizes.py: BayesQ's KL at 128 or 256 resolved above 1024, 512 not
-    selection: int = 256
-    test: int = 512
+    calibration: int | None = None  # default 512 (benchmarks/byo_sizes.py: 128 or 256 resolved above 1024, 512 not)
+    selection: int | None = None  # default 256
+    test: int | None = None  # default 512
     budgets: tuple[float, ...] = (3.0,)
     methods: tuple[str, ...] = ("bayesq",)
     exclude: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         for key in ("calibration", "test"):
-            if int(getattr(self, key)) < 1:
+            if getattr(self, key) is not None and int(getattr(self, key)) < 1:
                 raise ValueError(f"{self.name}: {key} = {getattr(self, key)}: need at least 1 example")
-        if self.selection < 0:
+        if self.selection is not None and self.selection < 0:
             raise ValueError(f"{self.name}: selection = {self.selection}: need 0 or more examples")
         if not self.budgets or not all(isinstance(b, (int, float)) and b > 0 for b in self.budgets):
             raise ValueError(f"{self.name}: budgets = {list(self.budgets)}: need positive bits per weight")
@@ -175,8 +176,8 @@ def byo_from_mapping(item: Mapping[str, Any], where: str, budgets: tuple[float, 
         name = str(item.get("name") or Path(str(item["model"]).rstrip("/")).name.replace("torchvision:", ""))
         return ByoModel(name, str(item["model"]), data, str(item.get("checkpoint") or ""),
                         int(item.get("num_classes") or 0), str(item.get("tokenizer") or ""),
-                        int(item.get("calibration", 512)), int(item.get("selection", 256)),
-                        int(item.get("test", 512)), tuple(float(b) for b in listed.get("budgets", budgets)),
+                        *(None if item.get(k) is None else int(item[k]) for k in ("calibration", "selection", "test")),
+                        tuple(float(b) for b in listed.get("budgets", budgets)),
                         tuple(map(str, listed.get("methods", methods))), tuple(map(str, listed.get("exclude", ()))))
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: {err}") from None

@@ -113,6 +113,43 @@ def test_every_model_kind_exports_and_loads_without_skeleton(byo_models, byo_dat
     assert sum(p.numel() for p in loaded.parameters()) > 0 and not loaded.training
 
 
+def test_cli_default_draw_sizes_shrink_to_a_300_row_file_and_given_ones_do_not(byo_models, tmp_path, one_thread):
+    """No size flags on 300 rows: the defaults (512 + 256 + 512) shrink together to 120 + 60 + 120
+    and the run says so; a size given that does not fit is refused, nothing written."""
+    import datasets
+
+    from tests.byo_fixtures import sentences
+
+    rows = tmp_path / "reviews.parquet"
+    datasets.Dataset.from_dict({"sentence": sentences(300), "label": [i % 2 for i in range(300)]}).to_parquet(str(rows))
+    out = tmp_path / "m.safetensors"
+    args = ["quantize", "--model", str(byo_models["bert"]), "--data", str(rows), "--text-column", "sentence",
+            "--label-column", "label", "--budget", "3.0", "--no-track"]
+    res = runner.invoke(app, [*args, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert "the data has 300 examples, fewer than the default draws need (512 + 256 + 512)" in said
+    assert "120 calibration, 60 selection, 120 test" in said
+    record = json.loads(report_paths(out)[0].read_text())
+    assert [record["draws"][k]["n"] for k in ("calibration", "selection", "test")] == [120, 60, 120]
+    report = " ".join(report_paths(out)[1].read_text().split())
+    assert "the data has 300 examples" in report and "a small test draw: 120 examples" in report
+    assert "about 2.1 times as wide as with the default 512" in report  # sqrt(512 / 120)
+    never = tmp_path / "never.safetensors"
+    res = runner.invoke(app, [*args, "--calibration", "320", "--out", str(never)])
+    assert res.exit_code == 1 and "sizes given need calibration 320 = 320" in " ".join(res.output.split())
+    assert not never.exists()
+    # the floor: 20 rows run (8 + 4 + 8), 19 are refused with the fewest that run named
+    for n, ok in ((20, True), (19, False)):
+        few = tmp_path / f"few{n}.parquet"
+        datasets.Dataset.from_dict({"sentence": sentences(n), "label": [i % 2 for i in range(n)]}).to_parquet(str(few))
+        res = runner.invoke(app, [*args[:4], str(few), *args[5:], "--out", str(tmp_path / f"few{n}.safetensors")])
+        assert (res.exit_code == 0) == ok, res.output
+        if not ok:
+            assert "below the 8 that measurement supports" in " ".join(res.output.split())
+            assert "bring at least 20 examples" in " ".join(res.output.split())
+
+
 def test_bad_inputs_are_named_and_write_nothing(byo_models, byo_data, tmp_path, one_thread):
     out = tmp_path / "never.safetensors"
     bert = ["--model", str(byo_models["bert"])]

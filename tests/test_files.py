@@ -7,8 +7,12 @@ import torch
 from bayesq.harness.data.files import (
     DataSource,
     check_columns,
+    DEFAULT_SIZES,
+    MIN_SIZES,
+    DrawSizes,
     draw_examples,
     featurizer,
+    fit_draw_sizes,
     load_rows,
     make_batches,
     read_labels,
@@ -46,6 +50,42 @@ def test_draw_examples_disjoint_seeded_and_sized():
     assert d.digest("test") == again.digest("test") != d.digest("calibration")
     with pytest.raises(ValueError, match=r"has 50 examples but calibration \+ selection \+ test need 20 \+ 30 \+ 40 = 90"):
         draw_examples(50, 20, 30, 40, seed=0)
+
+
+def test_fit_draw_sizes_defaults_shrink_together_to_fit():
+    sizes = fit_draw_sizes(1280)  # exactly the defaults: nothing shrunk
+    assert fit_draw_sizes(5000) == sizes and sizes.note == ""
+    assert (sizes.calibration, sizes.selection, sizes.test) == (512, 256, 512) == tuple(DEFAULT_SIZES.values())
+    small = fit_draw_sizes(600)  # the defaults scaled by 600 / 1280
+    assert (small.calibration, small.selection, small.test) == (240, 120, 240)
+    assert "the data has 600 examples" in small.note and "scaled by 0.47" in small.note
+    given = fit_draw_sizes(600, calibration=400)  # kept; the others share the rest
+    assert (given.calibration, given.selection, given.test) == (400, 66, 133) and "plus the sizes given" in given.note
+    assert fit_draw_sizes(100, 20, 30, 40) == DrawSizes(20, 30, 40, "")
+    assert fit_draw_sizes(50, 20, 30, 40).calibration == 20  # every size given: never shrunk (draw_examples refuses)
+    with pytest.raises(ValueError, match=r"has 300 examples but the sizes given need calibration 250 \+ test 100 = 350"):
+        fit_draw_sizes(300, calibration=250, test=100)
+    with pytest.raises(ValueError, match="selection = -1"):
+        fit_draw_sizes(300, selection=-1)
+
+
+def test_fit_draw_sizes_floor_names_the_fewest_examples_vs_brute_force():
+    """The error below the floor names the smallest data size the defaults run on, found here by
+    trying every size."""
+    for given in ({}, {"calibration": 100}, {"test": 30, "selection": 0}):
+        def runs(n: int) -> bool:
+            try:
+                fit_draw_sizes(n, **given)
+                return True
+            except ValueError:
+                return False
+
+        least = next(n for n in range(1, 2000) if runs(n))
+        assert all(runs(n) for n in range(least, least + 300))
+        with pytest.raises(ValueError, match=rf"below the \d+ that measurement supports .* bring at least {least} examples"):
+            fit_draw_sizes(least - 1, **given)
+        sizes = fit_draw_sizes(least, **given)
+        assert all(getattr(sizes, k) >= MIN_SIZES[k] for k in MIN_SIZES if k not in given)
 
 
 def test_bad_columns_and_kinds_are_named(byo_data, tmp_path):

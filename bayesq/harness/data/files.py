@@ -157,6 +157,71 @@ class Draws:
         return hashlib.sha256(",".join(map(str, getattr(self, part).tolist())).encode()).hexdigest()
 
 
+DEFAULT_SIZES = {"calibration": 512, "selection": 256, "test": 512}  # benchmarks/byo_sizes.py (512: measured)
+# The floor a shrunk default may reach. Calibration: the smallest size measured (benchmarks/byo_sizes.py,
+# 2026-12-07), at which BayesQ still beat GPTQ by a resolved KL margin on MiniLM and on lite0 (docs/usage.md);
+# selection may vanish (the candidates are then scored on the calibration inputs); a test draw as small.
+MIN_SIZES = {"calibration": 8, "selection": 0, "test": 8}
+
+
+@dataclass(frozen=True)
+class DrawSizes:
+    """The three draw sizes a run takes from ``n_total`` examples, and why (``note``: "" when
+    every size is the one given or the default)."""
+
+    calibration: int
+    selection: int
+    test: int
+    note: str = ""
+
+
+def fit_draw_sizes(n_total: int, calibration: int | None = None, selection: int | None = None,
+                   test: int | None = None) -> DrawSizes:
+    """Draw sizes that fit ``n_total`` examples: sizes given are kept; those left None take their
+    :data:`DEFAULT_SIZES`, all scaled by one factor ``f = (n_total - given) / defaults`` (rounded
+    down) when they do not fit, so a few hundred examples run with no flags.
+
+    Every size given: returned as it is (:func:`draw_examples` refuses sizes that do not fit).
+
+    Raises:
+        ValueError: a given size below 1 (selection: below 0); the sizes given exceeding
+            ``n_total`` while others are left to the default; a shrunk default below its
+            :data:`MIN_SIZES` floor (the message names the fewest examples that run with the
+            defaults, and the flags to set instead).
+    """
+    given = {"calibration": calibration, "selection": selection, "test": test}
+    for key, v in given.items():
+        if v is not None and v < (0 if key == "selection" else 1):
+            raise ValueError(f"{key} = {v}: need at least {0 if key == 'selection' else 1} example(s)")
+    fixed = sum(v for v in given.values() if v is not None)
+    free = {k: DEFAULT_SIZES[k] for k, v in given.items() if v is None}
+    if fixed + sum(free.values()) <= n_total:
+        return DrawSizes(**{**given, **free})
+    flags = " / ".join(f"--{k}" for k in given)
+    if not free:  # every size given: never shrunk (draw_examples names what does not fit)
+        return DrawSizes(calibration, selection, test)
+    if fixed > n_total:
+        need = " + ".join(f"{k} {v}" for k, v in given.items() if v is not None)
+        raise ValueError(f"the data has {n_total} examples but the sizes given need {need} = {fixed}: pass smaller "
+                         f"{flags} (they must add up to at most {n_total}) or more data")
+    f = (n_total - fixed) / sum(free.values())
+    shrunk = {k: int(v * f) for k, v in free.items()}
+    low = {k: v for k, v in shrunk.items() if v < MIN_SIZES[k]}
+    if low:
+        least = fixed + max(-(-MIN_SIZES[k] * sum(free.values()) // free[k]) for k in free)
+        while any(int(v * (least - fixed) / sum(free.values())) < MIN_SIZES[k] for k, v in free.items()):
+            least += 1  # rounding down may need one more
+        k = next(iter(low))
+        raise ValueError(f"the data has {n_total} examples: the default draws shrunk to fit would leave {shrunk[k]} "
+                         f"{k} examples, below the {MIN_SIZES[k]} that measurement supports (benchmarks/byo_sizes.py); "
+                         f"bring at least {least} examples, or pass {flags} yourself")
+    sizes = {**given, **shrunk}
+    note = (f"the data has {n_total} examples, fewer than the default draws need "
+            f"({' + '.join(str(DEFAULT_SIZES[k]) for k in free)}{' plus the sizes given' if fixed else ''}): "
+            + ", ".join(f"{k} {sizes[k]}" for k in free) + f" (the defaults scaled by {f:.2f})")
+    return DrawSizes(sizes["calibration"], sizes["selection"], sizes["test"], note)
+
+
 def draw_examples(n_total: int, calibration: int, selection: int, test: int, seed: int) -> Draws:
     """Three disjoint seeded draws from one seeded permutation of ``range(n_total)`` (the one
     :func:`bayesq.harness.data.calibration.sample_calibration_indices` takes its first indices
