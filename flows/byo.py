@@ -280,7 +280,7 @@ def _small_test_line(record: dict) -> list[str]:
     f = record["fidelity"]
     half = (f["kl_ci_high"] - f["kl_ci_low"]) / 2
     return [f"- a small test draw: {n} examples, so every interval below is about {math.sqrt(full / n):.1f} times as "
-            f"wide as with the default {full} (the KL's half-width here {half:.5f}, {100 * half / max(f['kl'], 1e-30):.0f} % "
+            f"wide as with the default {full} (the KL's half-width here {half:.2g}, {100 * half / max(f['kl'], 1e-30):.0f} % "
             "of its value); more test examples narrow it as 1 / sqrt(n)"]
 
 

@@ -218,7 +218,7 @@ def fit_draw_sizes(n_total: int, calibration: int | None = None, selection: int 
     sizes = {**given, **shrunk}
     note = (f"the data has {n_total} examples, fewer than the default draws need "
             f"({' + '.join(str(DEFAULT_SIZES[k]) for k in free)}{' plus the sizes given' if fixed else ''}): "
-            + ", ".join(f"{k} {sizes[k]}" for k in free) + f" (the defaults scaled by {f:.2f})")
+            f"the defaults scaled by {f:.2f}")
     return DrawSizes(sizes["calibration"], sizes["selection"], sizes["test"], note)
 
 
