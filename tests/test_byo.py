@@ -195,6 +195,9 @@ def test_byo_entries_from_zoo_and_params_mappings(tmp_path):
     m = byo_from_mapping({"model": "./my-bert/", "data": "d.parquet", "text_column": "s", "budgets": [3, 4],
                           "methods": ["gptq"]}, "zoo: models[0]")
     assert (m.name, m.data.text_columns, m.budgets, m.methods) == ("my-bert", ("s",), (3.0, 4.0), ("gptq",))
+    assert (m.calibration, m.selection, m.test) == (None, None, None)  # left out: the defaults, fitted to the data
+    sized = byo_from_mapping({"model": "m", "data": "d", "calibration": 64, "test": 32}, "zoo: models[1]")
+    assert (sized.calibration, sized.selection, sized.test) == (64, None, 32)
     with pytest.raises(ValueError, match=r"models\[0\]: unknown key 'text_colum' \(did you mean 'text_column'"):
         byo_from_mapping({"model": "m", "data": "d", "text_colum": "s"}, "zoo: models[0]")
     with pytest.raises(ValueError, match="'data' is required"):
