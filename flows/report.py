@@ -297,7 +297,7 @@ def paired_comparisons(records: list[dict], results_dir: Path, resamples: int | 
     return out, notes
 
 
-def _ci(row: dict, fmt: str) -> str:
+def ci_text(row: dict, fmt: str) -> str:
     """``diff [low, high]`` in ``fmt``, with * when the interval excludes 0."""
     resolved = "*" if row["ci_low"] > 0 or row["ci_high"] < 0 else ""
     return f"{row['diff']:{fmt}} [{row['ci_low']:{fmt}}, {row['ci_high']:{fmt}}]{resolved}"
@@ -337,8 +337,8 @@ def paired_table(rows: list[dict], notes: list[str]) -> str:
             acc, kl = cell.get((*key, "accuracy")), cell.get((*key, "kl"))
             model, budget, method, base = key
             lines.append(f"| {model} | {budget:.1f} | {METHOD_LABEL.get(method, method)} | "
-                         f"{METHOD_LABEL.get(base, base)} | {_ci(acc, '+.2f') if acc else '–'} | "
-                         f"{_ci(kl, '+.3g') if kl else '–'} | {(acc or kl)['n']:,} |")
+                         f"{METHOD_LABEL.get(base, base)} | {ci_text(acc, '+.2f') if acc else '–'} | "
+                         f"{ci_text(kl, '+.3g') if kl else '–'} | {(acc or kl)['n']:,} |")
         lines.append("")
     return "\n".join(lines + notes + ([""] if notes else []))
 
@@ -432,7 +432,7 @@ def results_summary(summary: dict, fp: dict[str, dict], paired: list[dict], timi
                      (("gptq", "kl"), ("gptq", "accuracy"), ("rtn-group", "kl"))]
             fmts = ("+.3g", "+.2f", "+.3g")
             lines.append(f"| {model} | {budget:.1f} | " + " | ".join("–" if v is None else f"{v:.3g}" for v in kl.values())
-                         + " | " + " | ".join("–" if d is None else _ci(d, f) for d, f in zip(diffs, fmts)) + " |")
+                         + " | " + " | ".join("–" if d is None else ci_text(d, f) for d, f in zip(diffs, fmts)) + " |")
     lines += ["", "## BayesQ against the strongest rival by KL", "",
               "The baseline row with the least mean KL to the FP model at each model and budget, among every one "
               "this run has (`reports/paired.json` holds BayesQ against each of them).", "",
@@ -446,7 +446,7 @@ def results_summary(summary: dict, fp: dict[str, dict], paired: list[dict], timi
             diffs = [cell.get((model, budget, "bayesq", rival, metric)) for metric in ("kl", "accuracy")]
             lines.append(f"| {model} | {budget:.1f} | {METHOD_LABEL.get(rival, rival)} | "
                          f"{methods[rival][budget]['kl_mean']:.3g} | "
-                         + " | ".join("–" if d is None else _ci(d, f) for d, f in zip(diffs, ("+.3g", "+.2f"))) + " |")
+                         + " | ".join("–" if d is None else ci_text(d, f) for d, f in zip(diffs, ("+.3g", "+.2f"))) + " |")
     lines += ["", "## Accuracy (%) and true average bits", ""]
     for model, methods in summary.items():
         budgets = sorted({b for per in methods.values() for b in per})
@@ -605,7 +605,7 @@ def ablation_table(records: list[dict], fp: dict[str, dict], extras: dict | None
         for metric, fmt in (("kl", "+.3g"), ("accuracy", "+.2f")):
             for m in models:
                 d = deltas.get((m, group, label))
-                cells.append("0" if (group, label) == base else "–" if d is None else _ci(d[metric], fmt))
+                cells.append("0" if (group, label) == base else "–" if d is None else ci_text(d[metric], fmt))
         ovh = f"{sum(ratios) / len(ratios):.2f}×" if ratios else "–"
         lines.append(f"| | {label} | " + " | ".join(cells) + f" | {ovh} | {over or 'defaults'} |")
     lines.append("")

@@ -48,6 +48,7 @@ from flows.configs import method_config
 from flows.finetune import load_model, raw_path
 from flows.params import Method, ShiftCase, ablation_params
 from flows.prepare import calibration_batches, selection_batches
+from flows.report import ci_text
 from flows.robustness import DOMAIN_SEED, domain_split, read_tensors
 from flows.tracking import flow_run_namer, mlflow_child, mlflow_parent, row_params, say, write_run_file
 
@@ -145,17 +146,15 @@ def row_task(case: ShiftCase, method: str, label: str, params, seed: int, model_
         full = fit_output_offset(model, result.model, cal, selection=sel, shrink=1.0)
         if full.fitted:
             shifted[FULL_OFFSET] = full.shift.float()
-    records = []
-    for row, shift in shifted.items():
-        files = {}
-        for test, split in tests.items():
-            z = predict(result.model, entry.batches(split.test_inputs, BATCH, params.data), f"{row} on {test}")
+    files: dict[str, dict[str, str]] = {row: {} for row in shifted}
+    for test, split in tests.items():  # one pass of the model per test set, shared by the rows it yields
+        z = predict(result.model, entry.batches(split.test_inputs, BATCH, params.data), f"{label} on {test}")
+        for row, shift in shifted.items():
             path = logits_file(Path(out), case.name, test, row_name(method, row))
             save_tensors(path, {"logits": (z + shift).float().contiguous()}, {"case": case.name, "test": test})
-            files[test] = str(path)
-        records.append({"case": case.name, "model": case.model, "method": method, "row": row,
-                        "avg_bits": result.average_bits, "seconds": seconds, "files": files})
-    return records
+            files[row][test] = str(path)
+    return [{"case": case.name, "model": case.model, "method": method, "row": row, "avg_bits": result.average_bits,
+             "seconds": seconds, "files": files[row]} for row in shifted]
 
 
 def scores(fp_file: str, row_file: str) -> dict[str, torch.Tensor]:
@@ -171,8 +170,8 @@ def summarise(records: list[dict], fp_files: dict[str, dict[str, str]]) -> list[
     """Per (case, test, row): KL (mean, SE), agreement and accuracy (%), and the paired
     differences the report shows: the row minus its method's row without corrections
     (``vs_no_corrections``), BayesQ's default minus GPTQ's default (``vs_gptq``) and minus the
-    offset fitted in full (``vs_full_offset``); each ``{kl: [diff, lo, hi], agreement: ..., accuracy: ...}``
-    (agreement and accuracy in points)."""
+    offset fitted in full (``vs_full_offset``); each ``{kl: {diff, ci_low, ci_high}, agreement: ...,
+    accuracy: ...}`` (agreement and accuracy in points)."""
     by_test: dict[tuple[str, str], dict[str, dict]] = {}
     for r in records:
         for test, path in r["files"].items():
@@ -197,21 +196,16 @@ def summarise(records: list[dict], fp_files: dict[str, dict[str, str]]) -> list[
     return out
 
 
-def _paired(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, list[float]]:
-    """``a - b`` of each per-example score with its 95 % paired interval (agreement and accuracy in points)."""
-    out = {}
-    for key, scale in (("kl", 1.0), ("agree", 100.0), ("correct", 100.0)):
-        d = paired_difference(scale * a[key], scale * b[key])
-        out[{"agree": "agreement", "correct": "accuracy"}.get(key, key)] = [d.diff, d.ci_low, d.ci_high]
-    return out
+def _paired(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+    """``a - b`` of each per-example score with its 95 % paired interval, ``{diff, ci_low, ci_high}``
+    (agreement and accuracy in points)."""
+    return {name: paired_difference(scale * a[key], scale * b[key]).as_dict()
+            for name, key, scale in (("kl", "kl", 1.0), ("agreement", "agree", 100.0), ("accuracy", "correct", 100.0))}
 
 
-def _interval(d: list[float] | None, digits: int) -> str:
-    """``+d [lo, hi]``, starred when the interval excludes 0; "–" when there is none."""
-    if d is None:
-        return "–"
-    star = "*" if d[1] > 0 or d[2] < 0 else ""
-    return f"{d[0]:+.{digits}f} [{d[1]:+.{digits}f}, {d[2]:+.{digits}f}]{star}"
+def _interval(d: dict[str, float] | None, fmt: str) -> str:
+    """:func:`flows.report.ci_text` of a paired difference; "–" when there is none."""
+    return ci_text(d, fmt) if d else "–"
 
 
 def report_markdown(summaries: list[dict], params) -> str:
@@ -244,16 +238,16 @@ def report_markdown(summaries: list[dict], params) -> str:
         for s in rows:
             d = s.get("vs_no_corrections")
             lines.append(f"| {s['method']} | {s['row']} | {s['avg_bits']:.3f} | {s['kl_mean']:.5f} ± {s['kl_se']:.5f} | "
-                         f"{s['agreement']:.2f} | {s['accuracy']:.2f} | {_interval(d and d['kl'], 5)} | "
-                         f"{_interval(d and d['agreement'], 2)} |")
+                         f"{s['agreement']:.2f} | {s['accuracy']:.2f} | {_interval(d and d['kl'], '+.5f')} | "
+                         f"{_interval(d and d['agreement'], '+.2f')} |")
         default = next((s for s in rows if s["method"] == Method.BAYESQ.value and s["row"] == DEFAULT), None)
         if default is not None:
             for key, what in (("vs_gptq", "GPTQ's default"), ("vs_full_offset", "the offset fitted in full")):
                 d = default.get(key)
                 if d:
                     lines.append("")
-                    lines.append(f"BayesQ's default − {what}: KL {_interval(d['kl'], 5)}, agreement "
-                                 f"{_interval(d['agreement'], 2)} points, accuracy {_interval(d['accuracy'], 2)} points.")
+                    lines.append(f"BayesQ's default − {what}: KL {_interval(d['kl'], '+.5f')}, agreement "
+                                 f"{_interval(d['agreement'], '+.2f')} points, accuracy {_interval(d['accuracy'], '+.2f')} points.")
         lines.append("")
     return "\n".join(lines)
 

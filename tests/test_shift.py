@@ -92,7 +92,7 @@ def test_shift_flow_end_to_end(tmp_path, prefect_harness, tiny_entry):  # noqa: 
     gptq = read_tensors(logits_file(out, "half", "all", row_name("gptq", "default")))["logits"].double()
     want = paired_difference(kl_per_example(fp["logits"].double(), logits["default"]),
                              kl_per_example(fp["logits"].double(), gptq))
-    assert default["vs_gptq"]["kl"] == pytest.approx([want.diff, want.ci_low, want.ci_high], rel=1e-9)
+    assert default["vs_gptq"]["kl"] == pytest.approx(want.as_dict(), rel=1e-9)
     assert default["n"] == 100 and 0 <= default["agreement"] <= 100
     assert read_json(out / "shift.json") == {"rows": rows}
     text = report.read_text()
