@@ -8,6 +8,13 @@ method, so differences can be measured example by example:
 * :func:`agreement_per_example` -- ``argmax_c z_Q_ic == argmax_c z_FP_ic``;
   (both also for a language model's (N, T, V) logits: the mean over each example's real tokens);
 * :func:`correct_per_example` -- ``argmax_c z_ic == y_i``;
+* for the features ``F_i`` (T, H) of a model without a head: :func:`feature_error_per_example`
+  -- ``||F_Q_i - F_FP_i|| / ||F_FP_i||`` over the real tokens (Frobenius norms);
+  :func:`pooled_embeddings` -- ``e_i = 1/T_i sum_{t: m_it} F_it`` (mean pooling, as sentence
+  encoders are read); :func:`cosine_per_example` -- ``cos(e_Q_i, e_FP_i)``;
+  :func:`neighbour_agreement` -- whether ``e_i``'s nearest neighbour by cosine among the other
+  examples is the same example for both models (each model's neighbours among its own embeddings,
+  as a retrieval index rebuilt with the quantised model finds them);
 * :func:`fidelity_summary` -- mean KL, its standard error ``sd(KL) / sqrt(N)`` and the agreement rate;
 * :func:`resolved_choice` -- which of several candidates scored on the same examples to keep: a
   reference unless another's paired advantage over it is resolved; :func:`sequential_choice`
@@ -92,6 +99,50 @@ def agreement_per_example(fp_logit: Tensor, q_logit: Tensor, mask: Tensor | None
     if mask is not None:
         return per_input((fp_logit[mask].argmax(-1) == q_logit[mask].argmax(-1)).double(), mask)
     return fp_logit.argmax(-1) == q_logit.argmax(-1)
+
+
+def feature_error_per_example(fp: Tensor, q: Tensor, mask: Tensor | None = None) -> Tensor:
+    """(N,) float64 relative error ``||F_Q_i - F_FP_i|| / ||F_FP_i||`` of per-token features
+    (N, T, H) over example i's real tokens (``mask`` (N, T), None: every token), Frobenius norms
+    in float64; an example whose FP features are all zero scores its absolute error."""
+    mask = _check_logits(fp, q, mask)
+    if mask is None:
+        mask = torch.ones(fp.shape[:1], dtype=torch.bool, device=fp.device)[:, None]
+        fp, q = fp[:, None], q[:, None]
+    err = per_input((q[mask].double() - fp[mask].double()).square().sum(-1), mask, reduce="sum")
+    ref = per_input(fp[mask].double().square().sum(-1), mask, reduce="sum")
+    return (err / torch.where(ref > 0, ref, torch.ones_like(ref))).sqrt()
+
+
+def pooled_embeddings(features: Tensor, mask: Tensor | None = None) -> Tensor:
+    """(N, H) float64 mean of per-token features (N, T, H) over each example's real tokens
+    (``mask`` (N, T), None: every token); (N, H) features as they are."""
+    if features.ndim == 2:
+        return features.double()
+    m = _check_logits(features, features, mask).to(torch.float64)
+    return (features.double() * m[..., None]).sum(1) / m.sum(1, keepdim=True).clamp_min(1)
+
+
+def cosine_per_example(fp: Tensor, q: Tensor) -> Tensor:
+    """(N,) float64 ``cos(e_Q_i, e_FP_i)`` of (N, H) embeddings (0 where one is zero)."""
+    return torch.nn.functional.cosine_similarity(fp.double(), q.double(), dim=-1, eps=1e-300)
+
+
+def nearest_neighbours(emb: Tensor) -> Tensor:
+    """(N,) int64: for each of N >= 2 embeddings (N, H), the index of the most cosine-similar
+    other one (ties: the lowest index)."""
+    if emb.ndim != 2 or len(emb) < 2:
+        raise ValueError(f"nearest neighbours need (N, H) embeddings with N >= 2, got {tuple(emb.shape)}")
+    u = torch.nn.functional.normalize(emb.double(), dim=-1)
+    sim = u @ u.T
+    sim.fill_diagonal_(-math.inf)
+    return sim.argmax(-1)
+
+
+def neighbour_agreement(fp: Tensor, q: Tensor) -> Tensor:
+    """(N,) bool: example i's nearest neighbour (:func:`nearest_neighbours`) among the FP model's
+    embeddings ``fp`` (N, H) is the same example as among the quantised model's ``q``."""
+    return nearest_neighbours(fp) == nearest_neighbours(q)
 
 
 def correct_per_example(logit: Tensor, labels: Tensor) -> Tensor:

@@ -57,8 +57,8 @@ from tqdm.auto import tqdm
 
 from bayesq.config import DistillConfig
 from bayesq.evaluation import token_kl
-from bayesq.forward import (Batch, batch_size, first_inputs, logits, output_logits, per_input, prediction_rows,
-                            predictions, token_mask)
+from bayesq.forward import (Batch, Likelihood, batch_size, eval_mode, first_inputs, logits, output_logits, per_input,
+                            predicted, prediction_rows, predictions, token_mask)
 from bayesq.posterior import Posterior
 from bayesq.result import QuantizedWeight, quantized_copy
 
@@ -451,6 +451,10 @@ def distill(
     batches = list(batches)
     if not batches or sum(batch_size(b) for b in batches) == 0:
         raise ValueError("distillation needs calibration inputs: pass at least one non-empty batch")
+    with torch.no_grad(), eval_mode(model):
+        if predicted(model, first_inputs(batches, 1)[0])[2] is Likelihood.GAUSSIAN:
+            raise ValueError("the model has no head (it returns features, read with a Gaussian likelihood) and "
+                             "distillation matches a softmax teacher: quantise it without distillation")
     missing = sorted(set(weights) - {n for n, _ in model.named_modules()})
     if missing:
         raise ValueError(f"distill: the model has no layer(s) {missing[:5]}; pass the model the weights came from")

@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 
 from bayesq import metrics
 from bayesq.forward import (
-    Batch, call, eval_mode, first_inputs, logits, output_logits, per_input, positions, predictions, split_batches,
+    Batch, Likelihood, call, eval_mode, first_inputs, logits, output_logits, per_input, positions, predicted,
+    split_batches,
 )
 from bayesq.memory import release_freed
 
@@ -73,22 +74,30 @@ KL_PART_POSITIONS = 256  # token positions per forward pass when kl_per_input sc
 KL_CHUNK = 1 << 22  # float64 elements of one chunk of token rows in token_kl (32 MiB per temporary)
 
 
-def token_kl(z_p: Tensor, z_q: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
-    """Per real token ``KL(softmax(z_p / T) || softmax(z_q / T))``: (R,) float64.
+def token_kl(z_p: Tensor, z_q: Tensor, mask: Tensor, temperature: float = 1.0,
+             likelihood: Likelihood = Likelihood.CATEGORICAL) -> Tensor:
+    """Per real token ``KL(softmax(z_p / T) || softmax(z_q / T))``: (R,) float64; for features
+    read with a Gaussian likelihood (``likelihood="gaussian"``, unit variance), the Gaussians' KL
+    ``||z_p - z_q||^2 / 2`` (``temperature`` unused): what a selection among candidates ranks by.
 
     Args:
         z_p, z_q: (B, T, V) logits (or log-probabilities) of the reference and the compared model.
         mask: (B, T) bool real tokens; R = ``mask.sum()``, rows in example then token order.
         temperature: T > 0.
+        likelihood: how the outputs are read (:class:`bayesq.forward.Likelihood`).
 
     Computed in float64 on chunks of ``KL_CHUNK // V`` rows, so the temporaries stay small
     whatever the vocabulary.
     """
+    gaussian = Likelihood(likelihood) is Likelihood.GAUSSIAN
     b, t = mask.to(z_p.device).nonzero(as_tuple=True)
     step = max(1, KL_CHUNK // max(1, z_p.shape[-1]))
     out = [torch.zeros(0, dtype=torch.float64, device=z_p.device)]
     for s in range(0, len(b), step):
         i, j = b[s:s + step], t[s:s + step]
+        if gaussian:
+            out.append(0.5 * (z_p[i, j].double() - z_q[i, j].double()).square().sum(-1))
+            continue
         lp = F.log_softmax(z_p[i, j].double() / temperature, dim=-1)
         lq = F.log_softmax(z_q[i, j].double() / temperature, dim=-1)
         out.append((lp.exp() * (lp - lq)).sum(-1))
@@ -147,7 +156,8 @@ def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: S
 
     Per-token logits (B, T, V): the mean over the input's real tokens of the per-token KL
     (:func:`token_kl`, :func:`bayesq.forward.per_input`; padding ignored, an input without a
-    real token scores 0). Against an :class:`FPReference`, each batch is scored in parts of at
+    real token scores 0); features of a model without a head, the Gaussian KL of
+    :func:`token_kl`. Against an :class:`FPReference`, each batch is scored in parts of at
     most ``KL_PART_POSITIONS`` token positions (at least one input; the same inputs in order).
 
     Args:
@@ -174,7 +184,7 @@ def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: S
                           "batch: pass reference_log_probs of the same batches, in the same order")
 
     def scored(m: nn.Module, i: int, batch: Batch, ref_of: Callable[[], Tensor]) -> Tensor:
-        z, mask = predictions(m, batch)
+        z, mask, likelihood = predicted(m, batch)
         if mask is None:
             logq = F.log_softmax(z.reshape(-1, z.shape[-1]).double(), dim=-1)
             ref = ref_of()
@@ -186,7 +196,7 @@ def kl_per_input(reference: Sequence[torch.Tensor], model: nn.Module, batches: S
         ref = ref_of()
         if ref.shape != z.shape:
             raise mismatch(i, ref, tuple(z.shape))
-        kl = per_input(token_kl(ref, z, mask), mask)
+        kl = per_input(token_kl(ref, z, mask, likelihood=likelihood), mask)
         del ref, z
         release_freed()  # a batch's (B, T, V) logits and their chunks' temporaries: heap a large vocabulary fragments
         return kl

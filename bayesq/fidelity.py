@@ -12,6 +12,13 @@ Per example ``i`` (:func:`score_examples`):
   example's real tokens, ``nll_i = - sum_{t: m_i,t = m_i,t+1 = 1} log p(x_{i,t+1} | x_{i,<=t})``,
   and the count ``n_i`` of those predicted tokens.
 
+A model without a head returns features (:class:`bayesq.forward.Likelihood` ``gaussian``), and is
+scored by what such models are used for instead of KL and agreement
+(:mod:`bayesq.comparison`): the relative error of its final hidden states over the example's
+real tokens, ``||F_Q - F_FP|| / ||F_FP||``; the cosine similarity of the two models' mean-pooled
+embeddings; and whether the example's nearest neighbour within the test draw is the same for
+both models (each among its own embeddings).
+
 Summaries (:func:`fidelity_report`), each with the percentile interval of the paired bootstrap
 over examples (:func:`bayesq.comparison.bootstrap_means`: the same resampled examples for both
 models, as ``reports/paired.json``): mean KL, agreement, accuracy of each model and their
@@ -29,9 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bayesq.comparison import RESAMPLES, SEED, agreement_per_example, bootstrap_means, kl_per_example, percentile
+from bayesq.comparison import (
+    RESAMPLES, SEED, agreement_per_example, bootstrap_means, cosine_per_example, feature_error_per_example,
+    kl_per_example, neighbour_agreement, percentile, pooled_embeddings,
+)
 from bayesq.evaluation import each_batch
-from bayesq.forward import Batch, predictions
+from bayesq.forward import Batch, Likelihood, predicted
 
 LEVEL = 0.95
 
@@ -39,19 +49,34 @@ LEVEL = 0.95
 @dataclass(frozen=True)
 class ExampleScores:
     """Per-example comparison of a quantised model with FP on N test examples (float64 (N,) each;
-    ``correct_*`` only with labels, ``nll_*`` / ``tokens`` only for a causal language model)."""
+    ``kl`` / ``agree`` for a model with logits, ``feature_error`` / ``cosine`` / ``neighbour`` for
+    one without a head; ``correct_*`` only with labels, ``nll_*`` / ``tokens`` only for a causal
+    language model)."""
 
-    kl: Tensor
-    agree: Tensor
+    kl: Tensor | None = None
+    agree: Tensor | None = None
     correct_fp: Tensor | None = None
     correct_q: Tensor | None = None
     nll_fp: Tensor | None = None
     nll_q: Tensor | None = None
     tokens: Tensor | None = None
+    feature_error: Tensor | None = None
+    cosine: Tensor | None = None
+    neighbour: Tensor | None = None
+
+    @property
+    def features(self) -> bool:
+        """Whether these are the feature measures of a model without a head."""
+        return self.feature_error is not None
+
+    @property
+    def primary(self) -> Tensor:
+        """The (N,) per-example loss methods are compared by: KL, or a headless model's feature error."""
+        return self.feature_error if self.features else self.kl
 
     @property
     def n(self) -> int:
-        return int(self.kl.numel())
+        return int(self.primary.numel())
 
 
 def next_token_nll(z: Tensor, input_ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -90,16 +115,28 @@ def score_examples(fp: nn.Module, quantized: nn.Module, batches: Sequence[Batch]
         ValueError: labels given for per-token outputs or of another count than the examples.
     """
     parts: dict[str, list[Tensor]] = {k: [] for k in ("kl", "agree", "correct_fp", "correct_q", "nll_fp", "nll_q",
-                                                      "tokens")}
+                                                      "tokens", "feature_error", "cosine")}
+    emb: dict[str, list[Tensor]] = {"fp": [], "q": []}  # a headless model's pooled embeddings, for neighbours
     offset = 0
 
     def one(_m: nn.Module, batch: Batch) -> Tensor:
         nonlocal offset
-        z_p, mask = predictions(fp, batch)
-        z_q, _ = predictions(quantized, batch)
+        z_p, mask, likelihood = predicted(fp, batch)
+        z_q, _ = predicted(quantized, batch)[:2]
+        b = z_p.shape[0]
+        if likelihood is Likelihood.GAUSSIAN:
+            if labels is not None:
+                raise ValueError("labels were given but the model has no head (it returns features): accuracy needs "
+                                 "class logits; drop the label column (the feature measures need none)")
+            parts["feature_error"].append(feature_error_per_example(z_p, z_q, mask).cpu())
+            e_p, e_q = pooled_embeddings(z_p, mask).cpu(), pooled_embeddings(z_q, mask).cpu()
+            parts["cosine"].append(cosine_per_example(e_p, e_q))
+            emb["fp"].append(e_p)
+            emb["q"].append(e_q)
+            offset += b
+            return z_p.new_zeros(())
         parts["kl"].append(kl_per_example(z_p, z_q, mask).cpu())
         parts["agree"].append(agreement_per_example(z_p, z_q, mask).double().cpu())
-        b = z_p.shape[0]
         if labels is not None:
             if mask is not None:
                 raise ValueError("labels were given but the model has per-token outputs: accuracy is for "
@@ -127,9 +164,13 @@ def score_examples(fp: nn.Module, quantized: nn.Module, batches: Sequence[Batch]
             fp.train(fp_training)
     if labels is not None and offset != len(labels):
         raise ValueError(f"{len(labels)} labels for {offset} examples: pass one label per example")
-    if not parts["kl"]:
+    if not offset:
         raise ValueError("no test batches to compare: pass at least one input batch")
     out = {k: torch.cat(v) if v else None for k, v in parts.items()}
+    if emb["fp"]:
+        if offset < 2:
+            raise ValueError("one test example: nearest-neighbour agreement needs at least two; pass more test inputs")
+        out["neighbour"] = neighbour_agreement(torch.cat(emb["fp"]), torch.cat(emb["q"])).double()
     return ExampleScores(**out)
 
 
@@ -159,8 +200,8 @@ class FidelityReport:
     """
 
     n: int
-    kl: Estimate
-    agreement: Estimate
+    kl: Estimate | None = None
+    agreement: Estimate | None = None
     accuracy_fp: Estimate | None = None
     accuracy_q: Estimate | None = None
     accuracy_diff: Estimate | None = None
@@ -170,6 +211,9 @@ class FidelityReport:
     tokens: int = 0
     resamples: int = RESAMPLES
     seed: int = SEED
+    feature_error: Estimate | None = None
+    cosine: Estimate | None = None
+    neighbour: Estimate | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Flat JSON-able record: ``<metric>``, ``<metric>_ci_low``, ``<metric>_ci_high`` for each
@@ -182,9 +226,15 @@ class FidelityReport:
 
     def lines(self) -> list[str]:
         """Human-readable lines (value [95 % interval])."""
-        out = [f"test examples          {self.n}",
-               f"KL(FP || Q), nats      {self.kl.fmt(5)}",
-               f"top-1 agreement, %     {self.agreement.fmt(2, 100)}"]
+        out = [f"test examples          {self.n}"]
+        if self.kl is not None:
+            out += [f"KL(FP || Q), nats      {self.kl.fmt(5)}",
+                    f"top-1 agreement, %     {self.agreement.fmt(2, 100)}"]
+        if self.feature_error is not None:
+            out += [f"feature error, %       {self.feature_error.fmt(3, 100)}  (||F_Q - F_FP|| / ||F_FP||, "
+                    "final hidden states)",
+                    f"embedding cosine       {self.cosine.fmt(5)}  (mean-pooled)",
+                    f"neighbour agreement, % {self.neighbour.fmt(2, 100)}  (nearest other test example)"]
         if self.accuracy_diff is not None:
             out += [f"accuracy FP, %         {self.accuracy_fp.fmt(2, 100)}",
                     f"accuracy Q, %          {self.accuracy_q.fmt(2, 100)}",
@@ -199,7 +249,9 @@ class FidelityReport:
 def fidelity_report(scores: ExampleScores, resamples: int = RESAMPLES, seed: int = SEED) -> FidelityReport:
     """Means and paired bootstrap intervals of :class:`ExampleScores` (one set of resamples for
     every metric: :func:`bayesq.comparison.bootstrap_means`)."""
-    cols = [scores.kl, scores.agree]
+    simple = (("feature_error", scores.feature_error), ("cosine", scores.cosine), ("neighbour", scores.neighbour)) \
+        if scores.features else (("kl", scores.kl), ("agreement", scores.agree))
+    cols = [c for _, c in simple]
     labelled = scores.correct_fp is not None
     causal = scores.nll_fp is not None
     if labelled:
@@ -209,8 +261,8 @@ def fidelity_report(scores: ExampleScores, resamples: int = RESAMPLES, seed: int
     x = torch.stack([c.double() for c in cols], 1)  # (N, K)
     boot = bootstrap_means(x, resamples, seed)  # (resamples, K)
     mean = x.mean(0)
-    out: dict[str, Any] = {"kl": _interval(boot[:, 0], mean[0]), "agreement": _interval(boot[:, 1], mean[1])}
-    k = 2
+    out: dict[str, Any] = {name: _interval(boot[:, k], mean[k]) for k, (name, _) in enumerate(simple)}
+    k = len(simple)
     if labelled:
         out |= {"accuracy_fp": _interval(boot[:, k], mean[k]), "accuracy_q": _interval(boot[:, k + 1], mean[k + 1]),
                 "accuracy_diff": _interval(boot[:, k + 2], mean[k + 2])}

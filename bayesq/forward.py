@@ -18,13 +18,16 @@ classifier), and reduces per input with :func:`per_input`:
     loss_n = sum_{t: m_nt = 1} ell(z_nt)            (Fisher, K-FAC, Hutchinson: a sum per input)
     KL_n   = 1/T_n sum_{t: m_nt = 1} KL_nt,  T_n = sum_t m_nt    (evaluation: a mean per input)
 
-so padding contributes nothing. Layer-input rows of padded tokens are dropped too
+so padding contributes nothing. A model without a head returns features, not logits
+(:func:`output_likelihood`: ``gaussian``); :func:`predicted` says so next to them, and the passes
+that read a predictive read a Gaussian around the features there (:class:`Likelihood`). Layer-input rows of padded tokens are dropped too
 (:func:`token_rows`), where the logits have a token axis.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from enum import Enum
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -35,12 +38,44 @@ from bayesq.blocks import tied_layers
 Batch = Any  # torch.Tensor | Mapping[str, torch.Tensor]
 
 
+class Likelihood(str, Enum):
+    """What a model's output is read as (:func:`output_likelihood`).
+
+    ``categorical``: class logits ``z`` (B, C) or (B, T, V), ``p(y | x) = softmax(z)``.
+    ``gaussian``: the features ``f`` of a model without a head (a Hugging Face base model's
+    ``last_hidden_state``, (B, T, H)), ``p(y | x) = N(y; f, sigma^2 I)``: its negative
+    log-likelihood at ``y = f_FP`` is the feature-matching loss ``||f - f_FP||^2 / (2 sigma^2)``,
+    its Fisher the Gauss-Newton matrix ``J^T J / sigma^2`` (``J = df/dw``), and the KL between two
+    models' predictives ``||f_P - f_Q||^2 / (2 sigma^2)`` per token.
+    """
+
+    CATEGORICAL = "categorical"
+    GAUSSIAN = "gaussian"
+
+
+GAUSSIAN_UNSUPPORTED = ("the model has no head (it returns features, read with a Gaussian likelihood) and {what} reads "
+                        "a softmax over class logits: use posterior.curvature: fisher, whose Gauss-Newton matrix on "
+                        "the features is the Fisher of that likelihood (or give the model a head)")
+
+
+def _headless(out: Any) -> bool:
+    return (not torch.is_tensor(out) and getattr(out, "logits", None) is None
+            and not (isinstance(out, Mapping) and "logits" in out)
+            and getattr(out, "last_hidden_state", None) is not None)
+
+
+def output_likelihood(out: Any) -> Likelihood:
+    """``gaussian`` for the output of a model without a head (an object with ``last_hidden_state``
+    and no logits), else ``categorical``."""
+    return Likelihood.GAUSSIAN if _headless(out) else Likelihood.CATEGORICAL
+
+
 def output_logits(out: Any) -> torch.Tensor:
     """The logits in a model's output: a tensor, ``out.logits``, ``out["logits"]`` or ``out[0]``;
-    for a model without a head (a Hugging Face base model, e.g. a sentence encoder) its per-token
-    features ``out.last_hidden_state`` (B, T, H), read as per-token logits: every pass then works
-    on the softmax of the features, a proxy predictive whose KL measures how far the quantised
-    features move.
+    for a model without a head (a Hugging Face base model, e.g. a sentence encoder) its features
+    ``out.last_hidden_state``: (B, T, H) per token, or a convolutional (B, C, h, w) map as
+    (B, h w, C), one row per position. Such features are read with a Gaussian likelihood
+    (:class:`Likelihood`, :func:`predicted`), not through a softmax.
 
     Raises:
         TypeError: naming the type of ``out`` when it is none of these.
@@ -52,7 +87,8 @@ def output_logits(out: Any) -> torch.Tensor:
     if isinstance(out, Mapping) and "logits" in out:
         return out["logits"]
     if getattr(out, "last_hidden_state", None) is not None:
-        return out.last_hidden_state
+        f = out.last_hidden_state
+        return f.flatten(2).transpose(1, 2) if f.dim() == 4 else f
     if isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
         return out[0]
     raise TypeError(f"the model returned a {type(out).__name__}; BayesQ reads the logits from a tensor, an object "
@@ -206,6 +242,13 @@ def predictions(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Ten
     """
     z = output_logits(call(model, batch))
     return z, token_mask(batch, z)
+
+
+def predicted(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, Likelihood]:
+    """:func:`predictions` with the :class:`Likelihood` they are read with (one forward pass)."""
+    out = call(model, batch)
+    z = output_logits(out)
+    return z, token_mask(batch, z), output_likelihood(out)
 
 
 def prediction_rows(z: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from bayesq.evaluation import token_kl
-from bayesq.forward import Batch, predictions
+from bayesq.forward import Batch, predicted, predictions
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -323,13 +323,13 @@ def mc_logit_kl(
         total = torch.zeros(len(qs), dtype=torch.float64)
         for batch in batch_list:
             weight.copy_(w)
-            z, mask = predictions(model, batch)
+            z, mask, likelihood = predicted(model, batch)
             teacher = _log_probs(z, temperature) if mask is None else z
             for k, wq in enumerate(w_q):
                 weight.copy_(wq)
                 student, _ = predictions(model, batch)
                 kl = (_kl_sum(teacher, student, temperature) if mask is None
-                      else token_kl(teacher, student, mask, temperature).sum())
+                      else token_kl(teacher, student, mask, temperature, likelihood).sum())
                 total[k] += kl.cpu()
         return total  # (Q,)
 

@@ -4,8 +4,9 @@ For one user model and data set (any source and data `bayesq quantize` takes), e
 run at every calibration size (and selection size) through the same row as the CLI
 (:func:`flows.byo.run_row`), with one test draw shared by all of them (:func:`bayesq.harness.data.files.draw_examples`
 takes the test examples first, so they depend on the seed and ``--test`` only). Printed per row:
-wall time of the quantisation, KL(FP || Q) with its 95 % interval, accuracy Q - FP (with
-labels), the paired difference of each row's per-example KL to the same method at the
+wall time of the quantisation, KL(FP || Q) with its 95 % interval (a model without a head: the
+relative error of its final hidden states instead, "KL" below reads "feature error" then),
+accuracy Q - FP (with labels), the paired difference of each row's per-example KL to the same method at the
 largest calibration size (negative: the smaller set is closer to FP), and, with BayesQ and GPTQ
 both run, BayesQ - GPTQ at every size (the floor of the CLI's draw sizes is the smallest
 calibration size where it is still resolved below 0).
@@ -61,16 +62,18 @@ def main() -> None:
                             {}, "bench", say=lambda _: None)
                 rows.append((method, cal, sel, r))
                 f = r["fidelity"]
+                key = "kl" if "kl" in f else "feature_error"
                 acc = f"  acc Q-FP {f['accuracy_diff']:+.2f} pts" if "accuracy_diff" in f else ""
                 print(f"{method:8s} cal {cal:5d} sel {sel:4d}  {r['quantize_seconds']:6.1f} s  "
-                      f"KL {f['kl']:.5f} [{f['kl_ci_low']:.5f}, {f['kl_ci_high']:.5f}]{acc}", flush=True)
+                      f"{key} {f[key]:.5f} [{f[key + '_ci_low']:.5f}, {f[key + '_ci_high']:.5f}]{acc}", flush=True)
     print("\npaired KL difference to the same method and selection size at the largest calibration size:")
     for method, cal, sel, r in rows:
         top = max(c for m, c, s, _ in rows if m == method and s == sel)
         ref = next(x for m, c, s, x in rows if (m, c, s) == (method, top, sel))
-        d = paired_difference(load_examples(Path(r["examples_file"])).kl, load_examples(Path(ref["examples_file"])).kl)
+        d = paired_difference(load_examples(Path(r["examples_file"])).primary,
+                              load_examples(Path(ref["examples_file"])).primary)
         print(f"{method:8s} cal {cal:5d} sel {sel:4d} - cal {top}: {d.diff:+.5f} [{d.ci_low:+.5f}, {d.ci_high:+.5f}]")
-    kl = {(m, c, s): load_examples(Path(r["examples_file"])).kl for m, c, s, r in rows}
+    kl = {(m, c, s): load_examples(Path(r["examples_file"])).primary for m, c, s, r in rows}
     if any(m == "bayesq" for m, _, _ in kl) and any(m == "gptq" for m, _, _ in kl):
         print("\npaired KL difference BayesQ - GPTQ at each size (* resolved):")
         for (m, cal, sel), v in kl.items():

@@ -106,6 +106,10 @@ def check(spec: ByoModel, seed: int):
     if src.causal_lm and spec.data.label_column:
         raise ValueError(f"{spec.model} is a causal language model: it has no class labels to score "
                          f"'{spec.data.label_column}' against; drop the label column (perplexity needs none)")
+    if src.headless and spec.data.label_column:
+        raise ValueError(f"{spec.model} is a base model without a head (its config names {src.auto_class}): it has no "
+                         f"class labels to score '{spec.data.label_column}' against; drop the label column (the "
+                         "feature error, cosine and neighbour measures need none), or save the model with its head")
     sizes = fit_draw_sizes(len(ds), spec.calibration, spec.selection, spec.test)
     draws = draw_examples(len(ds), sizes.calibration, sizes.selection, sizes.test, seed)
     if src.num_classes:  # a callable's class count is known once it runs (prepare checks it then)
@@ -254,7 +258,9 @@ def load_examples(path: Path) -> ExampleScores:
 def paired_rows(records: list[dict], reference: str = "bayesq") -> list[dict]:
     """BayesQ (``reference``) minus every other method, per model, budget and seed, on the same
     test examples (rows whose test draws hash alike): the paired bootstrap of the mean per-example
-    difference of KL (nats) and, with labels, of correct (points) (:func:`bayesq.comparison.paired_difference`)."""
+    difference of KL (nats) and, with labels, of correct (points) (:func:`bayesq.comparison.paired_difference`);
+    for a model without a head, of feature error and neighbour agreement (points) and cosine
+    similarity instead of KL."""
     out = []
     key = lambda r: (r["model"], r["budget"], r["seed"], r["draws"]["test"]["sha256"])  # noqa: E731
     refs = {key(r): r for r in records if r["method"] == reference and r.get("examples_file")}
@@ -264,7 +270,13 @@ def paired_rows(records: list[dict], reference: str = "bayesq") -> list[dict]:
             continue
         a, b = load_examples(Path(ref["examples_file"])), load_examples(Path(r["examples_file"]))
         row = {"model": r["model"], "budget": r["budget"], "seed": r["seed"], "method": reference,
-               "baseline": r["method"], "n": a.n, "kl": paired_difference(a.kl, b.kl).as_dict()}
+               "baseline": r["method"], "n": a.n}
+        if a.features and b.features:  # a model without a head: its feature measures (points where a share)
+            row |= {"feature_error": paired_difference(a.feature_error, b.feature_error, scale=100.0).as_dict(),
+                    "cosine": paired_difference(a.cosine, b.cosine).as_dict(),
+                    "neighbour": paired_difference(a.neighbour, b.neighbour, scale=100.0).as_dict()}
+        else:
+            row["kl"] = paired_difference(a.kl, b.kl).as_dict()
         if a.correct_q is not None and b.correct_q is not None:
             row["accuracy"] = paired_difference(a.correct_q, b.correct_q, scale=100.0).as_dict()
         out.append(row)
@@ -278,10 +290,11 @@ def _small_test_line(record: dict) -> list[str]:
     if n >= full:
         return []
     f = record["fidelity"]
-    half = (f["kl_ci_high"] - f["kl_ci_low"]) / 2
+    key, what = ("kl", "KL") if "kl" in f else ("feature_error", "feature error")
+    half = (f[f"{key}_ci_high"] - f[f"{key}_ci_low"]) / 2
     return [f"- a small test draw: {n} examples, so every interval below is about {math.sqrt(full / n):.1f} times as "
-            f"wide as with the default {full} (the KL's half-width here {half:.2g}, {100 * half / max(f['kl'], 1e-30):.0f} % "
-            "of its value); more test examples narrow it as 1 / sqrt(n)"]
+            f"wide as with the default {full} (the {what}'s half-width here {half:.2g}, "
+            f"{100 * half / max(f[key], 1e-30):.0f} % of its value); more test examples narrow it as 1 / sqrt(n)"]
 
 
 def write_report(export: Path, record: dict, lines: list[str]) -> tuple[Path, Path]:
@@ -293,7 +306,7 @@ def write_report(export: Path, record: dict, lines: list[str]) -> tuple[Path, Pa
             f"- model: `{r['model_source']}`; data: `{r['dataset']}` (sha256 {r['dataset_digest'][:12]}...)",
             f"- export: `{r['export']['path']}`, {r['export']['file_bytes'] / 1e6:.2f} MB; "
             f"{r['avg_bits']:.4f} bits per quantised weight, {r['avg_bits_all']:.4f} over all weight matrices",
-            f"- loaded back without a skeleton: largest logit difference to the in-memory model "
+            f"- loaded back without a skeleton: largest output difference (logits, or features) to the in-memory model "
             f"{r['loaded_logit_max_diff']:.2e}",
             f"- draws (seed {r['seed']}): " + ", ".join(f"{k} {v['n']}" for k, v in r["draws"].items())
             + (f" ({r['draw_sizes_note']})" if r.get("draw_sizes_note") else ""),
@@ -340,8 +353,11 @@ def track_child(parent_id: str, r: dict, params) -> str:
     f = r["fidelity"]
     acc = f" acc {100 * f['accuracy_q']:.2f} % ({f['accuracy_diff']:+.2f} pts)" if "accuracy_q" in f else ""
     ppl = f" ppl x{f['perplexity_ratio']:.4f}" if "perplexity_ratio" in f else ""
-    say(f"[byo] {r['model']} {r['method']} budget {r['budget']}: KL {f['kl']:.5f}, agreement "
-        f"{100 * f['agreement']:.2f} %{acc}{ppl} at {r['avg_bits']:.4f} bits, {r['export']['file_bytes'] / 1e6:.2f} MB")
+    said = (f"KL {f['kl']:.5f}, agreement {100 * f['agreement']:.2f} %" if "kl" in f else
+            f"feature error {100 * f['feature_error']:.3f} %, cosine {f['cosine']:.5f}, neighbour agreement "
+            f"{100 * f['neighbour']:.2f} %")
+    say(f"[byo] {r['model']} {r['method']} budget {r['budget']}: {said}{acc}{ppl} at {r['avg_bits']:.4f} bits, "
+        f"{r['export']['file_bytes'] / 1e6:.2f} MB")
     metrics = {k: v for k, v in f.items() if isinstance(v, (int, float))}
     metrics |= {k: r[k] for k in ("avg_bits", "avg_bits_all", "total_bits", "quantize_seconds")}
 

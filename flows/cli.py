@@ -374,6 +374,8 @@ def zoo_run(zoo: Path = typer.Option(..., help="zoo file (YAML list of models)")
     res = zoo_flow(zoo, params, raw, models, out, threads)
     typer.echo(f"wall time {time.perf_counter() - start:.1f} s")
     typer.echo(f"{len(res['records'])} model-budget rows, {len(res['failures'])} failed model(s) -> {out}")
+    if res.get("paired") is not None:
+        typer.echo(f"your models, with BayesQ minus each other method on the same test examples: {out / 'zoo.md'}")
     if res["failures"]:
         raise typer.Exit(1)
 

@@ -33,32 +33,56 @@ def _cell(f: dict, key: str, scale: float = 1.0, digits: int = 4) -> str:
             f"{scale * f[key + '_ci_high']:.{digits}f}]")
 
 
-def sources_table(records: list[dict], failures: list[dict]) -> str:
-    """Markdown: one row per (model, method, budget, seed) with the true bits and each fidelity
-    metric with its 95 % paired bootstrap interval; then the failures."""
-    lines = ["# Your models (params.yaml `sources:`)", ""]
-    if not records and not failures:
-        return "\n".join(lines + ["No user models are declared: add them under `sources:` in params.yaml "
-                                  "(docs/usage.md, bring your own model and data).", ""])
-    lines += ["Quantised vs full precision on each model's test draw: value [95 % paired bootstrap interval]. "
-              "KL in nats; accuracy difference Q - FP in points; perplexity ratio Q / FP (causal LMs).", "",
-              "| model | method | budget | seed | bits/weight | KL(FP ‖ Q) | agreement % | accuracy Q − FP (pts) "
-              "| perplexity Q / FP | test examples |", "|---|---|---|---|---|---|---|---|---|---|"]
+LOGIT_COLUMNS = (("KL(FP ‖ Q)", "kl", 1.0, 5), ("agreement %", "agreement", 100.0, 2),
+                 ("accuracy Q − FP (pts)", "accuracy_diff", 1.0, 2), ("perplexity Q / FP", "perplexity_ratio", 1.0, 4))
+FEATURE_COLUMNS = (("feature error %", "feature_error", 100.0, 3), ("cosine", "cosine", 1.0, 5),
+                   ("neighbour agreement %", "neighbour", 100.0, 2))  # (header, fidelity key, scale, digits)
+
+
+def _rows_table(records: list[dict], intro: str, columns: tuple) -> list[str]:
+    """Markdown lines: ``intro``, then one row per record (sorted) with ``columns`` of its fidelity."""
+    out = ["", intro, "", "| model | method | budget | seed | bits/weight | " + " | ".join(c[0] for c in columns)
+           + " | test examples |", "|---" * (len(columns) + 6) + "|"]
     for r in sorted(records, key=lambda r: (r["model"], r["budget"], r["method"], r["seed"])):
         f = r["fidelity"]
-        lines.append(f"| {r['model']} | {r['method']} | {r['budget']} | {r['seed']} | {r['avg_bits']:.4f} | "
-                     f"{_cell(f, 'kl', digits=5)} | {_cell(f, 'agreement', 100, 2)} | {_cell(f, 'accuracy_diff', digits=2)} | "
-                     f"{_cell(f, 'perplexity_ratio')} | {f['n']} |")
+        cells = " | ".join(_cell(f, key, scale, digits) for _, key, scale, digits in columns)
+        out.append(f"| {r['model']} | {r['method']} | {r['budget']} | {r['seed']} | {r['avg_bits']:.4f} | {cells} "
+                   f"| {f['n']} |")
+    return out
+
+
+def sources_table(records: list[dict], failures: list[dict], title: str = "Your models (params.yaml `sources:`)") -> str:
+    """Markdown: one row per (model, method, budget, seed) with the true bits and each fidelity
+    metric with its 95 % paired bootstrap interval; BayesQ minus each other method on the same
+    test examples; then the failures. Also the zoo flow's table of its user-model entries."""
+    lines = [f"# {title}"]
+    if not records and not failures:
+        return "\n".join(lines + ["", "No user models are declared: add them under `sources:` in params.yaml "
+                                  "(docs/usage.md, bring your own model and data).", ""])
+    logit = [r for r in records if "kl" in r["fidelity"]]
+    headless = [r for r in records if "kl" not in r["fidelity"]]
+    if logit:
+        lines += _rows_table(logit, "Quantised vs full precision on each model's test draw: value [95 % paired bootstrap "
+                             "interval]. KL in nats; accuracy difference Q - FP in points; perplexity ratio Q / FP "
+                             "(causal LMs).", LOGIT_COLUMNS)
+    if headless:
+        lines += _rows_table(headless, "Models without a head, scored on their features: relative error of the final "
+                             "hidden states ||F_Q − F_FP|| / ||F_FP|| (%), cosine similarity of the mean-pooled "
+                             "embeddings, and agreement of each test example's nearest neighbour among the others (%).",
+                             FEATURE_COLUMNS)
     paired = paired_rows(records)
     if paired:
         lines += ["", "BayesQ minus each other method on the same test examples (paired bootstrap, 95 %; "
-                      "negative KL: BayesQ closer to FP; positive accuracy: BayesQ more accurate):", "",
-                  "| model | budget | seed | BayesQ − | KL diff (nats) | accuracy diff (pts) | examples |",
-                  "|---|---|---|---|---|---|---|"]
+                      "negative KL or feature error: BayesQ closer to FP; positive accuracy, cosine or neighbour "
+                      "agreement: BayesQ better):", "",
+                  "| model | budget | seed | BayesQ − | KL diff (nats) | accuracy diff (pts) | feature error diff (pts) "
+                  "| cosine diff | neighbour diff (pts) | examples |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for p in paired:
-            acc = p.get("accuracy")
-            lines.append(f"| {p['model']} | {p['budget']} | {p['seed']} | {p['baseline']} | {_diff(p['kl'], 5)} | "
-                         f"{_diff(acc, 2) if acc else '-'} | {p['n']} |")
+            cells = [_diff(p[k], d) if k in p else "-" for k, d in
+                     (("kl", 5), ("accuracy", 2), ("feature_error", 3), ("cosine", 5), ("neighbour", 2))]
+            lines.append(f"| {p['model']} | {p['budget']} | {p['seed']} | {p['baseline']} | {' | '.join(cells)} "
+                         f"| {p['n']} |")
     for f in failures:
         lines.append(f"\n**{f['model']} failed:** {f['error']}")
     return "\n".join(lines + [""])

@@ -30,7 +30,8 @@ An entry with ``model:`` and ``data:`` (a user's model and data, :mod:`flows.byo
 task per method and budget (:func:`byo_task`: prepare, quantise, export with its skeleton, load back,
 compare with FP on the test draw), its report next to its export.
 Writes ``<out>/zoo_results.json`` (``records``: one per model and budget; ``failures``; for your
-models ``paired``: BayesQ minus each other method, :func:`flows.byo.paired_rows`) and the
+models ``paired``: BayesQ minus each other method, :func:`flows.byo.paired_rows`), for your models
+``<out>/zoo.md`` (their table with the paired rows, :func:`flows.sources.sources_table`) and the
 exports in ``<out>/exports/``.
 """
 
@@ -49,6 +50,7 @@ from bayesq.blocks import quantizable_layers
 from bayesq.expected_loss import LossTable
 from bayesq.harness.models.zoo import get_entry
 from flows.byo import ByoModel, byo_from_mapping, paired_rows, submit_rows, track_child
+from flows.sources import sources_table
 from flows.common import code_version, digest, parser, read_params, write_json
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage
@@ -309,6 +311,7 @@ def zoo_flow_body(zoo: Path, params_path: Path, raw: Path, models: Path, out: Pa
     byo = [r for r in records if "fidelity" in r]
     if byo:  # your models: BayesQ minus each other method on the same test examples
         result["paired"] = paired_rows(byo)
+        (Path(out) / "zoo.md").write_text(sources_table(byo, [], "Your models (zoo entries with model: and data:)"))
     write_json(Path(out) / "zoo_results.json", result)
     return result
 

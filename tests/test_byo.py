@@ -92,7 +92,7 @@ def test_cli_quantize_hf_folder_and_parquet_to_export_report_and_mlflow(byo_mode
     ("gpt2", ["--data", "jsonl", "--text-column", "sentence"], "perplexity_ratio"),
     ("vit", ["--data", "images", "--label-column", "label", "--test", "24"], "accuracy_diff"),
     ("mnv3", ["--data", "images", "--label-column", "label", "--image-size", "32", "--test", "24"], "accuracy_diff"),
-    ("bert-base", ["--data", "disk", "--text-column", "sentence", "--text-column", "second"], "kl"),
+    ("bert-base", ["--data", "disk", "--text-column", "sentence", "--text-column", "second"], "feature_error"),
     ("callable", ["--data", "csv", "--text-column", "sentence", "--label-column", "label"], "accuracy_diff"),
 ])
 def test_every_model_kind_exports_and_loads_without_skeleton(byo_models, byo_data, tmp_path, name, args, metric,
@@ -168,6 +168,8 @@ def test_bad_inputs_are_named_and_write_nothing(byo_models, byo_data, tmp_path, 
           "--data", str(byo_data["images"]), "--test", "24"], "does not match torchvision:resnet18"),
         (["--model", str(byo_models["gpt2"]), "--data", str(byo_data["jsonl"]), "--text-column", "sentence",
           "--label-column", "label"], "causal language model: it has no class labels"),
+        (["--model", str(byo_models["bert-base"]), "--data", str(byo_data["parquet"]), "--text-column", "sentence",
+          "--label-column", "label"], "base model without a head .*AutoModel.*drop the label column"),
         (bert + ["--data", str(byo_data["disk"]), "--split", "validation", "--text-column", "sentence"],
          "has no split 'validation'"),
         (bert + ["--data", str(byo_data["parquet"]), "--text-column", "sentence", "--method", "gptx"],
@@ -189,6 +191,35 @@ def test_bad_inputs_are_named_and_write_nothing(byo_models, byo_data, tmp_path, 
                     "--out", str(out), "--no-track")
     assert res.exit_code == 1 and "labels outside the head's classes" in " ".join(res.output.split())
     assert not out.exists()
+
+
+def test_base_model_without_head_bayesq_vs_gptq_on_feature_measures(byo_models, byo_data, tmp_path, one_thread):
+    """A base BERT (no head) from a config: each run reports feature error, cosine and neighbour
+    agreement with intervals (no KL), and BayesQ minus GPTQ on the same test examples is the
+    paired difference of those per-example values, as the sources / zoo table shows it."""
+    from flows.byo import paired_rows
+    from flows.sources import sources_table
+
+    records = []
+    for method in ("bayesq", "gptq"):
+        out = tmp_path / f"base-{method}.safetensors"
+        res = _quantize("--model", str(byo_models["bert-base"]), "--data", str(byo_data["parquet"]),
+                        "--text-column", "sentence", "--test", "40", "--method", method, "--out", str(out), "--no-track")
+        assert res.exit_code == 0, res.output
+        assert "feature error" in res.output and "neighbour agreement" in res.output and "KL(FP" not in res.output
+        records.append(json.loads(report_paths(out)[0].read_text()))
+    f = records[0]["fidelity"]
+    assert "kl" not in f and f["n"] == 40
+    for key in ("feature_error", "cosine", "neighbour"):
+        assert f[f"{key}_ci_low"] <= f[key] <= f[f"{key}_ci_high"]
+    (row,) = paired_rows(records)
+    assert row["baseline"] == "gptq" and "kl" not in row
+    a, b = (load_examples(Path(r["examples_file"])) for r in records)
+    assert row["feature_error"]["diff"] == pytest.approx(100 * float((a.feature_error - b.feature_error).mean()),
+                                                         rel=1e-9, abs=1e-12)
+    assert row["neighbour"]["diff"] == pytest.approx(100 * float((a.neighbour - b.neighbour).mean()), abs=1e-9)
+    table = sources_table(records, [])
+    assert "Models without a head" in table and "| bert-base | 3.0 | " in table and "KL(FP ‖ Q)" not in table
 
 
 def test_byo_entries_from_zoo_and_params_mappings(tmp_path):
@@ -228,6 +259,7 @@ def test_zoo_flow_hf_and_torchvision_models_then_lineage_check(byo_models, byo_d
         {"name": "broken", "model": str(tmp_path), "data": str(byo_data["parquet"]), "text_column": "sentence"}]}))
     res = make_zoo_flow(None, workers=1)(zoo, ROOT / "params.yaml", tmp_path, tmp_path, tmp_path / "zoo-out")
     assert [f["model"] for f in res["failures"]] == ["broken"]
+    assert "| my-bert | 3.0 | 17 | rtn-group |" in (tmp_path / "zoo-out" / "zoo.md").read_text()  # the paired row
     assert sorted((r["model"], r["method"]) for r in res["records"]) == [
         ("my-bert", "bayesq"), ("my-bert", "rtn-group"), ("my-mnv3", "bayesq")]
     for r in res["records"]:

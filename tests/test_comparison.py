@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from bayesq.comparison import (
-    agreement_per_example, bootstrap_means, correct_per_example, fidelity_summary, kl_per_example, mean_se,
-    paired_difference, paired_differences,
+    agreement_per_example, bootstrap_means, correct_per_example, cosine_per_example, feature_error_per_example,
+    fidelity_summary, kl_per_example, mean_se, nearest_neighbours, neighbour_agreement, paired_difference,
+    paired_differences, pooled_embeddings,
 )
 
 
@@ -262,3 +263,49 @@ def test_kl_and_agreement_per_example_of_per_token_logits_mean_over_real_tokens(
         kl_per_example(fp, q, mask[:, :2])
     with pytest.raises(ValueError, match=r"\(N, C\) \(or per-token \(N, T, V\)\) logit tensors"):
         kl_per_example(fp[..., None], q[..., None])
+
+
+def _features(seed: int, n: int = 5, t: int = 4, h: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(n, t, dtype=torch.bool)
+    mask[1, 2:] = False
+    mask[3, 1:] = False
+    return torch.randn(n, t, h, generator=g, dtype=torch.float64), mask
+
+
+def test_feature_error_and_pooled_embeddings_vs_python_loops():
+    fp, mask = _features(0)
+    q = fp + 0.1 * _features(1)[0]
+    q[~mask] = 99.0  # padding is never read
+    err, emb = feature_error_per_example(fp, q, mask), pooled_embeddings(fp, mask)
+    for i in range(len(fp)):
+        real = [t for t in range(fp.shape[1]) if mask[i, t]]
+        num = sum(float(q[i, t, k] - fp[i, t, k]) ** 2 for t in real for k in range(fp.shape[2]))
+        den = sum(float(fp[i, t, k]) ** 2 for t in real for k in range(fp.shape[2]))
+        assert float(err[i]) == pytest.approx(math.sqrt(num / den), rel=1e-12)
+        for k in range(fp.shape[2]):
+            assert float(emb[i, k]) == pytest.approx(statistics.fmean(float(fp[i, t, k]) for t in real), rel=1e-12)
+    assert torch.equal(feature_error_per_example(fp, fp, mask), torch.zeros(len(fp), dtype=torch.float64))
+
+
+def test_cosine_and_neighbour_agreement_vs_python_loops():
+    g = torch.Generator().manual_seed(2)
+    fp = torch.randn(7, 3, generator=g, dtype=torch.float64)
+    q = fp + 0.8 * torch.randn(7, 3, generator=g, dtype=torch.float64)
+
+    def cos(a, b):
+        return sum(x * y for x, y in zip(a, b)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+    def nn_of(e, i):
+        return max((j for j in range(len(e)) if j != i), key=lambda j: cos(e[i].tolist(), e[j].tolist()))
+
+    c = cosine_per_example(fp, q)
+    agree = neighbour_agreement(fp, q)
+    for i in range(7):
+        assert float(c[i]) == pytest.approx(cos(fp[i].tolist(), q[i].tolist()), rel=1e-12)
+        assert int(nearest_neighbours(fp)[i]) == nn_of(fp, i)
+        assert bool(agree[i]) == (nn_of(fp, i) == nn_of(q, i))
+    assert 0 < int(agree.sum()) < 7  # the noise moved some neighbours, not all
+    assert bool(neighbour_agreement(fp, 2.5 * fp).all())  # scale does not move a cosine neighbour
+    with pytest.raises(ValueError, match="N >= 2"):
+        nearest_neighbours(fp[:1])

@@ -482,6 +482,17 @@ def test_distill_empty_calibration_raises(base):
         distill(model, res.weights, res.posterior, [torch.zeros(0, 16)])
 
 
+def test_distill_refuses_a_model_without_a_head():
+    """A base model's features have no softmax teacher: a message, and the model's mode kept."""
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=16)).train()
+    with pytest.raises(ValueError, match="no head.*without distillation"):
+        distill(model, {}, None, [{"input_ids": torch.randint(0, 20, (2, 5))}])
+    assert model.training
+
+
 def test_distill_one_input_raises(base):
     model, _, res = base
     with pytest.raises(ValueError, match=r"1 input.*at least 2.*pass more calibration inputs"):

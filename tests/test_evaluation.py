@@ -386,3 +386,16 @@ def test_token_kl_chunks_vs_one_pass(monkeypatch):
     torch.testing.assert_close(E.token_kl(z_p, z_q, mask, 2.0), want, rtol=1e-14, atol=0)
     monkeypatch.setattr(E, "KL_CHUNK", 7)  # one row per chunk
     torch.testing.assert_close(E.token_kl(z_p, z_q, mask, 2.0), want, rtol=1e-14, atol=0)
+
+
+def test_token_kl_of_features_is_half_the_squared_distance():
+    """Features read with a unit-variance Gaussian: KL(N(a, I) || N(b, I)) = ||a - b||^2 / 2 per real token."""
+    from bayesq.evaluation import token_kl
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 3, 4, generator=g), torch.randn(2, 3, 4, generator=g)
+    mask = torch.tensor([[True, True, False], [True, False, True]])
+    got = token_kl(a, b, mask, likelihood="gaussian")
+    want = [0.5 * float(((a[i, t].double() - b[i, t].double()) ** 2).sum()) for i in range(2) for t in range(3)
+            if mask[i, t]]
+    assert got.dtype == torch.float64 and got.tolist() == pytest.approx(want, rel=1e-12)

@@ -114,3 +114,50 @@ def test_score_examples_errors():
         score_examples(lm, lm, [batch], torch.zeros(2, dtype=torch.long), desc=None)
     with pytest.raises(ValueError, match="no test batches"):
         score_examples(fp, fp, [], desc=None)
+
+
+def _base_bert(seed: int):
+    """A base BERT from a config (no head: ``last_hidden_state``), float64."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                     max_position_embeddings=16)
+    return BertModel(cfg).double().eval()
+
+
+def test_score_examples_of_a_base_bert_gives_feature_measures_vs_whole_tensors():
+    """A model without a head is scored on its features, not KL: the streamed per-example feature
+    error, cosine of mean-pooled embeddings and nearest-neighbour agreement equal the whole-tensor
+    references (neighbours over the whole test draw, across batches)."""
+    from bayesq.comparison import cosine_per_example, feature_error_per_example, neighbour_agreement, pooled_embeddings
+
+    fp = _base_bert(0)
+    q = _base_bert(0)
+    with torch.no_grad():
+        for p in q.encoder.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 40, (9, 6), generator=g)
+    mask = torch.ones(9, 6, dtype=torch.long)
+    mask[::2, 4:] = 0
+    batches = [{"input_ids": ids[i:i + 4], "attention_mask": mask[i:i + 4]} for i in range(0, 9, 4)]
+    s = score_examples(fp, q, batches, desc=None)
+    assert s.kl is None and s.agree is None and s.features and s.n == 9
+    with torch.no_grad():
+        f_p, f_q = fp(input_ids=ids, attention_mask=mask).last_hidden_state, q(input_ids=ids, attention_mask=mask).last_hidden_state
+    m = mask.bool()
+    torch.testing.assert_close(s.feature_error, feature_error_per_example(f_p, f_q, m), rtol=1e-10, atol=0)
+    e_p, e_q = pooled_embeddings(f_p, m), pooled_embeddings(f_q, m)
+    torch.testing.assert_close(s.cosine, cosine_per_example(e_p, e_q), rtol=1e-10, atol=0)
+    assert torch.equal(s.neighbour, neighbour_agreement(e_p, e_q).double())
+    assert float(s.feature_error.min()) > 0 and float(s.cosine.max()) < 1
+    report = fidelity_report(s, resamples=200)
+    d = report.as_dict()
+    assert "kl" not in d and {"feature_error", "cosine", "neighbour"} <= set(d)
+    assert d["feature_error_ci_low"] <= d["feature_error"] <= d["feature_error_ci_high"]
+    assert any(line.startswith("feature error") for line in report.lines())
+    with pytest.raises(ValueError, match="no head.*drop the label column"):
+        score_examples(fp, q, batches, labels=torch.zeros(9, dtype=torch.long), desc=None)
+    with pytest.raises(ValueError, match="at least two"):
+        score_examples(fp, q, [{"input_ids": ids[:1], "attention_mask": mask[:1]}], desc=None)

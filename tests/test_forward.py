@@ -197,8 +197,17 @@ def test_output_logits_reads_every_supported_output_and_names_others():
     # a base model without a head (Hugging Face BaseModelOutput): its per-token features
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+    from bayesq.forward import Likelihood, output_likelihood
+
     h = torch.randn(2, 5, 4)
-    assert output_logits(BaseModelOutputWithPooling(last_hidden_state=h, pooler_output=h[:, 0])) is h
+    base = BaseModelOutputWithPooling(last_hidden_state=h, pooler_output=h[:, 0])
+    assert output_logits(base) is h and output_likelihood(base) is Likelihood.GAUSSIAN
+    for out in (z, WithLogits(), {"logits": z}, (z,)):
+        assert output_likelihood(out) is Likelihood.CATEGORICAL
+    # a convolutional base model's (B, C, h, w) map: one row of C features per position
+    conv = torch.randn(2, 3, 2, 4)
+    rows = output_logits(BaseModelOutputWithPooling(last_hidden_state=conv))
+    assert rows.shape == (2, 8, 3) and torch.equal(rows[1, 5], conv[1, :, 1, 1])
     with pytest.raises(TypeError, match="returned a str.*tensor, an object with .logits"):
         output_logits("not logits")
     with pytest.raises(TypeError, match="returned a dict"):

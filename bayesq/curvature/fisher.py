@@ -21,6 +21,12 @@ gradients of the layers it is at, not of all of them (``benchmarks/scale.py --st
 8 x 128 tokens a pass: a 1.18 GiB peak against 1.33 collecting them all).  The model runs in
 eval mode (no dropout, batch-norm statistics frozen), so examples do not interact.
 
+A model without a head returns features ``f`` (B, T, H) read with a Gaussian likelihood
+(:class:`bayesq.forward.Likelihood`, docs/method.md 1b): a draw ``eps ~ N(0, I)`` (R, H) per real
+token stands in for the label, the pass back-propagates ``sum_rows <f_r, eps_r>``, and the sums
+are divided by ``sigma^2``, the features' mean square over the rows read: in expectation the
+Gauss-Newton diagonal ``sum_n diag(J_n^T J_n) / sigma^2`` of the feature-matching loss.
+
 ``empirical_fisher_diagonal`` runs the same machinery with one fixed label per input,
 ``sum_n g_n(y_n)^2``: given labels, or (label-free) the model's argmax prediction.
 """
@@ -36,8 +42,8 @@ from tqdm.auto import tqdm
 
 from bayesq.curvature.patches import input_rows, squared_grad_sum, sum_dtype
 from bayesq.forward import (
-    Batch, Taps, batch_size, collect_logits, layer_calls, padding_mask, prediction_rows, predictions, split_batches,
-    token_rows,
+    Batch, Likelihood, Taps, batch_size, collect_logits, layer_calls, padding_mask, predicted, prediction_rows,
+    split_batches, token_rows,
 )
 from bayesq.memory import release_freed
 
@@ -49,7 +55,7 @@ def _squared_grad_sum(
     model: nn.Module,
     batches: Iterable[Batch],
     layers: dict[str, nn.Module],
-    labels_for: Callable[[torch.Tensor, torch.Tensor | None], list[torch.Tensor]],
+    labels_for: Callable[[torch.Tensor, torch.Tensor | None, Likelihood], list[torch.Tensor]],
     desc: str,
     progress: bool,
     on_rows: Callable[[str, torch.Tensor], None] | None = None,
@@ -59,10 +65,11 @@ def _squared_grad_sum(
 ) -> tuple[dict[str, torch.Tensor], int]:
     """``sum_n mean_s g_n(y_s)^2`` per layer, with per-example gradients from hooks.
 
-    ``labels_for(rows, mask)`` gets a batch's (R, C) logits (detached) of
+    ``labels_for(rows, mask, likelihood)`` gets a batch's (R, C) logits (detached) of
     :func:`bayesq.forward.prediction_rows` (R = B for (B, C) logits, the real tokens of
-    (B, T, V) ones) and their (B, T) token mask (None for (B, C)), and returns the S label
-    tensors, each (R,) int64, to back-propagate ``sum_rows -log p(y_s | row)`` at; each pass is
+    (B, T, V) ones), their (B, T) token mask (None for (B, C)) and how the output is read
+    (:class:`bayesq.forward.Likelihood`), and returns the S targets to back-propagate
+    :func:`_loss` at: (R,) int64 labels, or (R, C) floating Gaussian draws; each pass is
     weighted 1/S.  ``on_rows(name, rows)``: called once per batch and layer with the layer's
     inputs as :func:`bayesq.curvature.patches.input_rows` (N, groups, T, d_in), padded tokens'
     rows dropped (:func:`bayesq.forward.token_rows`) where the logits have a token axis, as
@@ -132,18 +139,17 @@ def _squared_grad_sum(
             for part in parts:
                 # also under torch.no_grad(); forward only (rows for on_rows) outside the share
                 with torch.set_grad_enabled(i in backward):
-                    z, mask = predictions(model, part)
+                    z, mask, likelihood = predicted(model, part)
                     collect_logits(logits, z)
                     out = prediction_rows(z, mask)  # (R, C)
                     if on_rows is not None:  # before the backward pass releases the inputs
                         _rows_to(on_rows, layers, acts, shapes, padding_mask(part) if mask is not None else None,
                                  held if len(parts) > 1 else None)
-                    passes = labels_for(out.detach(), mask) if i in backward else []
+                    passes = labels_for(out.detach(), mask, likelihood) if i in backward else []
                     for s, y in enumerate(passes if out.requires_grad else []):  # else no layer reaches the loss
                         step.update(passes=len(passes), last=s == len(passes) - 1)
                         # gradients of the tapped layer outputs only: no weight gradient is formed
-                        torch.autograd.backward(F.cross_entropy(out, y, reduction="sum"), inputs=taps.leaves(),
-                                                retain_graph=not step["last"])
+                        torch.autograd.backward(_loss(out, y), inputs=taps.leaves(), retain_graph=not step["last"])
                 n_grad += batch_size(part) if i in backward else 0
                 del z, out
                 acts.clear()
@@ -159,6 +165,16 @@ def _squared_grad_sum(
         for t in total.values():
             t.mul_(n_all / n_grad)
     return total, n_all
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The summed loss over the (R, C) rows ``out`` whose gradient a pass squares: integer labels
+    ``y`` (R,), ``sum_r -log softmax(out_r)[y_r]``; a floating ``y`` (R, C) is a Gaussian
+    likelihood's draw ``eps`` of ``N(0, I)``, ``sum_r <out_r, eps_r>``, whose gradient ``J^T eps``
+    is that of ``-log N(f + eps; f, I)`` up to its sign (so its square is the same)."""
+    if y.is_floating_point():
+        return (out * y.to(out.dtype)).sum()
+    return F.cross_entropy(out, y, reduction="sum")
 
 
 def spread_batches(n: int, share: float) -> set[int]:
@@ -181,6 +197,9 @@ def _hand_on(held: dict[str, list[tuple[torch.Tensor, int]]], on_rows) -> None:
         by_key.setdefault(tuple(id(p) for p, _ in pieces), []).append(name)
     for names in by_key.values():
         pieces = held[names[0]]
+        if len({d for _, d in pieces}) > 1:  # a part without padding kept its (N, 1, T, d) rows, the others
+            # their real tokens' (1, 1, R, d): the former are the real-token rows of a mask of ones
+            pieces = [(p if d == 2 else p.reshape(1, 1, -1, p.shape[-1]), 2) for p, d in pieces]
         dim = pieces[0][1]
         if pieces[0][0].is_contiguous():
             joined = torch.cat([p for p, _ in pieces], dim)
@@ -273,18 +292,29 @@ def fisher_diagonal(
         ValueError: if ``batches`` is empty.
     """
     gen: list[torch.Generator] = []  # on the logits' device, made on the first batch
+    features = [0.0, 0]  # Gaussian outputs: the sum of squares of the features the passes read, their count
 
-    def sampled_labels(out: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    def sampled_labels(out: torch.Tensor, mask: torch.Tensor | None, likelihood: Likelihood) -> list[torch.Tensor]:
         if not gen:
             gen.append(torch.Generator(device=out.device).manual_seed(seed))
+        if likelihood is Likelihood.GAUSSIAN:
+            features[0] += float(out.double().square().sum())
+            features[1] += out.numel()
+            return [torch.randn(out.shape, generator=gen[0], device=out.device, dtype=out.dtype)
+                    for _ in range(label_samples)]
         step = max(1, LABEL_CHUNK // max(1, out.shape[1]))
         chunks = out.split(step)  # the float64 probabilities of a chunk of rows at a time; the
         # sampler draws row by row, so the labels are those of the whole (R, C) at once
         return [torch.cat([torch.multinomial(torch.softmax(c.double(), -1), 1, generator=gen[0]).squeeze(1)
                            for c in chunks]) for _ in range(label_samples)]
 
-    return _squared_grad_sum(model, batches, layers, sampled_labels, "fisher", progress, on_rows, max_inputs, share,
-                             logits)
+    total, n = _squared_grad_sum(model, batches, layers, sampled_labels, "fisher", progress, on_rows, max_inputs,
+                                 share, logits)
+    if features[1]:  # sigma^2 = the features' mean square: J^T J / sigma^2, whatever the features' scale
+        sigma2 = max(features[0] / features[1], torch.finfo(torch.float32).tiny)
+        for t in total.values():
+            t.div_(sigma2)
+    return total, n
 
 
 def _check_labels(y: torch.Tensor, out: torch.Tensor, mask: torch.Tensor | None, index: int) -> torch.Tensor:
@@ -351,9 +381,13 @@ def empirical_fisher_diagonal(
     label_iter = iter(labels) if labels is not None else None
     count = 0
 
-    def given_or_argmax(out: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    def given_or_argmax(out: torch.Tensor, mask: torch.Tensor | None, likelihood: Likelihood) -> list[torch.Tensor]:
         nonlocal count
         count += 1
+        if likelihood is Likelihood.GAUSSIAN:
+            raise ValueError("the model has no head (it returns features, read with a Gaussian likelihood): the "
+                             "empirical Fisher needs class labels; use posterior.curvature: fisher (its Gauss-Newton "
+                             "matrix on the features)")
         if label_iter is None:
             return [out.argmax(-1)]
         y = next(label_iter, None)

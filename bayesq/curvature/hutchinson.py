@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
-from bayesq.forward import Batch, batch_size, eval_mode, prediction_rows, predictions
+from bayesq.forward import GAUSSIAN_UNSUPPORTED, Batch, Likelihood, batch_size, eval_mode, predicted, prediction_rows
 
 CURVATURES = ("hessian", "ggn")
 Tensors = list[torch.Tensor]
@@ -176,7 +176,10 @@ def hutchinson_diagonal(
         with eval_mode(model), torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
             desc = f"hutchinson-{curvature}"
             for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
-                matvec = _MATVECS[curvature](prediction_rows(*predictions(model, batch)), weights)
+                z, mask, likelihood = predicted(model, batch)
+                if likelihood is Likelihood.GAUSSIAN:
+                    raise ValueError(GAUSSIAN_UNSUPPORTED.format(what=f"hutchinson-{curvature}"))
+                matvec = _MATVECS[curvature](prediction_rows(z, mask), weights)
                 for n, d in zip(names, _batch_diagonal(matvec, weights, probes, gen)):
                     curv[n] += d
                 n_seen += batch_size(batch)

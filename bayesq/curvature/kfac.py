@@ -55,7 +55,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesq.curvature.patches import input_rows, output_rows
-from bayesq.forward import Batch, batch_size, layer_calls, padding_mask, prediction_rows, predictions, token_rows
+from bayesq.forward import (
+    GAUSSIAN_UNSUPPORTED, Batch, Likelihood, batch_size, layer_calls, padding_mask, predicted, prediction_rows, token_rows,
+)
 
 LOSSES = ("ce", "ce_exact", "mse")
 
@@ -229,7 +231,9 @@ def kfac_factors(
     n_seen = 0
     with layer_calls(model, layers, record, weights_require_grad=True):
         for batch in tqdm(batches, desc="kfac", disable=not progress, leave=False):
-            z, mask = predictions(model, batch)
+            z, mask, likelihood = predicted(model, batch)
+            if likelihood is Likelihood.GAUSSIAN:
+                raise ValueError(GAUSSIAN_UNSUPPORTED.format(what="K-FAC"))
             out = prediction_rows(z, mask)  # (R, C)
             rows_mask = padding_mask(batch) if mask is not None else None  # padded tokens' layer rows
             n_b = batch_size(batch)

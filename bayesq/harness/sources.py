@@ -107,6 +107,11 @@ class ModelSource:
     tokenizer: str = ""
 
     @property
+    def headless(self) -> bool:
+        """A Hugging Face base model (``AutoModel``): features, no head (:class:`bayesq.forward.Likelihood`)."""
+        return self.kind is SourceKind.HUGGINGFACE and self.auto_class == BASE_AUTO
+
+    @property
     def arch(self) -> str:
         """torchvision arch name, or the callable's ``pkg.mod:fn``."""
         return self.spec.split(":", 1)[1] if self.kind is SourceKind.TORCHVISION else self.spec
