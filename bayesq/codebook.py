@@ -41,6 +41,7 @@ from scipy.optimize import minimize_scalar
 
 from bayesq.books import CodeBook, Field, Need, Slot, register_book, stored_float
 from bayesq.storage import lut_unit_cost_bits, mulaw_unit_cost_bits, unit_cost_bits
+from bayesq.targets import ONNXRUNTIME, matmulnbits_unit_cost_bits
 
 _SQRT2 = math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -249,6 +250,10 @@ class UniformGrids(CodeBook):
 
     @classmethod
     def unit_cost_bits(cls, n_weights: int, n_groups: int, bits: int, n_choices: int, quant) -> int:
+        """What the target's file stores for one unit (:mod:`bayesq.targets`): BayesQ's format
+        (:func:`bayesq.storage.unit_cost_bits`), or one ONNX Runtime row."""
+        if getattr(quant, "target", "bayesq") == ONNXRUNTIME.name:
+            return matmulnbits_unit_cost_bits(n_groups, bits, quant.group_size, n_choices, quant.scale_bits)
         return unit_cost_bits(n_weights, n_groups, bits, n_choices, quant.scale_bits)
 
     def export_fields(self, sel: torch.Tensor, blocks, quant) -> list[Field]:

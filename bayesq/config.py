@@ -25,6 +25,7 @@ from enum import Enum
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from bayesq.books import FITS, UNIFORM_FITS
+from bayesq.targets import ONNXRUNTIME, spec
 
 
 class Granularity(str, Enum):
@@ -100,6 +101,13 @@ class AllocationUnit(str, Enum):
     GROUP = "group"  # one scale group
     CHANNEL = "channel"  # one output channel
     TENSOR = "tensor"  # one whole layer
+
+
+class Target(str, Enum):
+    """Where the quantised model runs, and so what its file stores (:mod:`bayesq.targets`)."""
+
+    BAYESQ = "bayesq"  # BayesQ's packed .safetensors: every width, unit and codebook
+    ONNXRUNTIME = "onnxruntime"  # an .onnx file of MatMulNBits nodes (widths 2 / 4 / 8, float32 scales)
 
 
 class Allocator(str, Enum):
@@ -384,6 +392,7 @@ class QuantConfig:
     mulaw_mu: float = setting(4.0, at_least(0, "0 is the uniform limit"))
     lut_bits: int = setting(16, one_of((16, 32), "LUT entries are stored as fp16 (16) or fp32 (32)"))
     vq_dim: int = setting(2, one_of((2, 4, 8), "choose 2, 4 or 8 weights per vector"))
+    target: Target = Target.BAYESQ
 
     def __post_init__(self) -> None:
         validate(self, "quant", self._relations)
@@ -398,6 +407,39 @@ class QuantConfig:
                "VQ keeps one codebook per layer: set quant.unit: tensor")
         yield (not vq or self.group_size % self.vq_dim == 0, "quant.group_size", self.group_size,
                f"VQ needs a multiple of vq_dim = {self.vq_dim}")
+        if self.target == Target.ONNXRUNTIME:  # what MatMulNBits stores
+            ort = ONNXRUNTIME
+            yield (self.codebook == Codebook.UNIFORM, "quant.codebook", name,
+                   "the onnxruntime target stores uniform grids: set quant.codebook: uniform")
+            yield (set(self.bits) <= set(ort.widths), "quant.bits", list(self.bits),
+                   f"the onnxruntime target runs widths {list(ort.widths)}")
+            yield (self.group_size in ort.block_sizes, "quant.group_size", self.group_size,
+                   f"the onnxruntime target's blocks are {list(ort.block_sizes)} weights")
+            yield (self.unit == AllocationUnit.CHANNEL, "quant.unit", self.unit.value,
+                   "the onnxruntime target holds one width per output row: set quant.unit: channel")
+            yield (self.scale_bits == ort.scale_bits, "quant.scale_bits", self.scale_bits,
+                   f"the onnxruntime file stores float{ort.scale_bits} scales")
+
+    def for_target(self, target: "Target | str", block: int | None = None) -> "QuantConfig":
+        """These settings inside what ``target`` runs (:mod:`bayesq.targets`): its widths (the
+        ones it runs, of these; all of its own if none are), its block size (``block``, else the
+        target's measured default, else the group size if the target takes it, else the nearest
+        one it takes), its allocation unit and scale width.
+
+        Raises:
+            ValueError: an unknown target (naming the ones there are), a block the target does not
+                take, or settings the target cannot hold (another codebook).
+        """
+        t = spec(target)
+        if t.name == Target.BAYESQ.value:
+            return dataclasses.replace(self, target=Target.BAYESQ)
+        bits = tuple(b for b in self.bits if b in t.widths) or t.widths
+        if block is not None and block not in t.block_sizes:
+            raise ValueError(f"block {block}: the {t.name} target takes blocks of {list(t.block_sizes)} weights")
+        group = block or t.block or (self.group_size if self.group_size in t.block_sizes else min(
+            t.block_sizes, key=lambda b: (abs(math.log2(b / self.group_size)), -b)))
+        return dataclasses.replace(self, bits=bits, group_size=group, unit=AllocationUnit(t.unit),
+                                   scale_bits=t.scale_bits, target=Target(t.name))
 
     @property
     def feeds_back_table(self) -> bool:

@@ -34,6 +34,9 @@ from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from bayesq.baselines.select import encoding_config
+from bayesq.config import BayesQConfig, Target, replace
+from bayesq.onnx_export import OnnxModel, export_onnx
+from bayesq.targets import spec
 from bayesq.evaluation import each_batch, predict
 from bayesq.comparison import paired_difference
 from bayesq.export import ExportError, load, read_export, save_export
@@ -192,16 +195,40 @@ def max_logit_diff(a: torch.nn.Module, b: torch.nn.Module, batches: list) -> flo
     return max(float((p - q).abs().max()) for p, q in zip(za, zb))
 
 
+def targeted(configs: tuple, method: str, target: str, out: Path) -> tuple:
+    """(library config, QuantConfig) of :func:`flows.configs.method_config` inside ``target``
+    (:meth:`bayesq.config.QuantConfig.for_target`).
+
+    Raises:
+        ValueError: an unknown target; a baseline under a target other than BayesQ's format (only
+            BayesQ's rows quantise for one yet); an ``out`` without the target's suffix.
+    """
+    cfg, quant = configs
+    t = spec(target)
+    if t.name == Target.BAYESQ.value:
+        return cfg, quant
+    if quant is None or not isinstance(cfg, BayesQConfig):
+        raise ValueError(f"--target {t.name} quantises with BayesQ (--method bayesq); --method {method} writes "
+                         "BayesQ's own format (.safetensors)")
+    if out.suffix != t.suffix:
+        raise ValueError(f"--target {t.name} writes a {t.suffix} file: pass --out {out.with_suffix(t.suffix).name}")
+    quant = quant.for_target(t.name)
+    return replace(cfg, quant=quant), quant
+
+
 def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: Path, shared: Mapping[str, str],
-            code: str, say=print, examples_dir: Path | None = None) -> dict:
+            code: str, say=print, examples_dir: Path | None = None, target: str = "bayesq") -> dict:
     """Quantise, export (with skeleton and preprocessing), load back without a skeleton, compare
     with FP on the test draw and write the report next to the export. Returns the row's record.
+    ``target="onnxruntime"``: quantised inside what ONNX Runtime's MatMulNBits runs, written as
+    an ``.onnx`` file (:mod:`bayesq.onnx_export`) and compared with FP as ONNX Runtime runs it.
 
     Raises:
         ValueError: from the method (an infeasible budget, ...); nothing is written then.
     """
-    cfg, quant = method_config(method, params, budget, seed)
-    say(f"[byo] {prep.spec.name}: {method} at {budget} bits ...")
+    cfg, quant = targeted(method_config(method, params, budget, seed), method, target, Path(out))
+    say(f"[byo] {prep.spec.name}: {method} at {budget} bits" + (f" for {target}" if target != "bayesq" else "")
+        + " ...")
     start = time.perf_counter()
     done = quantize_with(prep.fp, cfg, budget, Inputs(calibration=prep.calibration, selection=prep.selection,
                                                       exclude=prep.spec.exclude))
@@ -210,12 +237,20 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
     quant = quant if quant is not None else encoding_config(res, params.quant)
     out = Path(out)
     meta = lineage_metadata(prep, method, budget, seed, shared, code)
-    info = save_export(out, res.model, res.weights, quant, res.allocation.total_bits, architecture=prep.spec.name,
-                       metadata=meta, skeleton=prep.source.skeleton(), preprocessor=prep.preprocessor)
-    try:
-        loaded = load(out)  # as a consumer would: no skeleton, no producer code
+    if target == Target.ONNXRUNTIME.value:
+        ex = export_onnx(res.model, res.weights, prep.calibration[0], out, metadata=meta)
+        info = {"path": str(out), "file_bytes": ex.file_bytes, "sha256": file_sha256(out),
+                "content_sha256": file_sha256(out), "target": target, "accuracy_level": ex.accuracy_level,
+                "file_avg_bits": ex.average_bits, "matmulnbits": {k: list(v) for k, v in ex.quantized.items()},
+                "kept": dict(ex.kept)}
+    else:
+        info = save_export(out, res.model, res.weights, quant, res.allocation.total_bits,
+                           architecture=prep.spec.name, metadata=meta, skeleton=prep.source.skeleton(),
+                           preprocessor=prep.preprocessor).as_dict()
+    try:  # as a consumer would: no skeleton, no producer code (the ONNX file: ONNX Runtime itself)
+        loaded = OnnxModel(out, features=prep.source.headless) if target == Target.ONNXRUNTIME.value else load(out)
         logit_diff = max_logit_diff(res.model, loaded, prep.test[:1])
-        say(f"[byo] {prep.spec.name}: {res.average_bits:.4f} bits/weight, export {info.file_bytes / 1e6:.2f} MB; "
+        say(f"[byo] {prep.spec.name}: {res.average_bits:.4f} bits/weight, export {info['file_bytes'] / 1e6:.2f} MB; "
             f"comparing with FP on {len(prep.draws.test)} test examples")
         scores = score_examples(prep.fp, loaded, prep.test, prep.labels, prep.source.causal_lm)
         report = fidelity_report(scores)
@@ -227,7 +262,7 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
               "total_bits": res.allocation.total_bits, "quantize_seconds": seconds,
               "unquantized": dict(res.unquantized), "details": {k: v for k, v in done.details.items()
                                                                   if isinstance(v, (str, int, float))},
-              "export": info.as_dict(), "loaded_logit_max_diff": logit_diff, "fidelity": report.as_dict(),
+              "export": info, "target": target, "loaded_logit_max_diff": logit_diff, "fidelity": report.as_dict(),
               "dataset": prep.spec.data.path, "dataset_digest": prep.data_digest,
               "draws": json.loads(meta["draws"]), "draw_sizes_note": prep.sizes_note,
               "examples_file": str(save_examples(out, scores, examples_dir))}
@@ -297,6 +332,23 @@ def _small_test_line(record: dict) -> list[str]:
             f"{100 * half / max(f[key], 1e-30):.0f} % of its value); more test examples narrow it as 1 / sqrt(n)"]
 
 
+def _target_lines(record: dict) -> list[str]:
+    """How the file was checked, and for an ONNX Runtime file what it holds."""
+    e, diff = record["export"], record["loaded_logit_max_diff"]
+    if record.get("target", "bayesq") == "bayesq":
+        return [f"- loaded back without a skeleton: largest output difference (logits, or features) to the in-memory "
+                f"model {diff:.2e}"]
+    widths = sorted({b for w in e["matmulnbits"].values() for b in w})
+    split = sum(len(w) > 1 for w in e["matmulnbits"].values())
+    kept = ", ".join(f"{k} ({v})" for k, v in e["kept"].items()) or "none"
+    return [f"- target {record['target']}: {len(e['matmulnbits'])} layers as MatMulNBits (widths {widths}; {split} "
+            f"split by row into one node per width), {e['file_avg_bits']:.4f} bits per weight stored for them "
+            f"(the allocation counted {record['avg_bits']:.4f}: a row-order index for every row); quantised layers "
+            f"kept in floating point: {kept}",
+            f"- run by ONNX Runtime (CPU, MatMulNBits accuracy level {e['accuracy_level']}): largest output "
+            f"difference to BayesQ's in-memory model {diff:.2e}; the comparison below is ONNX Runtime's output"]
+
+
 def write_report(export: Path, record: dict, lines: list[str]) -> tuple[Path, Path]:
     """The row's ``.report.json`` (the record) and ``.report.md`` (a table a person reads)."""
     js, md = report_paths(export)
@@ -306,8 +358,7 @@ def write_report(export: Path, record: dict, lines: list[str]) -> tuple[Path, Pa
             f"- model: `{r['model_source']}`; data: `{r['dataset']}` (sha256 {r['dataset_digest'][:12]}...)",
             f"- export: `{r['export']['path']}`, {r['export']['file_bytes'] / 1e6:.2f} MB; "
             f"{r['avg_bits']:.4f} bits per quantised weight, {r['avg_bits_all']:.4f} over all weight matrices",
-            f"- loaded back without a skeleton: largest output difference (logits, or features) to the in-memory model "
-            f"{r['loaded_logit_max_diff']:.2e}",
+            *_target_lines(r),
             f"- draws (seed {r['seed']}): " + ", ".join(f"{k} {v['n']}" for k, v in r["draws"].items())
             + (f" ({r['draw_sizes_note']})" if r.get("draw_sizes_note") else ""),
             *_small_test_line(r),

@@ -57,7 +57,8 @@ def run(profile: str = typer.Option("quick", help="params.yaml profile: quick (o
 def quantize(
     model: Optional[str] = typer.Argument(None, help="embedded model name, e.g. lite0-fmnist (or use --model)"),
     budget: float = typer.Option(3.0, help="average bits per quantised weight, all metadata counted"),
-    out: Path = typer.Option(..., help="export file to write (.safetensors); the report goes next to it"),
+    out: Path = typer.Option(..., help="export file to write (.safetensors; .onnx for --target onnxruntime); the "
+                                       "report goes next to it"),
     params: Path = typer.Option(ROOT / "params.yaml", help="settings (posterior, quant, allocation, distill)"),
     models: Path = typer.Option(ROOT / "models", help="folder of fine-tuned models (<name>/model.safetensors)"),
     raw: Path = typer.Option(ROOT / "data" / "raw", help="raw data folder (calibration inputs)"),
@@ -94,6 +95,9 @@ def quantize(
                                                   "shrunk likewise)"),
     name: str = typer.Option("", help="the model's name in the report and MLflow (default: the folder's)"),
     track: bool = typer.Option(True, help="log the row to MLflow (MLFLOW_TRACKING_URI; default mlflow.db)"),
+    target: str = typer.Option("bayesq", help="where it runs: bayesq (BayesQ's .safetensors) or onnxruntime (an "
+                                              ".onnx file of MatMulNBits nodes: widths 2/4/8, one per row; your "
+                                              "own model with --model/--data)"),
 ) -> None:
     """Quantise one model with BayesQ (or a baseline) and write its export, without DVC or Prefect.
 
@@ -110,8 +114,11 @@ def quantize(
                   "package.module:function) and --data (a dataset folder or file)")
         _quantize_byo(source, data, split, tuple(text_column), image_column, label_column, max_length, image_size,
                       checkpoint, num_classes, tokenizer, calibration, selection, test, name, method, budget, out,
-                      params, seed, distill, track)
+                      params, seed, distill, track, target)
         return
+    if target != "bayesq":
+        _fail(f"--target {target}: an embedded model writes BayesQ's format for now; bring a model with --model and "
+              "--data to write another target")
     if model is None:
         _fail("name an embedded model (e.g. lite0-fmnist), or pass --model and --data for your own")
     from bayesq.baselines.select import encoding_config
@@ -191,7 +198,7 @@ def quantize(
 
 def _quantize_byo(source, data, split, text_columns, image_column, label_column, max_length, image_size, checkpoint,
                   num_classes, tokenizer, calibration, selection, test, name, method, budget, out, params, seed,
-                  distill, track) -> None:
+                  distill, track, target="bayesq") -> None:
     """``bayesq quantize --model ... --data ...`` (:mod:`flows.byo`)."""
     from flows.byo import BYO_METHODS, byo_from_mapping, prepare, report_paths, run_row, track_row
     from flows.common import code_version, read_params
@@ -210,7 +217,8 @@ def _quantize_byo(source, data, split, text_columns, image_column, label_column,
                                  "budgets": [budget], "methods": [method]}, "command line")
         seed = p.seeds[0] if seed is None else seed
         prep = prepare(spec, seed, say=typer.echo)
-        record = run_row(prep, method, budget, p, seed, out, export_lineage(p), code_version(), say=typer.echo)
+        record = run_row(prep, method, budget, p, seed, out, export_lineage(p), code_version(), say=typer.echo,
+                         target=target)
     except (ValueError, FileNotFoundError, TypeError, MemoryError) as err:
         _fail(str(err))
     typer.echo(report_paths(Path(record["export"]["path"]))[1].read_text())

@@ -222,6 +222,45 @@ def test_base_model_without_head_bayesq_vs_gptq_on_feature_measures(byo_models, 
     assert "Models without a head" in table and "| bert-base | 3.0 | " in table and "KL(FP ‖ Q)" not in table
 
 
+def test_cli_target_onnxruntime_writes_an_onnx_file_checked_in_onnx_runtime(byo_models, byo_data, tmp_path,
+                                                                           one_thread):
+    """--target onnxruntime: one .onnx file whose quantised layers are MatMulNBits, the report
+    checks ONNX Runtime's output against BayesQ's model and FP; wrong targets, suffixes and
+    methods are refused and write nothing. (The fixture's 32-weight rows are padded to a block of
+    128, so its cheapest encoding is above 10 bits per weight: the budget is 11.)"""
+    pytest.importorskip("onnxruntime")
+    out = tmp_path / "bert.onnx"
+    argv = ["--model", str(byo_models["bert"]), "--data", str(byo_data["parquet"]), "--text-column", "sentence",
+            "--label-column", "label", "--budget", "11", "--no-track"]
+    res = _quantize(*argv, "--target", "onnxruntime", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    record = json.loads(report_paths(out)[0].read_text())
+    assert record["target"] == "onnxruntime" and record["loaded_logit_max_diff"] < 1e-4
+    assert len(record["export"]["matmulnbits"]) == 14 and not record["export"]["kept"]  # 2 x 6 + pooler + head
+    assert record["avg_bits"] <= 11 and "kl" in record["fidelity"]
+    assert "MatMulNBits" in report_paths(out)[1].read_text()
+    import onnxruntime as ort
+
+    assert "MatMulNBits" in _ops(out) and "Gemm" not in _ops(out) and ort.InferenceSession(str(out)).get_inputs()
+    never = tmp_path / "never.onnx"
+    for extra, message in ((["--target", "tensorrt", "--out", str(never)], "target 'tensorrt' does not exist"),
+                           (["--target", "onnxruntime", "--out", str(tmp_path / "never.safetensors")],
+                            "writes a .onnx file: pass --out never.onnx"),
+                           (["--target", "onnxruntime", "--method", "gptq", "--out", str(never)],
+                            "--target onnxruntime quantises with BayesQ")):
+        res = _quantize(*argv, *extra)
+        assert res.exit_code == 1 and message in " ".join(res.output.split()), res.output
+    assert not never.exists() and not (tmp_path / "never.safetensors").exists()
+    res = runner.invoke(app, ["quantize", "lite0-fmnist", "--target", "onnxruntime", "--out", str(never)])
+    assert res.exit_code == 1 and "an embedded model writes BayesQ's format for now" in " ".join(res.output.split())
+
+
+def _ops(path: Path) -> list[str]:
+    import onnx
+
+    return [n.op_type for n in onnx.load(str(path)).graph.node]
+
+
 def test_byo_entries_from_zoo_and_params_mappings(tmp_path):
     m = byo_from_mapping({"model": "./my-bert/", "data": "d.parquet", "text_column": "s", "budgets": [3, 4],
                           "methods": ["gptq"]}, "zoo: models[0]")

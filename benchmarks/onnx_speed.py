@@ -1,0 +1,179 @@
+"""Speed and size of a BayesQ ONNX file in ONNX Runtime, next to the FP32 graph and ONNX Runtime's
+own weight-only quantisers on the same graph, measured side by side in one run. (Not named
+onnxruntime.py: run as a script, that name would shadow the onnxruntime package.)
+
+For a Hugging Face folder (`save_pretrained`) and a BayesQ `.onnx` written from it
+(`bayesq quantize --model <folder> ... --target onnxruntime --out m.onnx`): the FP32 graph is
+the model's own ONNX export (:func:`bayesq.onnx_export.graph_of`), the peers are
+`onnxruntime.quantization.matmul_nbits_quantizer` RTN (4 bits, block 64 and 128) and HQQ (4 bits,
+block 64) on that FP32 graph, and the BayesQ file is also run at accuracy level 4 (int8
+activations; the file as written is level 1, float32). Printed per file: size on disk, and the
+median latency of `--repeats` calls at each batch size of `--tokens` tokens (random token ids, no
+padding), `intra_op_num_threads` as given; ratios are against FP32 in the same run. Also the
+largest logit difference to the FP32 graph on those inputs (not a fidelity measure: the
+report of `bayesq quantize` has the paired KL on real test examples).
+
+    python benchmarks/onnx_speed.py --model ./minilm-sst --onnx m.onnx [--tokens 128] [--batches 1 8]
+        [--threads 2] [--repeats 30] [--out /tmp/ort-bench]
+
+``--layers``: instead, one MatMulNBits node against one FP32 MatMul for MiniLM's and BERT-base's
+layer shapes, at each width and accuracy level (random codes, block 128), 1 and 128 rows: which
+kernels are fast.
+
+    python benchmarks/onnx_speed.py --layers [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from bayesq.harness.sources import resolve_model
+from bayesq.onnx_export import graph_of
+
+
+def session(path: Path, threads: int) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def latency_ms(s: ort.InferenceSession, feed: dict, repeats: int) -> float:
+    s.run(None, feed)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        s.run(None, feed)
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def with_accuracy_level(src: Path, dst: Path, level: int) -> Path:
+    m = onnx.load(str(src))
+    for node in m.graph.node:
+        if node.op_type == "MatMulNBits":
+            for a in node.attribute:
+                if a.name == "accuracy_level":
+                    a.i = level
+    onnx.save(m, str(dst))
+    return dst
+
+
+def peers(fp: Path, out: Path) -> dict[str, Path]:
+    from onnxruntime.quantization import matmul_nbits_quantizer as q
+
+    files = {}
+    for label, algo in (("ort-rtn-4b-b64", q.RTNWeightOnlyQuantConfig()),
+                        ("ort-hqq-4b-b64", q.HQQWeightOnlyQuantConfig(block_size=64, bits=4))):
+        quant = q.MatMulNBitsQuantizer(onnx.load(str(fp)), bits=4, block_size=64, is_symmetric=False,
+                                       accuracy_level=1, algo_config=algo)
+        quant.process()
+        files[label] = out / f"{label}.onnx"
+        quant.model.save_model_to_file(str(files[label]))
+    quant = q.MatMulNBitsQuantizer(onnx.load(str(fp)), bits=4, block_size=128, accuracy_level=1,
+                                   algo_config=q.DefaultWeightOnlyQuantConfig(block_size=128, bits=4, accuracy_level=1))
+    quant.process()
+    files["ort-default-4b-b128"] = out / "ort-default-4b-b128.onnx"
+    quant.model.save_model_to_file(str(files["ort-default-4b-b128"]))
+    return files
+
+
+def layer_table(threads: int, repeats: int) -> None:
+    """FP32 latency / MatMulNBits latency of one layer, per width and accuracy level."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from bayesq.onnx_export import pack_bits
+
+    rng = np.random.default_rng(0)
+
+    def one(nodes, inits, k, n, a):
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], initializer=inits)
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        s = ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        return latency_ms(s, {"A": a}, repeats)
+
+    print(f"ONNX Runtime {ort.__version__}, intra_op_num_threads={threads}, block 128, median of {repeats} calls; "
+          "FP32 MatMul latency / MatMulNBits latency (above 1: faster); L1: float32 compute, L4: int8 activations")
+    print("| K x N, rows | FP32 µs | " + " | ".join(f"{b}b L{lv}" for b in (2, 4, 8) for lv in (1, 4)) + " |")
+    print("|---|---|" + "---|" * 6)
+    for k, n in ((384, 384), (384, 1536), (1536, 384), (768, 768), (768, 3072)):
+        for rows in (1, 128):
+            a = rng.standard_normal((rows, k)).astype(np.float32)
+            w = numpy_helper.from_array(rng.standard_normal((k, n)).astype(np.float32), "W")
+            fp = one([helper.make_node("MatMul", ["A", "W"], ["Y"])], [w], k, n, a)
+            cells = []
+            for bits in (2, 4, 8):
+                kb = k // 128
+                codes = pack_bits(rng.integers(0, 2**bits, (n, kb, 128)).astype(np.uint8), bits)
+                zeros = rng.integers(0, 2**bits, (n, kb + (-kb) % (8 // bits))).astype(np.uint8)
+                inits = [numpy_helper.from_array(codes, "B"), numpy_helper.from_array(
+                    rng.uniform(0.01, 0.1, n * kb).astype(np.float32), "S"),
+                    numpy_helper.from_array(pack_bits(zeros, bits).reshape(-1), "Z")]
+                for level in (1, 4):
+                    node = helper.make_node("MatMulNBits", ["A", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=k,
+                                            N=n, bits=bits, block_size=128, accuracy_level=level)
+                    cells.append(f"{fp / one([node], inits, k, n, a):.2f}x")
+            print(f"| {k} x {n}, {rows} | {1e3 * fp:.0f} | " + " | ".join(cells) + " |", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", action="store_true", help="the per-width layer table instead (no model needed)")
+    p.add_argument("--model", help="the Hugging Face folder the BayesQ file was made from")
+    p.add_argument("--onnx", type=Path, help="BayesQ's .onnx file")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="ort-bench-")))
+    a = p.parse_args()
+    if a.layers:
+        return layer_table(a.threads, max(a.repeats, 50))
+    if not a.model or not a.onnx:
+        p.error("--model and --onnx are needed (or --layers)")
+    a.out.mkdir(parents=True, exist_ok=True)
+    src = resolve_model(a.model)
+    model = src.build()
+    vocab = int(model.config.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    example = {"input_ids": torch.randint(0, vocab, (2, a.tokens), generator=g),
+               "attention_mask": torch.ones(2, a.tokens, dtype=torch.long)}
+    fp = a.out / "fp32.onnx"
+    onnx.save(graph_of(model, example), str(fp))
+    files = {"fp32": fp, "bayesq": a.onnx,
+             "bayesq-level4": with_accuracy_level(a.onnx, a.out / "bayesq-level4.onnx", 4), **peers(fp, a.out)}
+    print(f"ONNX Runtime {ort.__version__}, intra_op_num_threads={a.threads}, {a.tokens} tokens, median of "
+          f"{a.repeats} calls; ratios: FP32 latency / file latency (above 1: faster)")
+    inputs = {b: {"input_ids": torch.randint(0, vocab, (b, a.tokens), generator=g).numpy(),
+                  "attention_mask": np.ones((b, a.tokens), dtype=np.int64),
+                  "token_type_ids": np.zeros((b, a.tokens), dtype=np.int64)} for b in a.batches}
+    sessions = {k: session(f, a.threads) for k, f in files.items()}
+
+    def feed(s: ort.InferenceSession, b: int) -> dict:  # the inputs each file takes
+        return {i.name: inputs[b][i.name] for i in s.get_inputs()}
+
+    ref = {b: sessions["fp32"].run(None, feed(sessions["fp32"], b))[0] for b in a.batches}
+    base = {b: latency_ms(sessions["fp32"], feed(sessions["fp32"], b), a.repeats) for b in a.batches}
+    head = " | ".join(f"batch {b}: ms (x FP32)" for b in a.batches)
+    print(f"| file | MB | {head} | largest logit diff to FP32 |")
+    print("|---|---|" + "---|" * len(a.batches) + "---|")
+    for k, s in sessions.items():
+        ms = {b: base[b] if k == "fp32" else latency_ms(s, feed(s, b), a.repeats) for b in a.batches}
+        diff = max(float(np.abs(s.run(None, feed(s, b))[0] - ref[b]).max()) for b in a.batches)
+        cells = " | ".join(f"{ms[b]:.2f} ({base[b] / ms[b]:.2f}x)" for b in a.batches)
+        print(f"| {k} | {files[k].stat().st_size / 1e6:.1f} | {cells} | {diff:.3g} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
