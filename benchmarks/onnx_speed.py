@@ -13,7 +13,7 @@ padding), `intra_op_num_threads` as given; ratios are against FP32 in the same r
 largest logit difference to the FP32 graph on those inputs (not a fidelity measure: the
 report of `bayesq quantize` has the paired KL on real test examples).
 
-    python benchmarks/onnx_speed.py --model ./minilm-sst --onnx m.onnx [--tokens 128] [--batches 1 8]
+    python benchmarks/onnx_speed.py --model ./minilm-sst --onnx m.onnx [more.onnx ...] [--tokens 128] [--batches 1 8]
         [--threads 2] [--repeats 30] [--out /tmp/ort-bench]
 
 ``--layers``: instead, one MatMulNBits node against one FP32 MatMul for MiniLM's and BERT-base's
@@ -131,7 +131,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", action="store_true", help="the per-width layer table instead (no model needed)")
     p.add_argument("--model", help="the Hugging Face folder the BayesQ file was made from")
-    p.add_argument("--onnx", type=Path, help="BayesQ's .onnx file")
+    p.add_argument("--onnx", type=Path, nargs="+", help="BayesQ .onnx files (each also run at accuracy level 4)")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--threads", type=int, default=2)
@@ -151,8 +151,10 @@ def main() -> None:
                "attention_mask": torch.ones(2, a.tokens, dtype=torch.long)}
     fp = a.out / "fp32.onnx"
     onnx.save(graph_of(model, example), str(fp))
-    files = {"fp32": fp, "bayesq": a.onnx,
-             "bayesq-level4": with_accuracy_level(a.onnx, a.out / "bayesq-level4.onnx", 4), **peers(fp, a.out)}
+    files = {"fp32": fp}
+    for f in a.onnx:
+        files |= {f.stem: f, f"{f.stem}-level4": with_accuracy_level(f, a.out / f"{f.stem}-level4.onnx", 4)}
+    files |= peers(fp, a.out)
     print(f"ONNX Runtime {ort.__version__}, intra_op_num_threads={a.threads}, {a.tokens} tokens, median of "
           f"{a.repeats} calls; ratios: FP32 latency / file latency (above 1: faster)")
     inputs = {b: {"input_ids": torch.randint(0, vocab, (b, a.tokens), generator=g).numpy(),

@@ -342,9 +342,9 @@ def _target_lines(record: dict) -> list[str]:
     split = sum(len(w) > 1 for w in e["matmulnbits"].values())
     kept = ", ".join(f"{k} ({v})" for k, v in e["kept"].items()) or "none"
     return [f"- target {record['target']}: {len(e['matmulnbits'])} layers as MatMulNBits (widths {widths}; {split} "
-            f"split by row into one node per width), {e['file_avg_bits']:.4f} bits per weight stored for them "
-            f"(the allocation counted {record['avg_bits']:.4f}: a row-order index for every row); quantised layers "
-            f"kept in floating point: {kept}",
+            f"split by row into one node per width), {e['file_avg_bits']:.4f} bits per weight stored for them"
+            + (f" (the allocation counted {record['avg_bits']:.4f}: a row-order index for every row)"
+               if len(widths) > 1 else "") + f"; quantised layers kept in floating point: {kept}",
             f"- run by ONNX Runtime (CPU, MatMulNBits accuracy level {e['accuracy_level']}): largest output "
             f"difference to BayesQ's in-memory model {diff:.2e}; the comparison below is ONNX Runtime's output"]
 
