@@ -115,6 +115,16 @@ def segments(qw: QuantizedWeight) -> list[Segment]:
     return out
 
 
+CONVOLUTION = "a convolution: the onnxruntime target holds Linear layers as MatMulNBits (kept in floating point)"
+
+
+def convolutions(model: nn.Module) -> dict[str, str]:
+    """The convolutions of ``model`` by module name, each with :data:`CONVOLUTION`: what a method
+    leaves out (``exclude``) when it quantises for ONNX Runtime, so their bits are not spent on a
+    layer the file keeps in floating point."""
+    return {name: CONVOLUTION for name, mod in model.named_modules() if isinstance(mod, (nn.Conv1d, nn.Conv2d))}
+
+
 def unsupported(qw: QuantizedWeight) -> str:
     """Why ``MatMulNBits`` cannot hold ``qw`` ("" when it can)."""
     lb = qw.blocks
@@ -210,15 +220,24 @@ def _fingerprint(a: np.ndarray) -> str:
 
 def _weight_nodes(graph) -> dict[str, list[tuple[int, bool]]]:
     """Fingerprint of a (N, K) weight -> the MatMul / Gemm nodes computing ``A W^T`` with it as an
-    initializer: (index of the node in the graph, is_gemm)."""
+    initializer, or as a ``Transpose`` of one (a head tied to an embedding table, which the
+    exporter keeps once): (index of the node in the graph, is_gemm)."""
     from onnx import numpy_helper
 
     inits = {i.name: i for i in graph.initializer}
+    transposed = {node.output[0]: node.input[0] for node in graph.node  # Transpose(W) -> W's initializer
+                  if node.op_type == "Transpose" and node.input[0] in inits
+                  and [list(a.ints) for a in node.attribute if a.name == "perm"] in ([[1, 0]], [])}
     found: dict[str, list] = {}
     for at, node in enumerate(graph.node):
-        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2 or node.input[1] not in inits:
+        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2:
             continue
-        b = numpy_helper.to_array(inits[node.input[1]])
+        if node.input[1] in inits:
+            b, flip = numpy_helper.to_array(inits[node.input[1]]), False
+        elif node.op_type == "MatMul" and node.input[1] in transposed:
+            b, flip = numpy_helper.to_array(inits[transposed[node.input[1]]]), True  # b is W (N, K) itself
+        else:
+            continue
         if b.ndim != 2 or b.dtype != np.float32:
             continue
         if node.op_type == "Gemm":
@@ -228,9 +247,26 @@ def _weight_nodes(graph) -> dict[str, list[tuple[int, bool]]]:
                 continue
             w = b if attrs.get("transB") and attrs["transB"].i else b.T  # (N, K)
         else:
-            w = b.T
+            w = b if flip else b.T
         found.setdefault(_fingerprint(w), []).append((at, node.op_type == "Gemm"))
     return found
+
+
+def _drop_unused(graph) -> None:
+    """Remove the nodes none of whose outputs is read (the Transposes a replaced MatMul read), then
+    the initializers no node reads."""
+    outputs = {o.name for o in graph.output}
+    while True:
+        used = {i for node in graph.node for i in node.input} | outputs
+        keep = [n for n in graph.node if any(o in used for o in n.output)]
+        if len(keep) == len(graph.node):
+            break
+        del graph.node[:]
+        graph.node.extend(keep)
+    used = {i for node in graph.node for i in node.input}
+    kept = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
 
 
 def _replacement(node, is_gemm: bool, name: str, segs: list[Segment], k: int, n: int, accuracy_level: int,
@@ -313,10 +349,7 @@ def export_onnx(qmodel: nn.Module, weights: Mapping[str, QuantizedWeight], batch
     del graph.node[:]
     graph.node.extend(rebuilt)
     graph.initializer.extend(inits)
-    used = {i for node in graph.node for i in node.input}
-    keep = [i for i in graph.initializer if i.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
+    _drop_unused(graph)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     meta = {"bayesq.quantized": json.dumps({k: list(v) for k, v in quantized.items()}),
@@ -373,5 +406,5 @@ def run_onnx(path: str | Path, batch: Batch, threads: int | None = None) -> np.n
     return session.run(None, feed)[0]
 
 
-__all__ = ["WIDTHS", "BLOCK_SIZES", "OnnxExport", "OnnxExportError", "OnnxModel", "Segment", "export_onnx", "graph_of",
+__all__ = ["WIDTHS", "BLOCK_SIZES", "CONVOLUTION", "convolutions", "OnnxExport", "OnnxExportError", "OnnxModel", "Segment", "export_onnx", "graph_of",
            "pack_bits", "run_onnx", "segments", "unsupported"]

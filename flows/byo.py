@@ -35,7 +35,7 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from bayesq.baselines.select import encoding_config
 from bayesq.config import BayesQConfig, Target, replace
-from bayesq.onnx_export import OnnxModel, export_onnx
+from bayesq.onnx_export import OnnxModel, convolutions, export_onnx
 from bayesq.targets import spec
 from bayesq.evaluation import each_batch, predict
 from bayesq.comparison import paired_difference
@@ -195,6 +195,15 @@ def max_logit_diff(a: torch.nn.Module, b: torch.nn.Module, batches: list) -> flo
     return max(float((p - q).abs().max()) for p, q in zip(za, zb))
 
 
+def relabelled(unquantized: Mapping[str, str], held: Mapping[str, str]) -> dict[str, str]:
+    """``unquantized`` (parameter -> reason) with the reason of the module in ``held`` (module ->
+    reason: what a target keeps in floating point) for the parameters inside one."""
+    def why(param: str, reason: str) -> str:
+        module = next((m for m in held if param.startswith(m + ".")), None)
+        return held[module] if module is not None else reason
+    return {k: why(k, v) for k, v in unquantized.items()}
+
+
 def targeted(configs: tuple, method: str, target: str, out: Path) -> tuple:
     """(library config, QuantConfig) of :func:`flows.configs.method_config` inside ``target``
     (:meth:`bayesq.config.QuantConfig.for_target`).
@@ -230,8 +239,9 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
     say(f"[byo] {prep.spec.name}: {method} at {budget} bits" + (f" for {target}" if target != "bayesq" else "")
         + " ...")
     start = time.perf_counter()
+    held = convolutions(prep.fp) if target == Target.ONNXRUNTIME.value else {}
     done = quantize_with(prep.fp, cfg, budget, Inputs(calibration=prep.calibration, selection=prep.selection,
-                                                      exclude=prep.spec.exclude))
+                                                      exclude=tuple(prep.spec.exclude) + tuple(held)))
     res = done.result
     seconds = time.perf_counter() - start
     quant = quant if quant is not None else encoding_config(res, params.quant)
@@ -260,7 +270,7 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
     record = {"model": prep.spec.name, "model_source": prep.spec.model, "method": method, "budget": budget,
               "seed": seed, "avg_bits": res.average_bits, "avg_bits_all": res.average_bits_all,
               "total_bits": res.allocation.total_bits, "quantize_seconds": seconds,
-              "unquantized": dict(res.unquantized), "details": {k: v for k, v in done.details.items()
+              "unquantized": relabelled(res.unquantized, held), "details": {k: v for k, v in done.details.items()
                                                                   if isinstance(v, (str, int, float))},
               "export": info, "target": target, "loaded_logit_max_diff": logit_diff, "fidelity": report.as_dict(),
               "dataset": prep.spec.data.path, "dataset_digest": prep.data_digest,
@@ -450,11 +460,28 @@ def recorded_data(meta: Mapping[str, str], path: str, split: str = "", text_colu
                       else label_column, int(cols.get("max_length", 128)), int(cols.get("image_size", 224)))
 
 
+def onnx_metadata(path: Path) -> dict[str, str]:
+    """The ``metadata_props`` of an ONNX file (what ``--target onnxruntime`` records of its lineage).
+
+    Raises:
+        ExportError: not an ONNX file that can be read.
+    """
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as err:  # onnx raises DecodeError and others on a corrupt file
+        raise ExportError(f"{path}: not a readable ONNX file ({type(err).__name__}: {err})") from err
+    return {p.key: p.value for p in model.metadata_props}
+
+
 def evaluate_export(path: Path, data_path: str, split: str = "", text_columns: tuple[str, ...] = (),
                     image_column: str = "", label_column: str | None = None, reference: str = "",
                     checkpoint: str = "", test: int = 512, seed: int = 0, say=print) -> tuple[dict, list[str]]:
     """An export against its FP model on a user's data, with no producer code: the export's own
-    skeleton and preprocessing (:func:`bayesq.export.load`, its ``preprocessor`` header).
+    skeleton and preprocessing (:func:`bayesq.export.load`, its ``preprocessor`` header); an
+    ``.onnx`` file (``--target onnxruntime``) run by ONNX Runtime (:class:`bayesq.onnx_export.OnnxModel`),
+    its inputs preprocessed as the FP model's source does.
 
     The split and columns are the export's unless given (:func:`recorded_data`); ``reference``:
     the FP model's source (default: the one the export names, if it is here). The examples are
@@ -467,9 +494,13 @@ def evaluate_export(path: Path, data_path: str, split: str = "", text_columns: t
         ValueError / FileNotFoundError: an export without a skeleton, a reference that is not
         here, bad columns (as :func:`prepare`).
     """
-    contents = read_export(path)
-    meta, pre, skel = contents.user, contents.preprocessor, contents.skeleton
-    if pre is None or skel is None or pre.get("kind") == "embedded":
+    onnx_file = Path(path).suffix == ".onnx"
+    if onnx_file:  # the file's own metadata; the inputs' preprocessing is the FP model's (below)
+        meta, pre, skel = onnx_metadata(path), {}, {}
+    else:
+        contents = read_export(path)
+        meta, pre, skel = contents.user, contents.preprocessor, contents.skeleton
+    if not onnx_file and (pre is None or skel is None or pre.get("kind") == "embedded"):
         raise ExportError(f"{path} does not describe its model's inputs (written before self-describing exports, or "
                           "an embedded model): evaluate it with the pipeline, or re-export it")
     data = recorded_data(meta, data_path, split, text_columns, image_column, label_column)
@@ -480,6 +511,8 @@ def evaluate_export(path: Path, data_path: str, split: str = "", text_columns: t
                                 "which is not here; pass --reference (a Hugging Face folder, torchvision:<arch> "
                                 "with --checkpoint, or package.module:function)")
     src = resolve_model(reference, checkpoint, int(skel.get("num_classes") or 0))
+    if onnx_file:
+        pre = src.preprocessor(data.image_size)
     ds = load_rows(data)
     check_columns(ds, data, src.modality.value)
     ddig = digest(Path(data.path))
@@ -489,7 +522,8 @@ def evaluate_export(path: Path, data_path: str, split: str = "", text_columns: t
         idx = sample_calibration_indices(len(ds), min(test, len(ds)), seed)  # the first of a seeded permutation
     drawn = "the export's own test draw" if same else "a seeded draw"
     say(f"[eval] {path}: {len(idx)} examples of {data.path} ({drawn}); FP reference {reference}")
-    fp, quantized = src.build(), load(path)
+    fp = src.build()
+    quantized = OnnxModel(path, features=src.headless) if onnx_file else load(path)
     with unpacked(pre.get("files", {})) as folder:
         batches = make_batches(ds, idx, featurizer(pre, data, folder), BATCH, "preprocess test")
     labels = read_labels(ds, idx, data, _num_classes(src, fp, batches[0]) if data.label_column else 0,

@@ -96,8 +96,8 @@ def quantize(
     name: str = typer.Option("", help="the model's name in the report and MLflow (default: the folder's)"),
     track: bool = typer.Option(True, help="log the row to MLflow (MLFLOW_TRACKING_URI; default mlflow.db)"),
     target: str = typer.Option("bayesq", help="where it runs: bayesq (BayesQ's .safetensors) or onnxruntime (an "
-                                              ".onnx file of MatMulNBits nodes: widths 2/4/8, one per row; your "
-                                              "own model with --model/--data)"),
+                                              ".onnx file of MatMulNBits nodes: widths 2/4/8, one per row, blocks "
+                                              "of 128; --method bayesq)"),
 ) -> None:
     """Quantise one model with BayesQ (or a baseline) and write its export, without DVC or Prefect.
 
@@ -116,9 +116,6 @@ def quantize(
                       checkpoint, num_classes, tokenizer, calibration, selection, test, name, method, budget, out,
                       params, seed, distill, track, target)
         return
-    if target != "bayesq":
-        _fail(f"--target {target}: an embedded model writes BayesQ's format for now; bring a model with --model and "
-              "--data to write another target")
     if model is None:
         _fail("name an embedded model (e.g. lite0-fmnist), or pass --model and --data for your own")
     from bayesq.baselines.select import encoding_config
@@ -132,6 +129,8 @@ def quantize(
     from flows.params import Method
     from flows.prepare import calibration_batches, checked_exclude, selection_batches
     from flows.configs import method_config
+    from bayesq.onnx_export import convolutions
+    from flows.byo import relabelled, targeted
 
     choices = [m.value for m in Method]
     if method not in choices:
@@ -160,6 +159,12 @@ def quantize(
         label, quant = ("bayesq-distill" if d.applies(budget) else "bayesq"), p.quant
     else:  # another BayesQ row (its quant settings) or a baseline (quant None: its variant's, below)
         (cfg, quant), label = method_config(method, p, budget, seed), method
+    try:
+        cfg, quant = targeted((cfg, quant), method, target, out)
+    except ValueError as err:
+        _fail(str(err))
+    held = convolutions(net) if target == "onnxruntime" else {}
+    exclude = tuple(exclude) + tuple(held)
     start = time.perf_counter()
     try:
         done = quantize_with(net, cfg, budget, Inputs(calibration=batches, selection=selection_batches(
@@ -175,6 +180,22 @@ def quantize(
     meta = row_metadata(model, label, budget, seed, code_version(), export_lineage(p),
                         input_lineage(str(model_file), str(src), digest(src), None, idx), params_file=str(params),
                         **(fitted if bayesq_row else {}), **({"exclude": ",".join(exclude)} if exclude else {}))
+    if target == "onnxruntime":
+        from bayesq.onnx_export import OnnxModel, export_onnx
+        from flows.byo import max_logit_diff
+
+        try:
+            ex = export_onnx(res.model, res.weights, batches[0], out, metadata=meta)
+        except ValueError as err:
+            _fail(str(err))
+        diff = max_logit_diff(res.model, OnnxModel(out), batches[:1])
+        typer.echo(f"{model} at {budget} bits for onnxruntime: {res.average_bits:.4f} bits/weight accounted, "
+                   f"{ex.average_bits:.4f} stored for the {len(ex.quantized)} MatMulNBits layers; {ex.file_bytes / 1e6:.2f} "
+                   f"MB -> {out}; ONNX Runtime's logits within {diff:.2e} of BayesQ's model "
+                   f"({time.perf_counter() - start:.0f} s)")
+        for name, why in {**relabelled(res.unquantized, held), **ex.kept}.items():
+            typer.echo(f"  floating point: {name} ({why})")
+        return
     info = save_export(out, res.model, res.weights, quant, res.allocation.total_bits, architecture=model,
                        metadata=meta)
     typer.echo(f"{model} at {budget} bits: {res.average_bits:.4f} bits/weight accounted, "
@@ -229,7 +250,8 @@ def _quantize_byo(source, data, split, text_columns, image_column, label_column,
 
 @app.command("eval")
 def eval_export(
-    export: Path = typer.Argument(..., help="an export (.safetensors) written by `bayesq quantize --model ...`"),
+    export: Path = typer.Argument(..., help="an export (.safetensors, or .onnx for --target onnxruntime) written by "
+                                            "`bayesq quantize --model ...`"),
     data: Path = typer.Option(..., help="data to compare on (a dataset folder or file)"),
     reference: str = typer.Option("", help="the FP model (default: the model the export names, if it is here)"),
     checkpoint: str = typer.Option("", help="the reference's state dict (torchvision:<arch>)"),

@@ -242,6 +242,15 @@ def test_cli_target_onnxruntime_writes_an_onnx_file_checked_in_onnx_runtime(byo_
     import onnxruntime as ort
 
     assert "MatMulNBits" in _ops(out) and "Gemm" not in _ops(out) and ort.InferenceSession(str(out)).get_inputs()
+    # `bayesq eval` runs the file in ONNX Runtime on the export's own test draw: the same scores
+    res = runner.invoke(app, ["eval", str(out), "--data", str(byo_data["parquet"]), "--out", str(tmp_path / "e.json")])
+    assert res.exit_code == 0, res.output
+    again = json.loads((tmp_path / "e.json").read_text())
+    assert again["examples"] == "export test draw" and again["fidelity"]["kl"] == pytest.approx(
+        record["fidelity"]["kl"], rel=1e-9, abs=1e-15)
+    (tmp_path / "corrupt.onnx").write_bytes(b"not a model")
+    res = runner.invoke(app, ["eval", str(tmp_path / "corrupt.onnx"), "--data", str(byo_data["parquet"])])
+    assert res.exit_code == 1 and "not a readable ONNX file" in " ".join(res.output.split())
     never = tmp_path / "never.onnx"
     for extra, message in ((["--target", "tensorrt", "--out", str(never)], "target 'tensorrt' does not exist"),
                            (["--target", "onnxruntime", "--out", str(tmp_path / "never.safetensors")],
@@ -251,8 +260,16 @@ def test_cli_target_onnxruntime_writes_an_onnx_file_checked_in_onnx_runtime(byo_
         res = _quantize(*argv, *extra)
         assert res.exit_code == 1 and message in " ".join(res.output.split()), res.output
     assert not never.exists() and not (tmp_path / "never.safetensors").exists()
-    res = runner.invoke(app, ["quantize", "lite0-fmnist", "--target", "onnxruntime", "--out", str(never)])
-    assert res.exit_code == 1 and "an embedded model writes BayesQ's format for now" in " ".join(res.output.split())
+    # a CNN: its convolutions are left out of the allocation and listed with the target's reason
+    cnn = tmp_path / "mnv3.onnx"
+    res = _quantize("--model", "torchvision:mobilenet_v3_small", "--checkpoint", str(byo_models["mnv3"]),
+                    "--data", str(byo_data["images"]), "--label-column", "label", "--image-size", "32", "--test", "24",
+                    "--budget", "11", "--target", "onnxruntime", "--out", str(cnn), "--no-track")
+    assert res.exit_code == 0, res.output
+    record = json.loads(report_paths(cnn)[0].read_text())
+    assert set(record["export"]["matmulnbits"]) == {"classifier.0", "classifier.3"}
+    convs = {k: v for k, v in record["unquantized"].items() if k.startswith("features.")}
+    assert convs and all("a convolution: the onnxruntime target" in v for v in convs.values())
 
 
 def _ops(path: Path) -> list[str]:

@@ -216,3 +216,27 @@ def test_the_file_runs_with_only_onnxruntime_and_numpy(tmp_path):
             "assert 'torch' not in sys.modules and 'bayesq' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
     assert np.abs(np.load(tmp_path / "y.npy") - model(x).detach().numpy()).max() < 1e-5
+
+
+@pytest.mark.parametrize("vocab", [40, 100])
+def test_gpt2_conv1d_layers_and_the_tied_head_become_matmulnbits(tmp_path, vocab):
+    """A causal LM from a config (Hugging Face Conv1D projections, a head tied to the token
+    embedding): every quantised layer is MatMulNBits in the file, the head too, whether the
+    exporter folded its transpose into a new initializer (vocabulary 40) or reads it through a
+    Transpose of the embedding table (100), which then stays for the embedding's Gather; the
+    per-token logits match BayesQ's model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from bayesq import BayesQConfig, QuantConfig, quantize_model
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=32, n_embd=128, n_layer=2, n_head=2,
+                                       use_cache=False, bos_token_id=0, eos_token_id=0)).eval()
+    batches = _text_batches(2, b=4, t=12)
+    res = quantize_model(model, batches, BayesQConfig(budget=3.5, quant=QuantConfig().for_target("onnxruntime"),
+                                                      progress=False))
+    ex = export_onnx(res.model, res.weights, batches[0], tmp_path / "gpt2.onnx")
+    assert set(ex.quantized) == set(res.weights) and "lm_head" in res.weights and not ex.kept
+    test = _text_batches(1, b=3, t=9, seed=5)[0]
+    want = res.model(**test).logits.detach().numpy()
+    assert np.abs(run_onnx(ex.path, test) - want).max() <= 1e-5 * np.abs(want).max()
