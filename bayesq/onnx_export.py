@@ -287,7 +287,8 @@ def _replacement(node, is_gemm: bool, name: str, segs: list[Segment], k: int, n:
         y = mm_out if len(segs) == 1 else f"{at}_w{s.bits}_y"
         if not use:
             inits += [numpy_helper.from_array(s.codes, f"{sfx}_codes"),
-                      numpy_helper.from_array(s.scales, f"{sfx}_scales"), numpy_helper.from_array(s.zeros, f"{sfx}_zeros")]
+                      numpy_helper.from_array(s.scales, f"{sfx}_scales"),
+                      numpy_helper.from_array(s.zeros, f"{sfx}_zeros")]
             stored += 8 * s.nbytes
         new.append(helper.make_node("MatMulNBits", [a, f"{sfx}_codes", f"{sfx}_scales", f"{sfx}_zeros"], [y],
                                     name=f"{at}_w{s.bits}_MatMulNBits", domain=DOMAIN, K=k, N=len(s.rows), bits=s.bits,
@@ -406,5 +407,5 @@ def run_onnx(path: str | Path, batch: Batch, threads: int | None = None) -> np.n
     return session.run(None, feed)[0]
 
 
-__all__ = ["WIDTHS", "BLOCK_SIZES", "CONVOLUTION", "convolutions", "OnnxExport", "OnnxExportError", "OnnxModel", "Segment", "export_onnx", "graph_of",
-           "pack_bits", "run_onnx", "segments", "unsupported"]
+__all__ = ["WIDTHS", "BLOCK_SIZES", "CONVOLUTION", "convolutions", "OnnxExport", "OnnxExportError", "OnnxModel",
+           "Segment", "export_onnx", "graph_of", "pack_bits", "run_onnx", "segments", "unsupported"]

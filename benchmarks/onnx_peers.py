@@ -4,8 +4,8 @@
 For one model folder and data file (as `bayesq quantize --model ... --data ...` takes them): the
 draws of :func:`flows.byo.prepare`; the FP32 graph is the model's own ONNX export
 (:func:`bayesq.onnx_export.graph_of`); the peers are `onnxruntime.quantization.matmul_nbits_quantizer`
-on it: RTN (its default algorithm) at 4 bits with blocks of 128 and 64, HQQ at 4 bits with blocks
-of 128 and 64, and GPTQ at 4 bits, block 64 (see `peers`), reading the same calibration inputs. Each file's true
+on it: RTN (its default algorithm) and HQQ at 2 bits with blocks of 64, at 4 bits with blocks of 128
+and 64, and GPTQ at 4 bits, block 64 (see `peers`), reading the same calibration inputs. Each file's true
 bits are the bytes of its MatMulNBits tensors over the weights they hold (the peers quantise the
 MatMul layers; the FP graph's Gemm layers, a classifier's pooler and head, stay in float there,
 while BayesQ quantises them too). BayesQ runs at each peer's true bits with `--target onnxruntime`
@@ -66,7 +66,9 @@ def peers(fp: Path, calibration, out: Path) -> dict[str, Path]:
     from onnxruntime.quantization import matmul_nbits_quantizer as q
 
     names = {i.name for i in onnx.load(str(fp)).graph.input}
-    configs = {"ort-rtn-4b-b128": (128, q.DefaultWeightOnlyQuantConfig(block_size=128, bits=4, accuracy_level=1)),
+    configs = {"ort-rtn-2b-b64": (64, q.DefaultWeightOnlyQuantConfig(block_size=64, bits=2, accuracy_level=1)),
+               "ort-hqq-2b-b64": (64, q.HQQWeightOnlyQuantConfig(block_size=64, bits=2)),
+               "ort-rtn-4b-b128": (128, q.DefaultWeightOnlyQuantConfig(block_size=128, bits=4, accuracy_level=1)),
                "ort-rtn-4b-b64": (64, q.DefaultWeightOnlyQuantConfig(block_size=64, bits=4, accuracy_level=1)),
                "ort-hqq-4b-b128": (128, q.HQQWeightOnlyQuantConfig(block_size=128, bits=4)),
                "ort-hqq-4b-b64": (64, q.HQQWeightOnlyQuantConfig(block_size=64, bits=4)),
@@ -76,8 +78,8 @@ def peers(fp: Path, calibration, out: Path) -> dict[str, Path]:
     files = {}
     for name, (block, algo) in configs.items():
         start = time.perf_counter()
-        quant = q.MatMulNBitsQuantizer(onnx.load(str(fp)), bits=4, block_size=block, is_symmetric=False,
-                                       accuracy_level=1, algo_config=algo)
+        quant = q.MatMulNBitsQuantizer(onnx.load(str(fp)), bits=getattr(algo, "bits", 4), block_size=block,
+                                       is_symmetric=False, accuracy_level=1, algo_config=algo)
         quant.process()
         files[name] = out / f"{name}.onnx"
         quant.model.save_model_to_file(str(files[name]))
@@ -128,7 +130,8 @@ def main() -> None:
     for name in files:
         ours = f"bayesq-{round(bits[name], 4)}"
         d = paired_difference(scores[ours].kl, scores[name].kl)
-        line = f"{ours} - {name}: KL {d.diff:+.5f} [{d.ci_low:+.5f}, {d.ci_high:+.5f}]{'*' if d.ci_high < 0 or d.ci_low > 0 else ''}"
+        star = "*" if d.ci_high < 0 or d.ci_low > 0 else ""
+        line = f"{ours} - {name}: KL {d.diff:+.5f} [{d.ci_low:+.5f}, {d.ci_high:+.5f}]{star}"
         if scores[name].correct_q is not None:
             c = paired_difference(scores[ours].correct_q, scores[name].correct_q, scale=100.0)
             line += f", accuracy {c.diff:+.2f} [{c.ci_low:+.2f}, {c.ci_high:+.2f}] pts"
