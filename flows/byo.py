@@ -226,11 +226,13 @@ def targeted(configs: tuple, method: str, target: str, out: Path) -> tuple:
 
 
 def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: Path, shared: Mapping[str, str],
-            code: str, say=print, examples_dir: Path | None = None, target: str = "bayesq") -> dict:
+            code: str, say=print, examples_dir: Path | None = None, target: str = "bayesq",
+            accuracy_level: int = 1) -> dict:
     """Quantise, export (with skeleton and preprocessing), load back without a skeleton, compare
     with FP on the test draw and write the report next to the export. Returns the row's record.
     ``target="onnxruntime"``: quantised inside what ONNX Runtime's MatMulNBits runs, written as
-    an ``.onnx`` file (:mod:`bayesq.onnx_export`) and compared with FP as ONNX Runtime runs it.
+    an ``.onnx`` file (:mod:`bayesq.onnx_export`) whose MatMulNBits nodes compute at
+    ``accuracy_level`` (1: float32, 4: int8 activations), and compared with FP as ONNX Runtime runs it.
 
     Raises:
         ValueError: from the method (an infeasible budget, ...); nothing is written then.
@@ -248,7 +250,8 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
     out = Path(out)
     meta = lineage_metadata(prep, method, budget, seed, shared, code)
     if target == Target.ONNXRUNTIME.value:
-        ex = export_onnx(res.model, res.weights, prep.calibration[0], out, metadata=meta)
+        ex = export_onnx(res.model, res.weights, prep.calibration[0], out, metadata=meta,
+                         accuracy_level=accuracy_level)
         info = {"path": str(out), "file_bytes": ex.file_bytes, "sha256": file_sha256(out),
                 "content_sha256": file_sha256(out), "target": target, "accuracy_level": ex.accuracy_level,
                 "file_avg_bits": ex.average_bits, "matmulnbits": {k: list(v) for k, v in ex.quantized.items()},

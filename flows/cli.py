@@ -98,6 +98,9 @@ def quantize(
     target: str = typer.Option("bayesq", help="where it runs: bayesq (BayesQ's .safetensors) or onnxruntime (an "
                                               ".onnx file of MatMulNBits nodes: widths 2/4/8, one per row, blocks "
                                               "of 128; --method bayesq)"),
+    accuracy_level: int = typer.Option(1, help="--target onnxruntime: MatMulNBits' accuracy level, 1 (float32 "
+                                               "compute) or 4 (int8 activations: faster 2- and 8-bit kernels, "
+                                               "measured in docs/findings.md)"),
 ) -> None:
     """Quantise one model with BayesQ (or a baseline) and write its export, without DVC or Prefect.
 
@@ -114,7 +117,7 @@ def quantize(
                   "package.module:function) and --data (a dataset folder or file)")
         _quantize_byo(source, data, split, tuple(text_column), image_column, label_column, max_length, image_size,
                       checkpoint, num_classes, tokenizer, calibration, selection, test, name, method, budget, out,
-                      params, seed, distill, track, target)
+                      params, seed, distill, track, target, accuracy_level)
         return
     if model is None:
         _fail("name an embedded model (e.g. lite0-fmnist), or pass --model and --data for your own")
@@ -185,7 +188,7 @@ def quantize(
         from flows.byo import max_logit_diff
 
         try:
-            ex = export_onnx(res.model, res.weights, batches[0], out, metadata=meta)
+            ex = export_onnx(res.model, res.weights, batches[0], out, metadata=meta, accuracy_level=accuracy_level)
         except ValueError as err:
             _fail(str(err))
         diff = max_logit_diff(res.model, OnnxModel(out), batches[:1])
@@ -219,7 +222,7 @@ def quantize(
 
 def _quantize_byo(source, data, split, text_columns, image_column, label_column, max_length, image_size, checkpoint,
                   num_classes, tokenizer, calibration, selection, test, name, method, budget, out, params, seed,
-                  distill, track, target="bayesq") -> None:
+                  distill, track, target="bayesq", accuracy_level=1) -> None:
     """``bayesq quantize --model ... --data ...`` (:mod:`flows.byo`)."""
     from flows.byo import BYO_METHODS, byo_from_mapping, prepare, report_paths, run_row, track_row
     from flows.common import code_version, read_params
@@ -239,7 +242,7 @@ def _quantize_byo(source, data, split, text_columns, image_column, label_column,
         seed = p.seeds[0] if seed is None else seed
         prep = prepare(spec, seed, say=typer.echo)
         record = run_row(prep, method, budget, p, seed, out, export_lineage(p), code_version(), say=typer.echo,
-                         target=target)
+                         target=target, accuracy_level=accuracy_level)
     except (ValueError, FileNotFoundError, TypeError, MemoryError) as err:
         _fail(str(err))
     typer.echo(report_paths(Path(record["export"]["path"]))[1].read_text())
