@@ -17,6 +17,9 @@ output row, a layer's rows of several widths held by one node per width, put bac
 
     C_row(b) = n_groups * block * b + n_groups * 32 + 8 * ceil(n_groups * b / 8) + 32 [n_choices > 1]
 
+The baselines on uniform grids (GPTQ, OPTQ, RTN: :func:`bayesq.baselines.rtn.rtn_blocks`,
+:func:`bayesq.baselines.select.layout_bits`) use the same layout and costs under a target.
+
 The row index is counted for every row whenever there is more than one width to choose from:
 a layer whose rows all come out at one width stores none, so the file is at most the budget.
 """

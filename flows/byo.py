@@ -34,7 +34,7 @@ from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from bayesq.baselines.select import encoding_config
-from bayesq.config import BayesQConfig, Target, replace
+from bayesq.config import Target, replace
 from bayesq.onnx_export import OnnxModel, convolutions, export_onnx
 from bayesq.targets import spec
 from bayesq.evaluation import each_batch, predict
@@ -195,6 +195,9 @@ def max_logit_diff(a: torch.nn.Module, b: torch.nn.Module, batches: list) -> flo
     return max(float((p - q).abs().max()) for p, q in zip(za, zb))
 
 
+TARGET_METHODS = ("bayesq", "gptq", "optq", "rtn-group")  # their encodings are what MatMulNBits stores
+
+
 def relabelled(unquantized: Mapping[str, str], held: Mapping[str, str]) -> dict[str, str]:
     """``unquantized`` (parameter -> reason) with the reason of the module in ``held`` (module ->
     reason: what a target keeps in floating point) for the parameters inside one."""
@@ -209,20 +212,23 @@ def targeted(configs: tuple, method: str, target: str, out: Path) -> tuple:
     (:meth:`bayesq.config.QuantConfig.for_target`).
 
     Raises:
-        ValueError: an unknown target; a baseline under a target other than BayesQ's format (only
-            BayesQ's rows quantise for one yet); an ``out`` without the target's suffix.
+        ValueError: an unknown target; a method other than :data:`TARGET_METHODS` under a target
+            other than BayesQ's format; an ``out`` without the target's suffix.
     """
     cfg, quant = configs
     t = spec(target)
     if t.name == Target.BAYESQ.value:
         return cfg, quant
-    if quant is None or not isinstance(cfg, BayesQConfig):
-        raise ValueError(f"--target {t.name} quantises with BayesQ (--method bayesq); --method {method} writes "
-                         "BayesQ's own format (.safetensors)")
+    if method not in TARGET_METHODS:
+        raise ValueError(f"--target {t.name} quantises with --method {', '.join(TARGET_METHODS)}; --method {method} "
+                         "writes BayesQ's own format (.safetensors) (its encodings hold what MatMulNBits does not "
+                         "store, e.g. AWQ's per-input-channel scales)")
     if out.suffix != t.suffix:
         raise ValueError(f"--target {t.name} writes a {t.suffix} file: pass --out {out.with_suffix(t.suffix).name}")
-    quant = quant.for_target(t.name)
-    return replace(cfg, quant=quant), quant
+    if quant is not None:  # a BayesQ row
+        quant = quant.for_target(t.name)
+        return replace(cfg, quant=quant), quant
+    return replace(cfg, quant=cfg.quant.for_target(t.name)), None
 
 
 def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: Path, shared: Mapping[str, str],

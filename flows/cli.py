@@ -97,7 +97,7 @@ def quantize(
     track: bool = typer.Option(True, help="log the row to MLflow (MLFLOW_TRACKING_URI; default mlflow.db)"),
     target: str = typer.Option("bayesq", help="where it runs: bayesq (BayesQ's .safetensors) or onnxruntime (an "
                                               ".onnx file of MatMulNBits nodes: widths 2/4/8, one per row, blocks "
-                                              "of 128; --method bayesq)"),
+                                              "of 128; --method bayesq, gptq, optq or rtn-group)"),
     accuracy_level: int = typer.Option(1, help="--target onnxruntime: MatMulNBits' accuracy level, 1 (float32 "
                                                "compute) or 4 (int8 activations: faster 2- and 8-bit kernels, "
                                                "measured in docs/findings.md)"),

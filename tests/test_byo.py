@@ -260,11 +260,18 @@ def test_cli_target_onnxruntime_writes_an_onnx_file_checked_in_onnx_runtime(byo_
     for extra, message in ((["--target", "tensorrt", "--out", str(never)], "target 'tensorrt' does not exist"),
                            (["--target", "onnxruntime", "--out", str(tmp_path / "never.safetensors")],
                             "writes a .onnx file: pass --out never.onnx"),
-                           (["--target", "onnxruntime", "--method", "gptq", "--out", str(never)],
-                            "--target onnxruntime quantises with BayesQ")):
+                           (["--target", "onnxruntime", "--method", "awq", "--out", str(never)],
+                            "--target onnxruntime quantises with --method bayesq, gptq, optq, rtn-group")):
         res = _quantize(*argv, *extra)
         assert res.exit_code == 1 and message in " ".join(res.output.split()), res.output
     assert not never.exists() and not (tmp_path / "never.safetensors").exists()
+    # GPTQ in the same format: its variants are the target's layouts, every layer MatMulNBits
+    gptq = tmp_path / "bert-gptq.onnx"
+    res = _quantize(*argv, "--target", "onnxruntime", "--method", "gptq", "--out", str(gptq))
+    assert res.exit_code == 0, res.output
+    rg = json.loads(report_paths(gptq)[0].read_text())
+    assert len(rg["export"]["matmulnbits"]) == 14 and not rg["export"]["kept"] and rg["avg_bits"] <= 11
+    assert rg["export"]["file_avg_bits"] <= rg["avg_bits"] + 1e-9
     # a CNN: its convolutions are left out of the allocation and listed with the target's reason
     cnn = tmp_path / "mnv3.onnx"
     res = _quantize("--model", "torchvision:mobilenet_v3_small", "--checkpoint", str(byo_models["mnv3"]),

@@ -360,3 +360,34 @@ def test_input_stats_unseen_layer_names_exclude():
     with pytest.raises(ValueError, match=r"'unused'.*exclude="):
         input_stats(model, [x])
     assert set(input_stats(model, [x], exclude=["unused"])) == {"fc"}
+
+
+def test_baseline_layouts_and_costs_under_the_onnxruntime_target():
+    """Under a deployment target a baseline's layouts are the target's (the block sizes it runs,
+    no per-channel grid; groups row-aligned, one unit per row) and a layout costs what the file
+    stores: the sum of the per-row MatMulNBits costs, no row index for one width; an RTN encoding
+    there exports as MatMulNBits with those bytes, to the bit."""
+    from bayesq.baselines.rtn import rtn_blocks
+    from bayesq.blocks import layer_blocks
+    from bayesq.targets import matmulnbits_unit_cost_bits
+
+    q = QuantConfig().for_target("onnxruntime", block=16)
+    assert layouts([8, 16, 32, 48], q) == [16, 32]
+    model = _model()
+    layers = quantizable_layers(model)
+    blocks = rtn_blocks(layer_blocks(layers, q.group_size, q.unit_groups), Granularity.CHANNEL, q)
+    assert all(lb.row_aligned and lb.group_size == 16 and lb.unit_groups == lb.groups_per_row for lb in blocks)
+    v = UniformVariant(4, 16)
+    want = sum(m.weight.shape[0] * matmulnbits_unit_cost_bits(-(-m.weight.shape[1] // 16), 4, 16, 1)
+               for m in layers.values())
+    assert uniform_bits(layers, v, q) == want
+    res = rtn_quantize(model, Granularity.GROUP, 12.0, v.config(q))  # 20- and 24-weight rows padded to 32
+    assert res.allocation.total_bits == want
+    pytest.importorskip("onnxruntime")
+    import tempfile
+
+    from bayesq.onnx_export import export_onnx
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ex = export_onnx(res.model.float(), res.weights, torch.randn(2, 20), f"{tmp}/m.onnx")
+    assert set(ex.quantized) == set(layers) and ex.quantized_bits == want

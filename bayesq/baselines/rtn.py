@@ -14,7 +14,7 @@ from torch import nn
 
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
-from bayesq.config import Granularity, QuantConfig
+from bayesq.config import Granularity, QuantConfig, Target
 from bayesq.expected_loss import rtn_table
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.quantize import allocate, encode
@@ -22,7 +22,16 @@ from bayesq.result import QuantizationResult, baseline_result
 
 
 def rtn_blocks(blocks: list[LayerBlocks], granularity: Granularity, cfg: QuantConfig) -> list[LayerBlocks]:
-    """Layouts for RTN at a granularity (group = ``cfg.group_size``, channel = one row, tensor = all)."""
+    """Layouts for RTN at a granularity (group = ``cfg.group_size``, channel = one row, tensor = all).
+
+    Under a deployment target other than BayesQ's format (``cfg.target``, :mod:`bayesq.targets`)
+    the layout is the target's: groups of ``cfg.group_size`` along each row (row-aligned), one
+    allocation unit per row, at any granularity asked (a grid per row or per tensor is not a
+    layout such a target stores).
+    """
+    if cfg.target != Target.BAYESQ:
+        return [LayerBlocks(b.name, b.shape, cfg.group_size, LayerBlocks(b.name, b.shape, cfg.group_size, 1,
+                                                                         True).groups_per_row, True) for b in blocks]
     unit_weights = cfg.group_size * cfg.unit_groups
     if granularity == Granularity.TENSOR:
         return [LayerBlocks(b.name, b.shape, b.numel, 1) for b in blocks]

@@ -46,7 +46,8 @@ from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.rtn import rtn_blocks
 from bayesq.bias_correction import BiasCorrection
 from bayesq.blocks import LayerBlocks, layer_blocks
-from bayesq.config import Granularity, QuantConfig
+from bayesq.codebook import UniformGrids
+from bayesq.config import Granularity, QuantConfig, Target
 from bayesq.comparison import paired_difference
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import LossTable
@@ -56,7 +57,8 @@ from bayesq.methods import Inputs, Outcome, read
 from bayesq.output_offset import fit_output_offset
 from bayesq.quantize import selection_looks
 from bayesq.result import Allocation, QuantizationResult, quantized_copy
-from bayesq.storage import budget_bits, unit_cost_bits
+from bayesq.storage import budget_bits
+from bayesq.targets import spec
 
 #: Candidate group sizes of the uniform variants (per-output-channel grids are always tried last).
 GROUP_SIZES = (32, 64, 128, 256)
@@ -111,13 +113,15 @@ class UniformVariant:
 
 # ---- exact costs ----------------------------------------------------------------------------------
 
-def layout_bits(blocks: Sequence[LayerBlocks], bits: int, n_choices: int, scale_bits: int = 16) -> int:
+def layout_bits(blocks: Sequence[LayerBlocks], bits: int, n_choices: int, cfg: QuantConfig) -> int:
     """Exact storage bits of every unit of ``blocks`` at one bit-width (int).
 
-    Each unit costs :func:`bayesq.storage.unit_cost_bits`: codes, one scale and one zero-point
-    per group, and a header naming one of ``n_choices`` bit-widths (none when ``n_choices = 1``).
+    Each unit costs what ``cfg``'s target stores for it (:meth:`bayesq.codebook.UniformGrids.unit_cost_bits`):
+    in BayesQ's format :func:`bayesq.storage.unit_cost_bits` (codes, one scale and one zero-point
+    per group, and a header naming one of ``n_choices`` bit-widths, none when ``n_choices = 1``);
+    for ONNX Runtime one row (:func:`bayesq.targets.matmulnbits_unit_cost_bits`).
     """
-    return sum(unit_cost_bits(n, g, bits, n_choices, scale_bits) for lb in blocks for n, g in lb.unit_sizes())
+    return sum(UniformGrids.unit_cost_bits(n, g, bits, n_choices, cfg) for lb in blocks for n, g in lb.unit_sizes())
 
 
 def baseline_blocks(layers: Mapping[str, nn.Module], granularity: Granularity, cfg: QuantConfig) -> list[LayerBlocks]:
@@ -131,7 +135,7 @@ def mixed_min_bits(
     """Bits of the mixed rule's cheapest allocation: every unit at ``min(cfg.bits)`` plus headers
     and ``extra_bits`` (AWQ's stored scales)."""
     blocks = baseline_blocks(layers, granularity, cfg)
-    return layout_bits(blocks, min(cfg.bits), len(cfg.bits), cfg.scale_bits) + extra_bits
+    return layout_bits(blocks, min(cfg.bits), len(cfg.bits), cfg) + extra_bits
 
 
 def uniform_bits(
@@ -139,12 +143,16 @@ def uniform_bits(
 ) -> int:
     """Exact bits of ``variant`` on ``layers`` (no headers) plus ``extra_bits``."""
     blocks = baseline_blocks(layers, variant.granularity, variant.config(cfg))
-    return layout_bits(blocks, variant.bits, 1, cfg.scale_bits) + extra_bits
+    return layout_bits(blocks, variant.bits, 1, variant.config(cfg)) + extra_bits
 
 
-def layouts(group_sizes: Iterable[int]) -> list[int | None]:
-    """Group sizes in the order tried: ascending, then ``None`` (one grid per output channel)."""
-    return [*sorted(set(int(g) for g in group_sizes)), None]
+def layouts(group_sizes: Iterable[int], cfg: QuantConfig | None = None) -> list[int | None]:
+    """Group sizes in the order tried: ascending, then ``None`` (one grid per output channel);
+    under a deployment target (``cfg.target``) only the block sizes it runs, no per-channel grid."""
+    sizes = sorted(set(int(g) for g in group_sizes))
+    if cfg is None or cfg.target == Target.BAYESQ:
+        return [*sizes, None]
+    return [g for g in sizes if g in spec(cfg.target).block_sizes]
 
 
 def uniform_variants(
@@ -158,7 +166,7 @@ def uniform_variants(
     limit = budget_bits(budget, n)
     out = []
     for b in cfg.bits:
-        for g in layouts(group_sizes):
+        for g in layouts(group_sizes, cfg):
             v = UniformVariant(b, g)
             if uniform_bits(layers, v, cfg, extra_bits) <= limit:
                 out.append(v)
@@ -173,7 +181,8 @@ def cheapest_bits(
     """Least average bits any mixed or uniform variant needs (the minimum feasible budget)."""
     n = sum(m.weight.numel() for m in layers.values())
     costs = [mixed_min_bits(layers, granularity, cfg, extra_bits)]
-    costs += [uniform_bits(layers, UniformVariant(min(cfg.bits), g), cfg, extra_bits) for g in layouts(group_sizes)]
+    costs += [uniform_bits(layers, UniformVariant(min(cfg.bits), g), cfg, extra_bits)
+              for g in layouts(group_sizes, cfg)]
     return min(costs) / n
 
 
