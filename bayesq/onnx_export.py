@@ -394,17 +394,8 @@ class OnnxModel(nn.Module):
 
 def run_onnx(path: str | Path, batch: Batch, threads: int | None = None) -> np.ndarray:
     """The first output of the ONNX file at ``path`` on ``batch`` (ONNX Runtime, CPU), float32."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    if threads:
-        opts.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    names = [i.name for i in session.get_inputs()]
     args, kwargs = _inputs(batch)
-    feed = dict(zip(names, (t.cpu().numpy() for t in args))) if args else {
-        k: v.cpu().numpy() for k, v in kwargs.items() if k in names}
-    return session.run(None, feed)[0]
+    return OnnxModel(path, threads)(*args, **kwargs).numpy()
 
 
 __all__ = ["WIDTHS", "BLOCK_SIZES", "CONVOLUTION", "convolutions", "OnnxExport", "OnnxExportError", "OnnxModel",

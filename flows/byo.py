@@ -225,10 +225,8 @@ def targeted(configs: tuple, method: str, target: str, out: Path) -> tuple:
                          "store, e.g. AWQ's per-input-channel scales)")
     if out.suffix != t.suffix:
         raise ValueError(f"--target {t.name} writes a {t.suffix} file: pass --out {out.with_suffix(t.suffix).name}")
-    if quant is not None:  # a BayesQ row
-        quant = quant.for_target(t.name)
-        return replace(cfg, quant=quant), quant
-    return replace(cfg, quant=cfg.quant.for_target(t.name)), None
+    inside = cfg.quant.for_target(t.name)  # a BayesQ row's or a baseline's settings
+    return replace(cfg, quant=inside), (inside if quant is not None else None)
 
 
 def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: Path, shared: Mapping[str, str],
@@ -258,9 +256,9 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
     if target == Target.ONNXRUNTIME.value:
         ex = export_onnx(res.model, res.weights, prep.calibration[0], out, metadata=meta,
                          accuracy_level=accuracy_level)
-        info = {"path": str(out), "file_bytes": ex.file_bytes, "sha256": file_sha256(out),
-                "content_sha256": file_sha256(out), "target": target, "accuracy_level": ex.accuracy_level,
-                "file_avg_bits": ex.average_bits, "matmulnbits": {k: list(v) for k, v in ex.quantized.items()},
+        sha = file_sha256(out)  # the whole file is its content
+        info = {"path": str(out), "file_bytes": ex.file_bytes, "sha256": sha, "content_sha256": sha, "target": target,
+                "accuracy_level": ex.accuracy_level, "file_avg_bits": ex.average_bits, "matmulnbits": {k: list(v) for k, v in ex.quantized.items()},
                 "kept": dict(ex.kept)}
     else:
         info = save_export(out, res.model, res.weights, quant, res.allocation.total_bits,
