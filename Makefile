@@ -30,9 +30,9 @@ data: venv
 
 run: venv data
 ifeq ($(PROFILE),quick)
-	dvc repro report
+	dvc repro report deploy
 else
-	dvc exp run -S profile=$(PROFILE) report
+	dvc exp run -S profile=$(PROFILE) report deploy
 endif
 
 ablations: venv data

@@ -83,6 +83,14 @@ class LayerBlocks:
         u = self.unit_groups
         return [(s, min(s + u, self.n_groups)) for s in range(0, self.n_groups, u)]
 
+    @property
+    def unit_rows(self) -> int:
+        """Output rows one unit spans when its groups are row-aligned and it holds whole rows
+        (a whole-layer unit of a row-blocked format), else 1."""
+        if self.row_aligned and self.unit_groups >= self.groups_per_row:
+            return self.unit_groups // self.groups_per_row
+        return 1
+
     def unit_sizes(self) -> list[tuple[int, int]]:
         """(n_weights, n_groups) of each unit."""
         sizes = self.group_sizes().tolist()
@@ -140,9 +148,10 @@ class LayerBlocks:
         """Same weight with another group size; units hold about ``unit_weights`` weights."""
         return LayerBlocks(self.name, self.shape, group_size, max(1, unit_weights // group_size))
 
-    def with_unit(self, unit: str, group_size: int, unit_groups: int) -> "LayerBlocks":
+    def with_unit(self, unit: str, group_size: int, unit_groups: int, aligned: bool = False) -> "LayerBlocks":
         """Layout for an allocation unit: ``block`` (``unit_groups`` groups), ``group``, ``channel``
-        (one output row, groups aligned to rows) or ``tensor`` (the whole weight)."""
+        (one output row, groups aligned to rows) or ``tensor`` (the whole weight; its groups
+        aligned to rows too when ``aligned``, as a runtime's row-blocked format stores them)."""
         if unit == "block":
             return LayerBlocks(self.name, self.shape, group_size, unit_groups)
         if unit == "group":
@@ -150,6 +159,9 @@ class LayerBlocks:
         if unit == "channel":
             aligned = LayerBlocks(self.name, self.shape, group_size, 1, row_aligned=True)
             return LayerBlocks(self.name, self.shape, group_size, aligned.groups_per_row, True)
+        if unit == "tensor" and aligned:
+            rows = LayerBlocks(self.name, self.shape, group_size, 1, row_aligned=True)
+            return LayerBlocks(self.name, self.shape, group_size, rows.n_groups, True)
         if unit == "tensor":
             return LayerBlocks(self.name, self.shape, group_size, math.ceil(self.numel / group_size))
         raise ValueError(f"unknown allocation unit {unit!r}: choose block, group, channel or tensor")
@@ -247,11 +259,13 @@ def kept_matrices(model: nn.Module, quantized: Iterable[str]) -> tuple[int, int]
 
 
 def layer_blocks(
-    layers: dict[str, nn.Module], group_size: int, unit_groups: int, unit: str = "block"
+    layers: dict[str, nn.Module], group_size: int, unit_groups: int, unit: str = "block", aligned: bool = False
 ) -> list[LayerBlocks]:
-    """Layouts of all quantised layers with the given group size and allocation unit."""
+    """Layouts of all quantised layers with the given group size and allocation unit
+    (``aligned``: whole-layer units in row-aligned groups, :meth:`LayerBlocks.with_unit`)."""
     return [
-        LayerBlocks(n, tuple(m.weight.shape), group_size, unit_groups).with_unit(unit, group_size, unit_groups)
+        LayerBlocks(n, tuple(m.weight.shape), group_size, unit_groups).with_unit(unit, group_size, unit_groups,
+                                                                                aligned)
         for n, m in layers.items()
     ]
 

@@ -96,9 +96,12 @@ class CodeBook(ABC):
     # ---- storage ------------------------------------------------------------------------------
     @classmethod
     @abstractmethod
-    def unit_cost_bits(cls, n_weights: int, n_groups: int, bits: int, n_choices: int, quant) -> int:
+    def unit_cost_bits(cls, n_weights: int, n_groups: int, bits: int, n_choices: int, quant,
+                       rows: int = 1) -> int:
         """Exact bits of one allocation unit of ``n_weights`` weights in ``n_groups`` groups at
-        ``bits``: codes, this kind's metadata and the bit-width header (``bayesq.storage``)."""
+        ``bits``: codes, this kind's metadata and the bit-width header (``bayesq.storage``);
+        ``rows``: the output rows the unit spans (a whole layer of a row-blocked target, whose cost
+        :func:`bayesq.targets.matmulnbits_unit_cost_bits` depends on it; 1 otherwise)."""
 
     # ---- export format ------------------------------------------------------------------------
     @abstractmethod

@@ -249,11 +249,12 @@ class UniformGrids(CodeBook):
         return dequantize(codes, self)
 
     @classmethod
-    def unit_cost_bits(cls, n_weights: int, n_groups: int, bits: int, n_choices: int, quant) -> int:
+    def unit_cost_bits(cls, n_weights: int, n_groups: int, bits: int, n_choices: int, quant,
+                       rows: int = 1) -> int:
         """What the target's file stores for one unit (:mod:`bayesq.targets`): BayesQ's format
-        (:func:`bayesq.storage.unit_cost_bits`), or one ONNX Runtime row."""
+        (:func:`bayesq.storage.unit_cost_bits`), or ONNX Runtime's for one row or ``rows`` rows."""
         if getattr(quant, "target", "bayesq") == ONNXRUNTIME.name:
-            return matmulnbits_unit_cost_bits(n_groups, bits, quant.group_size, n_choices, quant.scale_bits)
+            return matmulnbits_unit_cost_bits(n_groups, bits, quant.group_size, n_choices, quant.scale_bits, rows)
         return unit_cost_bits(n_weights, n_groups, bits, n_choices, quant.scale_bits)
 
     def export_fields(self, sel: torch.Tensor, blocks, quant) -> list[Field]:
@@ -327,7 +328,8 @@ class LevelTables(CodeBook):
         return dequantize_levels(codes, self.levels[self.row])
 
     @classmethod
-    def unit_cost_bits(cls, n_weights: int, n_groups: int, bits: int, n_choices: int, quant) -> int:
+    def unit_cost_bits(cls, n_weights: int, n_groups: int, bits: int, n_choices: int, quant,
+                       rows: int = 1) -> int:
         return lut_unit_cost_bits(n_weights, bits, n_choices, quant.lut_bits)
 
     def export_fields(self, sel: torch.Tensor, blocks, quant) -> list[Field]:
@@ -378,7 +380,8 @@ class MulawTables(LevelTables):
     kind: ClassVar[str] = "mulaw"
 
     @classmethod
-    def unit_cost_bits(cls, n_weights: int, n_groups: int, bits: int, n_choices: int, quant) -> int:
+    def unit_cost_bits(cls, n_weights: int, n_groups: int, bits: int, n_choices: int, quant,
+                       rows: int = 1) -> int:
         return mulaw_unit_cost_bits(n_weights, n_groups, bits, n_choices, quant.scale_bits)
 
     def export_fields(self, sel: torch.Tensor, blocks, quant) -> list[Field]:

@@ -415,8 +415,9 @@ class QuantConfig:
                    f"the onnxruntime target runs widths {list(ort.widths)}")
             yield (self.group_size in ort.block_sizes, "quant.group_size", self.group_size,
                    f"the onnxruntime target's blocks are {list(ort.block_sizes)} weights")
-            yield (self.unit == AllocationUnit.CHANNEL, "quant.unit", self.unit.value,
-                   "the onnxruntime target holds one width per output row: set quant.unit: channel")
+            yield (self.unit.value in ort.units, "quant.unit", self.unit.value,
+                   "the onnxruntime target holds one width per output row (quant.unit: channel) or per layer "
+                   "(quant.unit: tensor)")
             yield (self.scale_bits == ort.scale_bits, "quant.scale_bits", self.scale_bits,
                    f"the onnxruntime file stores float{ort.scale_bits} scales")
 
@@ -424,7 +425,8 @@ class QuantConfig:
         """These settings inside what ``target`` runs (:mod:`bayesq.targets`): its widths (the
         ones it runs, of these; all of its own if none are), its block size (``block``, else the
         target's measured default, else the group size if the target takes it, else the nearest
-        one it takes), its allocation unit and scale width.
+        one it takes), its allocation unit (this one if the target holds it, else the target's) and
+        scale width.
 
         Raises:
             ValueError: an unknown target (naming the ones there are), a block the target does not
@@ -438,8 +440,15 @@ class QuantConfig:
             raise ValueError(f"block {block}: the {t.name} target takes blocks of {list(t.block_sizes)} weights")
         group = block or t.block or (self.group_size if self.group_size in t.block_sizes else min(
             t.block_sizes, key=lambda b: (abs(math.log2(b / self.group_size)), -b)))
-        return dataclasses.replace(self, bits=bits, group_size=group, unit=AllocationUnit(t.unit),
+        unit = self.unit if t.units is None or self.unit.value in t.units else AllocationUnit(t.unit)
+        return dataclasses.replace(self, bits=bits, group_size=group, unit=unit,
                                    scale_bits=t.scale_bits, target=Target(t.name))
+
+    @property
+    def row_blocked(self) -> bool:
+        """Whether the target stores blocks along each row (any target but BayesQ's format), so
+        that a whole-layer unit's groups are row-aligned too (:meth:`bayesq.blocks.LayerBlocks.with_unit`)."""
+        return self.target != Target.BAYESQ
 
     @property
     def feeds_back_table(self) -> bool:

@@ -140,7 +140,8 @@ def _costs(blocks: LayerBlocks, cfg: QuantConfig, kinds: Sequence[str], device: 
     (the unit losses')."""
     nb = len(cfg.bits)
     classes = [book_class(k) for k in kinds]
-    rows = [[c.unit_cost_bits(n, g, b, nb, cfg) for b, c in zip(cfg.bits, classes)] for n, g in blocks.unit_sizes()]
+    r = blocks.unit_rows
+    rows = [[c.unit_cost_bits(n, g, b, nb, cfg, r) for b, c in zip(cfg.bits, classes)] for n, g in blocks.unit_sizes()]
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 

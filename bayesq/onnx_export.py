@@ -30,6 +30,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import statistics
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +117,11 @@ def segments(qw: QuantizedWeight) -> list[Segment]:
     return out
 
 
+#: MatMulNBits' accuracy level written unless told: 4 (int8 activations). Measured on the embedded MiniLM
+#: (docs/findings.md, 2026-12-07, "Accuracy level 4 by default"): 0.87-1.32x FP32's speed at batch 1 against
+#: 0.17-0.44x at level 1 (whose 8-bit kernels are slow fallbacks), for +0.00005 to +0.00009 KL.
+ACCURACY_LEVEL = 4
+
 CONVOLUTION = "a convolution: the onnxruntime target holds Linear layers as MatMulNBits (kept in floating point)"
 
 
@@ -193,10 +200,11 @@ def _dynamic(batch: Batch) -> Any:
     return (axes(batch),)
 
 
-def graph_of(model: nn.Module, batch: Batch):
+def graph_of(model: nn.Module, batch: Batch, dynamic_shapes: Any = None):
     """The ONNX graph (``onnx.ModelProto``) of ``model`` on inputs like ``batch`` (dynamo export,
-    opset 18, constants folded; the batch axis of every input dynamic, and the sequence axis of
-    integer (B, T) inputs: token ids and masks).
+    opset 18, constants folded). ``dynamic_shapes``: the exporter's dynamic axes (default: the batch
+    axis of every input, and the sequence axis of integer (B, T) inputs: token ids and masks); the
+    exporter fixes an axis whose size in ``batch`` is 1, so give an example batch of 2 or more.
 
     Raises:
         OnnxExportError: the exporter's message, naming the module it stopped at where it says.
@@ -206,7 +214,8 @@ def graph_of(model: nn.Module, batch: Batch):
         with eval_mode(model), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(model, args, kwargs=kwargs or None, dynamo=True, verbose=False,
-                                        dynamic_shapes=_dynamic(batch), opset_version=OPSET, optimize=True)
+                                        dynamic_shapes=dynamic_shapes or _dynamic(batch), opset_version=OPSET,
+                                        optimize=True)
     except Exception as err:  # the exporter raises many types; its message names the module
         said = re.sub(r"\x1b\[[0-9;]*m", "", str(err))[:2000]  # without the exporter's terminal colours
         raise OnnxExportError(f"torch.onnx.export could not export {type(model).__name__}: "
@@ -309,11 +318,14 @@ def _replacement(node, is_gemm: bool, name: str, segs: list[Segment], k: int, n:
 
 
 def export_onnx(qmodel: nn.Module, weights: Mapping[str, QuantizedWeight], batch: Batch, path: str | Path,
-                *, accuracy_level: int = 1, metadata: Mapping[str, str] | None = None) -> OnnxExport:
+                *, accuracy_level: int = ACCURACY_LEVEL, metadata: Mapping[str, str] | None = None,
+                dynamic_shapes: Any = None) -> OnnxExport:
     """Write ``qmodel`` (a quantised copy: its quantised layers hold the dequantised weights, as
     :func:`bayesq.result.quantized_copy` gives it) to ``path`` as ONNX, each layer of ``weights``
     that ``MatMulNBits`` can hold as such nodes (:func:`segments`), the rest of the graph as the
-    exporter wrote it. ``batch``: example inputs (one batch as the model takes it).
+    exporter wrote it. ``batch``: example inputs (one batch as the model takes it);
+    ``dynamic_shapes``: as :func:`graph_of`. ``accuracy_level``: of every ``MatMulNBits`` node
+    (:data:`ACCURACY_LEVEL`: int8 activations, measured faster at a small KL cost).
 
     Raises:
         OnnxExportError: the export failed (nothing is written then).
@@ -323,7 +335,7 @@ def export_onnx(qmodel: nn.Module, weights: Mapping[str, QuantizedWeight], batch
     if accuracy_level not in (0, 1, 2, 3, 4):
         raise OnnxExportError(f"accuracy_level = {accuracy_level}: MatMulNBits takes 0-4 (1: float32, 4: int8 "
                               "activations)")
-    model = graph_of(qmodel, batch)
+    model = graph_of(qmodel, batch, dynamic_shapes)
     graph = model.graph
     nodes = _weight_nodes(graph)
     modules = dict(qmodel.named_modules())
@@ -373,9 +385,12 @@ class OnnxModel(nn.Module):
     for a model without a head (``features=True``), an object whose ``last_hidden_state`` is that
     output (:func:`bayesq.forward.output_likelihood` reads it as features). What
     :func:`bayesq.fidelity.score_examples` compares with the FP model: the runtime's own numbers.
+    ``accuracy_level``: run every ``MatMulNBits`` node at this level instead of the file's (1:
+    float32 compute, where the file's output is BayesQ's model's to float rounding).
     """
 
-    def __init__(self, path: str | Path, threads: int | None = None, features: bool = False) -> None:
+    def __init__(self, path: str | Path, threads: int | None = None, features: bool = False,
+                 accuracy_level: int | None = None) -> None:
         import onnxruntime as ort
 
         super().__init__()
@@ -383,20 +398,48 @@ class OnnxModel(nn.Module):
         if threads:
             opts.intra_op_num_threads = threads
         self.path, self.features = Path(path), features
-        self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        source: Any = str(path)
+        if accuracy_level is not None:  # the same file with every MatMulNBits node at this level, in memory
+            import onnx
+
+            model = onnx.load(str(path))
+            for node in model.graph.node:
+                for a in node.attribute:
+                    if node.op_type == "MatMulNBits" and a.name == "accuracy_level":
+                        a.i = accuracy_level
+            source = model.SerializeToString()
+        self.session = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
         self.input_names = [i.name for i in self.session.get_inputs()]
+
+    def feed(self, batch: Batch) -> dict[str, np.ndarray]:
+        """The session's inputs of ``batch`` (a tensor, tuple or dict as the model takes it)."""
+        args, kwargs = _inputs(batch)
+        feed = dict(zip(self.input_names, args)) | {k: v for k, v in kwargs.items() if k in self.input_names}
+        return {k: v.detach().cpu().numpy() for k, v in feed.items()}
 
     def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> Any:
         feed = dict(zip(self.input_names, args)) | {k: v for k, v in kwargs.items() if k in self.input_names}
         y = torch.from_numpy(self.session.run(None, {k: v.detach().cpu().numpy() for k, v in feed.items()})[0])
         return SimpleNamespace(last_hidden_state=y) if self.features else y
 
+    def latency_ms(self, batch: Batch, repeats: int = 20) -> float:
+        """Median wall time of ``repeats`` runs on ``batch`` in milliseconds, after one warm-up run."""
+        feed = self.feed(batch)
+        self.session.run(None, feed)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.session.run(None, feed)
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
 
-def run_onnx(path: str | Path, batch: Batch, threads: int | None = None) -> np.ndarray:
-    """The first output of the ONNX file at ``path`` on ``batch`` (ONNX Runtime, CPU), float32."""
+
+def run_onnx(path: str | Path, batch: Batch, threads: int | None = None, accuracy_level: int | None = None) -> np.ndarray:
+    """The first output of the ONNX file at ``path`` on ``batch`` (ONNX Runtime, CPU), float32
+    (``accuracy_level``: as :class:`OnnxModel`)."""
     args, kwargs = _inputs(batch)
-    return OnnxModel(path, threads)(*args, **kwargs).numpy()
+    return OnnxModel(path, threads, accuracy_level=accuracy_level)(*args, **kwargs).numpy()
 
 
-__all__ = ["WIDTHS", "BLOCK_SIZES", "CONVOLUTION", "convolutions", "OnnxExport", "OnnxExportError", "OnnxModel",
+__all__ = ["ACCURACY_LEVEL", "WIDTHS", "BLOCK_SIZES", "CONVOLUTION", "convolutions", "OnnxExport", "OnnxExportError", "OnnxModel",
            "Segment", "export_onnx", "graph_of", "pack_bits", "run_onnx", "segments", "unsupported"]

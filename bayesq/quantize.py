@@ -947,7 +947,7 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
     check_finite(layers)
     check_model_finite(model)
     q = config.quant
-    blocks = layer_blocks(layers, q.group_size, q.unit_groups, q.unit.value)
+    blocks = layer_blocks(layers, q.group_size, q.unit_groups, q.unit.value, q.row_blocked)
     calibration = model_batches(model, calibration)
     selection = model_batches(model, selection, "selection")
     need = estimate_memory(model, layers, calibration) if calibration and layers else None

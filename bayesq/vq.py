@@ -203,7 +203,8 @@ class VQBook(CodeBook):
         return self.codebook[codes].reshape(codes.shape[0], -1)
 
     @classmethod
-    def unit_cost_bits(cls, n_weights: int, n_groups: int, bits: int, n_choices: int, quant) -> int:
+    def unit_cost_bits(cls, n_weights: int, n_groups: int, bits: int, n_choices: int, quant,
+                       rows: int = 1) -> int:
         d = quant.vq_dim
         return vq_cost_bits(math.ceil(n_weights / d), d, 2 ** (bits * d), quant.lut_bits) + header_bits(n_choices)
 

@@ -5,7 +5,7 @@
     python -m flows quantize --params params.yaml --raw data/raw --models models --out results
     python -m flows sources --params params.yaml --out results-sources
     python -m flows report --results results/results.json --models models --out reports
-    python -m flows ablate ... | python -m flows shift ... | python -m flows zoo ...
+    python -m flows ablate ... | python -m flows shift ... | python -m flows deploy ... | python -m flows zoo ...
 
 Sets :func:`flows.settings.apply_defaults` first (the stage modules import Prefect and MLflow,
 which read it), then runs ``flows.<stage>.main()`` with the remaining arguments.
@@ -18,7 +18,7 @@ import sys
 
 from flows.settings import apply_defaults
 
-STAGES = ("fetch", "finetune", "quantize", "sources", "ablate", "shift", "report", "zoo")
+STAGES = ("fetch", "finetune", "quantize", "sources", "ablate", "shift", "deploy", "report", "zoo")
 
 
 def main(argv: list[str] | None = None) -> None:

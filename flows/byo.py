@@ -35,7 +35,7 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from bayesq.baselines.select import encoding_config
 from bayesq.config import Target, replace
-from bayesq.onnx_export import OnnxModel, convolutions, export_onnx
+from bayesq.onnx_export import ACCURACY_LEVEL, OnnxModel, convolutions, export_onnx
 from bayesq.targets import spec
 from bayesq.evaluation import each_batch, predict
 from bayesq.comparison import paired_difference
@@ -231,7 +231,7 @@ def targeted(configs: tuple, method: str, target: str, out: Path) -> tuple:
 
 def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: Path, shared: Mapping[str, str],
             code: str, say=print, examples_dir: Path | None = None, target: str = "bayesq",
-            accuracy_level: int = 1) -> dict:
+            accuracy_level: int = ACCURACY_LEVEL) -> dict:
     """Quantise, export (with skeleton and preprocessing), load back without a skeleton, compare
     with FP on the test draw and write the report next to the export. Returns the row's record.
     ``target="onnxruntime"``: quantised inside what ONNX Runtime's MatMulNBits runs, written as
@@ -265,8 +265,10 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
                            architecture=prep.spec.name, metadata=meta, skeleton=prep.source.skeleton(),
                            preprocessor=prep.preprocessor).as_dict()
     try:  # as a consumer would: no skeleton, no producer code (the ONNX file: ONNX Runtime itself)
-        loaded = OnnxModel(out, features=prep.source.headless) if target == Target.ONNXRUNTIME.value else load(out)
-        logit_diff = max_logit_diff(res.model, loaded, prep.test[:1])
+        onnx_file = target == Target.ONNXRUNTIME.value
+        loaded = OnnxModel(out, features=prep.source.headless) if onnx_file else load(out)
+        exact = OnnxModel(out, features=prep.source.headless, accuracy_level=1) if onnx_file else loaded
+        logit_diff = max_logit_diff(res.model, exact, prep.test[:1])  # the file's float32 compute: the round trip
         say(f"[byo] {prep.spec.name}: {res.average_bits:.4f} bits/weight, export {info['file_bytes'] / 1e6:.2f} MB; "
             f"comparing with FP on {len(prep.draws.test)} test examples")
         scores = score_examples(prep.fp, loaded, prep.test, prep.labels, prep.source.causal_lm)
@@ -362,8 +364,9 @@ def _target_lines(record: dict) -> list[str]:
             f"split by row into one node per width), {e['file_avg_bits']:.4f} bits per weight stored for them"
             + (f" (the allocation counted {record['avg_bits']:.4f}: a row-order index for every row)"
                if len(widths) > 1 else "") + f"; quantised layers kept in floating point: {kept}",
-            f"- run by ONNX Runtime (CPU, MatMulNBits accuracy level {e['accuracy_level']}): largest output "
-            f"difference to BayesQ's in-memory model {diff:.2e}; the comparison below is ONNX Runtime's output"]
+            f"- run by ONNX Runtime (CPU): largest output difference to BayesQ's in-memory model {diff:.2e} at "
+            f"MatMulNBits accuracy level 1 (float32 compute); the comparison below is ONNX Runtime's output at the "
+            f"file's level {e['accuracy_level']}" + (" (int8 activations)" if e["accuracy_level"] == 4 else "")]
 
 
 def write_report(export: Path, record: dict, lines: list[str]) -> tuple[Path, Path]:

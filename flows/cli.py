@@ -40,12 +40,12 @@ def _fail(message: str) -> None:
 
 @app.command()
 def run(profile: str = typer.Option("quick", help="params.yaml profile: quick (one seed) or full (three)")) -> None:
-    """Run the whole pipeline (fetch data, then `dvc repro`: finetune -> quantize -> report)."""
+    """Run the whole pipeline (fetch data, then `dvc repro`: finetune -> quantize -> report, and deploy)."""
     if profile not in ("quick", "full"):
         _fail(f"--profile must be quick or full, got {profile!r}")
     steps = [[sys.executable, "-m", "flows", "fetch", "--out", "data/raw"],
-             ["dvc", "repro", "report"] if profile == "quick" else
-             ["dvc", "exp", "run", "-S", f"profile={profile}", "report"]]
+             ["dvc", "repro", "report", "deploy"] if profile == "quick" else
+             ["dvc", "exp", "run", "-S", f"profile={profile}", "report", "deploy"]]
     for cmd in steps:
         typer.echo("$ " + " ".join(cmd))
         code = subprocess.call(cmd, cwd=ROOT)
@@ -96,11 +96,11 @@ def quantize(
     name: str = typer.Option("", help="the model's name in the report and MLflow (default: the folder's)"),
     track: bool = typer.Option(True, help="log the row to MLflow (MLFLOW_TRACKING_URI; default mlflow.db)"),
     target: str = typer.Option("bayesq", help="where it runs: bayesq (BayesQ's .safetensors) or onnxruntime (an "
-                                              ".onnx file of MatMulNBits nodes: widths 2/4/8, one per row, blocks "
+                                              ".onnx file of MatMulNBits nodes: widths 2/4/8, one per layer, blocks "
                                               "of 128; --method bayesq, gptq, optq or rtn-group)"),
-    accuracy_level: int = typer.Option(1, help="--target onnxruntime: MatMulNBits' accuracy level, 1 (float32 "
-                                               "compute) or 4 (int8 activations: faster 2- and 8-bit kernels, "
-                                               "measured in docs/findings.md)"),
+    accuracy_level: int = typer.Option(4, help="--target onnxruntime: MatMulNBits' accuracy level, 4 (int8 "
+                                               "activations: 2-5x faster at batch 1 than 1, for about 5 % more "
+                                               "KL, measured in docs/findings.md) or 1 (float32 compute)"),
 ) -> None:
     """Quantise one model with BayesQ (or a baseline) and write its export, without DVC or Prefect.
 
@@ -191,10 +191,10 @@ def quantize(
             ex = export_onnx(res.model, res.weights, batches[0], out, metadata=meta, accuracy_level=accuracy_level)
         except ValueError as err:
             _fail(str(err))
-        diff = max_logit_diff(res.model, OnnxModel(out), batches[:1])
+        diff = max_logit_diff(res.model, OnnxModel(out, accuracy_level=1), batches[:1])  # float32: the round trip
         typer.echo(f"{model} at {budget} bits for onnxruntime: {res.average_bits:.4f} bits/weight accounted, "
                    f"{ex.average_bits:.4f} stored for the {len(ex.quantized)} MatMulNBits layers; {ex.file_bytes / 1e6:.2f} "
-                   f"MB -> {out}; ONNX Runtime's logits within {diff:.2e} of BayesQ's model "
+                   f"MB -> {out}; ONNX Runtime's logits within {diff:.2e} of BayesQ's model at accuracy level 1 "
                    f"({time.perf_counter() - start:.0f} s)")
         for name, why in {**relabelled(res.unquantized, held), **ex.kept}.items():
             typer.echo(f"  floating point: {name} ({why})")
@@ -222,7 +222,7 @@ def quantize(
 
 def _quantize_byo(source, data, split, text_columns, image_column, label_column, max_length, image_size, checkpoint,
                   num_classes, tokenizer, calibration, selection, test, name, method, budget, out, params, seed,
-                  distill, track, target="bayesq", accuracy_level=1) -> None:
+                  distill, track, target="bayesq", accuracy_level=4) -> None:
     """``bayesq quantize --model ... --data ...`` (:mod:`flows.byo`)."""
     from flows.byo import BYO_METHODS, byo_from_mapping, prepare, report_paths, run_row, track_row
     from flows.common import code_version, read_params

@@ -33,6 +33,7 @@ from bayesq.config import (
     each_of,
     from_mapping,
     integer,
+    one_of,
     rule,
     setting,
     validate,
@@ -414,6 +415,67 @@ class ShiftConfig:
                                else tuple(c["calibrate"]), tuple(c["test"])) for name, c in self.cases.items())
 
 
+DEPLOY_METHODS = (Method.BAYESQ, Method.GPTQ)  # the methods whose encodings MatMulNBits stores, BayesQ and its rival
+
+
+def _peer_problem(name: Any) -> str:
+    """Why ``name`` is not an ONNX Runtime peer ``<rtn|hqq|gptq>-<bits>b-b<block>`` ("" if it is one)."""
+    try:
+        deploy_peer(name)
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return ""
+
+
+def deploy_peer(name: str):
+    """The :class:`bayesq.baselines.ort.Peer` named ``<algorithm>-<bits>b-b<block>``, e.g. ``rtn-4b-b128``."""
+    from bayesq.baselines.ort import Peer
+
+    parts = str(name).split("-")
+    if len(parts) != 3 or not parts[1].endswith("b") or not parts[2].startswith("b"):
+        raise ValueError(f"peer {name!r}: write <rtn|hqq|gptq>-<bits>b-b<block>, e.g. rtn-4b-b128")
+    try:
+        return Peer(parts[0], int(parts[1][:-1]), int(parts[2][1:]))
+    except ValueError as err:
+        raise ValueError(f"peer {name!r}: {err}") from None
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    """The ``deploy`` stage (``reports/deploy.md``, :mod:`flows.deploy`): each of ``models`` as an
+    ONNX Runtime file (``MatMulNBits``, the ``onnxruntime`` target) by each of ``methods`` at each
+    of ``budgets``, next to ONNX Runtime's own quantisers ``peers`` on the model's FP32 graph, and
+    BayesQ again at each peer's true bits; scored on at most ``test_examples`` test examples in
+    ONNX Runtime at ``accuracy_level``; latency at batch sizes ``batches`` (median of ``repeats``
+    calls on ``threads`` threads)."""
+
+    models: tuple[str, ...] = setting(("lite0-fmnist", "minilm-sentiment"), rule(len, "list at least one model"),
+                                      convert=tuple)
+    budgets: tuple[float, ...] = setting((3.0, 4.0), rule(len, "list positive average bit budgets"),
+                                         _POSITIVE_BUDGETS, convert=lambda v: tuple(float(b) for b in v))
+    methods: tuple[Method, ...] = setting(DEPLOY_METHODS, rule(
+        lambda v: len(v) > 0 and all(m in DEPLOY_METHODS for m in v), f"choose from {[m.value for m in DEPLOY_METHODS]}",
+        shown=lambda v: [m.value for m in v]))
+    peers: tuple[str, ...] = setting(("rtn-4b-b128", "hqq-4b-b128", "gptq-4b-b64", "hqq-2b-b64"), rule(
+        lambda v: all(not _peer_problem(p) for p in v), "each peer is <rtn|hqq|gptq>-<bits>b-b<block>, e.g. "
+        "rtn-4b-b128 (GPTQ: 4 bits; blocks: powers of two from 16)"), convert=lambda v: tuple(str(p) for p in v))
+    accuracy_level: int = setting(4, one_of((1, 2, 3, 4), "MatMulNBits' accuracy levels are 1 (float32) to 4 (int8)"))
+    test_examples: int = setting(2000, integer(1))
+    batches: tuple[int, ...] = setting((1, 8), rule(lambda v: len(v) > 0 and all(int(b) >= 1 for b in v),
+                                                    "list batch sizes of at least 1"),
+                                     convert=lambda v: tuple(int(b) for b in v))
+    threads: int = setting(2, integer(1))
+    repeats: int = setting(20, integer(1))
+
+    def __post_init__(self) -> None:
+        validate(self, "deploy", self._relations)
+
+    def _relations(self) -> Iterator[Relation]:
+        known = known_models()
+        for m in self.models:
+            yield m in known, "deploy.models", m, f"unknown model; known models: {', '.join(known)}"
+
+
 @dataclass(frozen=True)
 class Params:
     """The whole of ``params.yaml`` after the selected profile's overrides are applied.
@@ -446,6 +508,7 @@ class Params:
     robustness: RobustnessConfig = field(default_factory=RobustnessConfig)
     ablations: AblationConfig = field(default_factory=AblationConfig)
     shift: ShiftConfig = field(default_factory=ShiftConfig)
+    deploy: DeployConfig = field(default_factory=DeployConfig)
     sources: tuple[ByoModel, ...] = ()
     exclude: Mapping[str, tuple[str, ...]] = field(default_factory=dict, metadata=checks(
         rule(lambda v: isinstance(v, Mapping), "need a mapping {model: [module names or glob patterns]}, "
@@ -482,8 +545,9 @@ _SECTIONS = {
     "data": DataConfig, "finetune": FinetuneConfig, "calibration": CalibrationConfig,
     "posterior": PosteriorConfig, "quant": QuantConfig, "allocation": AllocationConfig,
     "baselines": BaselinesConfig, "distill": DistillConfig, "robustness": RobustnessConfig,
-    "ablations": AblationConfig, "shift": ShiftConfig,
+    "ablations": AblationConfig, "shift": ShiftConfig, "deploy": DeployConfig,
 }
+_STAGE_SECTIONS = ("ablations", "shift", "deploy")  # a stage's own rows, not method settings an override may change
 _LISTS = ("models", "seeds", "budgets", "methods")
 SOURCE_METHODS = ("bayesq", "gptq")  # methods of a `sources:` entry that names none (BayesQ and its strongest rival)
 _MAPPINGS = ("exclude",)  # top-level mappings that are no section: {model: [patterns]}
@@ -566,8 +630,8 @@ def ablation_params(params: Params, overrides: Mapping[str, Any], where: str = "
     changes: dict[str, dict[str, Any]] = {}
     for dotted, value in overrides.items():
         section, _, key = str(dotted).partition(".")
-        if section not in _SECTIONS or section in ("ablations", "shift") or not key:
-            close = difflib.get_close_matches(section, [k for k in _SECTIONS if k not in ("ablations", "shift")], n=1)
+        if section not in _SECTIONS or section in _STAGE_SECTIONS or not key:
+            close = difflib.get_close_matches(section, [k for k in _SECTIONS if k not in _STAGE_SECTIONS], n=1)
             hint = f" (did you mean '{close[0]}.{key}'?)" if close else ""
             raise ValueError(f"{where}: '{dotted}' is not a 'section.key' of params.yaml{hint}")
         changes.setdefault(section, {})[key] = value

@@ -242,11 +242,12 @@ def test_cli_target_onnxruntime_writes_an_onnx_file_checked_in_onnx_runtime(byo_
     import onnxruntime as ort
 
     assert "MatMulNBits" in _ops(out) and "Gemm" not in _ops(out) and ort.InferenceSession(str(out)).get_inputs()
-    level4 = tmp_path / "bert-l4.onnx"  # int8 activations: the file says so, its output is still close
-    res = _quantize(*argv, "--target", "onnxruntime", "--accuracy-level", "4", "--out", str(level4))
+    assert record["export"]["accuracy_level"] == 4  # the default: int8 activations (the round trip checked at 1)
+    level1 = tmp_path / "bert-l1.onnx"  # float32 compute: the file says so
+    res = _quantize(*argv, "--target", "onnxruntime", "--accuracy-level", "1", "--out", str(level1))
     assert res.exit_code == 0, res.output
-    r4 = json.loads(report_paths(level4)[0].read_text())
-    assert r4["export"]["accuracy_level"] == 4 and "accuracy level 4" in report_paths(level4)[1].read_text()
+    r1 = json.loads(report_paths(level1)[0].read_text())
+    assert r1["export"]["accuracy_level"] == 1 and "the file's level 1" in report_paths(level1)[1].read_text()
     # `bayesq eval` runs the file in ONNX Runtime on the export's own test draw: the same scores
     res = runner.invoke(app, ["eval", str(out), "--data", str(byo_data["parquet"]), "--out", str(tmp_path / "e.json")])
     assert res.exit_code == 0, res.output

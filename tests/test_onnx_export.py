@@ -88,6 +88,21 @@ def test_export_linear_vs_float64_reference(tmp_path, accuracy_level, tol):
     assert y3.shape == (3, 6)
 
 
+def test_default_level_quantises_activations_and_a_level_one_run_of_the_file_is_exact(tmp_path):
+    """export_onnx writes accuracy level 4 unless told (int8 activations: close to the float64
+    reference, not equal); OnnxModel(..., accuracy_level=1) runs the same file in float32, equal
+    to float rounding."""
+    qw = _channel_weight()
+    model = nn.Sequential(_linear(qw)).eval()
+    x = torch.randn(5, 200, generator=torch.Generator().manual_seed(3))
+    ex = export_onnx(model, {"0": qw}, x, tmp_path / "m.onnx")
+    ref = (x.double() @ qw.dequantize().T + model[0].bias.detach().double()).numpy()
+    scale = np.abs(ref).max()
+    assert ex.accuracy_level == 4
+    assert 1e-6 * scale < np.abs(run_onnx(ex.path, x) - ref).max() <= 2e-2 * scale
+    assert np.abs(run_onnx(ex.path, x, accuracy_level=1) - ref).max() <= 1e-6 * scale
+
+
 def test_file_bits_of_a_split_layer_vs_the_target_row_cost(tmp_path):
     """The bits a file stores for a layer split by width (codes, scales, zero-points, row index)
     are the sum of bayesq.targets' per-row costs, to the bit."""
@@ -131,7 +146,7 @@ def test_a_layer_the_format_cannot_hold_stays_in_floating_point_with_its_reason(
     with torch.no_grad():
         model.conv.weight.copy_(conv_qw.dequantize())
     x = torch.randn(2, 2, 6, 6, generator=torch.Generator().manual_seed(0))
-    ex = export_onnx(model, {"conv": conv_qw, "fc": qw}, x, tmp_path / "m.onnx")
+    ex = export_onnx(model, {"conv": conv_qw, "fc": qw}, x, tmp_path / "m.onnx", accuracy_level=1)
     assert set(ex.quantized) == {"fc"} and "convolution" in ex.kept["conv"]
     import onnx
 
@@ -152,7 +167,7 @@ def test_bad_accuracy_level_and_a_failing_export_write_nothing(tmp_path):
             return x * 2 if x.sum() > 0 else x  # control flow on a value: torch.export refuses it
 
     with pytest.raises(OnnxExportError, match="could not export Bad"):
-        export_onnx(Bad(), {}, torch.randn(2, 3), tmp_path / "b.onnx")
+        export_onnx(Bad(), {}, torch.randn(2, 3), tmp_path / "b.onnx", accuracy_level=1)
     assert not list(tmp_path.iterdir())
 
 
@@ -176,8 +191,8 @@ def _text_batches(n, b=8, t=10, seed=1):
 
 
 def test_bayesq_bert_in_onnx_runtime_vs_its_own_quantised_model(tmp_path):
-    """BayesQ at 3.5 bits inside the onnxruntime target (one width per row from {2, 4, 8}, blocks
-    of 64, float32 scales): every quantised layer is MatMulNBits in the file, rows of several widths
+    """BayesQ at 3.5 bits inside the onnxruntime target with quant.unit: channel (one width per
+    row from {2, 4, 8}, blocks of 128, float32 scales): every quantised layer is MatMulNBits in the file, rows of several widths
     split and put back in order; the allocation counted exactly what the file stores plus a row
     index for the rows of layers that came out at one width; and ONNX Runtime's logits on other
     inputs (another batch size and length, with padding) match BayesQ's quantised model to float32
@@ -187,9 +202,11 @@ def test_bayesq_bert_in_onnx_runtime_vs_its_own_quantised_model(tmp_path):
     from bayesq import BayesQConfig, QuantConfig, quantize_model
 
     model = _tiny_bert()
-    cfg = BayesQConfig(budget=3.5, quant=QuantConfig().for_target("onnxruntime"), progress=False)
-    res = quantize_model(model, _text_batches(3), cfg)
-    ex = export_onnx(res.model, res.weights, _text_batches(1)[0], tmp_path / "bert.onnx")
+    from bayesq.config import AllocationUnit
+
+    quant = QuantConfig(unit=AllocationUnit.CHANNEL).for_target("onnxruntime")
+    res = quantize_model(model, _text_batches(3), BayesQConfig(budget=3.5, quant=quant, progress=False))
+    ex = export_onnx(res.model, res.weights, _text_batches(1)[0], tmp_path / "bert.onnx", accuracy_level=1)
     assert set(ex.quantized) == set(res.weights) and not ex.kept
     assert any(len(w) > 1 for w in ex.quantized.values())  # some layer split by width
     unsplit_rows = sum(qw.shape[0] for k, qw in res.weights.items() if len(ex.quantized[k]) == 1)
@@ -203,11 +220,36 @@ def test_bayesq_bert_in_onnx_runtime_vs_its_own_quantised_model(tmp_path):
     assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
 
 
+def test_one_width_per_layer_has_one_node_per_layer_and_costs_what_the_file_stores(tmp_path):
+    """quant.unit: tensor under the onnxruntime target (its default): each layer at one width from {2, 4, 8} in
+    row-aligned blocks (K = 200 is not a multiple of the block), one MatMulNBits node per layer
+    and no Gather; the allocation's bits are the file's, to the bit."""
+    import onnx
+
+    from bayesq import BayesQConfig, QuantConfig, quantize_model
+    from bayesq.config import AllocationUnit
+
+    model = _tiny_bert()
+    quant = QuantConfig().for_target("onnxruntime", block=64)
+    assert quant.unit == AllocationUnit.TENSOR
+    res = quantize_model(model, _text_batches(3), BayesQConfig(budget=3.5, quant=quant, progress=False))
+    ex = export_onnx(res.model, res.weights, _text_batches(1)[0], tmp_path / "bert.onnx", accuracy_level=1)
+    assert all(len(w) == 1 for w in ex.quantized.values()) and len({w for w in ex.quantized.values()}) > 1
+    assert res.allocation.total_bits == ex.quantized_bits and res.average_bits <= 3.5
+    nodes = onnx.load(str(ex.path)).graph.node
+    outs = {o for n in nodes if n.op_type == "MatMulNBits" for o in n.output}
+    assert sum(n.op_type == "MatMulNBits" for n in nodes) == len(res.weights)
+    assert not [n.name for n in nodes if n.op_type in ("Concat", "Gather") and set(n.input) & outs]
+    test = _text_batches(1, b=5, t=13, seed=9)[0]
+    want = res.model(**test).logits.detach().numpy()
+    assert np.abs(run_onnx(ex.path, test) - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+
+
 def test_the_file_runs_with_only_onnxruntime_and_numpy(tmp_path):
     qw = _channel_weight(shape=(3, 64))
     model = nn.Sequential(_linear(qw)).eval()
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
-    ex = export_onnx(model, {"0": qw}, x, tmp_path / "m.onnx")
+    ex = export_onnx(model, {"0": qw}, x, tmp_path / "m.onnx", accuracy_level=1)
     np.save(tmp_path / "x.npy", x.numpy())
     code = ("import sys, numpy as np, onnxruntime as ort\n"
             f"s = ort.InferenceSession({str(ex.path)!r}, providers=['CPUExecutionProvider'])\n"
@@ -235,7 +277,7 @@ def test_gpt2_conv1d_layers_and_the_tied_head_become_matmulnbits(tmp_path, vocab
     batches = _text_batches(2, b=4, t=12)
     res = quantize_model(model, batches, BayesQConfig(budget=3.5, quant=QuantConfig().for_target("onnxruntime"),
                                                       progress=False))
-    ex = export_onnx(res.model, res.weights, batches[0], tmp_path / "gpt2.onnx")
+    ex = export_onnx(res.model, res.weights, batches[0], tmp_path / "gpt2.onnx", accuracy_level=1)
     assert set(ex.quantized) == set(res.weights) and "lm_head" in res.weights and not ex.kept
     test = _text_batches(1, b=3, t=9, seed=5)[0]
     want = res.model(**test).logits.detach().numpy()

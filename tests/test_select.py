@@ -371,12 +371,17 @@ def test_baseline_layouts_and_costs_under_the_onnxruntime_target():
     from bayesq.blocks import layer_blocks
     from bayesq.targets import matmulnbits_unit_cost_bits
 
-    q = QuantConfig().for_target("onnxruntime", block=16)
+    from bayesq.config import AllocationUnit
+
+    q = QuantConfig(unit=AllocationUnit.CHANNEL).for_target("onnxruntime", block=16)
     assert layouts([8, 16, 32, 48], q) == [16, 32]
     model = _model()
     layers = quantizable_layers(model)
     blocks = rtn_blocks(layer_blocks(layers, q.group_size, q.unit_groups), Granularity.CHANNEL, q)
     assert all(lb.row_aligned and lb.group_size == 16 and lb.unit_groups == lb.groups_per_row for lb in blocks)
+    per_layer = QuantConfig().for_target("onnxruntime", block=16)  # the target's default: one unit per layer
+    blocks = rtn_blocks(layer_blocks(layers, 16, per_layer.unit_groups), Granularity.CHANNEL, per_layer)
+    assert all(lb.row_aligned and lb.n_units == 1 and lb.unit_rows == lb.shape[0] for lb in blocks)
     v = UniformVariant(4, 16)
     want = sum(m.weight.shape[0] * matmulnbits_unit_cost_bits(-(-m.weight.shape[1] // 16), 4, 16, 1)
                for m in layers.values())

@@ -10,7 +10,7 @@ from bayesq.targets import ONNXRUNTIME, TARGETS, matmulnbits_unit_cost_bits, spe
 def test_for_target_onnxruntime_keeps_what_it_runs_and_sets_what_it_stores():
     q = QuantConfig().for_target("onnxruntime")
     assert (q.bits, q.group_size, q.unit, q.scale_bits, q.target) == (
-        (2, 4, 8), 128, AllocationUnit.CHANNEL, 32, Target.ONNXRUNTIME)  # block 128: the measured default
+        (2, 4, 8), 128, AllocationUnit.TENSOR, 32, Target.ONNXRUNTIME)  # block 128, a width per layer: measured
     assert QuantConfig(bits=(3, 4)).for_target("onnxruntime").bits == (4,)  # of these, the ones it runs
     assert QuantConfig(bits=(3,)).for_target("onnxruntime").bits == ONNXRUNTIME.widths  # none: all of its own
     assert QuantConfig().for_target("onnxruntime", block=64).group_size == 64
@@ -42,3 +42,18 @@ def test_matmulnbits_row_cost_vs_hand_count(groups, bits, block, choices):
     zeros = 8 * -(-groups * bits // 8)  # a row's zero-points in whole bytes
     index = 32 if choices > 1 else 0
     assert matmulnbits_unit_cost_bits(groups, bits, block, choices) == codes + scales + zeros + index
+
+
+@pytest.mark.parametrize("rows, groups, bits, choices", [(5, 3, 2, 3), (4, 1, 8, 2), (2, 6, 4, 1)])
+def test_matmulnbits_layer_cost_vs_rows_without_index(rows, groups, bits, choices):
+    """A whole-layer unit (quant.unit: tensor) is its rows' costs, each row's zero-points in whole
+    bytes, and no row index whatever the choices: one node per layer."""
+    one_row = matmulnbits_unit_cost_bits(groups, bits, 128, 1)
+    assert matmulnbits_unit_cost_bits(rows * groups, bits, 128, choices, rows=rows) == rows * one_row
+    with pytest.raises(ValueError, match="rows=4"):
+        matmulnbits_unit_cost_bits(7, bits, 128, choices, rows=4)
+
+
+def test_for_target_keeps_a_unit_the_target_holds():
+    assert QuantConfig(unit=AllocationUnit.CHANNEL).for_target("onnxruntime").unit == AllocationUnit.CHANNEL
+    assert QuantConfig(unit=AllocationUnit.GROUP).for_target("onnxruntime").unit == AllocationUnit.TENSOR

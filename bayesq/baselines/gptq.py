@@ -176,7 +176,7 @@ def gptq_allocation_quantize(
             above the budget, non-finite weights.
     """
     layers = checked_layers(model, stats, "input statistics", "run input_stats on the same model", exclude)
-    table = gptq_table(layers, stats, layer_blocks(layers, cfg.group_size, cfg.unit_groups, cfg.unit.value), cfg,
+    table = gptq_table(layers, stats, layer_blocks(layers, cfg.group_size, cfg.unit_groups, cfg.unit.value, cfg.row_blocked), cfg,
                        progress)
     return gptq_solve(model, layers, stats, table, given_allocation(table, unit_bits, budget), act_order, damp,
                       exclude, rounding, cfg.scale_bits, progress)

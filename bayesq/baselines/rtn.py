@@ -26,12 +26,11 @@ def rtn_blocks(blocks: list[LayerBlocks], granularity: Granularity, cfg: QuantCo
 
     Under a deployment target other than BayesQ's format (``cfg.target``, :mod:`bayesq.targets`)
     the layout is the target's: groups of ``cfg.group_size`` along each row (row-aligned), one
-    allocation unit per row, at any granularity asked (a grid per row or per tensor is not a
-    layout such a target stores).
+    allocation unit per row or per layer (``cfg.unit``), at any granularity asked (a grid per row
+    or per tensor is not a layout such a target stores).
     """
     if cfg.target != Target.BAYESQ:
-        return [LayerBlocks(b.name, b.shape, cfg.group_size, LayerBlocks(b.name, b.shape, cfg.group_size, 1,
-                                                                         True).groups_per_row, True) for b in blocks]
+        return [b.with_unit(cfg.unit.value, cfg.group_size, cfg.unit_groups, aligned=True) for b in blocks]
     unit_weights = cfg.group_size * cfg.unit_groups
     if granularity == Granularity.TENSOR:
         return [LayerBlocks(b.name, b.shape, b.numel, 1) for b in blocks]

@@ -121,7 +121,8 @@ def layout_bits(blocks: Sequence[LayerBlocks], bits: int, n_choices: int, cfg: Q
     per group, and a header naming one of ``n_choices`` bit-widths, none when ``n_choices = 1``);
     for ONNX Runtime one row (:func:`bayesq.targets.matmulnbits_unit_cost_bits`).
     """
-    return sum(UniformGrids.unit_cost_bits(n, g, bits, n_choices, cfg) for lb in blocks for n, g in lb.unit_sizes())
+    return sum(UniformGrids.unit_cost_bits(n, g, bits, n_choices, cfg, lb.unit_rows)
+               for lb in blocks for n, g in lb.unit_sizes())
 
 
 def baseline_blocks(layers: Mapping[str, nn.Module], granularity: Granularity, cfg: QuantConfig) -> list[LayerBlocks]:
