@@ -100,8 +100,9 @@ class CodeBook(ABC):
                        rows: int = 1) -> int:
         """Exact bits of one allocation unit of ``n_weights`` weights in ``n_groups`` groups at
         ``bits``: codes, this kind's metadata and the bit-width header (``bayesq.storage``);
-        ``rows``: the output rows the unit spans (a whole layer of a row-blocked target, whose cost
-        :func:`bayesq.targets.matmulnbits_unit_cost_bits` depends on it; 1 otherwise)."""
+        ``rows``: the output rows the unit spans, passed only when above 1 (a whole layer of a
+        row-blocked target, whose cost :func:`bayesq.targets.matmulnbits_unit_cost_bits` depends
+        on it), so a codebook that no such target stores need not take it."""
 
     # ---- export format ------------------------------------------------------------------------
     @abstractmethod

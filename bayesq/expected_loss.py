@@ -140,8 +140,9 @@ def _costs(blocks: LayerBlocks, cfg: QuantConfig, kinds: Sequence[str], device: 
     (the unit losses')."""
     nb = len(cfg.bits)
     classes = [book_class(k) for k in kinds]
-    r = blocks.unit_rows
-    rows = [[c.unit_cost_bits(n, g, b, nb, cfg, r) for b, c in zip(cfg.bits, classes)] for n, g in blocks.unit_sizes()]
+    span = {"rows": blocks.unit_rows} if blocks.unit_rows > 1 else {}  # a whole layer of a row-blocked target
+    rows = [[c.unit_cost_bits(n, g, b, nb, cfg, **span) for b, c in zip(cfg.bits, classes)]
+            for n, g in blocks.unit_sizes()]
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 

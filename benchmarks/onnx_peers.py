@@ -4,13 +4,14 @@
 For one model folder and data file (as `bayesq quantize --model ... --data ...` takes them): the
 draws of :func:`flows.byo.prepare`; the FP32 graph is the model's own ONNX export
 (:func:`bayesq.onnx_export.graph_of`); the peers are `onnxruntime.quantization.matmul_nbits_quantizer`
-on it: RTN (its default algorithm) and HQQ at 2 bits with blocks of 64, at 4 bits with blocks of 128
-and 64, and GPTQ at 4 bits, block 64 (see `peers`), reading the same calibration inputs. Each file's true
+on it (:mod:`bayesq.baselines.ort`): RTN (its default algorithm) and HQQ at 2 bits with blocks of
+64, at 4 bits with blocks of 128 and 64, and GPTQ at 4 bits, block 64 (`PEERS`), reading the same
+calibration inputs. Each file's true
 bits are the bytes of its MatMulNBits tensors over the weights they hold (the peers quantise the
 MatMul layers; the FP graph's Gemm layers, a classifier's pooler and head, stay in float there,
 while BayesQ quantises them too). BayesQ runs at each peer's true bits with `--target onnxruntime`
 (the budget counts what its file stores, so its file holds at most that). Every file runs in ONNX
-Runtime on the test draw and is compared with the FP model (:func:`bayesq.fidelity.score_examples`);
+Runtime on the test draw (at `--accuracy-level`, default the library's) and is compared with the FP model (:func:`bayesq.fidelity.score_examples`);
 printed: KL and accuracy with 95 % intervals, then BayesQ minus each peer, paired on the same examples.
 
     python benchmarks/onnx_peers.py --model ./minilm-sst --data reviews.parquet --text-column sentence \\
@@ -24,14 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import onnx
-from onnxruntime.quantization import CalibrationDataReader
 
+from bayesq.baselines.ort import Peer, matmulnbits_bits, ort_quantize
 from bayesq.comparison import paired_difference
 from bayesq.fidelity import fidelity_report, score_examples
 from bayesq.harness.data.files import DataSource
-from bayesq.onnx_export import OnnxModel, graph_of
+from bayesq.onnx_export import ACCURACY_LEVEL, OnnxModel, graph_of
 from flows.byo import ByoModel, load_examples, prepare, run_row
 from flows.common import read_params
 from flows.settings import apply_defaults
@@ -39,51 +39,19 @@ from flows.settings import apply_defaults
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def matmulnbits_bits(path: Path) -> float:
-    """Bits per weight of the MatMulNBits tensors of an ONNX file (codes, scales, zero-points)."""
-    m = onnx.load(str(path))
-    sizes = {i.name: np.prod(i.dims) * (4 if i.data_type == onnx.TensorProto.FLOAT else 1) for i in m.graph.initializer}
-    stored = weights = 0
-    for node in m.graph.node:
-        if node.op_type == "MatMulNBits":
-            attrs = {a.name: a.i for a in node.attribute}
-            weights += attrs["K"] * attrs["N"]
-            stored += 8 * sum(sizes.get(i, 0) for i in node.input[1:4])
-    return stored / weights
+PEERS = (Peer("rtn", 2, 64), Peer("hqq", 2, 64), Peer("rtn", 4, 128), Peer("rtn", 4, 64), Peer("hqq", 4, 128),
+         Peer("hqq", 4, 64),
+         # block 64: at 128, a row of K = 384 has 3 blocks, and ONNX Runtime 1.32 packs GPTQ zero-points
+         # across rows when a row has an odd number of blocks (a reshape error)
+         Peer("gptq", 4, 64))
 
 
-class Reader(CalibrationDataReader):
-    """ONNX Runtime's calibration data reader over the draw's calibration batches."""
-
-    def __init__(self, batches, names):
-        self.items = iter([{k: v.numpy() for k, v in b.items() if k in names} for b in batches])
-
-    def get_next(self):
-        return next(self.items, None)
-
-
-def peers(fp: Path, calibration, out: Path) -> dict[str, Path]:
-    from onnxruntime.quantization import matmul_nbits_quantizer as q
-
-    names = {i.name for i in onnx.load(str(fp)).graph.input}
-    configs = {"ort-rtn-2b-b64": (64, q.DefaultWeightOnlyQuantConfig(block_size=64, bits=2, accuracy_level=1)),
-               "ort-hqq-2b-b64": (64, q.HQQWeightOnlyQuantConfig(block_size=64, bits=2)),
-               "ort-rtn-4b-b128": (128, q.DefaultWeightOnlyQuantConfig(block_size=128, bits=4, accuracy_level=1)),
-               "ort-rtn-4b-b64": (64, q.DefaultWeightOnlyQuantConfig(block_size=64, bits=4, accuracy_level=1)),
-               "ort-hqq-4b-b128": (128, q.HQQWeightOnlyQuantConfig(block_size=128, bits=4)),
-               "ort-hqq-4b-b64": (64, q.HQQWeightOnlyQuantConfig(block_size=64, bits=4)),
-               # block 64: at 128, a row of K = 384 has 3 blocks, and ONNX Runtime 1.32 packs GPTQ zero-points
-               # across rows when a row has an odd number of blocks (a reshape error)
-               "ort-gptq-4b-b64": (64, q.GPTQWeightOnlyQuantConfig(Reader(calibration, names), block_size=64))}
+def peers(fp: Path, calibration, out: Path, accuracy_level: int) -> dict[str, Path]:
     files = {}
-    for name, (block, algo) in configs.items():
+    for peer in PEERS:
         start = time.perf_counter()
-        quant = q.MatMulNBitsQuantizer(onnx.load(str(fp)), bits=getattr(algo, "bits", 4), block_size=block,
-                                       is_symmetric=False, accuracy_level=1, algo_config=algo)
-        quant.process()
-        files[name] = out / f"{name}.onnx"
-        quant.model.save_model_to_file(str(files[name]))
-        print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
+        files[peer.name] = ort_quantize(fp, peer, out / f"{peer.name}.onnx", calibration, accuracy_level)
+        print(f"{peer.name}: {time.perf_counter() - start:.0f} s", flush=True)
     return files
 
 
@@ -94,6 +62,7 @@ def main() -> None:
     p.add_argument("--text-column", nargs="*", default=[])
     p.add_argument("--label-column", default="")
     p.add_argument("--seed", type=int, default=17)
+    p.add_argument("--accuracy-level", type=int, default=ACCURACY_LEVEL, help="of every file's MatMulNBits nodes")
     p.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="onnx-peers-")))
     a = p.parse_args()
     apply_defaults()
@@ -106,20 +75,21 @@ def main() -> None:
                                                           label_column=a.label_column)), a.seed, say=lambda _: None)
     fp = a.out / "fp32.onnx"
     onnx.save(graph_of(prep.fp, prep.calibration[0]), str(fp))
-    files = peers(fp, prep.calibration, a.out)
+    files = peers(fp, prep.calibration, a.out, a.accuracy_level)
     scores, bits = {}, {}
     for name, path in files.items():
-        bits[name] = matmulnbits_bits(path)
+        stored, weights = matmulnbits_bits(path)
+        bits[name] = stored / weights
         scores[name] = score_examples(prep.fp, OnnxModel(path), prep.test, prep.labels, desc=None)
     for budget in sorted({round(b, 4) for b in bits.values()}):
         name = f"bayesq-{budget}"
         r = run_row(prep, "bayesq", budget, params, a.seed, a.out / f"{name}.onnx", {}, "bench",
-                    say=lambda _: None, target="onnxruntime")
+                    say=lambda _: None, target="onnxruntime", accuracy_level=a.accuracy_level)
         bits[name] = r["export"]["file_avg_bits"]
         scores[name] = load_examples(Path(r["examples_file"]))
         print(f"{name}: {r['quantize_seconds']:.0f} s", flush=True)
     print(f"\n{prep.spec.model}, {len(prep.draws.test)} test examples (seed {a.seed}); ONNX Runtime runs every file "
-          "(accuracy level 1)\n")
+          f"(accuracy level {a.accuracy_level})\n")
     print("| file | bits per weight (MatMulNBits) | KL to FP [95 %] | accuracy Q − FP (pts) |\n|---|---|---|---|")
     for name, s in scores.items():
         f = fidelity_report(s).as_dict()

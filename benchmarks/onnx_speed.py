@@ -4,10 +4,10 @@ onnxruntime.py: run as a script, that name would shadow the onnxruntime package.
 
 For a Hugging Face folder (`save_pretrained`) and a BayesQ `.onnx` written from it
 (`bayesq quantize --model <folder> ... --target onnxruntime --out m.onnx`): the FP32 graph is
-the model's own ONNX export (:func:`bayesq.onnx_export.graph_of`), the peers are
-`onnxruntime.quantization.matmul_nbits_quantizer` RTN (4 bits, block 64 and 128) and HQQ (4 bits,
-block 64) on that FP32 graph, and the BayesQ file is also run at accuracy level 4 (int8
-activations; the file as written is level 1, float32). Printed per file: size on disk, and the
+the model's own ONNX export (:func:`bayesq.onnx_export.graph_of`), the peers are ONNX Runtime's
+RTN (4 bits, block 64 and 128) and HQQ (4 bits, block 64) on that FP32 graph
+(:mod:`bayesq.baselines.ort`, accuracy level 1), and each BayesQ file is also run at the other of
+accuracy levels 1 (float32) and 4 (int8 activations, the default it is written at). Printed per file: size on disk, and the
 median latency of `--repeats` calls at each batch size of `--tokens` tokens (random token ids, no
 padding), `intra_op_num_threads` as given; ratios are against FP32 in the same run. Also the
 largest logit difference to the FP32 graph on those inputs (not a fidelity measure: the
@@ -36,24 +36,28 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from bayesq.baselines.ort import Peer, ort_quantize
 from bayesq.harness.sources import resolve_model
-from bayesq.onnx_export import graph_of
-
-
-def session(path: Path, threads: int) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+from bayesq.onnx_export import OnnxModel, graph_of
 
 
 def latency_ms(s: ort.InferenceSession, feed: dict, repeats: int) -> float:
-    s.run(None, feed)  # warm-up
+    """Median of ``repeats`` runs in ms after a warm-up (one layer's bare session)."""
+    s.run(None, feed)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         s.run(None, feed)
         times.append(time.perf_counter() - t)
     return 1e3 * statistics.median(times)
+
+
+def level_of(path: Path) -> int:
+    """The accuracy level of a file's first MatMulNBits node."""
+    for node in onnx.load(str(path)).graph.node:
+        if node.op_type == "MatMulNBits":
+            return next(a.i for a in node.attribute if a.name == "accuracy_level")
+    return 0
 
 
 def with_accuracy_level(src: Path, dst: Path, level: int) -> Path:
@@ -68,22 +72,8 @@ def with_accuracy_level(src: Path, dst: Path, level: int) -> Path:
 
 
 def peers(fp: Path, out: Path) -> dict[str, Path]:
-    from onnxruntime.quantization import matmul_nbits_quantizer as q
-
-    files = {}
-    for label, algo in (("ort-rtn-4b-b64", q.RTNWeightOnlyQuantConfig()),
-                        ("ort-hqq-4b-b64", q.HQQWeightOnlyQuantConfig(block_size=64, bits=4))):
-        quant = q.MatMulNBitsQuantizer(onnx.load(str(fp)), bits=4, block_size=64, is_symmetric=False,
-                                       accuracy_level=1, algo_config=algo)
-        quant.process()
-        files[label] = out / f"{label}.onnx"
-        quant.model.save_model_to_file(str(files[label]))
-    quant = q.MatMulNBitsQuantizer(onnx.load(str(fp)), bits=4, block_size=128, accuracy_level=1,
-                                   algo_config=q.DefaultWeightOnlyQuantConfig(block_size=128, bits=4, accuracy_level=1))
-    quant.process()
-    files["ort-default-4b-b128"] = out / "ort-default-4b-b128.onnx"
-    quant.model.save_model_to_file(str(files["ort-default-4b-b128"]))
-    return files
+    return {p.name: ort_quantize(fp, p, out / f"{p.name}.onnx", accuracy_level=1)
+            for p in (Peer("rtn", 4, 64), Peer("hqq", 4, 64), Peer("rtn", 4, 128))}
 
 
 def layer_table(threads: int, repeats: int) -> None:
@@ -152,27 +142,25 @@ def main() -> None:
     fp = a.out / "fp32.onnx"
     onnx.save(graph_of(model, example), str(fp))
     files = {"fp32": fp}
-    for f in a.onnx:
-        files |= {f.stem: f, f"{f.stem}-level4": with_accuracy_level(f, a.out / f"{f.stem}-level4.onnx", 4)}
+    for f in a.onnx:  # each file as written, and at the other of levels 1 and 4
+        other = 1 if level_of(f) == 4 else 4
+        files |= {f.stem: f, f"{f.stem}-level{other}": with_accuracy_level(f, a.out / f"{f.stem}-level{other}.onnx",
+                                                                           other)}
     files |= peers(fp, a.out)
     print(f"ONNX Runtime {ort.__version__}, intra_op_num_threads={a.threads}, {a.tokens} tokens, median of "
           f"{a.repeats} calls; ratios: FP32 latency / file latency (above 1: faster)")
-    inputs = {b: {"input_ids": torch.randint(0, vocab, (b, a.tokens), generator=g).numpy(),
-                  "attention_mask": np.ones((b, a.tokens), dtype=np.int64),
-                  "token_type_ids": np.zeros((b, a.tokens), dtype=np.int64)} for b in a.batches}
-    sessions = {k: session(f, a.threads) for k, f in files.items()}
-
-    def feed(s: ort.InferenceSession, b: int) -> dict:  # the inputs each file takes
-        return {i.name: inputs[b][i.name] for i in s.get_inputs()}
-
-    ref = {b: sessions["fp32"].run(None, feed(sessions["fp32"], b))[0] for b in a.batches}
-    base = {b: latency_ms(sessions["fp32"], feed(sessions["fp32"], b), a.repeats) for b in a.batches}
+    inputs = {b: {"input_ids": torch.randint(0, vocab, (b, a.tokens), generator=g),
+                  "attention_mask": torch.ones(b, a.tokens, dtype=torch.long),
+                  "token_type_ids": torch.zeros(b, a.tokens, dtype=torch.long)} for b in a.batches}
+    models = {k: OnnxModel(f, threads=a.threads) for k, f in files.items()}
+    ref = {b: models["fp32"].session.run(None, models["fp32"].feed(inputs[b]))[0] for b in a.batches}
+    base = {b: models["fp32"].latency_ms(inputs[b], a.repeats) for b in a.batches}
     head = " | ".join(f"batch {b}: ms (x FP32)" for b in a.batches)
     print(f"| file | MB | {head} | largest logit diff to FP32 |")
     print("|---|---|" + "---|" * len(a.batches) + "---|")
-    for k, s in sessions.items():
-        ms = {b: base[b] if k == "fp32" else latency_ms(s, feed(s, b), a.repeats) for b in a.batches}
-        diff = max(float(np.abs(s.run(None, feed(s, b))[0] - ref[b]).max()) for b in a.batches)
+    for k, m in models.items():
+        ms = {b: base[b] if k == "fp32" else m.latency_ms(inputs[b], a.repeats) for b in a.batches}
+        diff = max(float(np.abs(m.session.run(None, m.feed(inputs[b]))[0] - ref[b]).max()) for b in a.batches)
         cells = " | ".join(f"{ms[b]:.2f} ({base[b] / ms[b]:.2f}x)" for b in a.batches)
         print(f"| {k} | {files[k].stat().st_size / 1e6:.1f} | {cells} | {diff:.3g} |", flush=True)
 

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Iterator, Mapping
 
 import yaml
 
+from bayesq.baselines.ort import Peer
 from bayesq.config import (
     AllocationConfig,
     BayesQConfig,
@@ -429,8 +430,6 @@ def _peer_problem(name: Any) -> str:
 
 def deploy_peer(name: str):
     """The :class:`bayesq.baselines.ort.Peer` named ``<algorithm>-<bits>b-b<block>``, e.g. ``rtn-4b-b128``."""
-    from bayesq.baselines.ort import Peer
-
     parts = str(name).split("-")
     if len(parts) != 3 or not parts[1].endswith("b") or not parts[2].startswith("b"):
         raise ValueError(f"peer {name!r}: write <rtn|hqq|gptq>-<bits>b-b<block>, e.g. rtn-4b-b128")
@@ -460,7 +459,7 @@ class DeployConfig:
         lambda v: all(not _peer_problem(p) for p in v), "each peer is <rtn|hqq|gptq>-<bits>b-b<block>, e.g. "
         "rtn-4b-b128 (GPTQ: 4 bits; blocks: powers of two from 16)"), convert=lambda v: tuple(str(p) for p in v))
     accuracy_level: int = setting(4, one_of((1, 2, 3, 4), "MatMulNBits' accuracy levels are 1 (float32) to 4 (int8)"))
-    test_examples: int = setting(2000, integer(1))
+    test_examples: int = setting(1000, integer(1))
     batches: tuple[int, ...] = setting((1, 8), rule(lambda v: len(v) > 0 and all(int(b) >= 1 for b in v),
                                                     "list batch sizes of at least 1"),
                                      convert=lambda v: tuple(int(b) for b in v))

@@ -151,6 +151,17 @@ def test_deploy_flow_end_to_end(tmp_path, prefect_harness, token_entry):
         assert Path(r["file"]).is_file() and r["fidelity"]["n"] == 80
         if r["kind"] == "ours":
             assert r["avg_bits"] <= r["budget"] + 1e-9 and r["logit_diff"] < 1e-4
+    from bayesq.fidelity import score_examples
+    from bayesq.harness.models.zoo import get_entry
+    from bayesq.onnx_export import OnnxModel
+    from flows.common import read_params
+    from flows.deploy import test_draw
+
+    entry, p = get_entry("tiny-tokens"), read_params(params)  # the FP32 reference computed once: as if run per row
+    batches, labels = test_draw(entry, entry.load_splits(p.data, raw), p)
+    direct = score_examples(OnnxModel(out / "tiny-tokens" / "fp32.onnx"), OnnxModel(by["gptq-b3.0"]["file"]), batches,
+                            labels, desc=None)
+    assert torch.equal(direct.kl, load_examples(Path(by["gptq-b3.0"]["examples"])).kl)
     bq = by[row_label("bayesq", 4.0)]
     mine, gptq = (load_examples(Path(by[k]["examples"])) for k in (row_label("bayesq", 4.0), row_label("gptq", 4.0)))
     assert bq["vs_gptq"]["gptq-b4.0"]["kl"] == pytest.approx(paired_difference(mine.kl, gptq.kl).as_dict(), rel=1e-9)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bayesq.onnx_export import _inputs
+
 
 class PeerAlgorithm(str, Enum):
     """An ONNX Runtime weight-only quantiser."""
@@ -58,8 +60,6 @@ class _Reader:
     (tensors, tuples or dicts of tensors), each as the graph's inputs ``names`` (in order)."""
 
     def __init__(self, batches: Iterable, names: Sequence[str]) -> None:
-        from bayesq.onnx_export import _inputs
-
         def feed(batch) -> dict:
             args, kwargs = _inputs(batch)
             named = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
