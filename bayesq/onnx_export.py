@@ -379,6 +379,16 @@ def export_onnx(qmodel: nn.Module, weights: Mapping[str, QuantizedWeight], batch
     return OnnxExport(path, quantized, kept, path.stat().st_size, bits, count, accuracy_level, meta)
 
 
+def at_accuracy_level(model, level: int):
+    """``model`` (an ``onnx.ModelProto``, changed in place and returned) with every ``MatMulNBits``
+    node at accuracy ``level``."""
+    for node in model.graph.node:
+        for a in node.attribute:
+            if node.op_type == "MatMulNBits" and a.name == "accuracy_level":
+                a.i = level
+    return model
+
+
 class OnnxModel(nn.Module):
     """An ONNX file run by ONNX Runtime (CPU) behind the library's model interface: called on a
     batch as the exported model was, it returns the file's first output as a float32 tensor, or,
@@ -402,12 +412,7 @@ class OnnxModel(nn.Module):
         if accuracy_level is not None:  # the same file with every MatMulNBits node at this level, in memory
             import onnx
 
-            model = onnx.load(str(path))
-            for node in model.graph.node:
-                for a in node.attribute:
-                    if node.op_type == "MatMulNBits" and a.name == "accuracy_level":
-                        a.i = accuracy_level
-            source = model.SerializeToString()
+            source = at_accuracy_level(onnx.load(str(path)), accuracy_level).SerializeToString()
         self.session = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
         self.input_names = [i.name for i in self.session.get_inputs()]
 
@@ -441,5 +446,5 @@ def run_onnx(path: str | Path, batch: Batch, threads: int | None = None, accurac
     return OnnxModel(path, threads, accuracy_level=accuracy_level)(*args, **kwargs).numpy()
 
 
-__all__ = ["ACCURACY_LEVEL", "WIDTHS", "BLOCK_SIZES", "CONVOLUTION", "convolutions", "OnnxExport", "OnnxExportError", "OnnxModel",
+__all__ = ["ACCURACY_LEVEL", "WIDTHS", "at_accuracy_level", "BLOCK_SIZES", "CONVOLUTION", "convolutions", "OnnxExport", "OnnxExportError", "OnnxModel",
            "Segment", "export_onnx", "graph_of", "pack_bits", "run_onnx", "segments", "unsupported"]

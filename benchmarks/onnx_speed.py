@@ -38,7 +38,7 @@ import torch
 
 from bayesq.baselines.ort import Peer, ort_quantize
 from bayesq.harness.sources import resolve_model
-from bayesq.onnx_export import OnnxModel, graph_of
+from bayesq.onnx_export import OnnxModel, at_accuracy_level, graph_of
 
 
 def latency_ms(s: ort.InferenceSession, feed: dict, repeats: int) -> float:
@@ -61,13 +61,7 @@ def level_of(path: Path) -> int:
 
 
 def with_accuracy_level(src: Path, dst: Path, level: int) -> Path:
-    m = onnx.load(str(src))
-    for node in m.graph.node:
-        if node.op_type == "MatMulNBits":
-            for a in node.attribute:
-                if a.name == "accuracy_level":
-                    a.i = level
-    onnx.save(m, str(dst))
+    onnx.save(at_accuracy_level(onnx.load(str(src)), level), str(dst))
     return dst
 
 

@@ -46,6 +46,7 @@ from flows.byo import load_examples, max_logit_diff, relabelled, save_examples, 
 from flows.common import CACHE, code_version, digest, parser, read_params, write_json
 from flows.configs import method_config
 from flows.finetune import load_model, raw_path
+from flows.lineage import export_lineage, input_lineage, row_metadata
 from flows.params import deploy_peer
 from flows.prepare import calibration_batches, selection_batches
 from flows.report import ci_text
@@ -71,16 +72,13 @@ def test_draw(entry, splits, params) -> tuple[list, torch.Tensor | None]:
     return list(entry.batches(inputs, BATCH, params.data)), splits.test_labels[keep]
 
 
-def _scores_file(out: Path, model: str, row: str) -> Path:
-    return Path(out) / "examples" / model / f"{row}.safetensors"
-
-
 def _setup(model: str, model_file: str, raw: str, params, seed: int):
+    """(entry, FP model, splits, calibration indices, calibration batches) of ``model``."""
     entry = get_entry(model)
     net = load_model(entry, Path(model_file))
     splits = entry.load_splits(params.data, raw_path(entry, Path(raw)))
-    _, cal = calibration_batches(entry, splits, params.data, params.calibration, seed)
-    return entry, net, splits, list(cal)
+    idx, cal = calibration_batches(entry, splits, params.data, params.calibration, seed)
+    return entry, net, splits, idx, list(cal)
 
 
 class _Replay(torch.nn.Module):
@@ -115,16 +113,16 @@ def _score(fp_file: str, fp_digest: str, path: Path, entry, splits, params, out:
     batches, labels = test_draw(entry, splits, params)
     reference = _Replay(fp_outputs(fp_file, fp_digest, entry, splits, params))
     scores = score_examples(reference, OnnxModel(path), batches, labels, desc=f"{model} {row} in ONNX Runtime")
-    return str(save_examples(path, scores, _scores_file(out, model, row).parent))
+    return str(save_examples(path, scores, Path(out) / "examples" / model))
 
 
 @task(cache_policy=CACHE, persist_result=True, task_run_name="deploy FP32 graph {model}")
 def graph_task(model: str, model_file: str, model_digest: str, raw: str, raw_digest: str, params, seed: int,
                out: str, code: str) -> dict:
     """The model's FP32 ONNX graph: ``{file, bytes}``."""
-    entry, net, _, cal = _setup(model, model_file, raw, params, seed)
     import onnx
 
+    _, net, _, _, cal = _setup(model, model_file, raw, params, seed)
     path = Path(out) / model / "fp32.onnx"
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(graph_of(net, cal[0]), str(path))
@@ -136,7 +134,7 @@ def peer_task(model: str, peer: str, fp_file: str, fp_digest: str, model_file: s
               raw_digest: str, params, seed: int, out: str, code: str) -> dict:
     """ONNX Runtime's quantiser ``peer`` on the FP32 graph, scored: the row's record."""
     p = deploy_peer(peer)
-    entry, _, splits, cal = _setup(model, model_file, raw, params, seed)
+    entry, _, splits, _, cal = _setup(model, model_file, raw, params, seed)
     path = Path(out) / model / f"{p.name}.onnx"
     start = time.perf_counter()
     ort_quantize(fp_file, p, path, cal, params.deploy.accuracy_level)
@@ -157,7 +155,7 @@ def peer_task(model: str, peer: str, fp_file: str, fp_digest: str, model_file: s
 def row_task(model: str, method: str, budget: float, fp_file: str, fp_digest: str, model_file: str,
              model_digest: str, raw: str, raw_digest: str, params, seed: int, out: str, code: str) -> dict:
     """``method`` under the onnxruntime target at ``budget``, exported and scored: the row's record."""
-    entry, net, splits, cal = _setup(model, model_file, raw, params, seed)
+    entry, net, splits, idx, cal = _setup(model, model_file, raw, params, seed)
     row = row_label(method, budget)
     path = Path(out) / model / f"{row}.onnx"
     cfg, quant = targeted(method_config(method, params, budget, seed), method, TARGET, path)
@@ -166,9 +164,10 @@ def row_task(model: str, method: str, budget: float, fp_file: str, fp_digest: st
     res = quantize_with(net, cfg, budget, Inputs(
         calibration=cal, selection=selection_batches(entry, splits, params.data, params.calibration, seed),
         exclude=tuple(params.excluded(model)) + tuple(held))).result
-    ex = export_onnx(res.model, res.weights, cal[0], path, accuracy_level=params.deploy.accuracy_level,
-                     metadata={"bayesq.model": model, "bayesq.method": method, "bayesq.budget": str(budget),
-                               "bayesq.seed": str(seed), "bayesq.code_version": code})
+    src = raw_path(entry, Path(raw))  # the lineage as every export holds it (not keyed: a cache hit keeps the file's)
+    meta = row_metadata(model, method, budget, seed, code, export_lineage(params),
+                        input_lineage(model_file, str(src), raw_digest, None, idx))
+    ex = export_onnx(res.model, res.weights, cal[0], path, accuracy_level=params.deploy.accuracy_level, metadata=meta)
     seconds = time.perf_counter() - start
     return {"model": model, "row": row, "method": method, "kind": "ours", "budget": budget, "file": str(path),
             "file_bytes": ex.file_bytes, "seconds": seconds, "weights": ex.quantized_weights,
@@ -245,7 +244,8 @@ def shape_text(inputs: dict[int, object]) -> str:
     return ", ".join(f"batch {b}: {shape(x)}" for b, x in inputs.items()) + " (test examples drawn at random)"
 
 
-def report_markdown(rows: list[dict], speed: dict[str, dict], shapes: dict[str, str], params) -> str:
+def report_markdown(rows: list[dict], speed: dict[str, dict], shapes: dict[str, str], fp_bytes: dict[str, int],
+                    params) -> str:
     """``reports/deploy.md``: per model, every file's true bits, size, fidelity and latency against
     FP32; then BayesQ against each peer at its bits and against our GPTQ, paired."""
     cfg = params.deploy
@@ -266,7 +266,7 @@ def report_markdown(rows: list[dict], speed: dict[str, dict], shapes: dict[str, 
                   "| file | bits / weight | MB | KL | agreement % | accuracy % | "
                   + " | ".join(f"batch {b}: ms (× FP32)" for b in cfg.batches) + " |",
                   "|---|---|---|---|---|---|" + "---|" * len(cfg.batches)]
-        fp_mb = mine[0].get("fp_bytes", 0) / 1e6
+        fp_mb = fp_bytes[model] / 1e6
         fp_acc = next((r["fidelity"]["accuracy_fp"] for r in mine if r.get("fidelity", {}).get("accuracy_fp") is not None),
                       None)
         lines.append(f"| FP32 | 32 | {fp_mb:.2f} | – | – | {'–' if fp_acc is None else f'{100 * fp_acc:.2f}'} | "
@@ -305,7 +305,7 @@ def deploy_flow(params_path: Path, raw: Path, models: Path, out: Path, report: P
     """Every file of every model (cached tasks), their latencies, then ``<out>/deploy.json`` and ``report``."""
     params = read_params(params_path)
     cfg, seed, code = params.deploy, params.seeds[0], code_version()
-    records, speed, shapes = [], {}, {}
+    records, speed, shapes, fp_bytes = [], {}, {}, {}
     with mlflow_parent("bayesq-deploy", "deploy", params.profile, {}, params_path) as parent:
         write_run_file(Path(out), parent)
         for model in cfg.models:
@@ -328,8 +328,7 @@ def deploy_flow(params_path: Path, raw: Path, models: Path, out: Path, report: P
                 for budget in dict.fromkeys(bs):
                     say(f"[deploy] {model}: {method} at {budget} bits for ONNX Runtime")
                     mine.append(row_task(model, method, float(budget), fp["file"], fdig, *args))
-            for r in mine:
-                r["fp_bytes"] = fp["bytes"]
+            fp_bytes[model] = fp["bytes"]
             records += mine
             inputs = latency_batches(entry, params, str(raw))
             speed[model] = latencies(model, {"fp32": fp["file"], **{r["row"]: r["file"] for r in mine}}, inputs, params)
@@ -348,9 +347,9 @@ def deploy_flow(params_path: Path, raw: Path, models: Path, out: Path, report: P
                           "accuracy_level": cfg.accuracy_level, **extra},
                          metrics, {"profile": params.profile, "code_version": code}, seconds=r["seconds"],
                          artifacts=lambda client, run_id, path=r["file"]: client.log_artifact(run_id, path))
-    write_json(Path(out) / "deploy.json", {"rows": rows, "latency_ms": speed})
+    write_json(Path(out) / "deploy.json", {"rows": rows, "latency_ms": speed, "fp32_bytes": fp_bytes})
     Path(report).parent.mkdir(parents=True, exist_ok=True)
-    Path(report).write_text(report_markdown(rows, speed, shapes, params))
+    Path(report).write_text(report_markdown(rows, speed, shapes, fp_bytes, params))
     say(f"[deploy] {len(rows)} files: {report}")
     return rows
 

@@ -12,8 +12,7 @@ from torch import nn
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-from bayesq.harness.models.config import DataConfig  # noqa: E402
-from bayesq.harness.models.zoo import Splits, register, unregister  # noqa: E402
+from bayesq.harness.models.zoo import register, unregister  # noqa: E402
 from flows.params import deploy_peer, load_params  # noqa: E402
 from test_flows import TinyEntry  # noqa: E402
 
@@ -31,19 +30,11 @@ class TinyTokenEntry(TinyEntry):
     """16x16 images whose label is the brightened quadrant, read as two tokens of 128 pixels."""
 
     name = "tiny-tokens"
+    side = 16
 
     def build(self, pretrained: bool = True) -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(_Tokens(), nn.Linear(128, 32), nn.ReLU(), nn.Flatten(), nn.Linear(64, 4))
-
-    def load_splits(self, data: DataConfig, raw: Path) -> Splits:
-        g = torch.Generator().manual_seed(0)
-        y = torch.randint(0, 4, (400,), generator=g)
-        x = torch.randint(0, 120, (400, 16, 16), generator=g, dtype=torch.uint8)
-        for i, q in enumerate(y.tolist()):
-            r, c = divmod(q, 2)
-            x[i, 8 * r:8 * r + 8, 8 * c:8 * c + 8] += 120
-        return Splits(x[:300], y[:300], x[300:], y[300:])
 
 
 @pytest.fixture
@@ -168,6 +159,10 @@ def test_deploy_flow_end_to_end(tmp_path, prefect_harness, token_entry):
     for p in peers:
         at = by[row_label("bayesq", round(by[p]["avg_bits"], 4))]
         assert p in at["vs_peers"]
+    import onnx
+
+    meta = {m.key: m.value for m in onnx.load(by["bayesq-b3.0"]["file"]).metadata_props}
+    assert meta["method"] == "bayesq" and meta["checkpoint_sha256"] and meta["calibration_indices"] != "none"
     saved = read_json(out / "deploy.json")
     assert set(saved["latency_ms"]["tiny-tokens"]) == {"fp32", *by} and saved["rows"] == rows
     text = report.read_text()

@@ -26,13 +26,16 @@ class TinyEntry(ZooEntry):
             nn.Flatten(), nn.Linear(8 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, 4),
         )
 
+    side = 8  # image side
+
     def load_splits(self, data: DataConfig, raw: Path) -> Splits:
         g = torch.Generator().manual_seed(0)
         y = torch.randint(0, 4, (400,), generator=g)
-        x = torch.randint(0, 120, (400, 8, 8), generator=g, dtype=torch.uint8)
+        x = torch.randint(0, 120, (400, self.side, self.side), generator=g, dtype=torch.uint8)
+        h = self.side // 2
         for i, q in enumerate(y.tolist()):
             r, c = divmod(q, 2)
-            x[i, 4 * r:4 * r + 4, 4 * c:4 * c + 4] += 120
+            x[i, h * r:h * r + h, h * c:h * c + h] += 120
         return Splits(x[:300], y[:300], x[300:], y[300:])
 
     def batches(self, inputs, batch_size: int, data: DataConfig):
