@@ -12,7 +12,10 @@ zero-points packed the same way per row, (N * ceil(blocks * bits / 8),) uint8.
 
 A layer whose rows hold several widths (BayesQ's within-layer allocation, one width per output
 row) becomes one ``MatMulNBits`` node per width over that width's rows, their outputs
-concatenated and put back in row order by one ``Gather`` (its int32 indices are stored too).
+concatenated and put back in row order by one ``Gather`` (its int32 indices are stored too). A
+layer with a stored per-input-channel scale ``s`` (AWQ: ``W_hat = decoded / s``) reads its input
+divided by ``s`` first, ``Y = (A / s) decoded^T``: one ``Div`` node, ``s`` stored as float16 (as
+AWQ counts it) and cast to float32 once by the runtime.
 
 The graph is the quantised model's own ONNX export (``torch.onnx.export``, dynamo, batch and
 sequence axes dynamic); each quantised layer's ``MatMul`` / ``Gemm`` is found by the value of
@@ -137,8 +140,10 @@ def unsupported(qw: QuantizedWeight) -> str:
     lb = qw.blocks
     if len(lb.shape) != 2:
         return "a convolution: MatMulNBits holds matrices (kept in floating point)"
-    if qw.col_scale is not None or qw.split is not None:
-        return "per-input-channel scales or split channels, which MatMulNBits does not store"
+    if qw.split is not None:
+        return "split input channels (OCS), which MatMulNBits does not store"
+    if qw.col_scale is not None and qw.col_scale.shape[0] != 1:
+        return "per-input-channel scales of a grouped layer (one Div on the input holds one scale per channel)"
     if any(not isinstance(book, UniformGrids) for book in qw.books.values()):
         return "a codebook other than uniform grids (MatMulNBits stores scale * (code - zero))"
     if not set(qw.books) <= set(WIDTHS):
@@ -164,7 +169,7 @@ class OnnxExport:
         kept: quantised layer -> why it is in floating point in the file.
         file_bytes: size of the file.
         quantized_bits: bits the file stores for the quantised layers (packed codes, scales,
-            zero-points, row-order indices), and ``quantized_weights`` the weights they hold.
+            zero-points, row-order indices, input scales), and ``quantized_weights`` the weights they hold.
         accuracy_level: the ``MatMulNBits`` accuracy level written (1: float32 compute,
             4: int8 activations).
         metadata: the file's ``metadata_props`` (the layers quantised and kept, the caller's).
@@ -279,16 +284,25 @@ def _drop_unused(graph) -> None:
 
 
 def _replacement(node, is_gemm: bool, name: str, segs: list[Segment], k: int, n: int, accuracy_level: int,
-                 use: int = 0) -> tuple[list, list, int]:
+                 use: int = 0, col_scale: np.ndarray | None = None) -> tuple[list, list, int]:
     """(nodes, initializers, bits stored): MatMulNBits nodes for ``segs`` computing ``node``'s
     output. ``use`` > 0: another node reading the same (tied) weight, whose initializers the
-    first use added (none added, no bits counted)."""
-    from onnx import helper, numpy_helper
+    first use added (none added, no bits counted). ``col_scale``: (K,) float16 per-input-channel
+    scale ``s``, the input divided by it first."""
+    from onnx import TensorProto, helper, numpy_helper
 
     a, out = node.input[0], node.output[0]
     tag = name.replace(".", "_")
     at = f"{tag}_{use}" if use else tag  # node and value names of this use
     new, inits, stored = [], [], 0
+    if col_scale is not None:
+        if not use:
+            inits.append(numpy_helper.from_array(col_scale, f"{tag}_in_scale"))
+            stored += 16 * col_scale.size
+        new += [helper.make_node("Cast", [f"{tag}_in_scale"], [f"{at}_in_scale32"], name=f"{at}_in_scale_Cast",
+                                 to=TensorProto.FLOAT),
+                helper.make_node("Div", [a, f"{at}_in_scale32"], [f"{at}_scaled_in"], name=f"{at}_in_scale_Div")]
+        a = f"{at}_scaled_in"
     mm_out = out if not is_gemm or len(node.input) < 3 else f"{at}_mm"
     parts = []
     for s in segs:
@@ -350,9 +364,10 @@ def export_onnx(qmodel: nn.Module, weights: Mapping[str, QuantizedWeight], batch
             kept[name] = why
             continue
         segs = segments(qw)
+        s = None if qw.col_scale is None else qw.col_scale.reshape(-1).cpu().numpy().astype(np.float16)
         for use, (at, is_gemm) in enumerate(hits):  # a tied weight: one initializer, read by each node
             new, add, stored = _replacement(graph.node[at], is_gemm, name, segs, w.shape[1], w.shape[0],
-                                            accuracy_level, use)
+                                            accuracy_level, use, s)
             swap[at] = new
             inits += add
             bits += stored

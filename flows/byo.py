@@ -195,7 +195,8 @@ def max_logit_diff(a: torch.nn.Module, b: torch.nn.Module, batches: list) -> flo
     return max(float((p - q).abs().max()) for p, q in zip(za, zb))
 
 
-TARGET_METHODS = ("bayesq", "gptq", "optq", "rtn-group")  # their encodings are what MatMulNBits stores
+TARGET_METHODS = ("bayesq", "gptq", "optq", "awq", "rtn-group")  # their encodings are what MatMulNBits stores
+#: (AWQ: its per-input-channel scales as a Div on the layer's input)
 
 
 def relabelled(unquantized: Mapping[str, str], held: Mapping[str, str]) -> dict[str, str]:
@@ -222,7 +223,7 @@ def targeted(configs: tuple, method: str, target: str, out: Path) -> tuple:
     if method not in TARGET_METHODS:
         raise ValueError(f"--target {t.name} quantises with --method {', '.join(TARGET_METHODS)}; --method {method} "
                          "writes BayesQ's own format (.safetensors) (its encodings hold what MatMulNBits does not "
-                         "store, e.g. AWQ's per-input-channel scales)")
+                         "store, e.g. OCS's split input channels)")
     if out.suffix != t.suffix:
         raise ValueError(f"--target {t.name} writes a {t.suffix} file: pass --out {out.with_suffix(t.suffix).name}")
     inside = cfg.quant.for_target(t.name)  # a BayesQ row's or a baseline's settings

@@ -9,14 +9,14 @@ the ``onnxruntime`` target, :mod:`bayesq.targets`):
 * the FP32 graph: the model's own ONNX export (:func:`bayesq.onnx_export.graph_of`);
 * ONNX Runtime's own quantisers on it (``deploy.peers``: RTN, HQQ, GPTQ at a width and block,
   :mod:`bayesq.baselines.ort`), GPTQ reading the same calibration inputs as every other row;
-* each method of ``deploy.methods`` (BayesQ, our GPTQ) under the target at each of
+* each method of ``deploy.methods`` (BayesQ, our GPTQ and AWQ) under the target at each of
   ``deploy.budgets``, and BayesQ again at each peer's true bits (the bits its ``MatMulNBits``
   tensors hold per weight), each written by :func:`bayesq.onnx_export.export_onnx`.
 
 Every file runs in ONNX Runtime on the same test examples (at most ``deploy.test_examples`` of the
 test split, a seeded subset) and is compared with the FP32 graph's outputs there
 (:func:`bayesq.fidelity.score_examples`: KL, top-1 agreement, accuracy); BayesQ minus each peer
-and minus our GPTQ is paired on those examples with 95 % intervals. Latency: median of
+and minus our GPTQ and AWQ at the same budget is paired on those examples with 95 % intervals. Latency: median of
 ``deploy.repeats`` calls at each of ``deploy.batches`` (test examples), ``deploy.threads`` threads,
 every file of a model timed in one run next to its FP32 graph. Layers the format cannot hold
 (convolutions) stay in floating point and are listed with their reason.
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from prefect import flow, task
 
-from bayesq.baselines.ort import matmulnbits_bits, ort_quantize
+from bayesq.baselines.ort import PeerAlgorithm, matmulnbits_bits, ort_quantize
 from bayesq.comparison import paired_difference
 from bayesq.fidelity import fidelity_report, score_examples
 from bayesq.harness.data.sentiment import seeded_permutation
@@ -50,7 +50,7 @@ from flows.lineage import export_lineage, input_lineage, row_metadata
 from flows.params import deploy_peer
 from flows.prepare import calibration_batches, selection_batches
 from flows.report import ci_text
-from flows.tracking import flow_run_namer, mlflow_child, mlflow_parent, row_params, say, write_run_file
+from flows.tracking import flow_run_namer, heartbeat, mlflow_child, mlflow_parent, row_params, say, write_run_file
 
 TARGET = "onnxruntime"
 BATCH = 64  # test examples per scoring pass
@@ -137,7 +137,11 @@ def peer_task(model: str, peer: str, fp_file: str, fp_digest: str, model_file: s
     entry, _, splits, _, cal = _setup(model, model_file, raw, params, seed)
     path = Path(out) / model / f"{p.name}.onnx"
     start = time.perf_counter()
-    ort_quantize(fp_file, p, path, cal, params.deploy.accuracy_level)
+    if p.algorithm is PeerAlgorithm.GPTQ:  # minutes (MiniLM: ~3 on 2 cores) without progress output of its own
+        say(f"[deploy] {model}: ONNX Runtime's GPTQ runs the graph on the calibration inputs once per layer "
+            "(no progress of its own; a line every 30 s)")
+    with heartbeat(f"[deploy] {model} {p.name}"):
+        ort_quantize(fp_file, p, path, cal, params.deploy.accuracy_level)
     seconds = time.perf_counter() - start
     stored, weights = matmulnbits_bits(path)
     record = {"model": model, "row": p.name, "method": p.name, "kind": "peer", "file": str(path),
@@ -180,7 +184,7 @@ def row_task(model: str, method: str, budget: float, fp_file: str, fp_digest: st
 def summarise(records: list[dict]) -> list[dict]:
     """Each scored row's KL / agreement / accuracy with 95 % intervals, and, for BayesQ, its
     paired differences: at each peer's bits minus that peer (``vs_peers``), at each budget minus
-    our GPTQ at the same budget (``vs_gptq``); each ``{kl, agreement, accuracy}`` of
+    each other method of ours at the same budget (``vs_ours``: GPTQ, AWQ); each ``{kl, agreement, accuracy}`` of
     ``{diff, ci_low, ci_high}`` (points for the last two)."""
     scores = {(r["model"], r["row"]): load_examples(Path(r["examples"])) for r in records if "examples" in r}
     out = []
@@ -194,9 +198,10 @@ def summarise(records: list[dict]) -> list[dict]:
                 if other["model"] != r["model"] or "examples" not in other:
                     continue
                 at_its_bits = other["kind"] == "peer" and round(other["avg_bits"], 4) == round(r["budget"], 4)
-                same_budget = other["method"] == "gptq" and other["budget"] == r["budget"]
+                same_budget = (other["kind"] == "ours" and other["method"] != "bayesq"
+                               and other["budget"] == r["budget"])
                 if at_its_bits or same_budget:
-                    key = "vs_peers" if at_its_bits else "vs_gptq"
+                    key = "vs_peers" if at_its_bits else "vs_ours"
                     s.setdefault(key, {})[other["row"]] = _paired(mine, scores[other["model"], other["row"]])
         out.append(s)
     return out
@@ -247,14 +252,14 @@ def shape_text(inputs: dict[int, object]) -> str:
 def report_markdown(rows: list[dict], speed: dict[str, dict], shapes: dict[str, str], fp_bytes: dict[str, int],
                     params) -> str:
     """``reports/deploy.md``: per model, every file's true bits, size, fidelity and latency against
-    FP32; then BayesQ against each peer at its bits and against our GPTQ, paired."""
+    FP32; then BayesQ against each peer at its bits and against our GPTQ and AWQ, paired."""
     cfg = params.deploy
     lines = ["# Deployed in ONNX Runtime", "",
              f"Written by the `deploy` stage (`flows/deploy.py`). Every file is an ONNX graph whose quantised "
              f"layers are `MatMulNBits` nodes, run by ONNX Runtime on the CPU at accuracy level {cfg.accuracy_level} "
              f"and compared with the model's FP32 ONNX graph on the same {cfg.test_examples} test examples at most "
              "(KL(p_FP ‖ p_Q) in nats, top-1 agreement and accuracy in %, each with its 95 % interval). BayesQ and "
-             "our GPTQ quantise for the `onnxruntime` target (widths 2 / 4 / 8, float32 scales, every stored bit "
+             "our GPTQ and AWQ quantise for the `onnxruntime` target (widths 2 / 4 / 8, float32 scales, every stored bit "
              "counted); ONNX Runtime's own quantisers (`ort-…`) run on the FP32 graph. Bits: what the file's "
              "MatMulNBits tensors store per weight they hold. Latency: median of "
              f"{cfg.repeats} calls, {cfg.threads} threads, ratio FP32 / file (above 1: faster). Differences are paired "
@@ -285,7 +290,7 @@ def report_markdown(rows: list[dict], speed: dict[str, dict], shapes: dict[str, 
         lines += ["", "BayesQ minus the other file, paired on the same test examples:", "",
                   "| BayesQ | against | KL | agreement (points) | accuracy (points) |", "|---|---|---|---|---|"]
         for r in mine:
-            for key in ("vs_peers", "vs_gptq"):
+            for key in ("vs_peers", "vs_ours"):
                 for other, d in r.get(key, {}).items():
                     acc = ci_text(d["accuracy"], "+.2f") if "accuracy" in d else "–"
                     lines.append(f"| {r['row']} | {other} | {ci_text(d['kl'], '+.5f')} | "

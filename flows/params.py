@@ -416,7 +416,7 @@ class ShiftConfig:
                                else tuple(c["calibrate"]), tuple(c["test"])) for name, c in self.cases.items())
 
 
-DEPLOY_METHODS = (Method.BAYESQ, Method.GPTQ)  # the methods whose encodings MatMulNBits stores, BayesQ and its rival
+DEPLOY_METHODS = (Method.BAYESQ, Method.GPTQ, Method.AWQ)  # methods whose encodings MatMulNBits stores: BayesQ, its rivals
 
 
 def _peer_problem(name: Any) -> str:

@@ -261,8 +261,8 @@ def test_cli_target_onnxruntime_writes_an_onnx_file_checked_in_onnx_runtime(byo_
     for extra, message in ((["--target", "tensorrt", "--out", str(never)], "target 'tensorrt' does not exist"),
                            (["--target", "onnxruntime", "--out", str(tmp_path / "never.safetensors")],
                             "writes a .onnx file: pass --out never.onnx"),
-                           (["--target", "onnxruntime", "--method", "awq", "--out", str(never)],
-                            "--target onnxruntime quantises with --method bayesq, gptq, optq, rtn-group")):
+                           (["--target", "onnxruntime", "--method", "ocs", "--out", str(never)],
+                            "--target onnxruntime quantises with --method bayesq, gptq, optq, awq, rtn-group")):
         res = _quantize(*argv, *extra)
         assert res.exit_code == 1 and message in " ".join(res.output.split()), res.output
     assert not never.exists() and not (tmp_path / "never.safetensors").exists()

@@ -56,7 +56,7 @@ def test_params_yaml_deploy_section_loads_in_every_profile():
     ({"peers": ["rtn-3b-b128"]}, r"deploy\.peers = \('rtn-3b-b128',\): each peer is <rtn\|hqq\|gptq>"),
     ({"peers": ["gptq-2b-b64"]}, r"deploy\.peers"),
     ({"peers": ["rtn4-b128"]}, r"deploy\.peers"),
-    ({"methods": ["awq"]}, r"deploy\.methods = \['awq'\]: choose from \['bayesq', 'gptq'\]"),
+    ({"methods": ["ocs"]}, r"deploy\.methods = \['ocs'\]: choose from \['bayesq', 'gptq', 'awq'\]"),
     ({"models": ["lite0"]}, r"deploy\.models = 'lite0': unknown model"),
     ({"accuracy_level": 0}, r"deploy\.accuracy_level = 0: MatMulNBits' accuracy levels are 1"),
     ({"budget": [3.0]}, r"deploy.*budget"),
@@ -110,7 +110,7 @@ def test_ort_rtn_peer_vs_numpy_round_to_nearest(tmp_path):
 
 def test_deploy_flow_end_to_end(tmp_path, prefect_harness, token_entry):
     """The tiny model through the whole stage: ONNX Runtime's RTN and GPTQ peers (its first layer,
-    a MatMul; the Gemm head stays in float there), BayesQ and our GPTQ at 3.0 and 4.0 bits, BayesQ
+    a MatMul; the Gemm head stays in float there), BayesQ, our GPTQ and AWQ at 3.0 and 4.0 bits, BayesQ
     again at each peer's bits; every file scored in ONNX Runtime against the FP32 graph; BayesQ's
     paired differences recomputed from the saved examples; the report and the timings."""
     from flows.byo import load_examples
@@ -136,8 +136,8 @@ def test_deploy_flow_end_to_end(tmp_path, prefect_harness, token_entry):
     peers = {"ort-rtn-4b-b32", "ort-gptq-4b-b32"}
     assert peers <= set(by) and all(by[p]["weights"] == 128 * 32 for p in peers)  # the MatMul, not the Gemm head
     peer_bits = {round(by[p]["avg_bits"], 4) for p in peers}
-    assert {row_label("bayesq", b) for b in (3.0, 4.0, *peer_bits)} | {row_label("gptq", 3.0), row_label("gptq", 4.0)} \
-        | peers == set(by)
+    assert {row_label("bayesq", b) for b in (3.0, 4.0, *peer_bits)} | peers \
+        | {row_label(m, b) for m in ("gptq", "awq") for b in (3.0, 4.0)} == set(by)
     for r in rows:
         assert Path(r["file"]).is_file() and r["fidelity"]["n"] == 80
         if r["kind"] == "ours":
@@ -155,7 +155,8 @@ def test_deploy_flow_end_to_end(tmp_path, prefect_harness, token_entry):
     assert torch.equal(direct.kl, load_examples(Path(by["gptq-b3.0"]["examples"])).kl)
     bq = by[row_label("bayesq", 4.0)]
     mine, gptq = (load_examples(Path(by[k]["examples"])) for k in (row_label("bayesq", 4.0), row_label("gptq", 4.0)))
-    assert bq["vs_gptq"]["gptq-b4.0"]["kl"] == pytest.approx(paired_difference(mine.kl, gptq.kl).as_dict(), rel=1e-9)
+    assert bq["vs_ours"]["gptq-b4.0"]["kl"] == pytest.approx(paired_difference(mine.kl, gptq.kl).as_dict(), rel=1e-9)
+    assert set(bq["vs_ours"]) == {"gptq-b4.0", "awq-b4.0"}
     for p in peers:
         at = by[row_label("bayesq", round(by[p]["avg_bits"], 4))]
         assert p in at["vs_peers"]

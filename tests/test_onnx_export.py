@@ -4,6 +4,7 @@ quantised model, the layouts the format cannot hold, and a run with only onnxrun
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -125,6 +126,10 @@ def test_unsupported_layouts_name_their_reason():
     assert "change within a row" in unsupported(random_quantized((4, 128), 64, bit_choices=(2, 4), seed=2,
                                                                  row_aligned=True))
     assert "convolution" in unsupported(random_quantized((4, 2, 3, 3), 16, bit_choices=(4,)))
+    qw = _channel_weight(shape=(4, 64))
+    assert "split input channels" in unsupported(replace(qw, split=torch.tensor([0])))
+    assert "grouped layer" in unsupported(replace(qw, col_scale=torch.ones(2, 64, dtype=torch.float64)))
+    assert unsupported(replace(qw, col_scale=torch.ones(1, 64, dtype=torch.float64))) == ""
     with pytest.raises(OnnxExportError, match="w: a convolution"):
         segments(random_quantized((4, 2, 3, 3), 16, bit_choices=(4,)))
 
@@ -240,6 +245,31 @@ def test_one_width_per_layer_has_one_node_per_layer_and_costs_what_the_file_stor
     outs = {o for n in nodes if n.op_type == "MatMulNBits" for o in n.output}
     assert sum(n.op_type == "MatMulNBits" for n in nodes) == len(res.weights)
     assert not [n.name for n in nodes if n.op_type in ("Concat", "Gather") and set(n.input) & outs]
+    test = _text_batches(1, b=5, t=13, seed=9)[0]
+    want = res.model(**test).logits.detach().numpy()
+    assert np.abs(run_onnx(ex.path, test) - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+
+
+def test_awq_scales_become_a_div_on_the_input_and_cost_what_the_file_stores(tmp_path):
+    """AWQ under the onnxruntime target: every layer MatMulNBits, each scaled layer's input divided
+    by its float16 scales first (one Div per scaled layer), the allocation's bits (scales
+    included) the file's to the bit, and ONNX Runtime's logits those of AWQ's quantised model."""
+    import onnx
+
+    from bayesq.baselines.awq import AWQConfig
+    from bayesq.config import QuantConfig
+    from bayesq.methods import Inputs, quantize_with
+
+    model = _tiny_bert()
+    res = quantize_with(model, AWQConfig(QuantConfig().for_target("onnxruntime", block=64), select=False), 3.5,
+                        Inputs(calibration=_text_batches(3))).result
+    scaled = [k for k, qw in res.weights.items() if qw.col_scale is not None]
+    assert scaled
+    ex = export_onnx(res.model, res.weights, _text_batches(1)[0], tmp_path / "awq.onnx", accuracy_level=1)
+    assert set(ex.quantized) == set(res.weights) and not ex.kept
+    assert res.allocation.total_bits == ex.quantized_bits
+    nodes = onnx.load(str(ex.path)).graph.node
+    assert sum(n.op_type == "Div" and n.name.endswith("_in_scale_Div") for n in nodes) == len(scaled)
     test = _text_batches(1, b=5, t=13, seed=9)[0]
     want = res.model(**test).logits.detach().numpy()
     assert np.abs(run_onnx(ex.path, test) - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
