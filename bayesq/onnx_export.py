@@ -125,7 +125,11 @@ def segments(qw: QuantizedWeight) -> list[Segment]:
 #: 0.17-0.44x at level 1 (whose 8-bit kernels are slow fallbacks), for +0.00005 to +0.00009 KL.
 ACCURACY_LEVEL = 4
 
-CONVOLUTION = "a convolution: the onnxruntime target holds Linear layers as MatMulNBits (kept in floating point)"
+#: Measured on lite0 (docs/findings.md, ``benchmarks/onnx_speed.py --convolutions``): ONNX Runtime
+#: dequantises a weight-only ``DequantizeLinear`` -> ``Conv`` on every call, 4-7x slower than FP32,
+#: or (``session.disable_quant_qdq``) folds it into a float weight at load: FP32 speed and memory.
+CONVOLUTION = ("a convolution: ONNX Runtime has no weight-only low-bit Conv kernel (DequantizeLinear -> Conv ran "
+               "4-7x slower than FP32 on lite0), so it stays in floating point")
 
 
 def convolutions(model: nn.Module) -> dict[str, str]:

@@ -21,6 +21,16 @@ layer shapes, at each width and accuracy level (random codes, block 128), 1 and 
 kernels are fast.
 
     python benchmarks/onnx_speed.py --layers [--threads 2]
+
+``--convolutions FP32.onnx``: instead, what weight-only convolutions cost in ONNX Runtime: every
+``Conv`` of an FP32 graph (e.g. the deploy stage's ``results-deploy/lite0-fmnist/fp32.onnx``) fed
+by a standard ``DequantizeLinear`` of 8- or 4-bit codes (opset 21, min/max round-to-nearest, one
+scale and zero-point per output channel, zero on the grid), timed in a default session and in one
+with ``session.disable_quant_qdq`` (which lets the runtime fold the dequantisation into a float
+weight at load), next to FP32 on random inputs of the graph's shape. Printed: size on disk,
+latency and ratio, largest logit difference to FP32 (random inputs: not a fidelity measure).
+
+    python benchmarks/onnx_speed.py --convolutions results-deploy/lite0-fmnist/fp32.onnx [--threads 2]
 """
 
 from __future__ import annotations
@@ -111,9 +121,88 @@ def layer_table(threads: int, repeats: int) -> None:
             print(f"| {k} x {n}, {rows} | {1e3 * fp:.0f} | " + " | ".join(cells) + " |", flush=True)
 
 
+def dequantized_convolutions(fp: Path, bits: int, dst: Path) -> Path:
+    """``fp`` with every Conv weight initializer as ``DequantizeLinear`` of ``bits``-bit codes
+    (uint8 / uint4, per output channel, min/max grid through zero), opset 21."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    m = onnx.load(str(fp))
+    for o in m.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            o.version = max(o.version, 21)  # blocked / 4-bit DequantizeLinear
+    g = m.graph
+    inits = {i.name: i for i in g.initializer}
+    dtype, top = (TensorProto.UINT4 if bits == 4 else TensorProto.UINT8), 2**bits - 1
+    nodes, gone = [], set()
+    for node in g.node:
+        if node.op_type == "Conv" and node.input[1] in inits:
+            name = node.input[1]
+            w = numpy_helper.to_array(inits[name])
+            flat = w.reshape(w.shape[0], -1).astype(np.float64)
+            lo, hi = np.minimum(flat.min(1), 0), np.maximum(flat.max(1), 0)
+            scale = np.maximum(hi - lo, 1e-12) / top
+            zero = np.clip(np.round(-lo / scale), 0, top)
+            codes = np.clip(np.round(flat / scale[:, None]) + zero[:, None], 0, top).astype(np.uint8)
+            g.initializer.extend([helper.make_tensor(f"{name}_codes", dtype, w.shape, codes.reshape(-1).tolist()),
+                                  numpy_helper.from_array(scale.astype(np.float32), f"{name}_scale"),
+                                  helper.make_tensor(f"{name}_zero", dtype, zero.shape, zero.astype(np.uint8).tolist())])
+            nodes.append(helper.make_node("DequantizeLinear", [f"{name}_codes", f"{name}_scale", f"{name}_zero"],
+                                          [f"{name}_dq"], name=f"{name}_DequantizeLinear", axis=0))
+            node.input[1] = f"{name}_dq"
+            gone.add(name)
+        nodes.append(node)
+    del g.node[:]
+    g.node.extend(nodes)
+    kept = [i for i in g.initializer if i.name not in gone]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    onnx.save(m, str(dst))
+    return dst
+
+
+def conv_table(fp: Path, out: Path, batches: list[int], threads: int, repeats: int) -> None:
+    """FP32 Conv against DequantizeLinear -> Conv at 8 and 4 bits, in a default session and with
+    the dequantisation folded at load."""
+    files = {"fp32": fp, **{f"dq-{b}bit": dequantized_convolutions(fp, b, out / f"dq{b}.onnx") for b in (8, 4)}}
+
+    def session(path: Path, fold: bool) -> ort.InferenceSession:
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        if fold:
+            opts.add_session_config_entry("session.disable_quant_qdq", "1")
+        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+    runs = {f"{k} ({'folded at load' if fold else 'default session'})": session(f, fold)
+            for k, f in files.items() for fold in ((False,) if k == "fp32" else (False, True))}
+    first = next(iter(runs.values())).get_inputs()[0]
+    rng = np.random.default_rng(0)
+    feeds = {b: {first.name: rng.standard_normal((b, *first.shape[1:])).astype(np.float32)} for b in batches}
+    ref = {b: runs["fp32 (default session)"].run(None, feeds[b])[0] for b in batches}
+    times = {k: {b: [] for b in batches} for k in runs}
+    for _ in range(repeats + 1):  # interleaved, the first round a warm-up
+        for k, s in runs.items():
+            for b in batches:
+                t = time.perf_counter()
+                s.run(None, feeds[b])
+                times[k][b].append(time.perf_counter() - t)
+    ms = {k: {b: 1e3 * statistics.median(v[1:]) for b, v in t.items()} for k, t in times.items()}
+    base = ms["fp32 (default session)"]
+    n = sum(node.op_type == "Conv" for node in onnx.load(str(fp)).graph.node)
+    print(f"ONNX Runtime {ort.__version__}, intra_op_num_threads={threads}, {n} Conv nodes, input {first.shape}, "
+          f"median of {repeats} interleaved calls; ratios: FP32 latency / file latency (above 1: faster)")
+    print("| file | MB | " + " | ".join(f"batch {b}: ms (x FP32)" for b in batches) + " | largest logit diff to FP32 |")
+    print("|---|---|" + "---|" * len(batches) + "---|")
+    for k, s in runs.items():
+        diff = max(float(np.abs(s.run(None, feeds[b])[0] - ref[b]).max()) for b in batches)
+        size = files[k.split(" ")[0]].stat().st_size / 1e6
+        print(f"| {k} | {size:.1f} | " + " | ".join(f"{ms[k][b]:.2f} ({base[b] / ms[k][b]:.2f}x)" for b in batches)
+              + f" | {diff:.3g} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", action="store_true", help="the per-width layer table instead (no model needed)")
+    p.add_argument("--convolutions", type=Path, help="an FP32 .onnx: its Conv layers as DequantizeLinear -> Conv")
     p.add_argument("--model", help="the Hugging Face folder the BayesQ file was made from")
     p.add_argument("--onnx", type=Path, nargs="+", help="BayesQ .onnx files (each also run at accuracy level 4)")
     p.add_argument("--tokens", type=int, default=128)
@@ -124,6 +213,9 @@ def main() -> None:
     a = p.parse_args()
     if a.layers:
         return layer_table(a.threads, max(a.repeats, 50))
+    if a.convolutions:
+        a.out.mkdir(parents=True, exist_ok=True)
+        return conv_table(a.convolutions, a.out, a.batches, a.threads, a.repeats)
     if not a.model or not a.onnx:
         p.error("--model and --onnx are needed (or --layers)")
     a.out.mkdir(parents=True, exist_ok=True)

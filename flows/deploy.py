@@ -16,9 +16,9 @@ the ``onnxruntime`` target, :mod:`bayesq.targets`):
 Every file runs in ONNX Runtime on the same test examples (at most ``deploy.test_examples`` of the
 test split, a seeded subset) and is compared with the FP32 graph's outputs there
 (:func:`bayesq.fidelity.score_examples`: KL, top-1 agreement, accuracy); BayesQ minus each peer
-and minus our GPTQ and AWQ at the same budget is paired on those examples with 95 % intervals. Latency: median of
-``deploy.repeats`` calls at each of ``deploy.batches`` (test examples), ``deploy.threads`` threads,
-every file of a model timed in one run next to its FP32 graph. Layers the format cannot hold
+and minus our GPTQ and AWQ at the same budget is paired on those examples with 95 % intervals.
+Latency: median of ``deploy.repeats`` calls at each of ``deploy.batches`` (test examples), ``deploy.threads`` threads,
+every file of a model timed in one run next to its FP32 graph, in rounds (:func:`latencies`). Layers the format cannot hold
 (convolutions) stay in floating point and are listed with their reason.
 
 One cached Prefect task per file (the peers, each row); latency is measured afresh in every run.
@@ -29,6 +29,7 @@ artifact.
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
@@ -229,15 +230,26 @@ def latency_batches(entry, params, raw: str) -> dict[int, object]:
     return out
 
 
+ROUNDS = 3  # latency: each file timed in this many rounds over all files of a model, the median of the rounds
+
+
 def latencies(model: str, files: dict[str, str], inputs: dict[int, object], params) -> dict[str, dict]:
     """Median latency (ms) of every file of ``model`` on each of ``inputs`` (batch size ->
-    batch), timed one after another in this run: ``{row: {batch: ms}}`` (``fp32`` included)."""
+    batch): ``{row: {batch: ms}}`` (``fp32`` included). The files are timed in :data:`ROUNDS`
+    rounds, each visiting every file with one live session (ONNX Runtime's spinning thread pools
+    of idle sessions slow the one timed), ``deploy.repeats`` calls per batch; a file's latency is
+    the median over the rounds, so drift over the run falls on every file alike."""
     cfg = params.deploy
-    out = {}
-    for row, path in files.items():
-        m = OnnxModel(path, threads=cfg.threads)
-        out[row] = {b: m.latency_ms(x, cfg.repeats) for b, x in inputs.items()}
-        say(f"[deploy] {model} {row}: " + ", ".join(f"batch {b} {ms:.2f} ms" for b, ms in out[row].items()))
+    per: dict[str, dict[int, list[float]]] = {row: {b: [] for b in inputs} for row in files}
+    for _ in range(ROUNDS):
+        for row, path in files.items():
+            m = OnnxModel(path, threads=cfg.threads)
+            for b, x in inputs.items():
+                per[row][b].append(m.latency_ms(x, cfg.repeats))
+            del m  # its session (and threads) released before the next file's
+    out = {row: {b: statistics.median(v) for b, v in t.items()} for row, t in per.items()}
+    for row, ms in out.items():
+        say(f"[deploy] {model} {row}: " + ", ".join(f"batch {b} {v:.2f} ms" for b, v in ms.items()))
     return out
 
 
@@ -258,12 +270,13 @@ def report_markdown(rows: list[dict], speed: dict[str, dict], shapes: dict[str, 
              f"Written by the `deploy` stage (`flows/deploy.py`). Every file is an ONNX graph whose quantised "
              f"layers are `MatMulNBits` nodes, run by ONNX Runtime on the CPU at accuracy level {cfg.accuracy_level} "
              f"and compared with the model's FP32 ONNX graph on the same {cfg.test_examples} test examples at most "
-             "(KL(p_FP ‖ p_Q) in nats, top-1 agreement and accuracy in %, each with its 95 % interval). BayesQ and "
-             "our GPTQ and AWQ quantise for the `onnxruntime` target (widths 2 / 4 / 8, float32 scales, every stored bit "
-             "counted); ONNX Runtime's own quantisers (`ort-…`) run on the FP32 graph. Bits: what the file's "
-             "MatMulNBits tensors store per weight they hold. Latency: median of "
-             f"{cfg.repeats} calls, {cfg.threads} threads, ratio FP32 / file (above 1: faster). Differences are paired "
-             "on the same examples; * marks an interval that excludes 0.", ""]
+             "(KL(p_FP ‖ p_Q) in nats, top-1 agreement and accuracy in %, each with its 95 % interval). BayesQ, "
+             "our GPTQ and AWQ quantise for the `onnxruntime` target (widths 2 / 4 / 8, float32 scales, every stored "
+             "bit counted); ONNX Runtime's own quantisers (`ort-…`) run on the FP32 graph. Bits: what the file's "
+             f"MatMulNBits tensors store per weight they hold. Latency: the median over {ROUNDS} rounds (each visiting "
+             f"every file of the model) of the median of {cfg.repeats} calls, {cfg.threads} threads; ratio FP32 / "
+             "file (above 1: faster). Differences are paired on the same examples; * marks an interval that "
+             "excludes 0.", ""]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         fp = speed.get(model, {}).get("fp32", {})
