@@ -458,6 +458,25 @@ class OnnxModel(nn.Module):
         return 1e3 * statistics.median(times)
 
 
+def latencies(files: Mapping[str, str | Path], inputs: Mapping[Any, Batch], threads: int | None = None,
+              repeats: int = 20, rounds: int = 3) -> dict[str, dict[Any, float]]:
+    """Median latency (ms) of each ONNX file on each input batch: ``{file key: {input key: ms}}``.
+
+    The files are timed in ``rounds`` rounds, each visiting every file with the only live
+    session (created, warmed up, ``repeats`` calls per input, released): an idle session's
+    spinning threads slow the one being timed (measured 2-6x on 2 cores when calls interleave).
+    A file's latency is the median over rounds of its per-round medians, so drift over the run
+    falls on every file alike."""
+    per: dict[str, dict[Any, list[float]]] = {k: {b: [] for b in inputs} for k in files}
+    for _ in range(rounds):
+        for k, path in files.items():
+            m = OnnxModel(path, threads=threads)
+            for b, x in inputs.items():
+                per[k][b].append(m.latency_ms(x, repeats))
+            del m
+    return {k: {b: statistics.median(v) for b, v in t.items()} for k, t in per.items()}
+
+
 def run_onnx(path: str | Path, batch: Batch, threads: int | None = None, accuracy_level: int | None = None) -> np.ndarray:
     """The first output of the ONNX file at ``path`` on ``batch`` (ONNX Runtime, CPU), float32
     (``accuracy_level``: as :class:`OnnxModel`)."""
@@ -466,4 +485,5 @@ def run_onnx(path: str | Path, batch: Batch, threads: int | None = None, accurac
 
 
 __all__ = ["ACCURACY_LEVEL", "WIDTHS", "at_accuracy_level", "BLOCK_SIZES", "CONVOLUTION", "convolutions", "OnnxExport", "OnnxExportError", "OnnxModel",
+           "latencies",
            "Segment", "export_onnx", "graph_of", "pack_bits", "run_onnx", "segments", "unsupported"]

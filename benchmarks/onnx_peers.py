@@ -15,7 +15,12 @@ Runtime on the test draw (at `--accuracy-level`, default the library's) and is c
 printed: KL and accuracy with 95 % intervals, then BayesQ minus each peer, paired on the same examples.
 
     python benchmarks/onnx_peers.py --model ./minilm-sst --data reviews.parquet --text-column sentence \\
-        --label-column label [--seed 17] [--out /tmp/onnx-peers]
+        --label-column label [--seed 17] [--peers rtn-4b-b128 hqq-4b-b128 ...] [--out /tmp/onnx-peers]
+
+``--calibration-data other.parquet`` (the same columns): BayesQ and GPTQ calibrate (and BayesQ
+selects its grids) on draws of that file instead, every file still scored on ``--data``'s test
+draw: calibration data from another distribution than the one served, as users have it. (The
+files' lineage then still names ``--data``'s draws.)
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import onnx
@@ -34,6 +40,7 @@ from bayesq.harness.data.files import DataSource
 from bayesq.onnx_export import ACCURACY_LEVEL, OnnxModel, graph_of
 from flows.byo import ByoModel, load_examples, prepare, run_row
 from flows.common import read_params
+from flows.params import deploy_peer
 from flows.settings import apply_defaults
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,9 +53,9 @@ PEERS = (Peer("rtn", 2, 64), Peer("hqq", 2, 64), Peer("rtn", 4, 128), Peer("rtn"
          Peer("gptq", 4, 64))
 
 
-def peers(fp: Path, calibration, out: Path, accuracy_level: int) -> dict[str, Path]:
+def peers(chosen, fp: Path, calibration, out: Path, accuracy_level: int) -> dict[str, Path]:
     files = {}
-    for peer in PEERS:
+    for peer in chosen:
         start = time.perf_counter()
         files[peer.name] = ort_quantize(fp, peer, out / f"{peer.name}.onnx", calibration, accuracy_level)
         print(f"{peer.name}: {time.perf_counter() - start:.0f} s", flush=True)
@@ -63,6 +70,9 @@ def main() -> None:
     p.add_argument("--label-column", default="")
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--accuracy-level", type=int, default=ACCURACY_LEVEL, help="of every file's MatMulNBits nodes")
+    p.add_argument("--peers", nargs="+", default=[q.name.removeprefix("ort-") for q in PEERS],
+                   help="ONNX Runtime's quantisers, <rtn|hqq|gptq>-<bits>b-b<block>")
+    p.add_argument("--calibration-data", help="calibrate on this file's draws (same columns) instead of --data's")
     p.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="onnx-peers-")))
     a = p.parse_args()
     apply_defaults()
@@ -71,11 +81,16 @@ def main() -> None:
     logging.getLogger("onnxruntime").setLevel(logging.WARNING)
     a.out.mkdir(parents=True, exist_ok=True)
     params = read_params(ROOT / "params.yaml")
-    prep = prepare(ByoModel("bench", a.model, DataSource(a.data, text_columns=tuple(a.text_column),
-                                                          label_column=a.label_column)), a.seed, say=lambda _: None)
+    def source(path: str) -> DataSource:
+        return DataSource(path, text_columns=tuple(a.text_column), label_column=a.label_column)
+
+    prep = prepare(ByoModel("bench", a.model, source(a.data)), a.seed, say=lambda _: None)
+    if a.calibration_data:
+        other = prepare(ByoModel("bench-calibration", a.model, source(a.calibration_data)), a.seed, say=lambda _: None)
+        prep = replace(prep, calibration=other.calibration, selection=other.selection)
     fp = a.out / "fp32.onnx"
     onnx.save(graph_of(prep.fp, prep.calibration[0]), str(fp))
-    files = peers(fp, prep.calibration, a.out, a.accuracy_level)
+    files = peers([deploy_peer(q) for q in a.peers], fp, prep.calibration, a.out, a.accuracy_level)
     scores, bits = {}, {}
     for name, path in files.items():
         stored, weights = matmulnbits_bits(path)
@@ -88,8 +103,8 @@ def main() -> None:
         bits[name] = r["export"]["file_avg_bits"]
         scores[name] = load_examples(Path(r["examples_file"]))
         print(f"{name}: {r['quantize_seconds']:.0f} s", flush=True)
-    print(f"\n{prep.spec.model}, {len(prep.draws.test)} test examples (seed {a.seed}); ONNX Runtime runs every file "
-          f"(accuracy level {a.accuracy_level})\n")
+    print(f"\n{prep.spec.model}, {len(prep.draws.test)} test examples of {a.data} (seed {a.seed}), calibrated on "
+          f"{a.calibration_data or a.data}; ONNX Runtime runs every file (accuracy level {a.accuracy_level})\n")
     print("| file | bits per weight (MatMulNBits) | KL to FP [95 %] | accuracy Q − FP (pts) |\n|---|---|---|---|")
     for name, s in scores.items():
         f = fidelity_report(s).as_dict()

@@ -8,13 +8,16 @@ the model's own ONNX export (:func:`bayesq.onnx_export.graph_of`), the peers are
 RTN (4 bits, block 64 and 128) and HQQ (4 bits, block 64) on that FP32 graph
 (:mod:`bayesq.baselines.ort`, accuracy level 1), and each BayesQ file is also run at the other of
 accuracy levels 1 (float32) and 4 (int8 activations, the default it is written at). Printed per file: size on disk, and the
-median latency of `--repeats` calls at each batch size of `--tokens` tokens (random token ids, no
-padding), `intra_op_num_threads` as given; ratios are against FP32 in the same run. Also the
+median latency of `--repeats` calls at each batch size and each length of `--tokens` (random token
+ids, no padding), `intra_op_num_threads` as given; ratios are against FP32 in the same run. Also the
 largest logit difference to the FP32 graph on those inputs (not a fidelity measure: the
 report of `bayesq quantize` has the paired KL on real test examples).
 
-    python benchmarks/onnx_speed.py --model ./minilm-sst --onnx m.onnx [more.onnx ...] [--tokens 128] [--batches 1 8]
-        [--threads 2] [--repeats 30] [--out /tmp/ort-bench]
+    python benchmarks/onnx_speed.py --model ./minilm-sst --onnx m.onnx [more.onnx ...] [--tokens 8 20 128]
+        [--batches 1 8] [--threads 2] [--repeats 30] [--rounds 3] [--no-peers] [--out /tmp/ort-bench]
+
+Latencies: :func:`bayesq.onnx_export.latencies`, every file timed in ``--rounds`` rounds with one
+live ONNX Runtime session at a time (an idle session's spinning threads slow the one timed).
 
 ``--layers``: instead, one MatMulNBits node against one FP32 MatMul for MiniLM's and BERT-base's
 layer shapes, at each width and accuracy level (random codes, block 128), 1 and 128 rows: which
@@ -25,9 +28,10 @@ kernels are fast.
 ``--convolutions FP32.onnx``: instead, what weight-only convolutions cost in ONNX Runtime: every
 ``Conv`` of an FP32 graph (e.g. the deploy stage's ``results-deploy/lite0-fmnist/fp32.onnx``) fed
 by a standard ``DequantizeLinear`` of 8- or 4-bit codes (opset 21, min/max round-to-nearest, one
-scale and zero-point per output channel, zero on the grid), timed in a default session and in one
-with ``session.disable_quant_qdq`` (which lets the runtime fold the dequantisation into a float
-weight at load), next to FP32 on random inputs of the graph's shape. Printed: size on disk,
+scale and zero-point per output channel, zero on the grid), timed as written (a default session)
+and as a session with ``session.disable_quant_qdq`` runs it (the dequantisation folded into a float
+weight at load: the graph that session optimises to, saved and timed), next to FP32 and FP32 saved
+the same way (a control for the saving), on random inputs of the graph's shape. Printed: size on disk,
 latency and ratio, largest logit difference to FP32 (random inputs: not a fidelity measure).
 
     python benchmarks/onnx_speed.py --convolutions results-deploy/lite0-fmnist/fp32.onnx [--threads 2]
@@ -48,7 +52,7 @@ import torch
 
 from bayesq.baselines.ort import Peer, ort_quantize
 from bayesq.harness.sources import resolve_model
-from bayesq.onnx_export import OnnxModel, at_accuracy_level, graph_of
+from bayesq.onnx_export import OnnxModel, at_accuracy_level, graph_of, latencies
 
 
 def latency_ms(s: ort.InferenceSession, feed: dict, repeats: int) -> float:
@@ -160,42 +164,42 @@ def dequantized_convolutions(fp: Path, bits: int, dst: Path) -> Path:
     return dst
 
 
-def conv_table(fp: Path, out: Path, batches: list[int], threads: int, repeats: int) -> None:
-    """FP32 Conv against DequantizeLinear -> Conv at 8 and 4 bits, in a default session and with
-    the dequantisation folded at load."""
-    files = {"fp32": fp, **{f"dq-{b}bit": dequantized_convolutions(fp, b, out / f"dq{b}.onnx") for b in (8, 4)}}
+def folded_at_load(src: Path, dst: Path) -> Path:
+    """``src`` as ONNX Runtime's basic graph optimisations leave it with QDQ handling off
+    (``session.disable_quant_qdq``): each constant ``DequantizeLinear`` folded into a float
+    weight, what such a session runs."""
+    opts = ort.SessionOptions()
+    opts.add_session_config_entry("session.disable_quant_qdq", "1")
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    opts.optimized_model_filepath = str(dst)
+    ort.InferenceSession(str(src), opts, providers=["CPUExecutionProvider"])
+    return dst
 
-    def session(path: Path, fold: bool) -> ort.InferenceSession:
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        if fold:
-            opts.add_session_config_entry("session.disable_quant_qdq", "1")
-        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
-    runs = {f"{k} ({'folded at load' if fold else 'default session'})": session(f, fold)
-            for k, f in files.items() for fold in ((False,) if k == "fp32" else (False, True))}
-    first = next(iter(runs.values())).get_inputs()[0]
+def conv_table(fp: Path, out: Path, batches: list[int], threads: int, repeats: int, rounds: int) -> None:
+    """FP32 Conv against DequantizeLinear -> Conv at 8 and 4 bits, as written (a default session)
+    and with the dequantisation folded at load."""
+    files = {"fp32": fp, "fp32 saved the same way": folded_at_load(fp, out / "fp32-saved.onnx")}  # the control
+    for b in (8, 4):
+        files[f"dq-{b}bit"] = dequantized_convolutions(fp, b, out / f"dq{b}.onnx")
+        files[f"dq-{b}bit folded at load"] = folded_at_load(files[f"dq-{b}bit"], out / f"dq{b}-folded.onnx")
+    first = ort.InferenceSession(str(fp), providers=["CPUExecutionProvider"]).get_inputs()[0]
     rng = np.random.default_rng(0)
-    feeds = {b: {first.name: rng.standard_normal((b, *first.shape[1:])).astype(np.float32)} for b in batches}
-    ref = {b: runs["fp32 (default session)"].run(None, feeds[b])[0] for b in batches}
-    times = {k: {b: [] for b in batches} for k in runs}
-    for _ in range(repeats + 1):  # interleaved, the first round a warm-up
-        for k, s in runs.items():
-            for b in batches:
-                t = time.perf_counter()
-                s.run(None, feeds[b])
-                times[k][b].append(time.perf_counter() - t)
-    ms = {k: {b: 1e3 * statistics.median(v[1:]) for b, v in t.items()} for k, t in times.items()}
-    base = ms["fp32 (default session)"]
+    feeds = {b: torch.from_numpy(rng.standard_normal((b, *first.shape[1:])).astype(np.float32)) for b in batches}
+    ms = latencies(files, feeds, threads, repeats, rounds)
+    ref = {b: OnnxModel(fp, threads=threads)(x).numpy() for b, x in feeds.items()}
     n = sum(node.op_type == "Conv" for node in onnx.load(str(fp)).graph.node)
     print(f"ONNX Runtime {ort.__version__}, intra_op_num_threads={threads}, {n} Conv nodes, input {first.shape}, "
-          f"median of {repeats} interleaved calls; ratios: FP32 latency / file latency (above 1: faster)")
+          f"median over {rounds} rounds (one live session at a time) of the median of {repeats} calls; ratios: FP32 "
+          "latency / file latency (above 1: faster); MB: the file as written (folded: the file written, not the "
+          "float weights the session holds)")
     print("| file | MB | " + " | ".join(f"batch {b}: ms (x FP32)" for b in batches) + " | largest logit diff to FP32 |")
     print("|---|---|" + "---|" * len(batches) + "---|")
-    for k, s in runs.items():
-        diff = max(float(np.abs(s.run(None, feeds[b])[0] - ref[b]).max()) for b in batches)
-        size = files[k.split(" ")[0]].stat().st_size / 1e6
-        print(f"| {k} | {size:.1f} | " + " | ".join(f"{ms[k][b]:.2f} ({base[b] / ms[k][b]:.2f}x)" for b in batches)
+    for k, f in files.items():
+        m = OnnxModel(f, threads=threads)
+        diff = max(float(np.abs(m(x).numpy() - ref[b]).max()) for b, x in feeds.items())
+        size = files[k.removesuffix(" folded at load")].stat().st_size / 1e6
+        print(f"| {k} | {size:.1f} | " + " | ".join(f"{ms[k][b]:.2f} ({ms['fp32'][b] / ms[k][b]:.2f}x)" for b in batches)
               + f" | {diff:.3g} |", flush=True)
 
 
@@ -205,17 +209,19 @@ def main() -> None:
     p.add_argument("--convolutions", type=Path, help="an FP32 .onnx: its Conv layers as DequantizeLinear -> Conv")
     p.add_argument("--model", help="the Hugging Face folder the BayesQ file was made from")
     p.add_argument("--onnx", type=Path, nargs="+", help="BayesQ .onnx files (each also run at accuracy level 4)")
-    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--tokens", type=int, nargs="+", default=[128])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3, help="rounds over the files")
+    p.add_argument("--no-peers", action="store_true", help="only FP32 and the given files (model mode)")
     p.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="ort-bench-")))
     a = p.parse_args()
     if a.layers:
         return layer_table(a.threads, max(a.repeats, 50))
     if a.convolutions:
         a.out.mkdir(parents=True, exist_ok=True)
-        return conv_table(a.convolutions, a.out, a.batches, a.threads, a.repeats)
+        return conv_table(a.convolutions, a.out, a.batches, a.threads, a.repeats, a.rounds)
     if not a.model or not a.onnx:
         p.error("--model and --onnx are needed (or --layers)")
     a.out.mkdir(parents=True, exist_ok=True)
@@ -223,33 +229,35 @@ def main() -> None:
     model = src.build()
     vocab = int(model.config.vocab_size)
     g = torch.Generator().manual_seed(0)
-    example = {"input_ids": torch.randint(0, vocab, (2, a.tokens), generator=g),
-               "attention_mask": torch.ones(2, a.tokens, dtype=torch.long)}
+    example = {"input_ids": torch.randint(0, vocab, (2, max(a.tokens)), generator=g),
+               "attention_mask": torch.ones(2, max(a.tokens), dtype=torch.long)}
     fp = a.out / "fp32.onnx"
     onnx.save(graph_of(model, example), str(fp))
     files = {"fp32": fp}
-    for f in a.onnx:  # each file as written, and at the other of levels 1 and 4
+    for f in a.onnx:  # each file as written, and (unless --no-peers) at the other of levels 1 and 4
         other = 1 if level_of(f) == 4 else 4
-        files |= {f.stem: f, f"{f.stem}-level{other}": with_accuracy_level(f, a.out / f"{f.stem}-level{other}.onnx",
-                                                                           other)}
-    files |= peers(fp, a.out)
-    print(f"ONNX Runtime {ort.__version__}, intra_op_num_threads={a.threads}, {a.tokens} tokens, median of "
-          f"{a.repeats} calls; ratios: FP32 latency / file latency (above 1: faster)")
-    inputs = {b: {"input_ids": torch.randint(0, vocab, (b, a.tokens), generator=g),
-                  "attention_mask": torch.ones(b, a.tokens, dtype=torch.long),
-                  "token_type_ids": torch.zeros(b, a.tokens, dtype=torch.long)} for b in a.batches}
-    models = {k: OnnxModel(f, threads=a.threads) for k, f in files.items()}
-    ref = {b: models["fp32"].session.run(None, models["fp32"].feed(inputs[b]))[0] for b in a.batches}
-    base = {b: models["fp32"].latency_ms(inputs[b], a.repeats) for b in a.batches}
-    head = " | ".join(f"batch {b}: ms (x FP32)" for b in a.batches)
+        files[f.stem] = f
+        if not a.no_peers:
+            files[f"{f.stem}-level{other}"] = with_accuracy_level(f, a.out / f"{f.stem}-level{other}.onnx", other)
+    if not a.no_peers:
+        files |= peers(fp, a.out)
+    print(f"ONNX Runtime {ort.__version__}, intra_op_num_threads={a.threads}, median over {a.rounds} rounds (one "
+          f"live session at a time) of the median of {a.repeats} calls; ratios: FP32 latency / file latency "
+          "(above 1: faster)")
+    inputs = {(t, b): {"input_ids": torch.randint(0, vocab, (b, t), generator=g),
+                       "attention_mask": torch.ones(b, t, dtype=torch.long),
+                       "token_type_ids": torch.zeros(b, t, dtype=torch.long)} for t in a.tokens for b in a.batches}
+    ms = latencies(files, inputs, a.threads, a.repeats, a.rounds)
+    fp32 = OnnxModel(fp, threads=a.threads)
+    ref = {k: fp32.session.run(None, fp32.feed(x))[0] for k, x in inputs.items()}
+    head = " | ".join(f"{t} tok x {b}: ms (x FP32)" for t, b in inputs)
     print(f"| file | MB | {head} | largest logit diff to FP32 |")
-    print("|---|---|" + "---|" * len(a.batches) + "---|")
-    for k, m in models.items():
-        ms = {b: base[b] if k == "fp32" else m.latency_ms(inputs[b], a.repeats) for b in a.batches}
-        diff = max(float(np.abs(m.session.run(None, m.feed(inputs[b]))[0] - ref[b]).max()) for b in a.batches)
-        cells = " | ".join(f"{ms[b]:.2f} ({base[b] / ms[b]:.2f}x)" for b in a.batches)
-        print(f"| {k} | {files[k].stat().st_size / 1e6:.1f} | {cells} | {diff:.3g} |", flush=True)
-
+    print("|---|---|" + "---|" * len(inputs) + "---|")
+    for k, f in files.items():
+        m = OnnxModel(f, threads=a.threads)
+        diff = max(float(np.abs(m.session.run(None, m.feed(x))[0] - ref[i]).max()) for i, x in inputs.items())
+        cells = " | ".join(f"{ms[k][i]:.2f} ({ms['fp32'][i] / ms[k][i]:.2f}x)" for i in inputs)
+        print(f"| {k} | {f.stat().st_size / 1e6:.1f} | {cells} | {diff:.3g} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -29,20 +29,20 @@ artifact.
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 
 import torch
 from prefect import flow, task
 
-from bayesq.baselines.ort import PeerAlgorithm, matmulnbits_bits, ort_quantize
+from bayesq.baselines.ort import matmulnbits_bits, ort_quantize
 from bayesq.comparison import paired_difference
 from bayesq.fidelity import fidelity_report, score_examples
 from bayesq.harness.data.sentiment import seeded_permutation
 from bayesq.harness.models.zoo import get_entry
 from bayesq.methods import Inputs, quantize_with
 from bayesq.onnx_export import OnnxModel, convolutions, export_onnx, graph_of
+from bayesq.onnx_export import latencies as onnx_latencies
 from flows.byo import load_examples, max_logit_diff, relabelled, save_examples, targeted
 from flows.common import CACHE, code_version, digest, parser, read_params, write_json
 from flows.configs import method_config
@@ -51,7 +51,7 @@ from flows.lineage import export_lineage, input_lineage, row_metadata
 from flows.params import deploy_peer
 from flows.prepare import calibration_batches, selection_batches
 from flows.report import ci_text
-from flows.tracking import flow_run_namer, heartbeat, mlflow_child, mlflow_parent, row_params, say, write_run_file
+from flows.tracking import flow_run_namer, mlflow_child, mlflow_parent, row_params, say, write_run_file
 
 TARGET = "onnxruntime"
 BATCH = 64  # test examples per scoring pass
@@ -138,11 +138,7 @@ def peer_task(model: str, peer: str, fp_file: str, fp_digest: str, model_file: s
     entry, _, splits, _, cal = _setup(model, model_file, raw, params, seed)
     path = Path(out) / model / f"{p.name}.onnx"
     start = time.perf_counter()
-    if p.algorithm is PeerAlgorithm.GPTQ:  # minutes (MiniLM: ~3 on 2 cores) without progress output of its own
-        say(f"[deploy] {model}: ONNX Runtime's GPTQ runs the graph on the calibration inputs once per layer "
-            "(no progress of its own; a line every 30 s)")
-    with heartbeat(f"[deploy] {model} {p.name}"):
-        ort_quantize(fp_file, p, path, cal, params.deploy.accuracy_level)
+    ort_quantize(fp_file, p, path, cal, params.deploy.accuracy_level)  # GPTQ: minutes, its own progress bar
     seconds = time.perf_counter() - start
     stored, weights = matmulnbits_bits(path)
     record = {"model": model, "row": p.name, "method": p.name, "kind": "peer", "file": str(path),
@@ -235,19 +231,10 @@ ROUNDS = 3  # latency: each file timed in this many rounds over all files of a m
 
 def latencies(model: str, files: dict[str, str], inputs: dict[int, object], params) -> dict[str, dict]:
     """Median latency (ms) of every file of ``model`` on each of ``inputs`` (batch size ->
-    batch): ``{row: {batch: ms}}`` (``fp32`` included). The files are timed in :data:`ROUNDS`
-    rounds, each visiting every file with one live session (ONNX Runtime's spinning thread pools
-    of idle sessions slow the one timed), ``deploy.repeats`` calls per batch; a file's latency is
-    the median over the rounds, so drift over the run falls on every file alike."""
+    batch): ``{row: {batch: ms}}`` (``fp32`` included), timed in :data:`ROUNDS` rounds with one
+    live session at a time (:func:`bayesq.onnx_export.latencies`)."""
     cfg = params.deploy
-    per: dict[str, dict[int, list[float]]] = {row: {b: [] for b in inputs} for row in files}
-    for _ in range(ROUNDS):
-        for row, path in files.items():
-            m = OnnxModel(path, threads=cfg.threads)
-            for b, x in inputs.items():
-                per[row][b].append(m.latency_ms(x, cfg.repeats))
-            del m  # its session (and threads) released before the next file's
-    out = {row: {b: statistics.median(v) for b, v in t.items()} for row, t in per.items()}
+    out = onnx_latencies(files, inputs, cfg.threads, cfg.repeats, ROUNDS)
     for row, ms in out.items():
         say(f"[deploy] {model} {row}: " + ", ".join(f"batch {b} {v:.2f} ms" for b, v in ms.items()))
     return out

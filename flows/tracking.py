@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
@@ -55,25 +54,6 @@ def say(message: str) -> None:
         get_run_logger().info(message)
     except MissingContextError:
         pass
-
-
-@contextmanager
-def heartbeat(label: str, every: float = 30.0, tell: Callable[[str], None] = say) -> Iterator[None]:
-    """While the block runs (a third-party step with no progress output of its own), ``tell``
-    ``"<label>: still running, <s> s"`` every ``every`` seconds, from a background thread."""
-    stop, start = threading.Event(), time.perf_counter()
-
-    def beat() -> None:
-        while not stop.wait(every):
-            tell(f"{label}: still running, {time.perf_counter() - start:.0f} s")
-
-    thread = threading.Thread(target=beat, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def artifact_root(tracking_uri: str | None = None) -> Path:

@@ -76,36 +76,68 @@ def test_peer_names_and_refusals():
         Peer("rtn", 4, 48)
 
 
+def _one_matmul(path: Path, w: np.ndarray) -> Path:
+    """An ONNX file of ``Y = A W`` for a (K, N) float32 ``w``."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    k, n = w.shape
+    g = helper.make_graph([helper.make_node("MatMul", ["A", "W"], ["Y"])], "g",
+                          [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+                          initializer=[numpy_helper.from_array(w, "W")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+    return path
+
+
+def _minmax_4bit(w: np.ndarray, block: int) -> np.ndarray:
+    """(N, K) float64 dequantised weight of 4-bit asymmetric min/max round-to-nearest per block
+    of ``block`` along K (the grid through zero), for a (K, N) ``w``."""
+    k, n = w.shape
+    blocks = w.T.reshape(n, k // block, block).astype(np.float64)
+    lo, hi = np.minimum(blocks.min(-1, keepdims=True), 0), np.maximum(blocks.max(-1, keepdims=True), 0)
+    scale = (hi - lo) / 15
+    zero = np.clip(np.round(-lo / scale), 0, 15)
+    return ((np.clip(np.round(blocks / scale) + zero, 0, 15) - zero) * scale).reshape(n, k)
+
+
 def test_ort_rtn_peer_vs_numpy_round_to_nearest(tmp_path):
     """ONNX Runtime's RTN peer on one MatMul: its MatMulNBits tensors hold 4-bit asymmetric
     min/max codes of each block (checked against a numpy reference of the dequantised weight),
     and matmulnbits_bits counts them: 4 bits per weight, a float32 scale and a 4-bit zero-point
     per block of 32."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
     from bayesq.baselines.ort import Peer, matmulnbits_bits, ort_quantize
     from bayesq.onnx_export import run_onnx
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 8)).astype(np.float32)  # (K, N)
-    g = helper.make_graph([helper.make_node("MatMul", ["A", "W"], ["Y"])], "g",
-                          [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", 64])],
-                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", 8])],
-                          initializer=[numpy_helper.from_array(w, "W")])
-    fp = tmp_path / "fp.onnx"
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(fp))
-    path = ort_quantize(fp, Peer("rtn", 4, 32), tmp_path / "q.onnx")
+    path = ort_quantize(_one_matmul(tmp_path / "fp.onnx", w), Peer("rtn", 4, 32), tmp_path / "q.onnx")
     stored, weights = matmulnbits_bits(path)
     assert weights == 64 * 8 and stored == 64 * 8 * 4 + 8 * 2 * 32 + 8 * 8  # codes, 2 scales and 2 zeros per column
-    blocks = w.T.reshape(8, 2, 32)  # (N, blocks, block)
-    lo, hi = np.minimum(blocks.min(-1, keepdims=True), 0), np.maximum(blocks.max(-1, keepdims=True), 0)
-    scale = (hi - lo) / 15
-    zero = np.clip(np.round(-lo / scale), 0, 15)
-    deq = (np.clip(np.round(blocks / scale) + zero, 0, 15) - zero) * scale
     x = rng.standard_normal((3, 64)).astype(np.float32)
-    want = x.astype(np.float64) @ deq.reshape(8, 64).T.astype(np.float64)
+    want = x.astype(np.float64) @ _minmax_4bit(w, 32).T
     np.testing.assert_allclose(run_onnx(path, torch.from_numpy(x)), want, rtol=1e-4, atol=1e-4)
+
+
+def test_ort_gptq_peer_ignores_its_calibration_data(tmp_path):
+    """What docs/findings.md reports of ONNX Runtime 1.32's GPTQ: its error feedback reads the
+    zero triangle of the inverse Hessian's Cholesky factor, so its file is the same for any
+    calibration inputs and holds plain min/max round-to-nearest codes. If this fails, ONNX Runtime
+    has fixed it: rerun the deploy stage and update the findings."""
+    from bayesq.baselines.ort import Peer, ort_quantize
+    from bayesq.onnx_export import run_onnx
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 8)).astype(np.float32)
+    fp = _one_matmul(tmp_path / "fp.onnx", w)
+    mix = rng.standard_normal((64, 64)).astype(np.float32)  # correlated, unevenly scaled inputs
+    outs = []
+    for i, cal in enumerate(([torch.randn(32, 64, generator=torch.Generator().manual_seed(1))],
+                             [torch.randn(32, 64, generator=torch.Generator().manual_seed(2)) @ torch.from_numpy(mix)])):
+        path = ort_quantize(fp, Peer("gptq", 4, 32), tmp_path / f"g{i}.onnx", cal)
+        outs.append(run_onnx(path, torch.eye(64)))  # the dequantised weight, (K, N)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_allclose(outs[0].T, _minmax_4bit(w, 32), rtol=1e-5, atol=1e-6)
 
 
 def test_deploy_flow_end_to_end(tmp_path, prefect_harness, token_entry):

@@ -312,3 +312,28 @@ def test_gpt2_conv1d_layers_and_the_tied_head_become_matmulnbits(tmp_path, vocab
     test = _text_batches(1, b=3, t=9, seed=5)[0]
     want = res.model(**test).logits.detach().numpy()
     assert np.abs(run_onnx(ex.path, test) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_latencies_time_every_file_on_every_input_with_one_live_session(tmp_path, monkeypatch):
+    import bayesq.onnx_export as ox
+
+    qw = _channel_weight(shape=(3, 64))
+    model = nn.Sequential(_linear(qw)).eval()
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    files = {k: export_onnx(model, {"0": qw}, x, tmp_path / f"{k}.onnx", accuracy_level=lv).path
+             for k, lv in (("a", 1), ("b", 4))}
+    live, most = [0], [0]
+
+    class Counted(ox.OnnxModel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            live[0] += 1
+            most[0] = max(most[0], live[0])
+
+        def __del__(self):
+            live[0] -= 1
+
+    monkeypatch.setattr(ox, "OnnxModel", Counted)
+    ms = ox.latencies(files, {1: x[:1], 2: x}, threads=1, repeats=2, rounds=2)
+    assert set(ms) == {"a", "b"} and all(set(v) == {1, 2} and min(v.values()) > 0 for v in ms.values())
+    assert most[0] == 1 and live[0] == 0

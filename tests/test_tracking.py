@@ -4,7 +4,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from flows.params import Method
 from flows.params import load_params
 from flows.configs import method_settings
 from flows.tracking import (
-    artifact_root, child_run_name, dvc_cache_path, flatten, heartbeat, parent_run_name, row_params,
+    artifact_root, child_run_name, dvc_cache_path, flatten, parent_run_name, row_params,
 )
 
 
@@ -126,12 +125,3 @@ def test_use_experiment_stores_the_runs_view_the_printed_link_opens(tmp_path, mo
     assert exp.artifact_location == (tmp_path / "mlartifacts" / "bayesq").resolve().as_uri()
     assert mlflow_runs_url("http://h:1", uri) == (f"http://h:1/#/experiments/{exp_id}/runs?"
                                                  f"viewStateShareKey={VIEW_KEY}&workflowType=machine_learning")
-
-
-def test_heartbeat_tells_while_the_block_runs_and_stops_after():
-    told = []
-    with heartbeat("[x] step", every=0.05, tell=told.append):
-        time.sleep(0.3)
-    n = len(told)
-    time.sleep(0.15)
-    assert n >= 2 and len(told) == n and all(t.startswith("[x] step: still running, ") for t in told)
