@@ -1,4 +1,4 @@
-"""The README's library example runs as printed."""
+"""The README's library example runs as printed; its Quick start stays the two commands, short."""
 
 import contextlib
 import io
@@ -22,3 +22,12 @@ def test_readme_library_example_runs_and_meets_the_budget():
     average, average_all = map(float, bits.split())
     assert 2.9 < average <= 3.0 and average <= average_all < 3.5  # every weight of this model is quantised
     assert unquantized == "{}" and shape == "torch.Size([2, 10])"
+
+
+def test_readme_quick_start_is_the_two_commands_in_at_most_80_words():
+    text = README.read_text()
+    start = text.index("## Quick start")
+    section = text[start + len("## Quick start"):text.index("\n## ", start + 1)]
+    commands = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    assert [line.split()[:2] for line in commands.strip().splitlines()] == [["make", "run"], ["make", "test"]]
+    assert len(section.split()) <= 80
