@@ -6,7 +6,7 @@ added in float64) against a float64 reference on the same rows, per embedded mod
 Prints, per model, the wall seconds of :func:`bayesq.baselines.activations.input_stats` (H, mean
 |a|, mean a) and of the reference (H only, every batch widened to float64 and reduced with one
 einsum, as before), and the largest and median relative Frobenius error of H over the layers
-(docs/method.md, section 18f). Needs ``models/`` and ``data/raw`` from ``make run``.
+(docs/method.md, section 18f; the timings: docs/findings.md, "One-time cost against GPTQ's"). Needs ``models/`` and ``data/raw`` from ``make run``.
 """
 
 from __future__ import annotations
