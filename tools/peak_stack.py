@@ -5,7 +5,7 @@ A thread samples the process's RSS every 5 ms; whenever it passes the last repor
 only), and at the end the deepest stack at the overall peak. The model and inputs are those of
 ``benchmarks/scale.py`` (random weights; ``--calibration`` calibration and as many selection inputs).
 
-    python benchmarks/peak_stack.py --size gpt2 --method gptq [--calibration 16] [--step 0.25]
+    python tools/peak_stack.py --size gpt2 --method gptq [--calibration 16] [--step 0.25]
 """
 
 from __future__ import annotations

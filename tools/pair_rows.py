@@ -11,7 +11,7 @@ computed too, and for each row the predictions that differ from the FP model's, 
 how many of them are right: a row keeps only each example's correctness, which for two classes
 gives its prediction (the label if correct, the other class if not).
 
-    python benchmarks/pair_rows.py .cache/rival_test/minilm-sentiment-bayesq-<key>.safetensors \\
+    python tools/pair_rows.py .cache/rival_test/minilm-sentiment-bayesq-<key>.safetensors \\
                                    .cache/rival_test/minilm-sentiment-dorefa-<key>.safetensors \
                                    [--model minilm-sentiment]
 """

@@ -8,7 +8,7 @@ must be in the local cache (a ``make run`` at that commit, or ``dvc pull``). For
 have, it prints the two mean KLs and ``now - then`` for KL and accuracy with the pipeline's paired
 95 % bootstrap intervals (:func:`bayesq.comparison.paired_difference`; ``*``: resolved).
 
-    python benchmarks/pair_runs.py 1bb156a [--results results]
+    python tools/pair_runs.py 1bb156a [--results results]
 """
 
 from __future__ import annotations
