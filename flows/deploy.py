@@ -24,7 +24,7 @@ every file of a model timed in one run next to its FP32 graph, in rounds (:func:
 One cached Prefect task per file (the peers, each row); latency is measured afresh in every run.
 Writes ``<out>/<model>/<row>.onnx``, ``<out>/examples/<model>/<row>.safetensors``,
 ``<out>/deploy.json`` and the report; every row is an MLflow child run with its file as an
-artifact.
+artifact (a file over 8 MiB as ``export_ref.json``: DVC keeps its bytes, :func:`flows.tracking.log_export`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from flows.lineage import export_lineage, input_lineage, row_metadata
 from flows.params import deploy_peer
 from flows.prepare import calibration_batches, selection_batches
 from flows.report import ci_text
-from flows.tracking import flow_run_namer, mlflow_child, mlflow_parent, row_params, say, write_run_file
+from flows.tracking import flow_run_namer, log_export, mlflow_child, mlflow_parent, row_params, say, write_run_file
 
 TARGET = "onnxruntime"
 BATCH = 64  # test examples per scoring pass
@@ -351,7 +351,7 @@ def deploy_flow(params_path: Path, raw: Path, models: Path, out: Path, report: P
                          {"model": r["model"], "row": r["row"], "seed": seed, "target": TARGET,
                           "accuracy_level": cfg.accuracy_level, **extra},
                          metrics, {"profile": params.profile, "code_version": code}, seconds=r["seconds"],
-                         artifacts=lambda client, run_id, path=r["file"]: client.log_artifact(run_id, path))
+                         artifacts=lambda client, run_id, path=r["file"]: log_export(client, run_id, Path(path)))
     write_json(Path(out) / "deploy.json", {"rows": rows, "latency_ms": speed, "fp32_bytes": fp_bytes})
     Path(report).parent.mkdir(parents=True, exist_ok=True)
     Path(report).write_text(report_markdown(rows, speed, shapes, fp_bytes, params))

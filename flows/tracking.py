@@ -11,7 +11,8 @@ One place decides how a run looks to a person browsing MLflow or Prefect:
   ``posterior.prior``, ...; :func:`row_params`); its start and end times span the row's real
   one-time cost plus its evaluation, so the runs table's Duration column means something.
 * **Artifacts** go to a folder beside the tracking store (:func:`artifact_root`: ``mlartifacts/<experiment>``
-  next to ``mlflow.db``), set when the experiment is created. A row's export is logged when it is
+  next to ``mlflow.db``), set when the experiment is created. A row's export (the deploy stage's
+  ONNX files too) is logged when it is
   at most :data:`EXPORT_ARTIFACT_MAX_BYTES`; a larger one (MiniLM's are ~50 MB each, ~1.5 GB a run)
   is logged as ``export_ref.json``: its path, sha256 and the content-addressed path DVC keeps it
   under (``.dvc/cache/files/md5/..``), so the bytes are stored once.
@@ -234,18 +235,23 @@ def dvc_cache_path(md5: str) -> str:
 
 def log_row_artifacts(client, run_id: str, record: dict) -> None:
     """A row's files on its MLflow run: ``layer_bits.json`` (layer -> average bits), and the export
-    itself when at most :data:`EXPORT_ARTIFACT_MAX_BYTES`, else ``export_ref.json`` (path, sha256,
-    md5 and :func:`dvc_cache_path`)."""
+    (:func:`log_export`)."""
+    client.log_dict(run_id, record.get("layer_bits", {}), "layer_bits.json")
+    log_export(client, run_id, Path(record["export"]["path"]), record["export"]["sha256"])
+
+
+def log_export(client, run_id: str, path: Path, sha256: str | None = None) -> None:
+    """The export file at ``path`` on run ``run_id``: itself (under ``export/``) when at most
+    :data:`EXPORT_ARTIFACT_MAX_BYTES`, else ``export_ref.json`` (path, bytes, sha256, md5 and
+    :func:`dvc_cache_path`: DVC stores the bytes once)."""
     import hashlib
 
-
-    client.log_dict(run_id, record.get("layer_bits", {}), "layer_bits.json")
-    path = Path(record["export"]["path"])
     if path.stat().st_size <= EXPORT_ARTIFACT_MAX_BYTES:
         client.log_artifact(run_id, str(path), "export")
         return
-    md5 = hashlib.md5(path.read_bytes()).hexdigest()
-    client.log_dict(run_id, {"path": _rel(path), "bytes": path.stat().st_size, "sha256": record["export"]["sha256"],
+    data = path.read_bytes()
+    md5 = hashlib.md5(data).hexdigest()
+    client.log_dict(run_id, {"path": _rel(path), "bytes": len(data), "sha256": sha256 or hashlib.sha256(data).hexdigest(),
                              "md5": md5, "dvc_cache": dvc_cache_path(md5),
                              "why": f"over {EXPORT_ARTIFACT_MAX_BYTES} bytes: DVC stores the bytes once, "
                                     "`dvc pull` restores them"}, "export_ref.json")
