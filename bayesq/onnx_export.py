@@ -126,10 +126,10 @@ def segments(qw: QuantizedWeight) -> list[Segment]:
 ACCURACY_LEVEL = 4
 
 #: Measured on lite0 (docs/findings.md, ``benchmarks/onnx_speed.py --convolutions``): ONNX Runtime
-#: dequantises a weight-only ``DequantizeLinear`` -> ``Conv`` on every call, 4-7x slower than FP32,
+#: dequantises a weight-only ``DequantizeLinear`` -> ``Conv`` on every call, 5-9x slower than FP32,
 #: or (``session.disable_quant_qdq``) folds it into a float weight at load: FP32 speed and memory.
 CONVOLUTION = ("a convolution: ONNX Runtime has no weight-only low-bit Conv kernel (DequantizeLinear -> Conv ran "
-               "4-7x slower than FP32 on lite0), so it stays in floating point")
+               "5-9x slower than FP32 on lite0), so it stays in floating point")
 
 
 def convolutions(model: nn.Module) -> dict[str, str]:
