@@ -81,6 +81,7 @@ def main() -> None:
     logging.getLogger("onnxruntime").setLevel(logging.WARNING)
     a.out.mkdir(parents=True, exist_ok=True)
     params = read_params(ROOT / "params.yaml")
+
     def source(path: str) -> DataSource:
         return DataSource(path, text_columns=tuple(a.text_column), label_column=a.label_column)
 
