@@ -6,7 +6,8 @@ import pkgutil
 from bayesq import baselines
 from bayesq.config import BayesQConfig, PosteriorConfig, QuantConfig
 from bayesq.methods import Inputs, Outcome, quantize_with
-from bayesq.quantize import QuantizationResult, quantize_model
+from bayesq.quantize import quantize_model
+from bayesq.result import QuantizationResult
 
 for _module in pkgutil.iter_modules(baselines.__path__):  # each method module registers its handler on import
     importlib.import_module(f"bayesq.baselines.{_module.name}")

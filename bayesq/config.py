@@ -463,7 +463,7 @@ class QuantConfig:
         table and allocation): with held-out selection inputs the other range search, else the
         min/max grids (no clipping search, no refit); the anchor (min/max, else the searched
         grids) is kept unless the other has a lower KL to the full-precision model by a resolved
-        margin (:func:`bayesq.quantize.grid_candidates`, :func:`bayesq.quantize.encode_best`)."""
+        margin (:func:`bayesq.tables.grid_candidates`, :func:`bayesq.selection.encode_best`)."""
         return (self.select_grids and self.rounding == Rounding.ERROR_FEEDBACK
                 and self.codebook == Codebook.UNIFORM and self.min_range_ratio < 1)
 

@@ -26,14 +26,8 @@ import time
 
 import numpy as np
 
-from bayesq.allocation import (
-    dp_allocate,
-    greedy_allocate,
-    hw_greedy_allocate,
-    lagrangian_allocate,
-    random_allocate,
-    total,
-)
+from bayesq.allocation import greedy_allocate, hw_greedy_allocate, total
+from bayesq.allocators import dp_allocate, lagrangian_allocate, random_allocate
 from bayesq.storage import unit_cost_bits
 
 BITS = (2, 3, 4, 8)

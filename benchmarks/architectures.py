@@ -20,19 +20,18 @@ Random weights, so the numbers say what is quantised and what it costs, not how 
 from __future__ import annotations
 
 import argparse
-import time
 from collections import Counter
 from dataclasses import replace
+import time
 
 import torch
 
 from bayesq.baselines.awq import AWQConfig
 from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.rtn import RTNConfig
-from bayesq.config import Curvature, DistillConfig, Granularity, PosteriorConfig
+from bayesq.config import BayesQConfig, Curvature, DistillConfig, Granularity, PosteriorConfig
 from bayesq.harness.architectures import FAMILIES, build, example_batches
 from bayesq.methods import Inputs, quantize_with
-from bayesq.quantize import BayesQConfig
 
 METHODS = {
     "bayesq": BayesQConfig(distill=DistillConfig(steps=8)),

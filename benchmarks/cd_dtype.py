@@ -44,7 +44,7 @@ def measure(run, calls: int) -> dict:
     """Wrap the encoder's coordinate descent while ``run()`` runs; the library's own result is returned."""
     import torch
 
-    import bayesq.quantize as quantize
+    import bayesq.rounding as rounding
     from bayesq.error_feedback import coordinate_descent
 
     tot = dict(n=0, s64=0.0, s32=0.0, diff=0, codes=0, c64=0.0, c32=0.0)
@@ -62,15 +62,15 @@ def measure(run, calls: int) -> dict:
         tot["n"] += 1
         if calls and tot["n"] >= calls:
             raise Enough
-        return out["32" if quantize.CD_DTYPE == torch.float32 else "64"]
+        return out["32" if rounding.CD_DTYPE == torch.float32 else "64"]
 
-    quantize.coordinate_descent = both
+    rounding.coordinate_descent = both
     try:
         run()
     except Enough:
         pass
     finally:
-        quantize.coordinate_descent = coordinate_descent
+        rounding.coordinate_descent = coordinate_descent
     return tot
 
 

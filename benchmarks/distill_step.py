@@ -17,9 +17,9 @@ calibration split before / after and whether the check accepts, and the KL of th
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 from pathlib import Path
+import sys
 
 import torch
 
@@ -46,7 +46,8 @@ def main() -> None:
 
     from bayesq.comparison import paired_difference
     from bayesq.evaluation import kl_per_input, reference_log_probs
-    from bayesq.quantize import Encoding, assemble, quantize_model
+    from bayesq.quantize import assemble, quantize_model
+    from bayesq.selection import Encoding
     from flows.configs import method_config
 
     for name in a.models:

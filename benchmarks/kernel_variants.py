@@ -82,7 +82,7 @@ def check(seed: int = 0) -> float:
     from bayesq.blocks import LayerBlocks
     from bayesq.codebook import UniformGrids
     from bayesq.kernels import pack_weight, reference
-    from bayesq.quantize import QuantizedWeight
+    from bayesq.result import QuantizedWeight
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     worst = 0.0
@@ -200,7 +200,7 @@ def check_mantissa(seed: int = 0) -> float:
     from bayesq.blocks import LayerBlocks
     from bayesq.codebook import UniformGrids
     from bayesq.kernels import pack_weight, reference
-    from bayesq.quantize import QuantizedWeight
+    from bayesq.result import QuantizedWeight
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     worst = 0.0

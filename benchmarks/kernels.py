@@ -29,10 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 import statistics
 import time
 import timeit
-from pathlib import Path
 
 import torch
 from torch.nn import functional as F
@@ -53,7 +53,7 @@ def random_packed(n: int, k: int, bits: int, seed: int):
     from bayesq.blocks import LayerBlocks
     from bayesq.codebook import UniformGrids
     from bayesq.kernels import pack_weight
-    from bayesq.quantize import QuantizedWeight
+    from bayesq.result import QuantizedWeight
 
     gen = torch.Generator().manual_seed(seed * 1009 + bits)
     lb = LayerBlocks("bench", (n, k), GROUP, 1)
@@ -132,8 +132,7 @@ def peak_bandwidth() -> tuple[float, float | None, str]:
 
 def kernel_rows(shapes, bits_list, peak: float, seed: int) -> list[dict]:
     """Triton kernel vs FP16 ``F.linear`` for every shape x bit-width x batch (times in us)."""
-    from bayesq.kernels import dequant_linear
-    from bayesq.kernels import reference
+    from bayesq.kernels import dequant_linear, reference
 
     rows = []
     for n, k in shapes:
@@ -351,9 +350,9 @@ def sweep_rows(peak: float, seed: int, device: str = "cuda", shapes=SWEEP_SHAPES
     beside the library's default tile (``dequant_linear``) and the mantissa-decode variant (batch
     1); each checked against the float32 reference. ``device``, ``shapes`` and ``bench``
     (milliseconds of a call) let the CPU check it under ``TRITON_INTERPRET=1``."""
-    from bayesq.kernels import dequant_linear, launcher
-
     import kernel_variants  # noqa: E402 - benchmarks/ is on sys.path when this script runs
+
+    from bayesq.kernels import dequant_linear, launcher
 
     rows = []
     for n, k in shapes:
@@ -520,8 +519,7 @@ def median_us(fn, reps: int = 7) -> float:
 
 def cpu_check(seed: int) -> list[dict]:
     """96x160: reference backend vs float32 F.linear (batch 1); Triton (interpreted) errors if asked."""
-    from bayesq.kernels import dequant_linear, dequantize, triton_available
-    from bayesq.kernels import reference
+    from bayesq.kernels import dequant_linear, dequantize, reference, triton_available
 
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1" and triton_available()
     rows = []

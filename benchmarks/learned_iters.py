@@ -26,9 +26,9 @@ last lines say, per model, the smallest step count whose mean ratio over the lay
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -41,7 +41,7 @@ def layer_grid(W: torch.Tensor, bits: int, group: int = 64):
     columns, and the (out, d_in) group index of each weight."""
     from bayesq.blocks import LayerBlocks
     from bayesq.codebook import minmax_grids
-    from bayesq.quantize import group_grid
+    from bayesq.rounding import group_grid
 
     lb = LayerBlocks("w", tuple(W.shape), group, 1)
     groups, _ = lb.to_groups(W.reshape(-1))

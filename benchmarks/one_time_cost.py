@@ -2,7 +2,7 @@
 
 BayesQ (the library default, distillation off): posterior fit and layer-input statistics (one
 pass, as ``quantize_model``: the error-feedback metric and the bias correction read them) + loss
-table + :func:`bayesq.quantize.encode_best` (its other candidates' tables, every allocation and
+table + :func:`bayesq.selection.encode_best` (its other candidates' tables, every allocation and
 encoding, the KL on the held-out selection inputs that picks one) + :func:`bayesq.quantize.assemble`
 (the quantised model and its output offset). GPTQ as the pipeline's ``gptq`` row runs it:
 layer-input statistics + :func:`bayesq.baselines.gptq.gptq_select` (every variant, BayesQ's
@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import pstats
-import time
 from contextlib import contextmanager
 from pathlib import Path
+import pstats
+import time
 
 
 @contextmanager
@@ -79,15 +79,16 @@ def on_device(model, calibration, selection, device: str):
 
 
 def bayesq_stages(model, calibration, params, budget: float, seed: int, selection=None) -> tuple[dict, object]:
-    """Wall seconds of each BayesQ stage; the kept :class:`~bayesq.quantize.Encoding`."""
+    """Wall seconds of each BayesQ stage; the kept :class:`~bayesq.selection.Encoding`."""
     from bayesq.blocks import layer_blocks, quantizable_layers
-    from bayesq.memory import estimate
+    from bayesq.config import BayesQConfig, DistillConfig
     from bayesq.evaluation import log_probs, reference_log_probs
     from bayesq.forward import pass_logits
-    from bayesq.quantize import (
-        assemble, bias_correction, ef_column_metric, encode_best, grid_tables, posterior_and_stats,
-    )
-    from bayesq.config import BayesQConfig, DistillConfig
+    from bayesq.memory import estimate
+    from bayesq.quantize import assemble, posterior_and_stats
+    from bayesq.rounding import bias_correction, ef_column_metric
+    from bayesq.selection import encode_best
+    from bayesq.tables import grid_tables
 
     cfg = BayesQConfig(budget=budget, posterior=params.posterior, quant=params.quant,
                        allocation=params.allocation, distill=DistillConfig(max_budget=0), seed=seed)

@@ -29,12 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 import resource
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = ("lite0", "minilm", "resnet50", "bert-base", "gpt2", "gpt2-medium")
@@ -53,7 +53,7 @@ def build(size: str):
         from bayesq.harness.models.zoo import get_entry
 
         return get_entry("lite0-fmnist").build(pretrained=False), "image"
-    from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel)
+    from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
     if size == "minilm":
         cfg = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
@@ -207,10 +207,10 @@ def stages(a) -> None:
     from bayesq.evaluation import reference_log_probs
     from bayesq.forward import pass_logits
     from bayesq.memory import estimate
-    from bayesq.quantize import (
-        assemble, bias_correction, ef_column_metric, encode_candidates, grid_tables, posterior_and_stats,
-        select_encoding,
-    )
+    from bayesq.quantize import assemble, posterior_and_stats
+    from bayesq.rounding import bias_correction, ef_column_metric
+    from bayesq.selection import encode_candidates, select_encoding
+    from bayesq.tables import grid_tables
     from flows.params import read_params
 
     model, cal, sel = setup(a)

@@ -12,8 +12,8 @@ posterior or rebuild a table (the posteriors and tables of the embedded models t
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
+import time
 
 from prefect import task
 
@@ -29,7 +29,10 @@ from bayesq.harness.data.calibration import sample_calibration_indices, sample_s
 from bayesq.harness.data.sentiment import seeded_permutation
 from bayesq.harness.models.zoo import _take, get_entry
 from bayesq.posterior import CURVATURES, DiagonalCurvature, Posterior, WeightMeans, fit_diagonal_posterior
-from bayesq.quantize import build_table, ef_column_metric, first_look_inputs, fit_posterior, grid_tables
+from bayesq.quantize import fit_posterior
+from bayesq.rounding import ef_column_metric
+from bayesq.selection import first_look_inputs
+from bayesq.tables import build_table, grid_tables
 from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import CACHE, code_version, digest
 from flows.configs import method_settings
@@ -127,7 +130,7 @@ def selection_batches(entry, splits, data, calibration, seed: int):
     n_cal, n_sel = _sizes(entry, calibration, n_total)
     inputs = _take(splits.train_inputs, sample_selection_indices(n_total, n_cal, seed, n_sel))
     batches = list(entry.batches(inputs, calibration.batch_size, data))
-    # the first look (bayesq.quantize.selection_looks) is the draw's first inputs, a random sample;
+    # the first look (bayesq.selection.selection_looks) is the draw's first inputs, a random sample;
     # inside each look the sentences are regrouped by length (scored input by input, the order is free)
     first = -(-first_look_inputs(len(inputs), calibration.batch_size) // calibration.batch_size)
     return by_length(batches[:first]) + by_length(batches[first:])
@@ -340,7 +343,7 @@ def table_task(name: str, model_file: str, model_digest: str, posterior_file: st
                seed: int, out: str, code: str, tag: str = "", stats_file: str = "", stats_sha256: str = ""):
     """BayesQ expected-loss table (LossTable, persisted by Prefect) plus its Parquet copy
     ``<out>/<posterior file stem>[_<tag>].parquet`` (with every entry's standard error), and the
-    tables of the other grid candidates (``"tables"``, :func:`bayesq.quantize.grid_tables`:
+    tables of the other grid candidates (``"tables"``, :func:`bayesq.tables.grid_tables`:
     built once here instead of once per budget and row; ``seconds`` counts them).
     ``stats_file`` (:func:`stats_task`'s file, keyed by ``stats_sha256``): the error-feedback
     metric is read from it (the rows count that pass) instead of a statistics pass here."""

@@ -20,21 +20,24 @@ logged too.  Every quantised model is written in the export format (``bayesq.exp
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
+import time
 from typing import Any
 
 from prefect import flow, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
+from bayesq.assignment import allocate
 from bayesq.baselines.brecq import brecq_encoding
 from bayesq.baselines.select import encoding_config
 from bayesq.evaluation import predict
 from bayesq.export import load as load_export, save_export
 from bayesq.harness.models.zoo import _take, get_entry
 from bayesq.methods import Inputs, Outcome, quantize_with
-from bayesq.quantize import allocate, assemble, encode_best, needs_input_stats
+from bayesq.quantize import assemble
+from bayesq.rounding import needs_input_stats
+from bayesq.selection import encode_best
 from bayesq.tensorfile import file_sha256
 from flows.common import code_version, digest, locked, parser, read_params, write_json
 from flows.configs import BASELINE_CONFIGS, method_settings
@@ -42,30 +45,14 @@ from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage, input_lineage, row_metadata
 from flows.params import BAYESQ_ROWS, CALIBRATED_METHODS, GRID_METHODS, SHARED_PREP, Method, RobustnessConfig
 from flows.prepare import (
-    calibration_batches,
-    calibration_indices,
-    checked_exclude,
-    load_posterior,
-    load_reference,
-    load_stats,
-    prep_code,
-    prepare,
-    reference_task,
-    selection_batches,
-    shared_cost,
+    calibration_batches, calibration_indices, checked_exclude, load_posterior, load_reference, load_stats, prep_code,
+    prepare, reference_task, selection_batches, shared_cost
 )
 from flows.robustness import evaluate_model, fp_eval_task, mean_corruption_error, tracked_metrics
 from flows.timings import TaskClock
 from flows.tracking import (
-    child_run_name,
-    flow_run_namer,
-    log_files,
-    log_row_artifacts,
-    mlflow_child,
-    mlflow_parent,
-    row_params,
-    say,
-    write_run_file,
+    child_run_name, flow_run_namer, log_files, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say,
+    write_run_file
 )
 
 # Sources that only one method's rows run: each row's cache key leaves out the others', so a
@@ -149,7 +136,7 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
 def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: str | None, seed: int,
             batches=None, stats_file: str | None = None, selection=None, reference=None,
             tables: dict | None = None):
-    """BayesQ's allocation and encoding from a cached table (:func:`bayesq.quantize.encode_best`,
+    """BayesQ's allocation and encoding from a cached table (:func:`bayesq.selection.encode_best`,
     the library's own step): (Encoding, posterior).
 
     ``batches``: calibration batches (the grid selection scores on ``selection``, else on them; error-feedback rounding
@@ -165,7 +152,7 @@ def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: 
 
 
 def save_encoding(path: Path, enc, read: dict) -> dict:
-    """Write a BayesQ row's :class:`bayesq.quantize.Encoding` and what it read (``stats_read``,
+    """Write a BayesQ row's :class:`bayesq.selection.Encoding` and what it read (``stats_read``,
     ``reference_read``, ``seconds``) to ``path`` (torch pickle); ``{"encoding_file", "encoding_sha256"}``."""
     import torch
 

@@ -5,25 +5,17 @@ verbatim), a naive O(n^2) greedy with exact rational densities and brute-force h
 exhaustive search over all allocations, and the exact DP (itself checked by brute force).
 """
 
+from fractions import Fraction
 import heapq
 import itertools
 import random
-from fractions import Fraction
 
 import numpy as np
 import pytest
 
 import bayesq.allocation as alloc
-from bayesq.allocation import (
-    dp_allocate,
-    greedy_allocate,
-    hw_greedy_allocate,
-    lagrangian_allocate,
-    lagrangian_lambda,
-    min_feasible_budget,
-    random_allocate,
-    total,
-)
+from bayesq.allocation import greedy_allocate, hw_greedy_allocate, min_feasible_budget, total
+from bayesq.allocators import dp_allocate, lagrangian_allocate, lagrangian_lambda, random_allocate
 from bayesq.storage import unit_cost_bits
 
 
@@ -622,7 +614,7 @@ def test_allocators_reject_negative_penalty():
 def test_allocators_one_signature_vs_direct_calls():
     """Every allocator of the config is called as ALLOCATORS[name](Problem) and gives what the
     function gives when called directly."""
-    from bayesq.allocation import ALLOCATORS, Problem
+    from bayesq.allocators import ALLOCATORS, Problem
     from bayesq.config import Allocator
 
     assert set(ALLOCATORS) == {a.value for a in Allocator}

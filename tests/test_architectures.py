@@ -12,23 +12,22 @@ from torch import nn
 from bayesq.baselines.adaround import AdaRoundConfig
 from bayesq.baselines.anneal import AnnealConfig
 from bayesq.baselines.awq import AWQConfig
-from bayesq.baselines.brecq import BayesQBRECQConfig, BRECQConfig
-from bayesq.baselines.blockwise import BlockwiseConfig
-from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.bitsplit import BitSplitConfig
+from bayesq.baselines.blockwise import BlockwiseConfig
+from bayesq.baselines.brecq import BayesQBRECQConfig, BRECQConfig
 from bayesq.baselines.dorefa import DoReFaConfig
+from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.lsq import LSQConfig
 from bayesq.baselines.ocs import OCSConfig
-from bayesq.baselines.zeroq import ZeroQConfig
 from bayesq.baselines.rtn import RTNConfig
-from bayesq.baselines.smoothquant import SmoothQuantConfig
 from bayesq.baselines.select import encoding_config
-from bayesq.config import Curvature, DistillConfig, Granularity, PosteriorConfig, QuantConfig
+from bayesq.baselines.smoothquant import SmoothQuantConfig
+from bayesq.baselines.zeroq import ZeroQConfig
+from bayesq.config import BayesQConfig, Curvature, DistillConfig, Granularity, PosteriorConfig, QuantConfig
 from bayesq.export import load, save_export
 from bayesq.forward import call, output_logits
 from bayesq.harness.architectures import FAMILIES, build, example_batches
 from bayesq.methods import Inputs, quantize_with
-from bayesq.quantize import BayesQConfig
 
 BUDGET = 3.0
 # resnet18 is built at its real width (torchvision fixes it): its last two stages (10.5 M of its

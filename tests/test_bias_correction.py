@@ -1,14 +1,15 @@
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
+import torch.nn.functional as F
 
 from bayesq.baselines.activations import input_stats
 from bayesq.bias_correction import BiasCorrection, output_shift
 from bayesq.blocks import quantizable_layers
 from bayesq.config import BayesQConfig, DistillConfig, QuantConfig
-from bayesq.quantize import bias_correction, quantize_model
+from bayesq.quantize import quantize_model
 from bayesq.result import quantized_copy
+from bayesq.rounding import bias_correction
 
 
 def _rounded(w: torch.Tensor, step: float = 0.25) -> torch.Tensor:

@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from bayesq.assignment import allocate
+from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.brecq import (
     BayesQBRECQConfig, BRECQConfig, SoftWeight, bayesq_brecq, block_modules, brecq_codes, capture, element_grid,
-    first_tensor, reconstruct_unit, reconstruction_error, reconstruction_units, with_codes,
+    first_tensor, reconstruct_unit, reconstruction_error, reconstruction_units, with_codes
 )
-from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.gptq import LayerRounding, gptq_codes, gptq_table
 from bayesq.baselines.lsq import nearest_rows
 from bayesq.blocks import layer_blocks, quantizable_layers
@@ -20,7 +21,7 @@ from bayesq.canonical import canonical
 from bayesq.config import BayesQConfig, DistillConfig, QuantConfig
 from bayesq.harness.architectures import build, example_batches
 from bayesq.output_offset import fit_output_offset
-from bayesq.quantize import allocate, quantize_model
+from bayesq.quantize import quantize_model
 from bayesq.result import quantized_copy
 
 
@@ -205,7 +206,9 @@ def test_brecq_encoding_drops_the_scored_logits_of_the_model_it_rounds_again():
     """The selection's logits of BayesQ's kept candidate stand for a forward pass of that model
     only: the re-rounded encoding carries none, so the output offset's fit runs the new model."""
     from bayesq.baselines.brecq import brecq_encoding
-    from bayesq.quantize import build_table, encode_best, fit_posterior
+    from bayesq.quantize import fit_posterior
+    from bayesq.selection import encode_best
+    from bayesq.tables import build_table
 
     net, cal, sel = _residual_net()
     q = QuantConfig(group_size=32, unit_groups=2)

@@ -11,9 +11,9 @@ from bayesq.baselines.activations import input_stats
 from bayesq.baselines.rtn import rtn_quantize
 from bayesq.blocks import quantizable_layers, tied_layers
 from bayesq.canonical import Conv1dAs2d, SplitAttention, canonical, make_canonical
-from bayesq.config import Granularity, QuantConfig
+from bayesq.config import BayesQConfig, Granularity, QuantConfig
 from bayesq.export import load, save_export
-from bayesq.quantize import BayesQConfig, quantize_model
+from bayesq.quantize import quantize_model
 
 D = torch.float64
 

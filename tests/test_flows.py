@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from torch import nn
+import yaml
 
 from bayesq.harness.corruptions import CORRUPTIONS
 from bayesq.harness.models.config import DataConfig, FinetuneConfig
@@ -193,8 +193,8 @@ def test_pipeline_flows_end_to_end(tmp_path, prefect_harness, tiny_entry):
     assert len(paired) == (5 * 21 + 1) * 2 * 2 and "## Paired comparisons on the same test examples" in table_md
     assert all(p["n"] == 100 and p["ci_low"] <= p["diff"] <= p["ci_high"] for p in paired)
     # the fitted prior per layer and the prior-dominated share, as the posterior files hold them
-    from flows.finetune import load_model
     from bayesq.harness.models.zoo import get_entry
+    from flows.finetune import load_model
     from flows.prepare import load_posterior
 
     posteriors = read_json(results / "posteriors.json")
@@ -334,8 +334,8 @@ def test_read_params_misspelled_key_is_clear(tmp_path):
 
 
 def test_params_yaml_ablation_rows_validate_in_every_profile():
-    from flows.params import load_params
     from flows.ablate import ablation_rows
+    from flows.params import load_params
 
     raw = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
     rows = {}
@@ -505,9 +505,9 @@ def test_row_cache_keys_leave_out_only_sources_the_row_never_runs(tmp_path, tiny
     live in a source that its cache key leaves out, or a change there would not re-run it."""
     from safetensors.torch import save_model
 
-    from flows.params import Method
     from bayesq.harness.models.zoo import get_entry
     from flows.common import digest, read_params
+    from flows.params import Method
     from flows.prepare import PREP_EXCLUDE, prepare
     from flows.quantize import METHOD_SOURCES, Row, Source, quantize_eval_task, row_code, row_excluded
 
@@ -604,9 +604,10 @@ def test_exclusion_reaches_posterior_statistics_traces_and_every_row(tmp_path, t
 
 def _tiny_task_inputs(tmp_path):
     """(params, entry, model_file, src, task args up to ``data``) of the tiny CNN for a prepare task."""
+    from safetensors.torch import save_model
+
     from bayesq.harness.models.zoo import get_entry
     from flows.common import digest, read_params
-    from safetensors.torch import save_model
 
     params, raw = read_params(_params(tmp_path)), tmp_path / "raw"
     raw.mkdir()
@@ -622,7 +623,6 @@ def _tiny_task_inputs(tmp_path):
 def test_stats_task_round_trip_vs_input_stats(tmp_path, tiny_entry):
     from bayesq.baselines.activations import input_stats
     from bayesq.blocks import quantizable_layers
-
     from flows.finetune import load_model
     from flows.prepare import calibration_batches, load_stats, stats_task
 
@@ -643,7 +643,6 @@ def test_stats_task_round_trip_vs_input_stats(tmp_path, tiny_entry):
 def test_reference_task_round_trip_vs_reference_log_probs(tmp_path, tiny_entry):
     from bayesq.config import replace
     from bayesq.evaluation import predict, reference_log_probs
-
     from flows.finetune import load_model
     from flows.prepare import calibration_batches, load_reference, reference_task, selection_batches, shared_cost
 
@@ -675,8 +674,8 @@ def test_reprior_task_vs_posterior_task_fit_with_that_prior(tmp_path, tiny_entry
     from safetensors import safe_open
 
     from bayesq.config import replace
-    from flows.params import Method
     from flows.configs import method_settings
+    from flows.params import Method
     from flows.prepare import posterior_task, reprior_task
 
     params, entry, model_file, src, args = _tiny_task_inputs(tmp_path)
@@ -697,8 +696,7 @@ def test_reprior_task_vs_posterior_task_fit_with_that_prior(tmp_path, tiny_entry
 
 def test_table_task_candidate_tables_vs_building_each(tmp_path, tiny_entry):
     from bayesq.blocks import layer_blocks, quantizable_layers
-    from bayesq.quantize import build_table, grid_candidates
-
+    from bayesq.tables import build_table, grid_candidates
     from flows.finetune import load_model
     from flows.prepare import calibration_batches, load_posterior, posterior_task, table_task
 
@@ -758,10 +756,10 @@ def _token_entry():
 def test_selection_batches_first_look_a_random_draw_each_look_by_length():
     """The first look's inputs are the draw's first ones (not the shortest sentences), each look
     regrouped by token length, every input once."""
-    from flows.params import CalibrationConfig
     from bayesq.harness.data.calibration import sample_selection_indices
     from bayesq.harness.models.zoo import Splits
-    from bayesq.quantize import selection_looks
+    from bayesq.selection import selection_looks
+    from flows.params import CalibrationConfig
     from flows.prepare import selection_batches
 
     g = torch.Generator().manual_seed(0)
@@ -782,8 +780,8 @@ def test_selection_batches_first_look_a_random_draw_each_look_by_length():
 
 
 def test_calibration_batches_of_sentences_grouped_by_length_images_in_draw_order(tiny_entry):
-    from flows.params import CalibrationConfig
     from bayesq.harness.models.zoo import Splits, get_entry
+    from flows.params import CalibrationConfig
     from flows.prepare import calibration_batches, calibration_indices
 
     Tokens = type(_token_entry())
@@ -812,8 +810,8 @@ def test_calibration_batches_of_sentences_grouped_by_length_images_in_draw_order
 
 def test_selection_batches_draw_the_configured_size_and_fit_inputs_ignore_it(tiny_entry):
     from bayesq.config import replace
-    from flows.params import CalibrationConfig
     from bayesq.harness.models.zoo import get_entry
+    from flows.params import CalibrationConfig
     from flows.prepare import fit_inputs, selection_batches
 
     entry, data = get_entry("tiny-cnn"), DataConfig()

@@ -1,14 +1,14 @@
 import math
+
+from nets import AttentionModel
 import pytest
 import torch
 from torch import nn
 
-from nets import AttentionModel
-
 from bayesq import BayesQConfig, QuantConfig, quantize_model
-from bayesq.quantize import fit_posterior
 from bayesq.baselines.rtn import rtn_quantize
 from bayesq.config import DistillConfig, Granularity, replace
+from bayesq.quantize import fit_posterior
 
 
 def _model():
@@ -213,10 +213,10 @@ def test_rtn_quantize_within_budget(granularity):
 # ---- every option of the method, end to end ---------------------------------------------------
 
 from bayesq.codebook import LevelTables, UniformGrids  # noqa: E402
-from bayesq.vq import VQBook  # noqa: E402
 from bayesq.config import (  # noqa: E402
-    AllocationConfig, Allocator, AllocationUnit, Codebook, Curvature, PosteriorConfig, Proxy, Rounding, Whitening,
+    AllocationConfig, AllocationUnit, Allocator, Codebook, Curvature, PosteriorConfig, Proxy, Rounding, Whitening
 )
+from bayesq.vq import VQBook  # noqa: E402
 
 BIG = QuantConfig(group_size=32, unit_groups=8)
 VARIANTS = {
@@ -305,7 +305,7 @@ def test_error_feedback_lowers_kfac_cost_vs_nearest_rounding():
     cfg = BayesQConfig(budget=3.0, posterior=PosteriorConfig(curvature="kfac"), quant=BIG)
     res = quantize_model(model, _calibration(), cfg, progress=False, keep_posterior=True)
     from bayesq.curvature.kfac import kfac_whitened_cost
-    from bayesq.quantize import ef_column_metric, encode
+    from bayesq.rounding import ef_column_metric, encode
 
     weights = {n: m.weight for n, m in dict(model.named_modules()).items() if n in res.weights}
     near = encode(res.table, res.allocation, weights, rounding=Rounding.NEAREST)
@@ -339,8 +339,10 @@ def test_quantize_model_vq_and_error_feedback_need_their_settings():
 
 
 def test_quantize_model_pca_needs_calibration_data_and_floor_beyond_candidates_is_clear():
+    from bayesq.assignment import allocate
     from bayesq.blocks import layer_blocks, quantizable_layers
-    from bayesq.quantize import allocate, build_table, fit_posterior
+    from bayesq.quantize import fit_posterior
+    from bayesq.tables import build_table
 
     model = _model()
     post = fit_posterior(model, _calibration(), BayesQConfig(), progress=False)
@@ -356,9 +358,9 @@ def test_loss_reduction_curve_vs_hand_computed_greedy_sequence():
     # One layer, two units of 10 weights, candidates 2/3/4 bits costing exactly 10 b bits (no
     # scales; a hand-made table). Densities: unit 0: 2->3 gains 6, 3->4 gains 2; unit 1: 2->3
     # gains 3, 3->4 gains 1 (per 10 bits). Greedy order: u0 (6), u1 (3), u0 (2), u1 (1).
+    from bayesq.assignment import loss_reduction_curve, min_bits
     from bayesq.blocks import LayerBlocks
     from bayesq.expected_loss import LayerTable, LossTable
-    from bayesq.quantize import loss_reduction_curve, min_bits
 
     loss = torch.tensor([[10.0, 4.0, 2.0], [5.0, 2.0, 1.0]], dtype=torch.float64)
     cost = torch.tensor([[20, 30, 40], [20, 30, 40]], dtype=torch.int64)
@@ -373,7 +375,7 @@ def test_loss_reduction_curve_vs_hand_computed_greedy_sequence():
 
 
 def test_grid_candidates_add_minmax_only_to_searched_error_feedback_grids():
-    from bayesq.quantize import grid_candidates
+    from bayesq.tables import grid_candidates
 
     both = grid_candidates(QuantConfig())
     assert list(both) == ["searched", "minmax"]
@@ -384,7 +386,7 @@ def test_grid_candidates_add_minmax_only_to_searched_error_feedback_grids():
 
 
 def test_grid_candidates_other_range_search_instead_of_minmax_when_scored_held_out():
-    from bayesq.quantize import grid_candidates
+    from bayesq.tables import grid_candidates
 
     held = grid_candidates(QuantConfig(), held_out=True)
     assert list(held) == ["searched", "searched-plain"]
@@ -397,14 +399,16 @@ def test_grid_candidates_other_range_search_instead_of_minmax_when_scored_held_o
 
 @pytest.mark.parametrize("held_out,n_batches", [(False, 2), (True, 2), (True, 16)])  # 16 x 40 inputs: two looks
 def test_encode_best_keeps_anchor_unless_resolved_vs_building_each_candidate(held_out, n_batches):
+    from bayesq.assignment import allocate
+    from bayesq.baselines.activations import input_stats
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.comparison import kl_per_example, paired_difference
     from bayesq.evaluation import predict
-    from bayesq.baselines.activations import input_stats
-    from bayesq.quantize import (
-        allocate, bias_correction, build_table, ef_column_metric, encode, encode_best, fit_posterior, grid_candidates,
-        quantized_copy,
-    )
+    from bayesq.quantize import fit_posterior
+    from bayesq.result import quantized_copy
+    from bayesq.rounding import bias_correction, ef_column_metric, encode
+    from bayesq.selection import encode_best
+    from bayesq.tables import build_table, grid_candidates
 
     torch.manual_seed(0)
     model, batches = _model(), _calibration()
@@ -462,9 +466,12 @@ def test_encode_row_chunks_vs_whole_layer(monkeypatch, capsys, layout):
     ENCODE_ROW_ELEMENTS): the same codes and scales as the whole layer at once. The first layer's
     rows hold whole groups (its refit's normal equations are built chunk by chunk), the last one's
     do not (refitted whole)."""
-    import bayesq.quantize as qz
+    from bayesq.assignment import allocate
     from bayesq.blocks import layer_blocks, quantizable_layers
-    from bayesq.quantize import allocate, build_table, ef_column_metric, encode, fit_posterior
+    from bayesq.quantize import fit_posterior
+    import bayesq.rounding as rd
+    from bayesq.rounding import ef_column_metric, encode
+    from bayesq.tables import build_table
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 37), nn.ReLU(), nn.Linear(37, 5)).double().eval()
@@ -480,8 +487,8 @@ def test_encode_row_chunks_vs_whole_layer(monkeypatch, capsys, layout):
     whole = encode(table, alloc, weights, **opts)
     plain = encode(table, alloc, weights, **{**opts, "refit": False})
     assert not torch.equal(whole["0"].dequantize(), plain["0"].dequantize())  # the refit moved scales
-    monkeypatch.setattr(qz, "ENCODE_ROW_ELEMENTS", 3 * 48)
-    assert len(qz.row_chunks(37, 48, metric["0"])) == 13
+    monkeypatch.setattr(rd, "ENCODE_ROW_ELEMENTS", 3 * 48)
+    assert len(rd.row_chunks(37, 48, metric["0"])) == 13
     chunked = encode(table, alloc, weights, **opts, progress=True)
     assert "0/13" in capsys.readouterr().err  # the chunked layer shows its own bar over its 13 chunks
     for name, qw in whole.items():
@@ -494,22 +501,25 @@ def test_encode_layer_candidates_vs_one_call_each(monkeypatch, chunk):
     """Two candidates' rows stacked in one rounding call (a dense and a depthwise convolution,
     whose rows are stacked group by group, and Linear layers, also row chunk by row chunk): the
     codes and scales of encoding each candidate on its own."""
-    import bayesq.quantize as qz
+    from bayesq.assignment import allocate
     from bayesq.blocks import layer_blocks, quantizable_layers
-    from bayesq.quantize import allocate, build_table, ef_column_metric, encode_layer, encode_layer_candidates
+    from bayesq.quantize import fit_posterior
+    import bayesq.rounding as rd
+    from bayesq.rounding import ef_column_metric, encode_layer, encode_layer_candidates
+    from bayesq.tables import build_table, grid_candidates
 
     model, batches = _model().double(), [b.double() for b in _calibration()]
     q = QuantConfig(group_size=16, unit_groups=2)
-    post = qz.fit_posterior(model, batches, BayesQConfig(quant=q), progress=False)
+    post = fit_posterior(model, batches, BayesQConfig(quant=q), progress=False)
     layers = quantizable_layers(model)
     blocks = layer_blocks(layers, 16, 2)
     metric = ef_column_metric(post, q, model, batches)
     tables = [build_table(post, blocks, cq, model=model, calibration=batches, progress=False, column_metric=metric)
-              for cq in qz.grid_candidates(q, held_out=True).values()]
+              for cq in grid_candidates(q, held_out=True).values()]
     allocs = [allocate(tables[0], 3.5), allocate(tables[1], 4.0)]
     if chunk:
-        monkeypatch.setattr(qz, "ENCODE_ROW_ELEMENTS", chunk)
-        assert len(qz.row_chunks(64, 1152, metric["5"], copies=2)) == 4
+        monkeypatch.setattr(rd, "ENCODE_ROW_ELEMENTS", chunk)
+        assert len(rd.row_chunks(64, 1152, metric["5"], copies=2)) == 4
     opts = dict(rounding=q.rounding, act_order=True, refit=True, cd_passes=2)
     for name, layer in layers.items():
         parts = [(t.layer(name), a.unit_bits[name]) for t, a in zip(tables, allocs)]
@@ -524,7 +534,9 @@ def test_encode_layer_candidates_vs_one_call_each(monkeypatch, chunk):
 def test_encode_best_given_stats_vs_its_own_statistics_pass():
     from bayesq.baselines.activations import input_stats
     from bayesq.blocks import layer_blocks, quantizable_layers
-    from bayesq.quantize import build_table, encode_best, fit_posterior
+    from bayesq.quantize import fit_posterior
+    from bayesq.selection import encode_best
+    from bayesq.tables import build_table
 
     torch.manual_seed(0)
     model, batches = _model(), _calibration()
@@ -564,7 +576,10 @@ def test_encode_candidates_consuming_the_metric_vs_encode_best():
     # quantize_model's two steps (the metric released layer by layer, then the selection) keep the
     # same candidate with the same codes and selection KL as encode_best, and free every moment
     from bayesq.blocks import layer_blocks, quantizable_layers
-    from bayesq.quantize import build_table, ef_column_metric, encode_best, encode_candidates, fit_posterior, select_encoding
+    from bayesq.quantize import fit_posterior
+    from bayesq.rounding import ef_column_metric
+    from bayesq.selection import encode_best, encode_candidates, select_encoding
+    from bayesq.tables import build_table
 
     torch.manual_seed(0)
     model, batches = _model(), _calibration()
@@ -593,7 +608,8 @@ def test_encode_candidates_consuming_the_metric_vs_encode_best():
 def _fitted_with_held_out():
     """(model, calibration, held-out batches, q, posterior, blocks, table) of the small CNN."""
     from bayesq.blocks import layer_blocks, quantizable_layers
-    from bayesq.quantize import build_table, fit_posterior
+    from bayesq.quantize import fit_posterior
+    from bayesq.tables import build_table
 
     torch.manual_seed(0)
     model, batches = _model(), _calibration()
@@ -608,7 +624,7 @@ def _fitted_with_held_out():
 
 def test_encode_best_given_reference_vs_its_own_fp_pass():
     from bayesq.evaluation import reference_log_probs
-    from bayesq.quantize import encode_best
+    from bayesq.selection import encode_best
 
     model, batches, held, q, post, _, table = _fitted_with_held_out()
     own = encode_best(model, post, table, q, 3.0, calibration=batches, selection=held)
@@ -623,7 +639,8 @@ def test_encode_best_given_reference_vs_its_own_fp_pass():
 
 
 def test_encode_best_given_candidate_tables_vs_building_them():
-    from bayesq.quantize import candidate_tables, encode_best, grid_candidates
+    from bayesq.selection import encode_best
+    from bayesq.tables import candidate_tables, grid_candidates
 
     model, batches, held, q, post, blocks, table = _fitted_with_held_out()
     tables = candidate_tables(post, blocks, q, model=model, calibration=batches)
@@ -644,7 +661,9 @@ def test_encode_best_given_candidate_tables_vs_building_them():
 
 def test_encode_best_selection_without_calibration_names_the_fix():
     from bayesq.blocks import layer_blocks, quantizable_layers
-    from bayesq.quantize import build_table, encode_best, fit_posterior
+    from bayesq.quantize import fit_posterior
+    from bayesq.selection import encode_best
+    from bayesq.tables import build_table
 
     model, batches = _model(), _calibration()
     q = QuantConfig(group_size=32, unit_groups=8)
@@ -675,10 +694,10 @@ def test_quantize_model_offset_reads_the_selection_scores_and_the_curvature_pass
     passes of both models, bit for bit. The FP model runs over the calibration inputs once."""
     import copy
 
+    from bayesq.evaluation import reference_log_probs
     import bayesq.output_offset as oo
     import bayesq.quantize as qz
-    from bayesq.evaluation import reference_log_probs
-    from bayesq.quantize import quantized_copy
+    from bayesq.result import quantized_copy
 
     model, cal = _model().double(), [b.double() for b in _calibration()]
     sel = [b.double() for b in _calibration(2)[::-1]] if held_out else None
@@ -770,7 +789,9 @@ def test_library_stages_in_order_vs_quantize_model():
     pipeline's cached tasks do), give quantize_model's model and codes."""
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.evaluation import reference_log_probs
-    from bayesq.quantize import assemble, build_table, encode_best, fit_posterior
+    from bayesq.quantize import assemble, fit_posterior
+    from bayesq.selection import encode_best
+    from bayesq.tables import build_table
 
     model, batches = _model(), _calibration()
     q = QuantConfig(group_size=32, unit_groups=8)
@@ -824,7 +845,8 @@ def test_quantize_model_causal_language_model_default_config(rounding):
 def test_encode_best_layer_by_layer_vs_encode_of_the_kept_candidate():
     """encode_best encodes every candidate layer by layer (one metric and factor held at a time):
     the kept codes and books are exactly encode()'s of the kept table and allocation."""
-    from bayesq.quantize import ef_column_metric, encode, encode_best
+    from bayesq.rounding import ef_column_metric, encode
+    from bayesq.selection import encode_best
 
     model, batches, held, q, post, _, table = _fitted_with_held_out()
     metric = ef_column_metric(post, q, model, batches)

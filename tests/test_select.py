@@ -3,26 +3,25 @@
 import copy
 import math
 
+from nets import AttentionModel, TokenModel
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
+import torch.nn.functional as F
 
-from nets import AttentionModel, TokenModel
-
+from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.rtn import rtn_quantize
 from bayesq.baselines.select import (
-    UniformVariant, check_feasible, encoding_config, given_allocation, layouts,
-    select_best, stats_correction, uniform_bits, uniform_variants,
+    UniformVariant, check_feasible, encoding_config, given_allocation, layouts, select_best, stats_correction,
+    uniform_bits, uniform_variants
 )
-from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.blocks import quantizable_layers
 from bayesq.config import Granularity, QuantConfig
 from bayesq.evaluation import mean_kl, reference_log_probs
 from bayesq.expected_loss import LossTable
 from bayesq.export import read_export, save_export
-from bayesq.quantize import selection_looks
 from bayesq.result import Allocation, QuantizationResult
+from bayesq.selection import selection_looks
 from bayesq.storage import grid_bits
 from flows.params import BaselinesConfig, load_params
 
@@ -369,9 +368,8 @@ def test_baseline_layouts_and_costs_under_the_onnxruntime_target():
     there exports as MatMulNBits with those bytes, to the bit."""
     from bayesq.baselines.rtn import rtn_blocks
     from bayesq.blocks import layer_blocks
-    from bayesq.targets import matmulnbits_unit_cost_bits
-
     from bayesq.config import AllocationUnit
+    from bayesq.targets import matmulnbits_unit_cost_bits
 
     q = QuantConfig(unit=AllocationUnit.CHANNEL).for_target("onnxruntime", block=16)
     assert layouts([8, 16, 32, 48], q) == [16, 32]

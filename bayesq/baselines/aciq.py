@@ -15,14 +15,15 @@ zero-point per channel. Fractional budgets: the greedy knapsack over units of ab
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+import math
 
 import torch
 from torch import nn
 
+from bayesq.assignment import allocate
 from bayesq.baselines.rtn import rtn_blocks
 from bayesq.blocks import checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
@@ -30,8 +31,8 @@ from bayesq.codebook import UniformGrids, grids_from_range
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import rtn_table
 from bayesq.methods import Inputs, Outcome, register
-from bayesq.quantize import allocate, encode
 from bayesq.result import QuantizationResult, baseline_result
+from bayesq.rounding import encode
 
 
 def laplace_clip_mse(alpha: float, bits: int) -> float:

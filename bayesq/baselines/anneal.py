@@ -27,30 +27,28 @@ and runs a proposal from the first unit it changes, with the energies of full pa
 
 from __future__ import annotations
 
-import math
-import random
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+import math
+import random
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from bayesq.assignment import allocate
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.brecq import reconstruction_units
 from bayesq.baselines.gptq import DAMP, gptq_codes, gptq_table
-from bayesq.baselines.select import (
-    BaselineChoice, choice_outcome, given_allocation, select_variants, stats_of,
-)
+from bayesq.baselines.select import BaselineChoice, choice_outcome, given_allocation, select_variants, stats_of
 from bayesq.blocks import checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
 from bayesq.config import AllocationUnit, QuantConfig
-from bayesq.expected_loss import LossTable
 from bayesq.evaluation import kl_per_input, reference_log_probs
+from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch, first_inputs
 from bayesq.methods import Inputs, Outcome, register
-from bayesq.quantize import allocate
 from bayesq.result import Allocation, QuantizationResult, QuantizedWeight, baseline_result, quantized_copy
 from bayesq.storage import budget_bits
 

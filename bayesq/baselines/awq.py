@@ -25,19 +25,20 @@ size that fits, the stored scales counted in every variant (:mod:`bayesq.baselin
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from functools import partial
+import math
 from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from bayesq.assignment import allocate
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.select import (
     GROUP_SIZES, BaselineChoice, baseline_blocks, cheapest_bits, check_feasible, choice_outcome, mixed_min_bits,
-    mixed_outcome, select_variants, stats_of, uniform_variants,
+    mixed_outcome, select_variants, stats_of, uniform_variants
 )
 from bayesq.blocks import LayerBlocks, checked_layers
 from bayesq.canonical import on_canonical
@@ -46,8 +47,8 @@ from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch
 from bayesq.methods import Inputs, Outcome, register
-from bayesq.quantize import allocate, encode
 from bayesq.result import QuantizationResult, baseline_result
+from bayesq.rounding import encode
 from bayesq.storage import budget_bits
 
 GRID = 20

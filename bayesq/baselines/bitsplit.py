@@ -17,7 +17,7 @@ LSQ's). The method alternates
   change ``delta = alpha 2^i (t' - t)``), ``D H`` kept current;
 
 until an epoch changes no code (or ``epochs`` epochs); the scales are then refitted to the final
-codes once more (:func:`bayesq.quantize.encode`'s ``refit``). The start is the paper's: per group
+codes once more (:func:`bayesq.rounding.encode`'s ``refit``). The start is the paper's: per group
 the alternation of nearest rounding and the least-squares scale in weight space (its "fixed-point
 weight approximation"), from ``max |w| / (2^(b-1) - 1)``. The paper's second start-up stage, the
 same alternation over planes in weight space, is left out: for a fixed scale, weight space is

@@ -33,14 +33,15 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from bayesq.assignment import allocate
 from bayesq.blocks import checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
 from bayesq.config import Codebook, Objective, QuantConfig, Rounding
 from bayesq.expected_loss import LossTable, layer_table
 from bayesq.memory import release_freed
 from bayesq.methods import Inputs, Outcome, register
-from bayesq.quantize import allocate, encode
 from bayesq.result import QuantizationResult, baseline_result
+from bayesq.rounding import encode
 
 #: The codebooks a per-block baseline fits (names as ``quant.codebook``).
 BLOCK_CODEBOOKS = (Codebook.UNIFORM, Codebook.LLOYD)

@@ -40,8 +40,8 @@ objects (a ``*Cache`` instance: replaced by None, so that replaying a call does 
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass, field, replace
+import inspect
 from typing import Any, Sequence
 
 import torch
@@ -59,8 +59,10 @@ from bayesq.forward import Batch, call, kept_state, model_batches, padding_mask
 from bayesq.memory import release_freed
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.output_offset import fit_output_offset
-from bayesq.quantize import Encoding, group_grid, quantize_model
+from bayesq.quantize import quantize_model
 from bayesq.result import QuantizationResult, QuantizedWeight, quantized_copy
+from bayesq.rounding import group_grid
+from bayesq.selection import Encoding
 
 CONTAINERS = (nn.Sequential, nn.ModuleList)
 
@@ -431,7 +433,7 @@ def _relearned(model: nn.Module, weights: dict[str, QuantizedWeight], batches: S
 
 
 def brecq_encoding(model: nn.Module, enc: Encoding, batches: Sequence[Batch], config: BRECQConfig) -> Encoding:
-    """A BayesQ encoding of ``model`` (:func:`bayesq.quantize.encode_best`) with every layer's codes
+    """A BayesQ encoding of ``model`` (:func:`bayesq.selection.encode_best`) with every layer's codes
     learned again by :func:`brecq_codes` on its grids, and no bias correction: the last step of
     :func:`bayesq_brecq`, for a caller that has the encoding (``model`` comes back as it was)."""
     with canonical(model), kept_state(model):

@@ -31,10 +31,11 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from bayesq.assignment import allocate
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.select import (
-    GROUP_SIZES, BaselineChoice, baseline_blocks, cheapest_bits, check_feasible, choice_outcome,
-    given_allocation, mixed_min_bits, mixed_outcome, select_variants, stats_of, uniform_variants,
+    GROUP_SIZES, BaselineChoice, baseline_blocks, cheapest_bits, check_feasible, choice_outcome, given_allocation,
+    mixed_min_bits, mixed_outcome, select_variants, stats_of, uniform_variants
 )
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
@@ -44,8 +45,8 @@ from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch
 from bayesq.memory import LazyMap
 from bayesq.methods import Inputs, Outcome, register
-from bayesq.quantize import allocate, encode
 from bayesq.result import Allocation, QuantizationResult, QuantizedWeight, baseline_result
+from bayesq.rounding import encode
 from bayesq.storage import budget_bits
 
 DAMP = 0.01
@@ -61,7 +62,7 @@ class LayerRounding:
     budgets and variants and differ in the rounding (AdaRound) or learn the grids (LSQ):
     ``metric(stats, out)`` maps a layer's input statistics and output features to the column
     metric handed to ``solver`` and ``grid_fit``; ``grid_fit``: each group's grid learned from
-    its min/max one before the rounding (:func:`bayesq.quantize.encode`); ``refine(layers,
+    its min/max one before the rounding (:func:`bayesq.rounding.encode`); ``refine(layers,
     encodings)``: the encodings of every layer, rounded layer by layer, re-rounded jointly on the
     same grids (BRECQ's block reconstruction, :mod:`bayesq.baselines.brecq`); ``refit``: each
     group's scale refitted to the codes in ``metric`` (Bit-Split, :mod:`bayesq.baselines.bitsplit`);

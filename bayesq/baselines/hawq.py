@@ -14,13 +14,14 @@ knapsack on ``Omega`` under the same budget and the same exact storage accountin
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+import math
 from typing import Iterable, Sequence
 
 import torch
 from torch import nn
 
+from bayesq.assignment import allocate
 from bayesq.blocks import LayerBlocks, checked_layers, quantizable_layers
 from bayesq.canonical import on_canonical
 from bayesq.config import QuantConfig
@@ -29,8 +30,8 @@ from bayesq.expected_loss import rtn_table
 from bayesq.forward import Batch
 from bayesq.memory import LazyMap
 from bayesq.methods import Inputs, Outcome, read, register
-from bayesq.quantize import allocate, encode
 from bayesq.result import QuantizationResult, baseline_result
+from bayesq.rounding import encode
 
 
 @on_canonical

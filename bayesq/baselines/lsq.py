@@ -208,7 +208,7 @@ def _row_of_group(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
 
 def lsq_solver(offset: bool, iters: int, lr: float, zero_lr: float, progress: bool,
                gradient: StepGradient = StepGradient.LSQ):
-    """The grid fit :func:`bayesq.quantize.encode` calls per row chunk (:func:`lsq_grid`)."""
+    """The grid fit :func:`bayesq.rounding.encode` calls per row chunk (:func:`lsq_grid`)."""
     return partial(lsq_grid, offset=offset, iters=iters, lr=lr, zero_lr=zero_lr, gradient=gradient,
                    progress=progress)
 

@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from bayesq.assignment import allocate
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
 from bayesq.config import Granularity, QuantConfig, Target
 from bayesq.expected_loss import rtn_table
 from bayesq.methods import Inputs, Outcome, register
-from bayesq.quantize import allocate, encode
 from bayesq.result import QuantizationResult, baseline_result
+from bayesq.rounding import encode
 
 
 def rtn_blocks(blocks: list[LayerBlocks], granularity: Granularity, cfg: QuantConfig) -> list[LayerBlocks]:

@@ -34,8 +34,8 @@ inputs is not scored on the rest (:func:`select_best`).
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field, replace
+import math
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -47,16 +47,16 @@ from bayesq.baselines.rtn import rtn_blocks
 from bayesq.bias_correction import BiasCorrection
 from bayesq.blocks import LayerBlocks, layer_blocks
 from bayesq.codebook import UniformGrids
-from bayesq.config import Granularity, QuantConfig, Target
 from bayesq.comparison import paired_difference
+from bayesq.config import Granularity, QuantConfig, Target
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch, pass_logits
 from bayesq.memory import release_freed
 from bayesq.methods import Inputs, Outcome, read
 from bayesq.output_offset import fit_output_offset
-from bayesq.quantize import selection_looks
 from bayesq.result import Allocation, QuantizationResult, quantized_copy
+from bayesq.selection import selection_looks
 from bayesq.storage import budget_bits
 from bayesq.targets import spec
 
@@ -279,7 +279,7 @@ def select_best(
 ) -> BaselineChoice:
     """Build every candidate in turn and keep the one with the least mean calibration KL.
 
-    Each candidate is scored in two looks (:func:`bayesq.quantize.selection_looks`): on the first
+    Each candidate is scored in two looks (:func:`bayesq.selection.selection_looks`): on the first
     look's inputs, a candidate whose per-input KL is resolved *worse* than the best one so far
     (the 95 % paired-bootstrap interval of the difference above zero,
     :func:`bayesq.comparison.paired_difference`) is dropped unscored on the rest; its ``kl`` is

@@ -30,14 +30,15 @@ calibration inputs only the first batch's shape, dtype and keys are read, never 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
+import math
 from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from bayesq.assignment import allocate
 from bayesq.blocks import LayerBlocks, quantizable_layers
 from bayesq.canonical import on_canonical
 from bayesq.config import QuantConfig
@@ -45,8 +46,8 @@ from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch, call, kept_state
 from bayesq.methods import Inputs, Outcome, register
-from bayesq.quantize import allocate, encode
 from bayesq.result import QuantizationResult, baseline_result
+from bayesq.rounding import encode
 
 EPS = 1e-5  # added to a variance before its square root (BatchNorm's default eps for the input's own)
 
