@@ -4,9 +4,9 @@ A codebook ("book") holds what decodes the integer codes of the groups quantised
 bit-width of one layer (``QuantizedWeight.books[b]``). Every kind is one class deriving from
 :class:`CodeBook` and registered under its :attr:`CodeBook.kind` name with :func:`register_book`:
 
-    grid   ``bayesq.codebook.UniformGrids``   scale * (code - zero), one fp16 scale and zero per group
-    lut    ``bayesq.codebook.LevelTables``    a sorted look-up table per allocation unit (Lloyd)
-    mulaw  ``bayesq.codebook.MulawTables``    the fixed mu-law table times one scale per group
+    grid   ``bayesq.grids.UniformGrids``   scale * (code - zero), one fp16 scale and zero per group
+    lut    ``bayesq.levels.LevelTables``    a sorted look-up table per allocation unit (Lloyd)
+    mulaw  ``bayesq.levels.MulawTables``    the fixed mu-law table times one scale per group
     vq     ``bayesq.vq.VQBook``               one (K, dim) codebook of weight vectors per layer
 
 Callers (storage accounting, the export format, the packed kernels' layout, distillation) call the

@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from bayesq.codebook import rounding_divisor
+from bayesq.grids import rounding_divisor
 from bayesq.memory import LazyMap
 
 

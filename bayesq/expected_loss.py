@@ -39,14 +39,18 @@ from tqdm.auto import tqdm
 
 from bayesq.blocks import LayerBlocks
 from bayesq.books import FITS, CodeBook, book_class, register_fit
-from bayesq.codebook import (
-    LevelTables, MulawTables, UniformGrids, compile_to_uniform, fit_lloyd_levels, fit_uniform_grids,
-    fit_uniform_grids_deployed, fit_uniform_grids_deployed_many, fit_weighted_levels, grid_cost_chunked,
-    grid_sq_error, grids_from_range, levels_cost_chunked, levels_sq_error, minmax_grids, mulaw_levels, optimal_uniform_range,
-)
 from bayesq.config import Codebook, CostTerms, Objective, QuantConfig, Whitening
-from bayesq.monte_carlo import MCEstimate, kfac_quadratic, mc_layer_output_loss, mc_logit_kl
+from bayesq.grid_cost import grid_cost_chunked, optimal_uniform_range
+from bayesq.grids import (
+    UniformGrids, fit_uniform_grids, fit_uniform_grids_deployed, fit_uniform_grids_deployed_many, grid_sq_error,
+    grids_from_range, minmax_grids,
+)
+from bayesq.levels import (
+    LevelTables, MulawTables, compile_to_uniform, fit_lloyd_levels, fit_weighted_levels, levels_cost_chunked,
+    levels_sq_error, mulaw_levels,
+)
 from bayesq.memory import release_freed
+from bayesq.monte_carlo import MCEstimate, kfac_quadratic, mc_layer_output_loss, mc_logit_kl
 from bayesq.posterior import Posterior
 from bayesq.vq import MAX_CODEBOOK, VQBook, fit_vq, vq_assign
 
@@ -329,7 +333,7 @@ class _JointSearch:
     """The range searches of several deployed-objective fits of one layer (the same means and
     search settings, other metrics, e.g. the error-feedback table with and without the gains in
     its search): the first fit to search a bit-width runs every fit's search at once
-    (:func:`bayesq.codebook.fit_uniform_grids_deployed_many`: the ratio grid's rounding errors
+    (:func:`bayesq.grids.fit_uniform_grids_deployed_many`: the ratio grid's rounding errors
     computed once) and each fit takes its own result, the one it gets alone. It holds the fits'
     means and metrics, not the fits (no reference cycle: a layer's fits are freed with it)."""
 

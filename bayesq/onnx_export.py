@@ -4,7 +4,7 @@
 ``MatMulNBits`` computes ``Y = A W^T`` for a weight ``W`` (N, K) stored as ``bits``-bit codes in
 blocks of ``block_size`` along K (each row padded to whole blocks), one scale per block and a
 ``bits``-bit zero-point per block, ``W[n, k] = scale[n, k // block] * (code[n, k] - zero[n, k // block])``:
-exactly BayesQ's asymmetric uniform grid (:class:`bayesq.codebook.UniformGrids`,
+exactly BayesQ's asymmetric uniform grid (:class:`bayesq.grids.UniformGrids`,
 ``scale * (code - zero)``) on row-aligned groups of ``block_size`` weights. Packing (what the
 runtime reads): codes ``bits`` at a time into bytes, the first code in the lowest bits, shape
 (N, blocks, block_size * bits / 8); scales (N * blocks,) in the activations' float type;
@@ -45,8 +45,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from bayesq.codebook import UniformGrids
 from bayesq.forward import Batch, eval_mode
+from bayesq.grids import UniformGrids
 from bayesq.result import QuantizedWeight
 
 WIDTHS = (2, 4, 8)  # the code widths MatMulNBits runs

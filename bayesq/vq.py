@@ -30,7 +30,7 @@ from typing import ClassVar, Mapping
 import torch
 
 from bayesq.books import CodeBook, Field, Need, Slot, register_book
-from bayesq.codebook import _round_stored
+from bayesq.levels import _round_stored
 from bayesq.storage import header_bits, vq_cost_bits
 
 MAX_CODEBOOK = 4096  # 12 index bits

@@ -80,7 +80,7 @@ def check(seed: int = 0) -> float:
     """Largest relative error of every variant against the float64 reference on small random
     weights (CPU under TRITON_INTERPRET=1, or a GPU)."""
     from bayesq.blocks import LayerBlocks
-    from bayesq.codebook import UniformGrids
+    from bayesq.grids import UniformGrids
     from bayesq.kernels import pack_weight, reference
     from bayesq.result import QuantizedWeight
 
@@ -198,7 +198,7 @@ def check_mantissa(seed: int = 0) -> float:
     """Largest error of :func:`gemv_mantissa_kernel` relative to the output's scale against the
     float64 reference, every width, K split 1 and 3, groups of 32 and 64 (CPU under TRITON_INTERPRET=1, or a GPU)."""
     from bayesq.blocks import LayerBlocks
-    from bayesq.codebook import UniformGrids
+    from bayesq.grids import UniformGrids
     from bayesq.kernels import pack_weight, reference
     from bayesq.result import QuantizedWeight
 

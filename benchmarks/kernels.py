@@ -29,10 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 import statistics
 import time
 import timeit
+from pathlib import Path
 
 import torch
 from torch.nn import functional as F
@@ -51,7 +51,7 @@ DATASHEET_TBS = (("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100 SX
 def random_packed(n: int, k: int, bits: int, seed: int):
     """PackedWeight (N, K) of random ``bits``-bit codes, groups of 64, fp16 scales, integer zeros."""
     from bayesq.blocks import LayerBlocks
-    from bayesq.codebook import UniformGrids
+    from bayesq.grids import UniformGrids
     from bayesq.kernels import pack_weight
     from bayesq.result import QuantizedWeight
 

@@ -26,9 +26,9 @@ last lines say, per model, the smallest step count whose mean ratio over the lay
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,7 +40,7 @@ def layer_grid(W: torch.Tensor, bits: int, group: int = 64):
     """Per-group min/max grid (scale, zero, maxq) of ``bits`` bits over groups of ``group``
     columns, and the (out, d_in) group index of each weight."""
     from bayesq.blocks import LayerBlocks
-    from bayesq.codebook import minmax_grids
+    from bayesq.grids import minmax_grids
     from bayesq.rounding import group_grid
 
     lb = LayerBlocks("w", tuple(W.shape), group, 1)

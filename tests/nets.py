@@ -53,7 +53,8 @@ def random_quantized(shape, group_size, unit_groups=1, bit_choices=(2, 3, 4, 8),
     import torch
 
     from bayesq.blocks import LayerBlocks
-    from bayesq.codebook import LevelTables, UniformGrids
+    from bayesq.grids import UniformGrids
+    from bayesq.levels import LevelTables
     from bayesq.result import QuantizedWeight
 
     g = torch.Generator().manual_seed(seed)

@@ -6,8 +6,8 @@ from scipy import integrate
 from torch import nn
 
 from bayesq.baselines.aciq import aciq_grids, aciq_quantize, laplace_clip_mse, laplace_clip_ratio
-from bayesq.codebook import minmax_grids
 from bayesq.config import QuantConfig
+from bayesq.grids import minmax_grids
 
 
 @pytest.mark.parametrize("bits, paper", [(2, 2.83), (3, 3.89), (4, 5.03), (8, 9.89)])

@@ -5,8 +5,8 @@ from torch import nn
 
 from bayesq.baselines.blockwise import BlockwiseConfig, blockwise_quantize, weight_table
 from bayesq.baselines.rtn import rtn_quantize
-from bayesq.codebook import grid_sq_error, grids_from_range
 from bayesq.config import Granularity, QuantConfig
+from bayesq.grids import grid_sq_error, grids_from_range
 
 
 def _laplace_linear(d_out=8, d_in=128, seed=0):

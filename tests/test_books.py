@@ -13,10 +13,11 @@ from torch import nn
 
 from bayesq.blocks import LayerBlocks
 from bayesq.books import BOOKS, CodeBook, Field, Slot, book_class, register_book
-from bayesq.codebook import LevelTables, MulawTables, UniformGrids, mulaw_levels
 from bayesq.config import QuantConfig
 from bayesq.export import layer_from_tensors, layer_tensors, load, read_export, save_export
+from bayesq.grids import UniformGrids
 from bayesq.kernels.packed import pack_weight
+from bayesq.levels import LevelTables, MulawTables, mulaw_levels
 from bayesq.result import QuantizedWeight
 from bayesq.storage import header_bits, lut_unit_cost_bits, mulaw_unit_cost_bits, unit_cost_bits, vq_cost_bits
 from bayesq.vq import VQBook

@@ -6,20 +6,21 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from nets import TokenModel
 from torch import nn
 
 import bayesq.distill as D
 from bayesq import BayesQConfig, PosteriorConfig, QuantConfig, quantize_model
-from bayesq.codebook import LevelTables, UniformGrids
 from bayesq.config import DistillConfig
 from bayesq.distill import (
-    SCALE_GRID, _Trainable, apply_distilled, distill, predictive_kl, sample_agreement, split_calibration,
-    teacher_probs, tempering_scale,
+    SCALE_GRID, _Trainable, apply_distilled, distill, predictive_kl, sample_agreement, split_calibration, teacher_probs,
+    tempering_scale,
 )
+from bayesq.grids import UniformGrids
+from bayesq.levels import LevelTables
 from bayesq.posterior import Posterior
 from bayesq.result import quantized_copy
 from flows.params import load_params
-from nets import TokenModel
 
 OFF = DistillConfig(max_budget=0)
 FAST = DistillConfig(lr=1e-3, steps=200)
@@ -604,8 +605,9 @@ def test_teacher_probs_language_model_top_k_of_the_draws_average(one_thread):
 def test_distill_language_model_runs_on_real_tokens_and_heldout_kl_is_exact(one_thread):
     """distill on (B, T, V) logits: finite losses, the held-out KL is the per-input token-mean KL
     (evaluation.kl_per_input), and more padding appended changes the held-out KL by rounding only."""
-    from bayesq.evaluation import kl_per_input, reference_log_probs
     from nets import with_padding
+
+    from bayesq.evaluation import kl_per_input, reference_log_probs
 
     model, cal, res = _lm_setup()
     out = distill(model, res.weights, res.posterior, cal, DistillConfig(lr=1e-3, steps=10), seed=1)

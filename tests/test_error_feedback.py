@@ -1,9 +1,8 @@
+import itertools
 from contextlib import nullcontext
 
 import pytest
 import torch
-
-import itertools
 
 import bayesq.error_feedback as ef
 from bayesq.error_feedback import (
@@ -379,7 +378,7 @@ def test_zero_scale_groups_get_the_zero_point_code_in_every_rounding():
     """One rounding rule (codebook.rounding_divisor): nearest rounding, error feedback and the
     coordinate-descent polish give a zero-scale row (all its weights 0) its zero-point code, and
     agree with codebook.quantize on the other rows when H = I."""
-    from bayesq.codebook import UniformGrids, quantize
+    from bayesq.grids import UniformGrids, quantize
 
     gen = torch.Generator().manual_seed(4)
     W = torch.randn(4, 6, generator=gen, dtype=torch.float64)

@@ -8,12 +8,14 @@ import torch
 from torch import nn
 
 from bayesq.blocks import LayerBlocks
-from bayesq.codebook import LevelTables, UniformGrids, grid_cost, mulaw_levels
 from bayesq.config import Codebook, QuantConfig, Whitening
 from bayesq.curvature.kfac import KFACFactors
 from bayesq.expected_loss import (
     apply_mc_proxy, feedback_weights, layer_table, metric_weights, posterior_table, posterior_tables, top_layers,
 )
+from bayesq.grid_cost import grid_cost
+from bayesq.grids import UniformGrids
+from bayesq.levels import LevelTables, mulaw_levels
 from bayesq.posterior import Posterior, input_moments
 
 F64 = torch.float64
@@ -231,8 +233,8 @@ def test_vq_table_vs_monte_carlo_of_stored_assignment(dim):
 
 # --- deployed objective ----------------------------------------------------------------------------
 
-from bayesq.codebook import minmax_grids  # noqa: E402
 from bayesq.config import CostTerms, Objective  # noqa: E402
+from bayesq.grids import minmax_grids
 
 
 @pytest.mark.parametrize("codebook", CODEBOOKS)
@@ -374,7 +376,7 @@ def test_posterior_tables_free_each_layers_fits_without_the_collector():
 def test_rtn_table_vs_hand_rounding_error(monkeypatch, chunk):
     """Min/max grids per group and ``sum_u omega (Q(w) - w)^2`` per unit, by hand per group, for
     a padded and an unpadded layer; the errors scored in row chunks (``chunk`` weights) or whole."""
-    import bayesq.codebook as codebook
+    import bayesq.grids as codebook
     from bayesq.expected_loss import rtn_table
 
     monkeypatch.setattr(codebook, "_BATCH_ELEMENTS", chunk)

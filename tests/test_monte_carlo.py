@@ -6,13 +6,10 @@ import torch
 from scipy import integrate, stats
 from torch import nn
 
-from bayesq.codebook import (
-    UniformGrids, dequantize, fit_uniform_grids, grid_cost_chunked, grids_from_range, minmax_grids,
-    quantize,
-)
+from bayesq.grid_cost import grid_cost_chunked
+from bayesq.grids import UniformGrids, dequantize, fit_uniform_grids, grids_from_range, minmax_grids, quantize
 from bayesq.monte_carlo import (
-    MCEstimate, kfac_quadratic, mc_layer_output_loss, mc_logit_kl, mc_whitened_loss,
-    rescale_to_closed_form,
+    MCEstimate, kfac_quadratic, mc_layer_output_loss, mc_logit_kl, mc_whitened_loss, rescale_to_closed_form,
 )
 
 F64 = torch.float64

@@ -1,8 +1,8 @@
 import math
 
-from nets import AttentionModel
 import pytest
 import torch
+from nets import AttentionModel
 from torch import nn
 
 from bayesq import BayesQConfig, QuantConfig, quantize_model
@@ -212,10 +212,11 @@ def test_rtn_quantize_within_budget(granularity):
 
 # ---- every option of the method, end to end ---------------------------------------------------
 
-from bayesq.codebook import LevelTables, UniformGrids  # noqa: E402
 from bayesq.config import (  # noqa: E402
-    AllocationConfig, AllocationUnit, Allocator, Codebook, Curvature, PosteriorConfig, Proxy, Rounding, Whitening
+    AllocationConfig, AllocationUnit, Allocator, Codebook, Curvature, PosteriorConfig, Proxy, Rounding, Whitening,
 )
+from bayesq.grids import UniformGrids
+from bayesq.levels import LevelTables
 from bayesq.vq import VQBook  # noqa: E402
 
 BIG = QuantConfig(group_size=32, unit_groups=8)
@@ -466,10 +467,10 @@ def test_encode_row_chunks_vs_whole_layer(monkeypatch, capsys, layout):
     ENCODE_ROW_ELEMENTS): the same codes and scales as the whole layer at once. The first layer's
     rows hold whole groups (its refit's normal equations are built chunk by chunk), the last one's
     do not (refitted whole)."""
+    import bayesq.rounding as rd
     from bayesq.assignment import allocate
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.quantize import fit_posterior
-    import bayesq.rounding as rd
     from bayesq.rounding import ef_column_metric, encode
     from bayesq.tables import build_table
 
@@ -501,10 +502,10 @@ def test_encode_layer_candidates_vs_one_call_each(monkeypatch, chunk):
     """Two candidates' rows stacked in one rounding call (a dense and a depthwise convolution,
     whose rows are stacked group by group, and Linear layers, also row chunk by row chunk): the
     codes and scales of encoding each candidate on its own."""
+    import bayesq.rounding as rd
     from bayesq.assignment import allocate
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.quantize import fit_posterior
-    import bayesq.rounding as rd
     from bayesq.rounding import ef_column_metric, encode_layer, encode_layer_candidates
     from bayesq.tables import build_table, grid_candidates
 
@@ -694,9 +695,9 @@ def test_quantize_model_offset_reads_the_selection_scores_and_the_curvature_pass
     passes of both models, bit for bit. The FP model runs over the calibration inputs once."""
     import copy
 
-    from bayesq.evaluation import reference_log_probs
     import bayesq.output_offset as oo
     import bayesq.quantize as qz
+    from bayesq.evaluation import reference_log_probs
     from bayesq.result import quantized_copy
 
     model, cal = _model().double(), [b.double() for b in _calibration()]

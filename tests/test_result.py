@@ -3,7 +3,8 @@
 import torch
 
 from bayesq.blocks import LayerBlocks
-from bayesq.codebook import LevelTables, UniformGrids
+from bayesq.grids import UniformGrids
+from bayesq.levels import LevelTables
 from bayesq.result import QuantizedWeight
 
 

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from bayesq.codebook import fit_lloyd_levels, levels_cost
+from bayesq.levels import fit_lloyd_levels, levels_cost
 from bayesq.storage import vq_cost_bits
 from bayesq.vq import fit_vq, vq_assign, vq_expected_cost, vq_lloyd_step
 

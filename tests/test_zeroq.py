@@ -13,9 +13,9 @@ from bayesq.baselines.zeroq import (
     ZeroQConfig, _layer_units, batchnorms, bn_loss, distilled_data, input_statistics, random_batch, sensitivity_table,
 )
 from bayesq.blocks import quantizable_layers
-from bayesq.codebook import minmax_grids
 from bayesq.config import QuantConfig
 from bayesq.expected_loss import rtn_table
+from bayesq.grids import minmax_grids
 from bayesq.methods import Inputs, quantize_with
 
 Q = QuantConfig(group_size=32, unit_groups=2)

@@ -15,10 +15,10 @@ zero-point per channel. Fractional budgets: the greedy knapsack over units of ab
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-import math
 
 import torch
 from torch import nn
@@ -27,9 +27,9 @@ from bayesq.assignment import allocate
 from bayesq.baselines.rtn import rtn_blocks
 from bayesq.blocks import checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
-from bayesq.codebook import UniformGrids, grids_from_range
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import rtn_table
+from bayesq.grids import UniformGrids, grids_from_range
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.result import QuantizationResult, baseline_result
 from bayesq.rounding import encode

@@ -25,9 +25,9 @@ size that fits, the stored scales counted in every variant (:mod:`bayesq.baselin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from functools import partial
-import math
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -38,14 +38,14 @@ from bayesq.assignment import allocate
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.select import (
     GROUP_SIZES, BaselineChoice, baseline_blocks, cheapest_bits, check_feasible, choice_outcome, mixed_min_bits,
-    mixed_outcome, select_variants, stats_of, uniform_variants
+    mixed_outcome, select_variants, stats_of, uniform_variants,
 )
 from bayesq.blocks import LayerBlocks, checked_layers
 from bayesq.canonical import on_canonical
-from bayesq.codebook import minmax_grids
 from bayesq.config import Granularity, QuantConfig
 from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch
+from bayesq.grids import minmax_grids
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.result import QuantizationResult, baseline_result
 from bayesq.rounding import encode

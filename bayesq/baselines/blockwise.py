@@ -9,12 +9,12 @@ with no data and no posterior (BayesQ's quantiser design with the identity metri
 
       J(rho) = sum_i (Q_rho(w_i) - w_i)^2
 
-  (:func:`bayesq.codebook.fit_uniform_grids_deployed`: ``range_grid`` ratios scored, then a
+  (:func:`bayesq.grids.fit_uniform_grids_deployed`: ``range_grid`` ratios scored, then a
   golden-section search; ``rho = 1`` is RTN's range, so no group is worse than RTN's).
   Stored as RTN per group: codes, an fp16 scale and an integer zero-point per group.
 * ``lloyd`` (*per-block non-uniform Lloyd*): one look-up table of ``2**b`` fp16 levels per
   allocation unit (``unit_groups * group_size`` weights), Lloyd's k-means on the unit's
-  weights started from their min/max uniform levels (:func:`bayesq.codebook.fit_weighted_levels`
+  weights started from their min/max uniform levels (:func:`bayesq.levels.fit_weighted_levels`
   with equal weights; a unit whose result is worse than its start keeps the start). Stored as
   codes plus one table per unit.
 

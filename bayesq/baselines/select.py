@@ -34,8 +34,8 @@ inputs is not scored on the rest (:func:`select_best`).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
 import math
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -46,12 +46,12 @@ from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.rtn import rtn_blocks
 from bayesq.bias_correction import BiasCorrection
 from bayesq.blocks import LayerBlocks, layer_blocks
-from bayesq.codebook import UniformGrids
 from bayesq.comparison import paired_difference
 from bayesq.config import Granularity, QuantConfig, Target
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch, pass_logits
+from bayesq.grids import UniformGrids
 from bayesq.memory import release_freed
 from bayesq.methods import Inputs, Outcome, read
 from bayesq.output_offset import fit_output_offset
@@ -116,7 +116,7 @@ class UniformVariant:
 def layout_bits(blocks: Sequence[LayerBlocks], bits: int, n_choices: int, cfg: QuantConfig) -> int:
     """Exact storage bits of every unit of ``blocks`` at one bit-width (int).
 
-    Each unit costs what ``cfg``'s target stores for it (:meth:`bayesq.codebook.UniformGrids.unit_cost_bits`):
+    Each unit costs what ``cfg``'s target stores for it (:meth:`bayesq.grids.UniformGrids.unit_cost_bits`):
     in BayesQ's format :func:`bayesq.storage.unit_cost_bits` (codes, one scale and one zero-point
     per group, and a header naming one of ``n_choices`` bit-widths, none when ``n_choices = 1``);
     for ONNX Runtime one row (:func:`bayesq.targets.matmulnbits_unit_cost_bits`).

@@ -1,17 +1,21 @@
 """Non-uniform codebooks: exact expected cost of sorted levels, posterior-weighted Lloyd-Max,
-mu-law control and compile-to-uniform (bayesq/codebook.py)."""
+mu-law control and compile-to-uniform (bayesq/levels.py)."""
+
+import math
 
 import numpy as np
 import pytest
 import torch
 from scipy import integrate, stats
 
-import bayesq.codebook as cb
-from bayesq.codebook import (
-    compile_to_uniform, dequantize, dequantize_levels, fit_lloyd_levels, fit_uniform_grids, grid_cost,
-    levels_cost, levels_cost_chunked, lloyd_levels_step, lloyd_max_gaussian, minmax_grids, mulaw_levels,
-    quantize, quantize_levels, weighted_line_fit,
+import bayesq.levels as cb
+from bayesq.grid_cost import grid_cost, optimal_uniform_range
+from bayesq.grids import dequantize, fit_uniform_grids, minmax_grids, quantize
+from bayesq.levels import (
+    compile_to_uniform, dequantize_levels, fit_lloyd_levels, fit_weighted_levels, levels_cost, levels_cost_chunked,
+    levels_sq_error, lloyd_levels_step, lloyd_max_gaussian, mulaw_levels, quantize_levels, weighted_line_fit,
 )
+from oracles import numeric_grid_cost, weighted_rows
 
 F64 = torch.float64
 
@@ -91,7 +95,7 @@ def test_levels_cost_chunked_vs_masked_row_sums(monkeypatch):
     levels = torch.sort(torch.randn(7, 4, dtype=F64, generator=g) * 0.05, 1).values
     mask = (torch.rand(7, 33, dtype=F64, generator=g) > 0.3).to(F64)
     omega = torch.rand(7, 33, dtype=F64, generator=g)
-    monkeypatch.setattr(cb, "_CHUNK_ELEMENTS", 100)  # force many chunks
+    monkeypatch.setattr(cb, "CHUNK_ELEMENTS", 100)  # force many chunks
     for om in (None, omega):
         want = (levels_cost(mu, sigma, levels, om) * mask).sum(1)
         assert torch.allclose(levels_cost_chunked(mu, sigma, levels, mask, om), want, rtol=1e-13)
@@ -349,3 +353,73 @@ def test_fit_lloyd_levels_within_range_is_projected_and_monotone():
     hi2 = torch.where(k2 > 0, m2, -torch.inf).max(1).values
     inside = ((tight >= lo2[:, None]) & (tight <= hi2[:, None])).all(1)
     assert inside.any() and torch.allclose(tight[inside], tight_box[inside])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_lloyd_max_gaussian_vs_known_table(bits):
+    levels, mse = lloyd_max_gaussian(bits)
+    pos, table_mse = LLOYD_MAX_TABLE[bits]
+    assert levels[2 ** (bits - 1):].tolist() == pytest.approx(pos, abs=2e-3)
+    assert torch.allclose(levels, -levels.flip(0), atol=1e-10)
+    assert mse == pytest.approx(table_mse, rel=2e-3)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_lloyd_max_gaussian_mse_vs_numerical_integration_and_uniform(bits):
+    levels, mse = lloyd_max_gaussian(bits)
+    assert mse == pytest.approx(numeric_grid_cost(0.0, 1.0, levels.numpy()), rel=1e-9)
+    assert mse < optimal_uniform_range(bits)[1]  # non-uniform beats the best uniform grid
+
+
+def test_fit_weighted_levels_vs_dp_optimum_on_clustered_rows():
+    g = torch.Generator().manual_seed(3)
+    centres = torch.tensor([-2.0, -0.5, 0.7, 3.0], dtype=torch.float64)
+    w = (centres[torch.randint(0, 4, (6, 24), generator=g)] + 0.05 * torch.randn(6, 24, generator=g, dtype=torch.float64))
+    weight = torch.rand(6, 24, generator=g, dtype=torch.float64) + 0.1
+    levels, cost = fit_weighted_levels(w, weight, torch.ones_like(w), 2, lut_bits=64)
+    torch.testing.assert_close(cost, levels_sq_error(w, weight, levels))
+    for r in range(w.shape[0]):
+        assert cost[r].item() == pytest.approx(_dp_levels_cost(w[r].numpy(), weight[r].numpy(), 4), rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_fit_weighted_levels_never_worse_than_rtn_levels(bits):
+    w, weight = weighted_rows(10 + bits, rows=20, n=48)
+    mask = torch.ones_like(w)
+    mask[:, -5:] = 0  # padding carries no weight
+    levels, cost = fit_weighted_levels(w, weight * mask, mask, bits)
+    lo = torch.where(mask > 0, w, math.inf).min(1).values
+    hi = torch.where(mask > 0, w, -math.inf).max(1).values
+    rtn = lo[:, None] + (hi - lo)[:, None] * torch.linspace(0, 1, 2**bits, dtype=torch.float64)
+    rtn16 = rtn.to(torch.float16).double()
+    assert (cost <= levels_sq_error(w, weight * mask, rtn16) + 1e-12).all()
+    assert (levels[:, 1:] >= levels[:, :-1]).all()
+    assert quantize_levels(w, levels).max() < 2**bits
+
+
+# Max (1960): Lloyd-Max quantiser of N(0, 1): positive levels and MSE.
+LLOYD_MAX_TABLE = {
+    1: ([0.7979], 0.3634),
+    2: ([0.4528, 1.510], 0.1175),
+    3: ([0.2451, 0.7560, 1.344, 2.152], 0.03454),
+    4: ([0.1284, 0.3881, 0.6568, 0.9424, 1.256, 1.618, 2.069, 2.733], 0.009497),
+}
+
+
+def _dp_levels_cost(x: np.ndarray, wt: np.ndarray, k: int) -> float:
+    """Optimal weighted k-means cost on a line: the best contiguous partition of sorted x (DP)."""
+    order = np.argsort(x)
+    x, wt = x[order], wt[order]
+    n = len(x)
+
+    def cell(i, j):  # cost of x[i:j] at its weighted mean
+        ww, xx = wt[i:j], x[i:j]
+        s = ww.sum()
+        return 0.0 if s == 0 else float((ww * (xx - (ww * xx).sum() / s) ** 2).sum())
+
+    best = np.full((k + 1, n + 1), np.inf)
+    best[0, 0] = 0.0
+    for c in range(1, k + 1):
+        for j in range(1, n + 1):
+            best[c, j] = min(best[c - 1, i] + cell(i, j) for i in range(j))
+    return float(best[1:, n].min())
