@@ -1,22 +1,26 @@
 """Loss tables of one or several quantisation configurations, and BayesQ's grid candidates.
 
 :func:`build_table` is the closed-form table of :mod:`bayesq.expected_loss` plus the Monte
-Carlo proxy when one is chosen; :func:`grid_candidates` names the encodings
+Carlo proxy when one is chosen (:func:`apply_mc_proxy`: sampled entries, with standard errors,
+for the most sensitive layers); :func:`grid_candidates` names the encodings
 :func:`bayesq.selection.encode_best` builds and scores.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from bayesq.blocks import LayerBlocks
-from bayesq.config import Proxy, QuantConfig, Whitening
-from bayesq.expected_loss import LossTable, apply_mc_proxy, posterior_tables
+from bayesq.config import Objective, Proxy, QuantConfig, Whitening
+from bayesq.expected_loss import LayerTable, LossTable, posterior_tables
 from bayesq.forward import Batch, batch_size, first_inputs
+from bayesq.monte_carlo import MCEstimate, kfac_quadratic, mc_layer_output_loss, mc_logit_kl
 from bayesq.posterior import Posterior, input_moments
 from bayesq.rounding import ef_column_metric, feedback_gains
 
@@ -137,3 +141,83 @@ def grid_tables(
     first, by candidate name, built together (:func:`build_tables`). Arguments as :func:`build_table`."""
     return build_tables(posterior, blocks, grid_candidates(q, held_out=held_out), seed=seed, model=model,
                         calibration=calibration, progress=progress, column_metric=column_metric)
+
+
+def layer_quantizer(t: LayerTable, j: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``w -> Q(w)``: every unit of layer ``t`` at candidate ``j`` (nearest rounding), weight-shaped."""
+    book, lb = t.books[j], t.blocks
+
+    def q(w: torch.Tensor) -> torch.Tensor:
+        groups, _ = lb.to_groups(w.detach().double().reshape(-1))
+        return lb.from_groups(book.dequantize(book.quantize(groups))).to(w.dtype)
+
+    return q
+
+
+def top_layers(table: LossTable, fraction: float) -> list[int]:
+    """Indices of the ``ceil(fraction * n_layers)`` layers with the largest loss at the lowest bits."""
+    score = torch.tensor([float(t.unit_loss[:, 0].sum()) for t in table.layers])
+    k = max(1, math.ceil(fraction * len(table.layers)))
+    return sorted(torch.argsort(score, descending=True)[:k].tolist())
+
+
+def rescale_layer(t: LayerTable, mean: torch.Tensor, se: torch.Tensor) -> LayerTable:
+    """Replace a layer's entries by a layer-level estimate, shared out as the closed form shares it.
+
+    ``L_u(b) <- L_u(b) * mean_b / sum_u L_u(b)`` and ``se_u(b) = L_u(b) * se_b / sum_u L_u(b)``;
+    candidates whose closed-form total is 0 are spread evenly over the units.
+    """
+    total = t.unit_loss.sum(0)  # (nb,)
+    share = torch.where(total > 0, t.unit_loss / total.clamp_min(1e-300), torch.full_like(t.unit_loss, 1 / t.unit_loss.shape[0]))
+    return replace(t, unit_loss=share * mean.clamp_min(0), unit_se=share * se)
+
+
+def apply_mc_proxy(
+    table: LossTable, posterior: Posterior, cfg: QuantConfig, *, kind: str,
+    model: nn.Module | None = None, batches: Sequence | None = None, n_kl: int = 0, seed: int = 0,
+    progress: bool = True,
+) -> LossTable:
+    """Monte Carlo entries, with standard errors, for the top ``cfg.mc_top_fraction`` layers.
+
+    ``kind="kl"``: ``n_scale * E_w sum_x KL(p(x; w) || p(x; Q(w)))`` over ``batches`` (``n_kl``
+    inputs) with only the layer's weight drawn, ``n_scale = N / n_kl`` and ``N`` the data size
+    the posterior conditions on (``monte_carlo.mc_logit_kl``; on the closed form's scale, see
+    ``rescale_to_closed_form``). ``kind="output"``: ``0.5 E_w tr(G' D A' D^T)`` with the
+    posterior's damped K-FAC factors (``monte_carlo.mc_layer_output_loss``). Draws are shared by
+    every candidate of a layer (common random numbers) and come in antithetic pairs.
+    """
+    layers = list(table.layers)
+    for i in tqdm(top_layers(table, cfg.mc_top_fraction), desc=f"mc-{kind}", disable=not progress, leave=False):
+        t = layers[i]
+        name = t.blocks.name
+        mu, sd = posterior.mean[name], posterior.std(name)
+        qs = [layer_quantizer(t, j) for j in range(len(t.bits))]
+        deployed = Objective(cfg.objective) == Objective.DEPLOYED
+        if kind == "output":
+            f = (posterior.kfac or {}).get(name)
+            if f is None:
+                raise ValueError(f"layer '{name}' has no K-FAC factors: the output proxy needs posterior.curvature kfac or lowrank")
+            mat = lambda x: x.reshape(x.shape[0], -1)  # noqa: E731  (out, d_in)
+            if deployed:  # exact: 0.5 tr(G' D A' D^T) of the deployed error D = Q(mu) - mu
+                total = torch.stack([0.5 * kfac_quadratic(mat(q(mu) - mu), f.A, f.G) for q in qs]).double()
+                est = MCEstimate(total, torch.zeros_like(total), 0, total[None])
+            else:
+                est = mc_layer_output_loss(mat(mu), mat(sd), f.A, f.G,
+                                           [lambda w, q=q: mat(q(w.reshape(mu.shape))) for q in qs],
+                                           samples=cfg.mc_samples, seed=seed + i)
+        elif kind == "kl":
+            if model is None or not batches or n_kl < 1:
+                raise ValueError("the logit-KL proxy needs the model and calibration batches")
+            dtype = model.get_submodule(name).weight.dtype
+            est = mc_logit_kl(model, batches, name, mu.to(dtype), sd.to(dtype), qs, samples=cfg.mc_samples,
+                              seed=seed + i, deployed=deployed)
+            est = est.scaled(_data_scale(posterior, cfg) / n_kl)
+        else:
+            raise ValueError(f"unknown Monte Carlo proxy {kind!r}: use 'kl' or 'output'")
+        layers[i] = rescale_layer(t, est.mean.double(), est.se.double())
+    return LossTable(tuple(layers))
+
+
+def _data_scale(posterior: Posterior, cfg: QuantConfig) -> float:
+    """N: the data size the posterior's precision is scaled to (n_data, else the calibration set)."""
+    return float(posterior.n_data or posterior.n_examples)
