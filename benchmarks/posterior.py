@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bayesq.config import BayesQConfig, Curvature, PosteriorConfig, replace
+from bayesq.config import BayesQConfig, Curvature, PosteriorConfig
 from bayesq.forward import logits
 from bayesq.quantize import fit_posterior
+from bayesq.settings import replace
 from flows.settings import apply_defaults
 
 apply_defaults()  # the pipeline's environment, before Prefect / Hugging Face are imported

@@ -34,28 +34,22 @@ from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from bayesq.baselines.select import encoding_config
-from bayesq.config import Target, replace
-from bayesq.onnx_export import ACCURACY_LEVEL, OnnxModel, convolutions, export_onnx
-from bayesq.targets import spec
-from bayesq.evaluation import each_batch, predict
 from bayesq.comparison import paired_difference
+from bayesq.config import Target
+from bayesq.evaluation import each_batch, predict
 from bayesq.export import ExportError, load, read_export, save_export
 from bayesq.fidelity import ExampleScores, fidelity_report, score_examples
 from bayesq.forward import call, output_logits
 from bayesq.harness.data.calibration import sample_calibration_indices
 from bayesq.harness.data.files import (
-    DEFAULT_SIZES,
-    DataSource,
-    check_columns,
-    draw_examples,
-    featurizer,
-    fit_draw_sizes,
-    load_rows,
-    make_batches,
+    DEFAULT_SIZES, DataSource, check_columns, draw_examples, featurizer, fit_draw_sizes, load_rows, make_batches,
     read_labels,
 )
 from bayesq.harness.sources import ModelSource, SourceKind, resolve_model, unpacked
 from bayesq.methods import Inputs, quantize_with
+from bayesq.onnx_export import ACCURACY_LEVEL, OnnxModel, convolutions, export_onnx
+from bayesq.settings import replace
+from bayesq.targets import spec
 from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import digest, locked, write_json
 from flows.configs import method_config

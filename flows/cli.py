@@ -122,18 +122,19 @@ def quantize(
     if model is None:
         _fail("name an embedded model (e.g. lite0-fmnist), or pass --model and --data for your own")
     from bayesq.baselines.select import encoding_config
-    from bayesq.config import BayesQConfig, replace
+    from bayesq.config import BayesQConfig
     from bayesq.export import save_export
     from bayesq.harness.models.zoo import get_entry
     from bayesq.methods import Inputs, quantize_with
+    from bayesq.onnx_export import convolutions
+    from bayesq.settings import replace
+    from flows.byo import relabelled, targeted
     from flows.common import code_version, digest, read_params
+    from flows.configs import method_config
     from flows.finetune import load_model, raw_path
     from flows.lineage import export_lineage, input_lineage, row_metadata
     from flows.params import Method
     from flows.prepare import calibration_batches, checked_exclude, selection_batches
-    from flows.configs import method_config
-    from bayesq.onnx_export import convolutions
-    from flows.byo import relabelled, targeted
 
     choices = [m.value for m in Method]
     if method not in choices:

@@ -9,21 +9,22 @@ benchmarks and a GPU machine without the pipeline's packages read it too).
 from __future__ import annotations
 
 from bayesq.baselines.aciq import ACIQConfig
-from bayesq.baselines.anneal import AnnealConfig
 from bayesq.baselines.adaround import AdaRoundConfig
-from bayesq.baselines.brecq import BayesQBRECQConfig, BRECQConfig
+from bayesq.baselines.anneal import AnnealConfig
 from bayesq.baselines.awq import AWQConfig
-from bayesq.baselines.blockwise import BlockwiseConfig
-from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.bitsplit import BitSplitConfig
-from bayesq.baselines.ocs import OCSConfig
+from bayesq.baselines.blockwise import BlockwiseConfig
+from bayesq.baselines.brecq import BayesQBRECQConfig, BRECQConfig
 from bayesq.baselines.dorefa import DoReFaConfig
+from bayesq.baselines.gptq import GPTQConfig
 from bayesq.baselines.hawq import HAWQConfig
 from bayesq.baselines.lsq import LSQConfig, StepGradient
+from bayesq.baselines.ocs import OCSConfig
 from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.smoothquant import SmoothQuantConfig
 from bayesq.baselines.zeroq import ZeroQConfig
-from bayesq.config import BayesQConfig, Codebook, Curvature, Granularity, Objective, Prior, Rounding, replace
+from bayesq.config import BayesQConfig, Codebook, Curvature, Granularity, Objective, Prior, Rounding
+from bayesq.settings import replace
 from flows.params import BAYESQ_ROWS, Method
 
 # the library config of each baseline row (bayesq.methods): params.yaml's quant and baselines settings

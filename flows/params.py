@@ -5,7 +5,7 @@ modules each model keeps in floating point).
 The method sections (``posterior``, ``quant``, ``allocation``, ``distill``) are the library's
 configs (:mod:`bayesq.config`), ``data`` and ``finetune`` the embedded models' harness settings
 (:mod:`bayesq.harness.models.config`); the sections only the pipeline reads are defined here, validated
-the same declarative way (:func:`bayesq.config.validate`).
+the same declarative way (:func:`bayesq.settings.validate`).
 """
 
 from __future__ import annotations
@@ -13,38 +13,23 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from enum import Enum
+from pathlib import Path
 from typing import Any, ClassVar, Iterator, Mapping
 
 import yaml
 
 from bayesq.baselines.ort import Peer
-from bayesq.config import (
-    AllocationConfig,
-    BayesQConfig,
-    DistillConfig,
-    PosteriorConfig,
-    QuantConfig,
-    Relation,
-    above,
-    ascending,
-    at_least,
-    checks,
-    each_of,
-    from_mapping,
-    integer,
-    one_of,
-    rule,
-    setting,
-    validate,
-    within,
-)
+from bayesq.config import AllocationConfig, BayesQConfig, DistillConfig, PosteriorConfig, QuantConfig
 from bayesq.harness.corruptions import CORRUPTIONS
 from bayesq.harness.data.files import DataSource
 from bayesq.harness.data.sentiment import DOMAIN_FILES
 from bayesq.harness.models.config import DataConfig, FinetuneConfig
 from bayesq.harness.models.zoo import get_entry, known_models
+from bayesq.settings import (
+    Relation, above, ascending, at_least, checks, each_of, from_mapping, integer, one_of, rule, setting, validate,
+    within,
+)
 
 
 class Method(str, Enum):

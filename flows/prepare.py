@@ -12,8 +12,8 @@ posterior or rebuild a table (the posteriors and tables of the embedded models t
 
 from __future__ import annotations
 
-from pathlib import Path
 import time
+from pathlib import Path
 
 from prefect import task
 
@@ -21,7 +21,7 @@ from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.hawq import hessian_traces
 from bayesq.blocks import excluded, layer_blocks
 from bayesq.canonical import canonical
-from bayesq.config import BayesQConfig, Curvature, replace
+from bayesq.config import BayesQConfig, Curvature
 from bayesq.curvature.kfac import KFACFactors
 from bayesq.evaluation import predict, reference_log_probs
 from bayesq.forward import batch_size, by_length
@@ -32,6 +32,7 @@ from bayesq.posterior import CURVATURES, DiagonalCurvature, Posterior, WeightMea
 from bayesq.quantize import fit_posterior
 from bayesq.rounding import ef_column_metric
 from bayesq.selection import first_look_inputs
+from bayesq.settings import replace
 from bayesq.tables import build_table, grid_tables
 from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import CACHE, code_version, digest

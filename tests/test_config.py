@@ -6,11 +6,12 @@ import pytest
 import yaml
 
 from bayesq.config import (
-    AllocationConfig, AllocationUnit, BayesQConfig, Codebook, DistillConfig, PosteriorConfig, Proxy, QuantConfig, Rounding, ascending, from_mapping, setting, validate, within,
+    AllocationConfig, AllocationUnit, BayesQConfig, Codebook, DistillConfig, PosteriorConfig, Proxy, QuantConfig,
+    Rounding,
 )
-from flows.params import Method
 from bayesq.harness.corruptions import CORRUPTIONS
-from flows.params import CalibrationConfig, RobustnessConfig, SelectionInputs, load_params
+from bayesq.settings import ascending, from_mapping, setting, validate, within
+from flows.params import CalibrationConfig, Method, RobustnessConfig, SelectionInputs, load_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -135,7 +136,7 @@ def test_calibration_selection_parses_and_names_the_choices():
             from_mapping(CalibrationConfig, {key: 0}, "calibration")
 
 
-# ---- the declarative validator (bayesq.config.validate) --------------------------------------------
+# ---- the declarative validator (bayesq.settings.validate) --------------------------------------------
 
 def _raises(exact: str):
     return pytest.raises(ValueError, match="^" + re.escape(exact) + "$")

@@ -168,7 +168,7 @@ def test_vq_table_vs_monte_carlo_of_stored_assignment(dim):
 
 # --- deployed objective ----------------------------------------------------------------------------
 
-from bayesq.config import CostTerms, Objective  # noqa: E402
+from bayesq.config import CostTerms, Objective
 from bayesq.grids import minmax_grids
 
 

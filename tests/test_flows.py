@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 import yaml
+from torch import nn
 
 from bayesq.harness.corruptions import CORRUPTIONS
 from bayesq.harness.models.config import DataConfig, FinetuneConfig
@@ -641,8 +641,8 @@ def test_stats_task_round_trip_vs_input_stats(tmp_path, tiny_entry):
 
 
 def test_reference_task_round_trip_vs_reference_log_probs(tmp_path, tiny_entry):
-    from bayesq.config import replace
     from bayesq.evaluation import predict, reference_log_probs
+    from bayesq.settings import replace
     from flows.finetune import load_model
     from flows.prepare import calibration_batches, load_reference, reference_task, selection_batches, shared_cost
 
@@ -673,7 +673,7 @@ def test_reference_task_round_trip_vs_reference_log_probs(tmp_path, tiny_entry):
 def test_reprior_task_vs_posterior_task_fit_with_that_prior(tmp_path, tiny_entry):
     from safetensors import safe_open
 
-    from bayesq.config import replace
+    from bayesq.settings import replace
     from flows.configs import method_settings
     from flows.params import Method
     from flows.prepare import posterior_task, reprior_task
@@ -809,8 +809,8 @@ def test_calibration_batches_of_sentences_grouped_by_length_images_in_draw_order
 
 
 def test_selection_batches_draw_the_configured_size_and_fit_inputs_ignore_it(tiny_entry):
-    from bayesq.config import replace
     from bayesq.harness.models.zoo import get_entry
+    from bayesq.settings import replace
     from flows.params import CalibrationConfig
     from flows.prepare import fit_inputs, selection_batches
 

@@ -89,7 +89,7 @@ def test_fit_diagonal_posterior_indefinite_curvature_gets_prior_variance():
 
 from torch import nn  # noqa: E402
 
-from bayesq.config import Curvature  # noqa: E402
+from bayesq.config import Curvature
 from bayesq.curvature.kfac import KFACFactors, damped, kfac_factors  # noqa: E402
 from bayesq.posterior import fit_kfac_posterior, fit_posterior, spd_backoff  # noqa: E402
 

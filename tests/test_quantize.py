@@ -7,8 +7,9 @@ from torch import nn
 
 from bayesq import BayesQConfig, QuantConfig, quantize_model
 from bayesq.baselines.rtn import rtn_quantize
-from bayesq.config import DistillConfig, Granularity, replace
+from bayesq.config import DistillConfig, Granularity
 from bayesq.quantize import fit_posterior
+from bayesq.settings import replace
 
 
 def _model():
@@ -212,7 +213,7 @@ def test_rtn_quantize_within_budget(granularity):
 
 # ---- every option of the method, end to end ---------------------------------------------------
 
-from bayesq.config import (  # noqa: E402
+from bayesq.config import (
     AllocationConfig, AllocationUnit, Allocator, Codebook, Curvature, PosteriorConfig, Proxy, Rounding, Whitening,
 )
 from bayesq.grids import UniformGrids

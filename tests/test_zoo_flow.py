@@ -232,9 +232,9 @@ def test_layer_table_tasks_vs_whole_table(zoo_setup, one_thread):
     """The per-layer tables the zoo fans out, merged, equal the one-task table exactly."""
     from bayesq.blocks import quantizable_layers
     from bayesq.harness.models.zoo import get_entry
+    from bayesq.settings import replace
     from flows.common import digest, read_params
     from flows.finetune import load_model
-    from bayesq.config import replace
     from flows.prepare import layer_table_task, posterior_task, table_task
 
     tmp = zoo_setup

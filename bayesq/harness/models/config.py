@@ -1,13 +1,13 @@
 """Settings of the embedded models' harness (``data`` and ``finetune`` in ``params.yaml``): the
 sizes of the embedded data sets and the fine-tuning recipe, read by :mod:`bayesq.harness.models.zoo`,
 :mod:`bayesq.harness.models.glue` and :mod:`bayesq.harness.models.imagenet`. Validated like the method configs
-(:func:`bayesq.config.validate`)."""
+(:func:`bayesq.settings.validate`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bayesq.config import above, at_least, integer, rule, setting, validate, within
+from bayesq.settings import above, at_least, integer, rule, setting, validate, within
 
 
 @dataclass(frozen=True)
