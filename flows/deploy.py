@@ -41,8 +41,7 @@ from bayesq.fidelity import fidelity_report, score_examples
 from bayesq.harness.data.sentiment import seeded_permutation
 from bayesq.harness.models.zoo import get_entry
 from bayesq.methods import Inputs, quantize_with
-from bayesq.onnx_export import OnnxModel, convolutions, export_onnx, graph_of
-from bayesq.onnx_export import latencies as onnx_latencies
+from bayesq.onnx_export import OnnxModel, convolutions, export_onnx, graph_of, latencies as onnx_latencies
 from flows.byo import load_examples, max_logit_diff, relabelled, save_examples, targeted
 from flows.common import CACHE, code_version, digest, parser, read_params, write_json
 from flows.configs import method_config
@@ -50,7 +49,7 @@ from flows.finetune import load_model, raw_path
 from flows.lineage import export_lineage, input_lineage, row_metadata
 from flows.params import deploy_peer
 from flows.prepare import calibration_batches, selection_batches
-from flows.report import ci_text
+from flows.report.paired import ci_text
 from flows.tracking import flow_run_namer, log_export, mlflow_child, mlflow_parent, row_params, say, write_run_file
 
 TARGET = "onnxruntime"

@@ -47,7 +47,7 @@ DIAGONAL = tuple(c for c, backend in CURVATURES.items() if isinstance(backend, D
 # sources the preparation tasks do not run (a new file elsewhere is included by default)
 PREP_EXCLUDE = ("bayesq/export.py", "bayesq/qlayers.py", "bayesq/kernels", "flows/quantize.py", "flows/ablate.py",
                 "flows/shift.py",
-                "flows/report.py", "flows/robustness_report.py", "flows/labels.py", "flows/cli.py", "flows/zoo.py",
+                "flows/report", "flows/robustness_report.py", "flows/labels.py", "flows/cli.py", "flows/zoo.py",
                 "flows/settings.py", "flows/__main__.py", "flows/lineage.py", "flows/locks.py",
                 "bayesq/baselines/gptq.py", "bayesq/baselines/awq.py", "bayesq/baselines/aciq.py", "bayesq/distill.py")
 

@@ -83,7 +83,7 @@ METHOD_SOURCES = {
     Method.BIT_SPLIT: ("bayesq/baselines/bitsplit.py", "bayesq/baselines/gptq.py"),
     Method.OCS: ("bayesq/baselines/ocs.py", "bayesq/baselines/gptq.py"),  # GPTQ on the expanded layers
 }
-NOT_IN_ROWS = ("flows/ablate.py", "flows/shift.py", "flows/report.py", "flows/robustness_report.py", "flows/labels.py", "flows/cli.py",
+NOT_IN_ROWS = ("flows/ablate.py", "flows/shift.py", "flows/report", "flows/robustness_report.py", "flows/labels.py", "flows/cli.py",
                "flows/zoo.py", "flows/settings.py", "flows/__main__.py")
 
 

@@ -31,11 +31,7 @@ import torch
 from prefect import flow, task
 
 from bayesq.comparison import (
-    agreement_per_example,
-    correct_per_example,
-    fidelity_summary,
-    kl_per_example,
-    paired_difference,
+    agreement_per_example, correct_per_example, fidelity_summary, kl_per_example, paired_difference,
 )
 from bayesq.evaluation import predict
 from bayesq.harness.data.sentiment import binary_labels, load_vader_domain, seeded_permutation
@@ -48,7 +44,7 @@ from flows.configs import method_config
 from flows.finetune import load_model, raw_path
 from flows.params import Method, ShiftCase, ablation_params
 from flows.prepare import calibration_batches, selection_batches
-from flows.report import ci_text
+from flows.report.paired import ci_text
 from flows.robustness import DOMAIN_SEED, domain_split, read_tensors
 from flows.tracking import flow_run_namer, mlflow_child, mlflow_parent, row_params, say, write_run_file
 
@@ -204,7 +200,7 @@ def _paired(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str,
 
 
 def _interval(d: dict[str, float] | None, fmt: str) -> str:
-    """:func:`flows.report.ci_text` of a paired difference; "–" when there is none."""
+    """:func:`flows.report.paired.ci_text` of a paired difference; "–" when there is none."""
     return ci_text(d, fmt) if d else "–"
 
 

@@ -382,7 +382,7 @@ def test_ablation_flow_rows_failures_and_report(tmp_path, prefect_harness, tiny_
     from flows.ablate import ablate_flow
     from flows.common import read_json
     from flows.finetune import finetune_flow
-    from flows.report import ablation_report
+    from flows.report.ablations import ablation_report
 
     params = yaml.safe_load(_params(tmp_path).read_text())
     params["ablations"] = {"budgets": [3.0, 4.0], "rows": {
@@ -424,7 +424,7 @@ def test_ablation_flow_rows_failures_and_report(tmp_path, prefect_harness, tiny_
     from safetensors.torch import load_file
 
     from bayesq.comparison import paired_difference
-    from flows.report import ablation_deltas
+    from flows.report.ablations import ablation_deltas
 
     at3 = {r["row"]: r for r in ok if r["budget"] == 3.0}
     deltas = ablation_deltas(ok, ("core", "BayesQ"), 3.0)

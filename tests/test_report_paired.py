@@ -78,7 +78,7 @@ def test_report_paired_json_schema_and_vs_library(tmp_path):
 
 
 def test_report_pools_seeds_by_averaging_examples(tmp_path):
-    from flows.report import paired_comparisons
+    from flows.report.paired import paired_comparisons
 
     results, _, arrays = _folder(tmp_path, seeds=(17, 29))
     rows, notes = paired_comparisons(read_json(results / "results.json"), results, resamples=500)
@@ -105,7 +105,7 @@ def test_report_renders_records_without_per_example_keys(tmp_path):
 
 
 def test_report_skips_rows_whose_example_file_is_gone(tmp_path):
-    from flows.report import paired_comparisons
+    from flows.report.paired import paired_comparisons
 
     results, _, _ = _folder(tmp_path)
     (results / "examples" / "m_gptq_b3.0_s17.safetensors").unlink()
@@ -116,7 +116,7 @@ def test_report_skips_rows_whose_example_file_is_gone(tmp_path):
 
 
 def test_example_file_found_in_moved_results_folder(tmp_path):
-    from flows.report import example_file
+    from flows.report.paired import example_file
 
     results, _, _ = _folder(tmp_path)
     r = next(r for r in read_json(results / "results.json") if r["method"] == "bayesq")
@@ -127,7 +127,7 @@ def test_example_file_found_in_moved_results_folder(tmp_path):
 
 
 def test_variant_lines_name_baseline_variants_and_bayesq_grids():
-    from flows.report import variant_lines
+    from flows.report.tables import variant_lines
 
     records = [
         {"model": "m", "method": "gptq", "budget": 3.0, "seed": 1, "variant": "allocation+bc"},
