@@ -40,8 +40,8 @@ from bayesq.harness.data.files import DataSource
 from bayesq.onnx_export import ACCURACY_LEVEL, OnnxModel, graph_of
 from flows.byo import ByoModel, load_examples, prepare, run_row
 from flows.common import read_params
-from flows.params import deploy_peer
 from flows.settings import apply_defaults
+from flows.stage_params import deploy_peer
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -64,7 +64,8 @@ def main() -> None:
     from bayesq.evaluation import kl_per_input, predict, reference_log_probs
     from bayesq.methods import Inputs, quantize_with
     from flows.configs import method_config
-    from flows.params import GRID_METHODS, Method, ablation_params
+    from flows.methods import GRID_METHODS, Method
+    from flows.params import ablation_params
 
     for name in a.models:
         params, model, calibration, selection = load_inputs(name, a.seed, ROOT / "params.yaml")

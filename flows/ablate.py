@@ -23,15 +23,16 @@ from bayesq.assignment import loss_reduction_curve
 from bayesq.harness.models.zoo import get_entry
 from flows.common import code_version, digest, parser, read_params, write_json
 from flows.finetune import load_model, raw_path
-from flows.params import Method, ablation_params
+from flows.methods import Method
+from flows.params import ablation_params
 from flows.prepare import (
     checked_exclude, config_tag, fit_inputs, posterior_task, prep_code, reference_task, shared_cost, stats_task,
-    table_task
+    table_task,
 )
 from flows.quantize import Row, Source, quantize_eval_task
 from flows.robustness import fp_eval_task
 from flows.tracking import (
-    flow_run_namer, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say, write_run_file
+    flow_run_namer, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say, write_run_file,
 )
 
 ROW_METHODS = (Method.BAYESQ, Method.BAYESQ_DISTILL)  # what a row's optional ``method`` key may name

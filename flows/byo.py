@@ -54,7 +54,8 @@ from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import digest, locked, write_json
 from flows.configs import method_config
 from flows.lineage import artifact_tags, row_metadata
-from flows.params import BYO_METHODS, ByoModel, byo_from_mapping
+from flows.methods import BYO_METHODS
+from flows.params import ByoModel, byo_from_mapping
 from flows.tracking import child_run_name, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say
 
 BATCH = 32  # examples per preprocessed batch

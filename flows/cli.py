@@ -133,7 +133,7 @@ def quantize(
     from flows.configs import method_config
     from flows.finetune import load_model, raw_path
     from flows.lineage import export_lineage, input_lineage, row_metadata
-    from flows.params import Method
+    from flows.methods import Method
     from flows.prepare import calibration_batches, checked_exclude, selection_batches
 
     choices = [m.value for m in Method]

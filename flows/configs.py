@@ -25,7 +25,7 @@ from bayesq.baselines.smoothquant import SmoothQuantConfig
 from bayesq.baselines.zeroq import ZeroQConfig
 from bayesq.config import BayesQConfig, Codebook, Curvature, Granularity, Objective, Prior, Rounding
 from bayesq.settings import replace
-from flows.params import BAYESQ_ROWS, Method
+from flows.methods import BAYESQ_ROWS, Method
 
 # the library config of each baseline row (bayesq.methods): params.yaml's quant and baselines settings
 # (quant, baselines, seed) -> config

@@ -47,9 +47,9 @@ from flows.common import CACHE, code_version, digest, parser, read_params, write
 from flows.configs import method_config
 from flows.finetune import load_model, raw_path
 from flows.lineage import export_lineage, input_lineage, row_metadata
-from flows.params import deploy_peer
 from flows.prepare import calibration_batches, selection_batches
 from flows.report.paired import ci_text
+from flows.stage_params import deploy_peer
 from flows.tracking import flow_run_namer, log_export, mlflow_child, mlflow_parent, row_params, say, write_run_file
 
 TARGET = "onnxruntime"

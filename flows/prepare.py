@@ -38,7 +38,8 @@ from bayesq.tensorfile import file_sha256, save_tensors
 from flows.common import CACHE, code_version, digest
 from flows.configs import method_settings
 from flows.finetune import load_model
-from flows.params import SHARED_PREP, CalibrationConfig, Method, SelectionInputs
+from flows.methods import SHARED_PREP, Method
+from flows.params import CalibrationConfig, SelectionInputs
 from flows.timings import plain_call
 
 # curvatures whose posterior is the saved curvature diagonal under a prior (reprior_task can refit it)

@@ -20,9 +20,9 @@ logged too.  Every quantised model is written in the export format (``bayesq.exp
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
-import time
 from typing import Any
 
 from prefect import flow, task
@@ -43,16 +43,17 @@ from flows.common import code_version, digest, locked, parser, read_params, writ
 from flows.configs import BASELINE_CONFIGS, method_settings
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage, input_lineage, row_metadata
-from flows.params import BAYESQ_ROWS, CALIBRATED_METHODS, GRID_METHODS, SHARED_PREP, Method, RobustnessConfig
+from flows.methods import BAYESQ_ROWS, CALIBRATED_METHODS, GRID_METHODS, SHARED_PREP, Method
+from flows.params import RobustnessConfig
 from flows.prepare import (
     calibration_batches, calibration_indices, checked_exclude, load_posterior, load_reference, load_stats, prep_code,
-    prepare, reference_task, selection_batches, shared_cost
+    prepare, reference_task, selection_batches, shared_cost,
 )
 from flows.robustness import evaluate_model, fp_eval_task, mean_corruption_error, tracked_metrics
 from flows.timings import TaskClock
 from flows.tracking import (
     child_run_name, flow_run_namer, log_files, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say,
-    write_run_file
+    write_run_file,
 )
 
 # Sources that only one method's rows run: each row's cache key leaves out the others', so a

@@ -42,10 +42,12 @@ from bayesq.tensorfile import save_tensors
 from flows.common import CACHE, code_version, digest, parser, read_params, write_json
 from flows.configs import method_config
 from flows.finetune import load_model, raw_path
-from flows.params import Method, ShiftCase, ablation_params
+from flows.methods import Method
+from flows.params import ablation_params
 from flows.prepare import calibration_batches, selection_batches
 from flows.report.paired import ci_text
 from flows.robustness import DOMAIN_SEED, domain_split, read_tensors
+from flows.stage_params import ShiftCase
 from flows.tracking import flow_run_namer, mlflow_child, mlflow_parent, row_params, say, write_run_file
 
 DEFAULT = "default"

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 from flows import ROOT
 from flows.common import mlflow_store_lock, read_json, read_params, write_json
 from flows.lineage import _rel, git_commit, run_tags
-from flows.params import BAYESQ_ROWS, CALIBRATED_METHODS, Method
+from flows.methods import BAYESQ_ROWS, CALIBRATED_METHODS, Method
 
 EXPORT_ARTIFACT_MAX_BYTES = 8 * 2**20
 

@@ -11,7 +11,8 @@ from bayesq.config import (
 )
 from bayesq.harness.corruptions import CORRUPTIONS
 from bayesq.settings import ascending, from_mapping, setting, validate, within
-from flows.params import CalibrationConfig, Method, RobustnessConfig, SelectionInputs, load_params
+from flows.methods import Method
+from flows.params import CalibrationConfig, RobustnessConfig, SelectionInputs, load_params
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,9 +12,11 @@ from torch import nn
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-from bayesq.harness.models.zoo import register, unregister  # noqa: E402
-from flows.params import deploy_peer, load_params  # noqa: E402
 from test_flows import TinyEntry  # noqa: E402
+
+from bayesq.harness.models.zoo import register, unregister  # noqa: E402
+from flows.params import load_params
+from flows.stage_params import deploy_peer
 
 PARAMS_YAML = Path(__file__).resolve().parents[1] / "params.yaml"
 
@@ -145,12 +147,13 @@ def test_deploy_flow_end_to_end(tmp_path, prefect_harness, token_entry):
     a MatMul; the Gemm head stays in float there), BayesQ, our GPTQ and AWQ at 3.0 and 4.0 bits, BayesQ
     again at each peer's bits; every file scored in ONNX Runtime against the FP32 graph; BayesQ's
     paired differences recomputed from the saved examples; the report and the timings."""
+    from test_flows import _params
+
+    from bayesq.comparison import paired_difference
     from flows.byo import load_examples
     from flows.common import read_json
     from flows.deploy import deploy_flow, row_label
     from flows.finetune import finetune_flow
-    from bayesq.comparison import paired_difference
-    from test_flows import _params
 
     params = _params(tmp_path)
     cfg = yaml.safe_load(params.read_text())

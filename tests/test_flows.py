@@ -507,7 +507,7 @@ def test_row_cache_keys_leave_out_only_sources_the_row_never_runs(tmp_path, tiny
 
     from bayesq.harness.models.zoo import get_entry
     from flows.common import digest, read_params
-    from flows.params import Method
+    from flows.methods import Method
     from flows.prepare import PREP_EXCLUDE, prepare
     from flows.quantize import METHOD_SOURCES, Row, Source, quantize_eval_task, row_code, row_excluded
 
@@ -558,7 +558,7 @@ def test_exclusion_reaches_posterior_statistics_traces_and_every_row(tmp_path, t
     from bayesq.harness.models.zoo import get_entry
     from flows.common import digest, read_params
     from flows.finetune import load_model
-    from flows.params import Method
+    from flows.methods import Method
     from flows.prepare import load_posterior, load_stats, posterior_task, prepare
     from flows.quantize import Row, Source, quantize_eval_task, row_code
 
@@ -675,7 +675,7 @@ def test_reprior_task_vs_posterior_task_fit_with_that_prior(tmp_path, tiny_entry
 
     from bayesq.settings import replace
     from flows.configs import method_settings
-    from flows.params import Method
+    from flows.methods import Method
     from flows.prepare import posterior_task, reprior_task
 
     params, entry, model_file, src, args = _tiny_task_inputs(tmp_path)
@@ -830,7 +830,7 @@ def test_selection_batches_draw_the_configured_size_and_fit_inputs_ignore_it(tin
 def test_ablation_row_label_at_the_limit_survives_dvc_lock_and_longer_is_refused():
     from dvc.utils.serialize import dumps_yaml
 
-    from flows.params import MAX_ROW_LABEL, AblationConfig
+    from flows.stage_params import MAX_ROW_LABEL, AblationConfig
 
     def lock_round_trip(label: str) -> bool:  # nested as deep as params.yaml's full profile puts a row in dvc.lock
         lock = {"stages": {"ablate": {"params": {"params.yaml": {"profiles": {"full": {"ablations": {

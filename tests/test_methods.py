@@ -6,26 +6,26 @@ from torch import nn
 
 import bayesq
 from bayesq.baselines.aciq import ACIQConfig
-from bayesq.baselines.anneal import AnnealConfig
 from bayesq.baselines.activations import input_stats
 from bayesq.baselines.adaround import AdaRoundConfig
-from bayesq.baselines.brecq import BayesQBRECQConfig, BRECQConfig
+from bayesq.baselines.anneal import AnnealConfig
 from bayesq.baselines.awq import AWQConfig
+from bayesq.baselines.bitsplit import BitSplitConfig
 from bayesq.baselines.blockwise import BlockwiseConfig
+from bayesq.baselines.brecq import BayesQBRECQConfig, BRECQConfig
+from bayesq.baselines.dorefa import DoReFaConfig
 from bayesq.baselines.gptq import GPTQConfig, gptq_select
 from bayesq.baselines.hawq import HAWQConfig
-from bayesq.baselines.bitsplit import BitSplitConfig
-from bayesq.baselines.ocs import OCSConfig
-from bayesq.baselines.dorefa import DoReFaConfig
 from bayesq.baselines.lsq import LSQConfig
-from bayesq.baselines.zeroq import ZeroQConfig
+from bayesq.baselines.ocs import OCSConfig
 from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.smoothquant import SmoothQuantConfig
+from bayesq.baselines.zeroq import ZeroQConfig
 from bayesq.blocks import quantizable_layers
 from bayesq.config import BayesQConfig, DistillConfig, Granularity, QuantConfig
 from bayesq.evaluation import reference_log_probs
-from flows.params import Method
 from bayesq.methods import Inputs, quantize_with, register, registered
+from flows.methods import Method
 
 Q = QuantConfig(group_size=32, unit_groups=2)
 
@@ -169,8 +169,8 @@ def test_register_refuses_a_second_handler_for_one_config():
 
 
 def test_pipeline_runs_every_baseline_through_the_registry():
-    from flows.params import BaselinesConfig
     from flows.configs import BASELINE_CONFIGS
+    from flows.params import BaselinesConfig
 
     bayesq_rows = {Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER, Method.BAYESQ_BRECQ}
     assert set(BASELINE_CONFIGS) == set(Method) - bayesq_rows

@@ -3,8 +3,8 @@
 import pytest
 
 from bayesq.config import DistillConfig
-from flows.params import Method
 from bayesq.harness.corruptions import CORRUPTIONS
+from flows.methods import Method
 from flows.params import RobustnessConfig, load_params
 
 

@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_flows import _params, tiny_entry  # noqa: F401 - the tiny zoo model and its params
 
 from bayesq.comparison import kl_per_example, paired_difference
-from flows.params import ShiftCase, load_params
-from test_flows import _params, tiny_entry  # noqa: F401 - the tiny zoo model and its params
+from flows.params import load_params
+from flows.stage_params import ShiftCase
 
 PARAMS_YAML = Path(__file__).resolve().parents[1] / "params.yaml"
 

@@ -8,12 +8,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bayesq.config import Curvature, Rounding
-from flows.params import Method
-from flows.params import load_params
 from flows.configs import method_settings
-from flows.tracking import (
-    artifact_root, child_run_name, dvc_cache_path, flatten, parent_run_name, row_params,
-)
+from flows.methods import Method
+from flows.params import load_params
+from flows.tracking import artifact_root, child_run_name, dvc_cache_path, flatten, parent_run_name, row_params
 
 
 def test_run_names_say_stage_profile_commit_time_and_row():
