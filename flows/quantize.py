@@ -43,7 +43,9 @@ from flows.common import code_version, digest, locked, parser, read_params, writ
 from flows.configs import BASELINE_CONFIGS, method_settings
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage, input_lineage, row_metadata
-from flows.methods import BAYESQ_ROWS, CALIBRATED_METHODS, GRID_METHODS, SHARED_PREP, Method
+from flows.methods import (
+    BAYESQ_ROWS, CALIBRATED_METHODS, DATA_FREE_METHODS, GRID_METHODS, METHOD_SOURCES, SHARED_PREP, Method,
+)
 from flows.params import RobustnessConfig
 from flows.prepare import (
     calibration_batches, calibration_indices, checked_exclude, load_posterior, load_reference, load_stats, prep_code,
@@ -56,34 +58,8 @@ from flows.tracking import (
     write_run_file,
 )
 
-# Sources that only one method's rows run: each row's cache key leaves out the others', so a
-# change to one baseline re-runs only its rows (tests/test_flows.py checks, by profiling every
-# method's row, that no row calls into a source its key leaves out). Code no row runs (reports,
-# CLI, zoo, ablations, the shift stage) is left out of every row's key.
-METHOD_SOURCES = {
-    Method.GPTQ: ("bayesq/baselines/gptq.py",),
-    Method.AWQ: ("bayesq/baselines/awq.py",),
-    Method.HAWQ: ("bayesq/baselines/hawq.py",),
-    Method.ZEROQ: ("bayesq/baselines/zeroq.py",),
-    Method.ACIQ: ("bayesq/baselines/aciq.py",),
-    Method.CLIP_BLOCK: ("bayesq/baselines/blockwise.py",),
-    Method.LLOYD_BLOCK: ("bayesq/baselines/blockwise.py",),
-    Method.OPTQ: ("bayesq/baselines/gptq.py",),
-    Method.SMOOTHQUANT: ("bayesq/baselines/smoothquant.py", "bayesq/baselines/awq.py"),  # AWQ's code
-    Method.ANNEAL: ("bayesq/baselines/anneal.py", "bayesq/baselines/gptq.py",  # GPTQ's rounding,
-                    "bayesq/baselines/brecq.py"),  # BRECQ's units (the search reuses their outputs)
-    Method.BAYESQ_DISTILL: ("bayesq/distill.py",),
-    Method.BAYESQ_BRECQ: ("bayesq/baselines/brecq.py", "bayesq/baselines/adaround.py"),  # AdaRound's relaxation
-    Method.ADAROUND: ("bayesq/baselines/adaround.py", "bayesq/baselines/gptq.py"),  # GPTQ's grids and variants
-    Method.BRECQ: ("bayesq/baselines/brecq.py", "bayesq/baselines/adaround.py", "bayesq/baselines/lsq.py",
-                   "bayesq/baselines/gptq.py"),  # AdaRound's relaxation, nearest start, GPTQ's grids
-    Method.LSQ: ("bayesq/baselines/lsq.py", "bayesq/baselines/gptq.py"),
-    Method.LSQ_PLUS: ("bayesq/baselines/lsq.py", "bayesq/baselines/gptq.py"),
-    Method.PACT: ("bayesq/baselines/lsq.py", "bayesq/baselines/gptq.py"),  # LSQ's fit with PACT's gradient
-    Method.DOREFA: ("bayesq/baselines/dorefa.py", "bayesq/baselines/gptq.py"),
-    Method.BIT_SPLIT: ("bayesq/baselines/bitsplit.py", "bayesq/baselines/gptq.py"),
-    Method.OCS: ("bayesq/baselines/ocs.py", "bayesq/baselines/gptq.py"),  # GPTQ on the expanded layers
-}
+# Code no row runs (reports, CLI, zoo, ablations, the shift stage) is left out of every row's key;
+# each method's own sources (flows.methods.METHOD_SOURCES) are left out of the other methods' keys.
 NOT_IN_ROWS = ("flows/ablate.py", "flows/shift.py", "flows/report", "flows/robustness_report.py", "flows/labels.py", "flows/cli.py",
                "flows/zoo.py", "flows/settings.py", "flows/__main__.py")
 
@@ -200,7 +176,6 @@ def _logit_diff(entry, qmodel, loaded, splits, data) -> float:
         return float((predict(qmodel, batch) - predict(loaded, batch)).abs().max())
 
 
-DATA_FREE = (Method.RTN_TENSOR, Method.RTN_CHANNEL, Method.RTN_GROUP, Method.ACIQ, Method.CLIP_BLOCK, Method.LLOYD_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -362,7 +337,8 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
         quant = encoding_config(res, quant)  # the variant's bit set: what its unit headers name
         extra.update(out.details)
     seconds = time.perf_counter() - start
-    used = None if Method(method) in DATA_FREE or calibration is None else calibration_indices(entry, splits, calibration, seed)
+    used = (None if Method(method) in DATA_FREE_METHODS or calibration is None
+            else calibration_indices(entry, splits, calibration, seed))
     meta = row_metadata(name, method, budget, seed, code, lineage or {},
                         input_lineage(model_file, raw, raw_digest, posterior_file, used),
                         **({"exclude": ",".join(row.exclude)} if row.exclude else {}))

@@ -12,7 +12,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from flows.labels import METHOD_LABEL, layer_kind
+from flows.labels import layer_kind
+from flows.methods import METHOD_LABEL
 
 LABEL = {"fp": "FP (32-bit)", **METHOD_LABEL}
 CAL_COLUMNS = (("accuracy", "accuracy", 100), ("ece", "ECE", 100), ("ece_random", "ECE (random bins)", 100),

@@ -42,7 +42,7 @@ from bayesq.tensorfile import save_tensors
 from flows.common import CACHE, code_version, digest, parser, read_params, write_json
 from flows.configs import method_config
 from flows.finetune import load_model, raw_path
-from flows.methods import Method
+from flows.methods import SHIFT_METHODS, Method
 from flows.params import ablation_params
 from flows.prepare import calibration_batches, selection_batches
 from flows.report.paired import ci_text
@@ -60,7 +60,7 @@ BAYESQ_ROWS = ((DEFAULT, {}), (NO_OFFSET, {"quant.output_offset": False}),
 BASELINE_ROWS = ((DEFAULT, {}), (NO_CORRECTIONS, {"baselines.bias_correction": False}))
 #: The rows of each method: (label, params.yaml overrides). A baseline's corrections are its bias
 #: correction and the output offset of its kept variant (``baselines.bias_correction``).
-ROWS = {Method.BAYESQ: BAYESQ_ROWS, Method.GPTQ: BASELINE_ROWS, Method.OPTQ: BASELINE_ROWS, Method.AWQ: BASELINE_ROWS}
+ROWS = {m: BAYESQ_ROWS if m is Method.BAYESQ else BASELINE_ROWS for m in SHIFT_METHODS}
 BATCH = 64  # test examples per forward pass
 
 

@@ -50,20 +50,14 @@ from bayesq.blocks import quantizable_layers
 from bayesq.expected_loss import LossTable
 from bayesq.harness.models.zoo import get_entry
 from flows.byo import ByoModel, byo_from_mapping, paired_rows, submit_rows, track_child
-from flows.sources import sources_table
 from flows.common import code_version, digest, parser, read_params, write_json
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage
 from flows.prepare import checked_exclude, layer_table_task, posterior_task, prep_code, table_task
 from flows.quantize import Row, Source, quantize_eval_task
+from flows.sources import sources_table
 from flows.tracking import (
-    child_run_name,
-    flow_run_namer,
-    log_row_artifacts,
-    mlflow_child,
-    mlflow_parent,
-    row_params,
-    say,
+    child_run_name, flow_run_namer, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say,
 )
 
 

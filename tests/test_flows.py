@@ -507,9 +507,9 @@ def test_row_cache_keys_leave_out_only_sources_the_row_never_runs(tmp_path, tiny
 
     from bayesq.harness.models.zoo import get_entry
     from flows.common import digest, read_params
-    from flows.methods import Method
+    from flows.methods import METHOD_SOURCES, Method
     from flows.prepare import PREP_EXCLUDE, prepare
-    from flows.quantize import METHOD_SOURCES, Row, Source, quantize_eval_task, row_code, row_excluded
+    from flows.quantize import Row, Source, quantize_eval_task, row_code, row_excluded
 
     path = _params(tmp_path)
     cfg = yaml.safe_load(path.read_text())

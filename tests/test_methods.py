@@ -1,4 +1,5 @@
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,7 +170,7 @@ def test_register_refuses_a_second_handler_for_one_config():
 
 
 def test_pipeline_runs_every_baseline_through_the_registry():
-    from flows.configs import BASELINE_CONFIGS
+    from flows.methods import BASELINE_CONFIGS
     from flows.params import BaselinesConfig
 
     bayesq_rows = {Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER, Method.BAYESQ_BRECQ}
@@ -177,6 +178,27 @@ def test_pipeline_runs_every_baseline_through_the_registry():
     for make in BASELINE_CONFIGS.values():
         assert type(make(Q, BaselinesConfig(), 0)) in registered()
     assert bayesq.quantize_with is quantize_with
+
+
+def test_pipeline_method_tables_all_derive_from_the_registry_entries():
+    """Every table the pipeline keeps per method is read off flows.methods.METHODS: one entry is all
+    a baseline needs besides its module (the CLI's choices, labels, configs, sources, groups, the
+    paired report's columns)."""
+    from flows.methods import (
+        BASELINES, BYO_METHODS, ENTRY, GROUPS, METHOD_LABEL, METHOD_SOURCES, METHODS, Method as FlowMethod, group,
+    )
+    from flows.report.paired import PAIRED_BASELINES, PAIRED_METHODS
+
+    names = [e.name for e in METHODS]
+    assert len(set(names)) == len(names) and [m.value for m in FlowMethod] == names == list(BYO_METHODS)
+    assert METHOD_LABEL == {e.name: e.label for e in METHODS} and all(METHOD_LABEL.values())
+    assert set(METHOD_SOURCES) <= set(FlowMethod) and all((Path(__file__).parents[1] / f).exists() for fs in METHOD_SOURCES.values() for f in fs)
+    assert PAIRED_METHODS == tuple(m.value for m in group("bayesq"))
+    assert PAIRED_BASELINES == tuple(m.value for m in BASELINES) == tuple(n for n in names if n not in PAIRED_METHODS)
+    assert all(ENTRY[m].groups <= set(GROUPS) for m in FlowMethod)
+    assert not set(group("data-free")) & set(group("calibrated"))
+    with pytest.raises(ValueError, match="unknown method group 'grids'"):
+        group("grids")
 
 
 def test_bayesq_brecq_row_config_is_bayesq_rows_and_brecq_rows_schedule():

@@ -8,7 +8,7 @@ import torch
 from bayesq.comparison import fidelity_summary, paired_difference
 from bayesq.tensorfile import save_tensors
 from flows.common import read_json, write_json
-from flows.labels import METHOD_LABEL
+from flows.methods import METHOD_LABEL
 
 N = 60
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flows.labels import METHOD_LABEL
+from flows.methods import METHOD_LABEL
 from flows.report.tables import accuracy_se
 
 

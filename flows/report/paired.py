@@ -7,14 +7,12 @@ from collections import defaultdict
 from pathlib import Path
 
 from bayesq.comparison import RESAMPLES, SEED, paired_differences
-from flows.labels import METHOD_LABEL
+from flows.methods import BASELINES, BAYESQ_ROWS, METHOD_LABEL
 
-PAIRED_METHODS = ("bayesq", "bayesq-ef", "bayesq-distill", "bayesq-paper", "bayesq-brecq")
+PAIRED_METHODS = tuple(m.value for m in BAYESQ_ROWS)  # every BayesQ row ...
 
 
-PAIRED_BASELINES = ("gptq", "optq", "anneal", "adaround", "brecq", "lsq", "lsq-plus", "pact", "dorefa", "bit-split", "ocs",
-                    "awq", "smoothquant", "hawq", "zeroq", "aciq", "lloyd-block", "clip-block",
-                    "rtn-group", "rtn-channel", "rtn-tensor")  # every one run
+PAIRED_BASELINES = tuple(m.value for m in BASELINES)  # ... against every baseline, in the registry's order
 
 
 PAIRED_VARIANTS = (("bayesq-brecq", "bayesq"),)  # a BayesQ row against BayesQ's default: does it earn the default?

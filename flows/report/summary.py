@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flows.labels import METHOD_LABEL
+from flows.methods import METHOD_LABEL
 from flows.report.paired import PAIRED_BASELINES, ci_text
 from flows.report.tables import time_ratio
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from flows.labels import METHOD_LABEL
+from flows.methods import METHOD_LABEL
 from flows.report.paired import bits_text
 
 FIDELITY_KEYS = ("kl_mean", "kl_se", "agreement")  # absent from records written before per-example evaluation
