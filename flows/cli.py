@@ -121,25 +121,24 @@ def quantize(
         return
     if model is None:
         _fail("name an embedded model (e.g. lite0-fmnist), or pass --model and --data for your own")
-    from bayesq.baselines.select import encoding_config
-    from bayesq.config import BayesQConfig
-    from bayesq.export import save_export
+    _quantize_embedded(model, method, budget, out, params, models, raw, seed, distill, target, accuracy_level)
+
+
+def _quantize_embedded(model: str, method: str, budget: float, out: Path, params: Path, models: Path, raw: Path,
+                       seed: int | None, distill: bool, target: str, accuracy_level: int) -> None:
+    """``bayesq quantize <embedded model>``: one row on the model fine-tuned by the pipeline."""
     from bayesq.harness.models.zoo import get_entry
     from bayesq.methods import Inputs, quantize_with
     from bayesq.onnx_export import convolutions
-    from bayesq.settings import replace
-    from flows.byo import relabelled, targeted
-    from flows.common import code_version, digest, read_params
-    from flows.configs import method_config
+    from flows.byo import targeted
+    from flows.common import read_params
     from flows.finetune import load_model, raw_path
-    from flows.lineage import export_lineage, input_lineage, row_metadata
     from flows.methods import Method
     from flows.prepare import calibration_batches, checked_exclude, selection_batches
 
     choices = [m.value for m in Method]
     if method not in choices:
         _fail(f"--method {method}: choose one of {', '.join(choices)}")
-
     try:
         p = read_params(params)
         entry = get_entry(model)
@@ -156,13 +155,7 @@ def quantize(
         _fail(str(err))
     splits = entry.load_splits(p.data, raw_path(entry, raw))
     idx, batches = calibration_batches(entry, splits, p.data, p.calibration, seed)
-    d = p.distill if distill else replace(p.distill, max_budget=0.0)
-    if method == "bayesq":
-        cfg = BayesQConfig(budget=budget, posterior=p.posterior, quant=p.quant, allocation=p.allocation, distill=d,
-                           seed=seed)
-        label, quant = ("bayesq-distill" if d.applies(budget) else "bayesq"), p.quant
-    else:  # another BayesQ row (its quant settings) or a baseline (quant None: its variant's, below)
-        (cfg, quant), label = method_config(method, p, budget, seed), method
+    cfg, quant, label = _embedded_config(p, method, budget, seed, distill)
     try:
         cfg, quant = targeted((cfg, quant), method, target, out)
     except ValueError as err:
@@ -175,31 +168,70 @@ def quantize(
             entry, splits, p.data, p.calibration, seed), exclude=exclude))
     except (ValueError, MemoryError) as err:  # bad input; a peak the machine cannot hold (bayesq.memory)
         _fail(str(err))
-    res = done.result
-    bayesq_row = quant is not None  # a BayesQ row: its posterior was fitted here
-    quant = quant if bayesq_row else encoding_config(res, p.quant)  # a baseline: its variant's bit set
     src = raw_path(entry, raw)
+    meta = _embedded_metadata(p, params, model, label, budget, seed, cfg, quant, model_file, src, idx, exclude)
+    if target == "onnxruntime":
+        _write_onnx(done.result, batches, out, meta, accuracy_level, held, f"{model} at {budget} bits", start)
+    else:
+        _write_export(done, p, quant, model, budget, out, meta, start)
+
+
+def _embedded_config(p, method: str, budget: float, seed: int, distill: bool) -> tuple:
+    """(library config, QuantConfig of a BayesQ row or None, the row's label) of ``bayesq quantize
+    --method``: BayesQ with params.yaml's settings (distillation only with ``--distill``), another
+    BayesQ row or a baseline as the pipeline builds it."""
+    from bayesq.config import BayesQConfig
+    from bayesq.settings import replace
+    from flows.configs import method_config
+
+    d = p.distill if distill else replace(p.distill, max_budget=0.0)
+    if method == "bayesq":
+        cfg = BayesQConfig(budget=budget, posterior=p.posterior, quant=p.quant, allocation=p.allocation, distill=d,
+                           seed=seed)
+        return cfg, p.quant, ("bayesq-distill" if d.applies(budget) else "bayesq")
+    return (*method_config(method, p, budget, seed), method)  # quant None for a baseline: its variant's, later
+
+
+def _embedded_metadata(p, params: Path, model: str, label: str, budget: float, seed: int, cfg, quant,
+                       model_file: Path, src: Path, idx, exclude: tuple[str, ...]) -> dict:
+    """The export header's lineage of a ``bayesq quantize <embedded model>`` row."""
+    from bayesq.config import BayesQConfig
+    from flows.common import code_version, digest
+    from flows.lineage import export_lineage, input_lineage, row_metadata
+
     posterior = (cfg if isinstance(cfg, BayesQConfig) else getattr(cfg, "bayesq", p)).posterior
     fitted = {"posterior": f"fitted in this run, not saved ({posterior.curvature.value}; settings in params)"}
-    meta = row_metadata(model, label, budget, seed, code_version(), export_lineage(p),
+    return row_metadata(model, label, budget, seed, code_version(), export_lineage(p),
                         input_lineage(str(model_file), str(src), digest(src), None, idx), params_file=str(params),
-                        **(fitted if bayesq_row else {}), **({"exclude": ",".join(exclude)} if exclude else {}))
-    if target == "onnxruntime":
-        from bayesq.onnx_export import OnnxModel, export_onnx
-        from flows.byo import max_logit_diff
+                        **(fitted if quant is not None else {}), **({"exclude": ",".join(exclude)} if exclude else {}))
 
-        try:
-            ex = export_onnx(res.model, res.weights, batches[0], out, metadata=meta, accuracy_level=accuracy_level)
-        except ValueError as err:
-            _fail(str(err))
-        diff = max_logit_diff(res.model, OnnxModel(out, accuracy_level=1), batches[:1])  # float32: the round trip
-        typer.echo(f"{model} at {budget} bits for onnxruntime: {res.average_bits:.4f} bits/weight accounted, "
-                   f"{ex.average_bits:.4f} stored for the {len(ex.quantized)} MatMulNBits layers; {ex.file_bytes / 1e6:.2f} "
-                   f"MB -> {out}; ONNX Runtime's logits within {diff:.2e} of BayesQ's model at accuracy level 1 "
-                   f"({time.perf_counter() - start:.0f} s)")
-        for name, why in {**relabelled(res.unquantized, held), **ex.kept}.items():
-            typer.echo(f"  floating point: {name} ({why})")
-        return
+
+def _write_onnx(res, batches, out: Path, meta: dict, accuracy_level: int, held: dict, what: str,
+                start: float) -> None:
+    """Write ``res`` as an ONNX Runtime file and say what it holds and how close it runs."""
+    from bayesq.onnx_export import OnnxModel, export_onnx
+    from flows.byo import max_logit_diff, relabelled
+
+    try:
+        ex = export_onnx(res.model, res.weights, batches[0], out, metadata=meta, accuracy_level=accuracy_level)
+    except ValueError as err:
+        _fail(str(err))
+    diff = max_logit_diff(res.model, OnnxModel(out, accuracy_level=1), batches[:1])  # float32: the round trip
+    typer.echo(f"{what} for onnxruntime: {res.average_bits:.4f} bits/weight accounted, "
+               f"{ex.average_bits:.4f} stored for the {len(ex.quantized)} MatMulNBits layers; {ex.file_bytes / 1e6:.2f} "
+               f"MB -> {out}; ONNX Runtime's logits within {diff:.2e} of BayesQ's model at accuracy level 1 "
+               f"({time.perf_counter() - start:.0f} s)")
+    for name, why in {**relabelled(res.unquantized, held), **ex.kept}.items():
+        typer.echo(f"  floating point: {name} ({why})")
+
+
+def _write_export(done, p, quant, model: str, budget: float, out: Path, meta: dict, start: float) -> None:
+    """Write ``done``'s model as BayesQ's export file and say what it holds and what was corrected."""
+    from bayesq.baselines.select import encoding_config
+    from bayesq.export import save_export
+
+    res = done.result
+    quant = quant if quant is not None else encoding_config(res, p.quant)  # a baseline: its variant's bit set
     info = save_export(out, res.model, res.weights, quant, res.allocation.total_bits, architecture=model,
                        metadata=meta)
     typer.echo(f"{model} at {budget} bits: {res.average_bits:.4f} bits/weight accounted, "
@@ -217,8 +249,6 @@ def quantize(
     if off is not None:
         typer.echo(f"output offset: {off.layer}'s bias refitted, calibration KL {off.kl_before:.5f} -> {off.kl_after:.5f}"
                    if off.layer else f"output offset: none ({off.skipped})")
-
-
 
 
 def _quantize_byo(source, data, split, text_columns, image_column, label_column, max_length, image_size, checkpoint,

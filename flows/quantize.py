@@ -274,96 +274,113 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
     ``table`` and ``tables`` are keyed by ``row.table_key`` and ``lineage`` is not keyed, so the
     three are arguments of their own, left out of the cache key.
     """
-    name, model_file, raw, raw_digest = row.source.name, row.source.model_file, row.source.raw, row.source.raw_digest
-    method, budget, seed, code, data, quant, allocation_cfg = (row.method, row.budget, row.seed, row.code, row.data,
-                                                              row.quant, row.allocation_cfg)
-    calibration, baselines, distill, robustness, ood = (row.calibration, row.baselines, row.distill, row.robustness,
-                                                        row.ood)
-    posterior_file, traces, allocation, export_dir = row.posterior_file, row.traces, row.allocation, row.export_dir
-    examples_dir, fp_logits, stats_file, reference_file = (row.examples_dir, row.fp_logits, row.stats_file,
-                                                           row.reference_file)
-    encodings_dir, encoding_file = row.encodings_dir, row.encoding_file
-    entry = get_entry(name)
-    model = load_model(entry, Path(model_file))
-    splits = entry.load_splits(data, Path(raw))
+    entry = get_entry(row.source.name)
+    model = load_model(entry, Path(row.source.model_file))
+    splits = entry.load_splits(row.data, Path(row.source.raw))
     start = time.perf_counter()
-    extra = {}
-    if Method(method) in BAYESQ_ROWS:
-        batches = list(calibration_batches(entry, splits, data, calibration, seed)[1]) if calibration else None
-        selection = selection_batches(entry, splits, data, calibration, seed) if calibration else None
-        reference = load_reference(Path(reference_file)) if reference_file and selection is not None else None
-        if encoding_file:  # the bayesq row's encoding: same posterior, table and settings
-            enc, read = load_encoding(Path(encoding_file))
-            post = load_posterior(model, Path(posterior_file)) if posterior_file else None
-            stats_read, reference_read = read["stats_read"], read["reference_read"]
-            extra["encoding_seconds"] = read["seconds"]
-        else:
-            enc, post, stats_read = _bayesq(model, table, budget, allocation_cfg, quant, posterior_file, seed, batches,
-                                            stats_file, selection, reference, tables)
-            reference_read = bool(reference_file) and selection is not None and bool(enc.selection_kl)
-            if encodings_dir:
-                path = Path(encodings_dir) / f"{name}_{method}_b{budget}_s{seed}.pt"
-                extra |= save_encoding(path, enc, {"stats_read": stats_read, "reference_read": reference_read,
-                                                   "seconds": time.perf_counter() - start})
-        qweights, allocation, quant = enc.weights, enc.allocation, enc.quant
-        extra |= {"encoding": enc.name, "encoding_kl": dict(enc.selection_kl),
-                 "encoding_margin": {k: list(v) for k, v in enc.selection_margin.items()},
-                 "encoding_inputs": dict(enc.selection_inputs),
-                 "unit_bits": {k: list(v) for k, v in allocation.unit_bits.items()}}
-        if Method(method) == Method.BAYESQ_BRECQ:  # the brecq row's schedule (baselines.brecq_iters, adaround_lambda)
-            enc = brecq_encoding(model, enc, batches, BASELINE_CONFIGS[Method.BRECQ](quant, baselines, seed))
-        if enc.correction is not None:
-            extra |= {"bias_corrected": len(enc.correction.targets), "bias_skipped": dict(enc.correction.skipped)}
-        qmodel, qweights, res, offset = assemble(
-            model, enc, post, batches, distill if Method(method) == Method.BAYESQ_DISTILL else None, budget, seed,
-            selection=selection, selection_fp=reference,  # the kept candidate's scores stand for a forward pass
-            selection_q=enc.scored_logits if selection is not None else None,
-            calibration_q=enc.scored_logits if selection is None else None,
-            calibration_fp=(load_reference(Path(reference_file), "calibration") or None) if reference_file else None)
-        if offset is not None:
-            extra |= {"output_offset_layer": offset.layer or "", "output_offset_skipped": offset.skipped,
-                      "output_offset_kl": [offset.kl_before, offset.kl_after], "output_offset_inputs": offset.inputs}
-        if res is not None:
-            extra |= {"distill_seconds": res.seconds, "distill_sample_scale": res.sample_scale,
-                     "distill_teacher_agreement": res.teacher_agreement,
-                     "distill_loss_first": res.loss_first, "distill_loss_last": res.loss_last,
-                     "distill_accepted": res.accepted, "distill_kl_before": res.kl_before,
-                     "distill_kl_after": res.kl_after}
+    if Method(row.method) in BAYESQ_ROWS:
+        qmodel, qweights, allocation, quant, extra = _bayesq_row(row, model, entry, splits, table, tables, start)
     else:
-        out = _baseline(Method(method), model, entry, splits, data, calibration, quant, baselines,
-                        budget, seed, traces, allocation, stats_file, reference_file, row.exclude)
-        res, stats_read, reference_read = out.result, "stats" in out.read, "reference" in out.read
+        out = _baseline(Method(row.method), model, entry, splits, row.data, row.calibration, row.quant, row.baselines,
+                        row.budget, row.seed, row.traces, row.allocation, row.stats_file, row.reference_file,
+                        row.exclude)
+        res = out.result
         qmodel, allocation, qweights = res.model, res.allocation, res.weights
-        quant = encoding_config(res, quant)  # the variant's bit set: what its unit headers name
-        extra.update(out.details)
+        quant = encoding_config(res, row.quant)  # the variant's bit set: what its unit headers name
+        extra = {"stats_read": "stats" in out.read, "reference_read": "reference" in out.read, **out.details}
     seconds = time.perf_counter() - start
-    used = (None if Method(method) in DATA_FREE_METHODS or calibration is None
-            else calibration_indices(entry, splits, calibration, seed))
-    meta = row_metadata(name, method, budget, seed, code, lineage or {},
-                        input_lineage(model_file, raw, raw_digest, posterior_file, used),
+    return _export_and_evaluate(row, entry, splits, qmodel, qweights, allocation, quant, seconds, extra, lineage)
+
+
+def _bayesq_row(row: Row, model, entry, splits, table, tables, start: float) -> tuple:
+    """A BayesQ row's (quantised model, encoded layers, allocation, QuantConfig, record fields):
+    its encoding (:func:`_bayesq`, or the ``bayesq`` row's saved one), BRECQ's rounding for
+    ``bayesq-brecq``, then :func:`bayesq.quantize.assemble` (distillation for ``bayesq-distill``)."""
+    name, method, budget, seed = row.source.name, row.method, row.budget, row.seed
+    extra = {}
+    batches = (list(calibration_batches(entry, splits, row.data, row.calibration, seed)[1]) if row.calibration
+               else None)
+    selection = selection_batches(entry, splits, row.data, row.calibration, seed) if row.calibration else None
+    reference = (load_reference(Path(row.reference_file)) if row.reference_file and selection is not None
+                 else None)
+    if row.encoding_file:  # the bayesq row's encoding: same posterior, table and settings
+        enc, read = load_encoding(Path(row.encoding_file))
+        post = load_posterior(model, Path(row.posterior_file)) if row.posterior_file else None
+        stats_read, reference_read = read["stats_read"], read["reference_read"]
+        extra["encoding_seconds"] = read["seconds"]
+    else:
+        enc, post, stats_read = _bayesq(model, table, budget, row.allocation_cfg, row.quant, row.posterior_file, seed,
+                                        batches, row.stats_file, selection, reference, tables)
+        reference_read = bool(row.reference_file) and selection is not None and bool(enc.selection_kl)
+        if row.encodings_dir:
+            path = Path(row.encodings_dir) / f"{name}_{method}_b{budget}_s{seed}.pt"
+            extra |= save_encoding(path, enc, {"stats_read": stats_read, "reference_read": reference_read,
+                                               "seconds": time.perf_counter() - start})
+    allocation, quant = enc.allocation, enc.quant  # the encoding's (BRECQ's rounding keeps its bits)
+    extra |= {"stats_read": stats_read, "reference_read": reference_read, "encoding": enc.name,
+              "encoding_kl": dict(enc.selection_kl),
+              "encoding_margin": {k: list(v) for k, v in enc.selection_margin.items()},
+              "encoding_inputs": dict(enc.selection_inputs),
+              "unit_bits": {k: list(v) for k, v in allocation.unit_bits.items()}}
+    if Method(method) == Method.BAYESQ_BRECQ:  # the brecq row's schedule (baselines.brecq_iters, adaround_lambda)
+        enc = brecq_encoding(model, enc, batches, BASELINE_CONFIGS[Method.BRECQ](quant, row.baselines, seed))
+    if enc.correction is not None:
+        extra |= {"bias_corrected": len(enc.correction.targets), "bias_skipped": dict(enc.correction.skipped)}
+    qmodel, qweights, res, offset = assemble(
+        model, enc, post, batches, row.distill if Method(method) == Method.BAYESQ_DISTILL else None, budget, seed,
+        selection=selection, selection_fp=reference,  # the kept candidate's scores stand for a forward pass
+        selection_q=enc.scored_logits if selection is not None else None,
+        calibration_q=enc.scored_logits if selection is None else None,
+        calibration_fp=(load_reference(Path(row.reference_file), "calibration") or None) if row.reference_file
+        else None)
+    return qmodel, qweights, allocation, quant, extra | _assembled_fields(offset, res)
+
+
+def _assembled_fields(offset, res) -> dict:
+    """The record fields of a BayesQ row's output offset and distillation (when they ran)."""
+    extra = {}
+    if offset is not None:
+        extra |= {"output_offset_layer": offset.layer or "", "output_offset_skipped": offset.skipped,
+                  "output_offset_kl": [offset.kl_before, offset.kl_after], "output_offset_inputs": offset.inputs}
+    if res is not None:
+        extra |= {"distill_seconds": res.seconds, "distill_sample_scale": res.sample_scale,
+                  "distill_teacher_agreement": res.teacher_agreement,
+                  "distill_loss_first": res.loss_first, "distill_loss_last": res.loss_last,
+                  "distill_accepted": res.accepted, "distill_kl_before": res.kl_before,
+                  "distill_kl_after": res.kl_after}
+    return extra
+
+
+def _export_and_evaluate(row: Row, entry, splits, qmodel, qweights, allocation, quant, seconds: float, extra: dict,
+                         lineage: dict | None) -> dict:
+    """Write a row's export (its lineage in the header), load it back, evaluate the loaded model and
+    return the row's record."""
+    name, method, budget, seed, raw = row.source.name, row.method, row.budget, row.seed, row.source.raw
+    used = (None if Method(method) in DATA_FREE_METHODS or row.calibration is None
+            else calibration_indices(entry, splits, row.calibration, seed))
+    meta = row_metadata(name, method, budget, seed, row.code, lineage or {},
+                        input_lineage(row.source.model_file, raw, row.source.raw_digest, row.posterior_file, used),
                         **({"exclude": ",".join(row.exclude)} if row.exclude else {}))
-    path = Path(export_dir) / f"{name}_{method}_b{budget}_s{seed}.safetensors"
+    path = Path(row.export_dir) / f"{name}_{method}_b{budget}_s{seed}.safetensors"
     export = save_export(path, qmodel, qweights, quant, allocation.total_bits, architecture=name, metadata=meta)
     loaded = load_export(path, memory_format=entry.memory_format)  # as load_model loads the FP model
-    extra["export"] = {**export.as_dict(), "max_logit_diff": _logit_diff(entry, qmodel, loaded, splits, data)}
-    examples = Path(examples_dir) if examples_dir else Path(export_dir).parent / "examples"
+    extra["export"] = {**export.as_dict(), "max_logit_diff": _logit_diff(entry, qmodel, loaded, splits, row.data)}
+    examples = Path(row.examples_dir) if row.examples_dir else Path(row.export_dir).parent / "examples"
     start = time.perf_counter()
-    ev = evaluate_model(entry, loaded, splits, data, Path(raw), robustness or RobustnessConfig(), ood, seed,
-                        examples=examples / path.name, fp_file=fp_logits and Path(fp_logits))
+    ev = evaluate_model(entry, loaded, splits, row.data, Path(raw), row.robustness or RobustnessConfig(), row.ood,
+                        seed, examples=examples / path.name, fp_file=row.fp_logits and Path(row.fp_logits))
     eval_seconds = time.perf_counter() - start
     say(f"[quantize] {name} {method} b{budget} s{seed}: quantised in {seconds:.1f} s, evaluated in "
         f"{eval_seconds:.1f} s")
-    layer_bits = {}
-    for layer, bits in allocation.unit_bits.items():
-        layer_bits[layer] = sum(bits) / len(bits)
+    layer_bits = {layer: sum(bits) / len(bits) for layer, bits in allocation.unit_bits.items()}
     return {
         "model": name, "method": method, "budget": budget, "seed": seed,
         "accuracy": ev["calibration"]["accuracy"], **ev,
         "avg_bits": allocation.average_bits, "avg_bits_all": extra["export"]["all_avg_bits"],
         "total_bits": allocation.total_bits,
         "budget_bits": allocation.budget_bits, "n_weights": allocation.n_weights,
-        "quantize_seconds": seconds, "eval_seconds": eval_seconds, "layer_bits": layer_bits, "stats_read": stats_read,
-        "reference_read": reference_read, **({"exclude": list(row.exclude)} if row.exclude else {}), **extra,
+        "quantize_seconds": seconds, "eval_seconds": eval_seconds, "layer_bits": layer_bits,
+        **({"exclude": list(row.exclude)} if row.exclude else {}), **extra,
     }
 
 
@@ -378,28 +395,14 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
     with mlflow_parent("bayesq", "quantize", params.profile, {}, params_path) as parent:
         write_run_file(Path(out), parent)
         for name in params.models:
-            entry = get_entry(name)
-            model_file = Path(models) / name / "model.safetensors"
-            mdig, src = digest(model_file), raw_path(entry, raw)
-            sdig = digest(src)
-            source = Source(name, str(model_file), mdig, str(src), sdig)
-            exclude = params.excluded(name)
-            if exclude:  # each pattern must match a layer: checked before any task runs
-                checked_exclude(name, load_model(entry, model_file), exclude)
-            rob = params.robustness
-            fp_args = (name, str(model_file), mdig, str(src), sdig, params.data, rob, params.seeds[0], prep_code())
-            # also writes the FP test logits the rows compare with
-            fp = clock(f"FP evaluation {name}", fp_eval_task, *fp_args, out=str(out))
-            if not Path(fp["logits_file"]).exists():  # cache hit but file gone
-                fp = clock(f"FP evaluation {name} (file gone)", fp_eval_task.with_options(refresh_cache=True),
-                           *fp_args, out=str(out))
+            source, exclude, fp = _model_source(params, name, models, raw, out, clock)
             records.append(fp)
-            say(f"[quantize] {name} FP: acc {fp['accuracy']:.4f}, ECE {fp['calibration']['ece']:.4f}")
             for seed in params.seeds:
-                post, tab, prep, hawq, stats = prepare(params, name, model_file, mdig, src, sdig, seed, out, clock)
-                ref = clock(f"FP on the selection draw {name} s{seed}", reference_task, name, str(model_file), mdig,
-                            str(src), sdig, params.data, params.calibration, seed, str(Path(out) / "reference"),
-                            prep_code())
+                post, tab, prep, hawq, stats = prepare(params, name, Path(source.model_file), source.model_digest,
+                                                       Path(source.raw), source.raw_digest, seed, out, clock)
+                ref = clock(f"FP on the selection draw {name} s{seed}", reference_task, name, source.model_file,
+                            source.model_digest, source.raw, source.raw_digest, params.data, params.calibration, seed,
+                            str(Path(out) / "reference"), prep_code())
                 posteriors += [posterior_record(name, seed, m.value, p[0])
                                for m, p in prep.items() if m not in SHARED_PREP]
                 say(f"[quantize] {name} seed {seed}: posterior {post['seconds']:.1f}s, table {tab['seconds']:.1f}s")
@@ -408,15 +411,14 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                 shared_encoding = {}  # budget -> the bayesq row's saved encoding
                 for budget in params.budgets:
                     for method in params.methods:
-                        # baselines read no BayesQ posterior or table (and are not keyed on them)
                         p_post, p_tab, p_key, p_quant = prep.get(method, (None, None, "", params.quant))
                         given = ((kept.get(budget) or bayesq_unit_bits(prep, params, budget, seed))
                                  if method in GRID_METHODS and params.baselines.select else None)
                         row = Row(source, method.value, budget, seed, codes[method], params.data, p_quant,
                                   params.allocation, str(Path(out) / "exports"), calibration=params.calibration,
-                                  baselines=params.baselines, distill=params.distill, robustness=rob,
-                                  ood=method in rob.methods and budget in rob.budgets, table_key=p_key,
-                                  posterior_file=p_post and p_post["path"],
+                                  baselines=params.baselines, distill=params.distill, robustness=params.robustness,
+                                  ood=method in params.robustness.methods and budget in params.robustness.budgets,
+                                  table_key=p_key, posterior_file=p_post and p_post["path"],
                                   traces=hawq["traces"] if method == Method.HAWQ else None, allocation=given,
                                   stats_file=stats["path"], stats_sha256=stats["sha256"],
                                   reference_file=ref.get("path"), reference_sha256=ref.get("sha256", ""),
@@ -431,42 +433,10 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                             kept[budget] = unit_bits
                             if r.get("encoding_file") and Path(r["encoding_file"]).exists():  # distillation's start
                                 shared_encoding[budget] = {k: r[k] for k in ("encoding_file", "encoding_sha256")}
-                        shared = shared_cost(r, stats, ref)
-                        own = r["quantize_seconds"] + r.get("encoding_seconds", 0.0)  # + the bayesq row's encoding
-                        r = {**r, **shared, "preprocess_seconds": own + sum(shared.values())}
-                        corruption = mean_corruption_error(r["ood"], fp["ood"])
-                        if corruption:
-                            r = {**r, "corruption": corruption}
-                        if method in prep:
-                            r = {**r, "posterior_seconds": p_post["seconds"], "table_seconds": p_tab["seconds"],
-                                 "preprocess_seconds": p_post["seconds"] + p_tab["seconds"] + r["preprocess_seconds"]}
-                        elif method == Method.HAWQ:
-                            r = {**r, "traces_seconds": hawq["seconds"],
-                                 "preprocess_seconds": hawq["seconds"] + r["preprocess_seconds"]}
+                        r = _with_costs(r, method, prep, hawq, stats, ref, fp)
                         say(f"[quantize] {name} {method.value:12s} budget {budget}: "
                             f"acc {r['accuracy']:.4f} at {r['avg_bits']:.4f} bits")
-                        metrics = {k: r[k] for k in ("accuracy", "avg_bits", "total_bits", "quantize_seconds",
-                                                     "eval_seconds",
-                                                     "posterior_seconds", "table_seconds", "traces_seconds",
-                                                     "stats_seconds", "reference_seconds",
-                                                     "preprocess_seconds", "distill_seconds",
-                                                     "distill_sample_scale", "distill_kl_before", "distill_kl_after",
-                                                     "kl_mean", "kl_se", "agreement") if k in r}
-                        if "distill_accepted" in r:
-                            metrics["distill_accepted"] = float(r["distill_accepted"])
-                        metrics.update(tracked_metrics(r))
-                        metrics.update({f"export_{k}": r["export"][k] for k in
-                                        ("file_bytes", "payload_avg_bits", "fp_bytes", "max_logit_diff")})
-                        chosen = {k: r[k] for k in ("variant", "encoding") if k in r}  # what a selection kept
-                        mlflow_child(parent.info.run_id, child_run_name(name, method.value, budget, seed),
-                                     {"model": name, "method": method.value, "seed": seed, "budget": budget,
-                                      **chosen, **row_params(params, method, *method_settings(params, method)),
-                                      **({"exclude": ",".join(exclude)} if exclude else {})},
-                                     metrics, {"profile": params.profile, "code_version": code,
-                                               **artifact_tags(r["export"], model_digest=mdig,
-                                                               posterior_sha256=(p_post or {}).get("sha256", ""))},
-                                     seconds=r["preprocess_seconds"] + r.get("eval_seconds", 0.0),
-                                     artifacts=lambda c, rid, r=r: log_row_artifacts(c, rid, r))
+                        _track_row(parent, params, row, r, code, p_post)
                         records.append(r)
     write_json(Path(out) / "results.json", records)
     write_json(Path(out) / "posteriors.json", posteriors)
@@ -485,3 +455,70 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _model_source(params, name: str, models: Path, raw: Path, out: Path, clock: TaskClock) -> tuple:
+    """(:class:`Source`, the modules it keeps in floating point, its FP evaluation record) of one
+    embedded model; each ``exclude`` pattern is checked against its layers before any task runs."""
+    entry = get_entry(name)
+    model_file = Path(models) / name / "model.safetensors"
+    mdig, src = digest(model_file), raw_path(entry, raw)
+    sdig = digest(src)
+    source = Source(name, str(model_file), mdig, str(src), sdig)
+    exclude = params.excluded(name)
+    if exclude:  # each pattern must match a layer: checked before any task runs
+        checked_exclude(name, load_model(entry, model_file), exclude)
+    fp_args = (name, str(model_file), mdig, str(src), sdig, params.data, params.robustness, params.seeds[0],
+               prep_code())
+    # also writes the FP test logits the rows compare with
+    fp = clock(f"FP evaluation {name}", fp_eval_task, *fp_args, out=str(out))
+    if not Path(fp["logits_file"]).exists():  # cache hit but file gone
+        fp = clock(f"FP evaluation {name} (file gone)", fp_eval_task.with_options(refresh_cache=True),
+                   *fp_args, out=str(out))
+    say(f"[quantize] {name} FP: acc {fp['accuracy']:.4f}, ECE {fp['calibration']['ece']:.4f}")
+    return source, exclude, fp
+
+
+def _with_costs(r: dict, method: Method, prep: dict, hawq: dict, stats: dict, ref: dict, fp: dict) -> dict:
+    """A row's record with its share of the cached preparation's seconds (``preprocess_seconds``:
+    its own quantisation, the bayesq row's encoding it started from, the statistics, reference,
+    posterior, table or traces it read) and its mean corruption error."""
+    shared = shared_cost(r, stats, ref)
+    own = r["quantize_seconds"] + r.get("encoding_seconds", 0.0)  # + the bayesq row's encoding
+    r = {**r, **shared, "preprocess_seconds": own + sum(shared.values())}
+    corruption = mean_corruption_error(r["ood"], fp["ood"])
+    if corruption:
+        r = {**r, "corruption": corruption}
+    if method in prep:
+        p_post, p_tab = prep[method][0], prep[method][1]
+        r = {**r, "posterior_seconds": p_post["seconds"], "table_seconds": p_tab["seconds"],
+             "preprocess_seconds": p_post["seconds"] + p_tab["seconds"] + r["preprocess_seconds"]}
+    elif method == Method.HAWQ:
+        r = {**r, "traces_seconds": hawq["seconds"], "preprocess_seconds": hawq["seconds"] + r["preprocess_seconds"]}
+    return r
+
+
+def _track_row(parent, params, row: Row, r: dict, code: str, p_post: dict | None) -> None:
+    """Log one row to MLflow: a child run of the stage's with its params, metrics, tags and files."""
+    name, method, budget, seed = row.source.name, Method(row.method), row.budget, row.seed
+    metrics = {k: r[k] for k in ("accuracy", "avg_bits", "total_bits", "quantize_seconds", "eval_seconds",
+                                 "posterior_seconds", "table_seconds", "traces_seconds",
+                                 "stats_seconds", "reference_seconds",
+                                 "preprocess_seconds", "distill_seconds",
+                                 "distill_sample_scale", "distill_kl_before", "distill_kl_after",
+                                 "kl_mean", "kl_se", "agreement") if k in r}
+    if "distill_accepted" in r:
+        metrics["distill_accepted"] = float(r["distill_accepted"])
+    metrics.update(tracked_metrics(r))
+    metrics.update({f"export_{k}": r["export"][k] for k in
+                    ("file_bytes", "payload_avg_bits", "fp_bytes", "max_logit_diff")})
+    chosen = {k: r[k] for k in ("variant", "encoding") if k in r}  # what a selection kept
+    mlflow_child(parent.info.run_id, child_run_name(name, method.value, budget, seed),
+                 {"model": name, "method": method.value, "seed": seed, "budget": budget,
+                  **chosen, **row_params(params, method, *method_settings(params, method)),
+                  **({"exclude": ",".join(row.exclude)} if row.exclude else {})},
+                 metrics, {"profile": params.profile, "code_version": code,
+                           **artifact_tags(r["export"], model_digest=row.source.model_digest,
+                                           posterior_sha256=(p_post or {}).get("sha256", ""))},
+                 seconds=r["preprocess_seconds"] + r.get("eval_seconds", 0.0),
+                 artifacts=lambda c, rid, r=r: log_row_artifacts(c, rid, r))

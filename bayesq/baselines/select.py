@@ -310,8 +310,7 @@ def select_best(
         calibration_fp: the full-precision model's logits on ``calibration``, one (B, C) tensor
             per batch, when the caller has them (:class:`bayesq.methods.Inputs`): the offset's
             fit reads them instead of a forward pass.
-        progress: a bar over the candidates (the one being built and scored as its postfix) and
-            one over the batches of each scoring pass, of the reference pass and of the offset's fit.
+        progress: a bar over the candidates (the one under way as its postfix) and over each pass's batches.
 
     Raises:
         ValueError: no candidates, or no calibration batch.
@@ -335,16 +334,11 @@ def select_best(
             if label != name:  # in place: the kept form holds no model (rebuilt at the end)
                 res = corrected(res, model, correction, in_place=True)
             bits[label] = res.average_bits
-            logits = []  # (B, C) float32 per batch: the output offset's fit reads the kept one's
             desc = f"selection KL ({label})" if progress else None
-            losses = kl_per_input(reference[:first], res.model, batches[:first], desc, logits=logits)
-            if first < len(batches) and best_losses is not None and _resolved_worse(losses, best_losses[:len(losses)]):
-                kl[label], inputs[label] = float(losses.mean()), len(losses)
-                continue
-            if first < len(batches):
-                rest = kl_per_input(reference[first:], res.model, batches[first:], desc, logits=logits)
-                losses = torch.cat([losses, rest])
+            losses, logits, dropped = _scored(res.model, reference, batches, first, best_losses, desc)
             kl[label], inputs[label] = float(losses.mean()), len(losses)
+            if dropped:
+                continue
             score = math.inf if math.isnan(kl[label]) else kl[label]
             if best is None or score < best_kl:  # its weights and correction; one model copy alive at a time
                 best, best_kl, best_losses = (label, replace(res, model=None)), score, losses
@@ -357,6 +351,21 @@ def select_best(
         offset = fit_output_offset(model, qmodel, calibration, progress, calibration_fp=calibration_fp, **held)
         offset.apply(qmodel)
     return BaselineChoice(replace(kept, model=qmodel, output_offset=offset), label, kl, bits, inputs)
+
+
+def _scored(qmodel: nn.Module, reference: Sequence[torch.Tensor], batches: list[Batch], first: int,
+            best_losses: torch.Tensor | None, desc: str | None) -> tuple[torch.Tensor, list, bool]:
+    """One candidate's per-input KL in :func:`select_best`'s two looks: (its KL on the inputs it was
+    scored on, its (B, C) float32 logits per batch scored, whether it was dropped after the first
+    look as resolved worse than ``best_losses``)."""
+    logits = []  # the output offset's fit reads the kept one's
+    losses = kl_per_input(reference[:first], qmodel, batches[:first], desc, logits=logits)
+    if first < len(batches) and best_losses is not None and _resolved_worse(losses, best_losses[:len(losses)]):
+        return losses, logits, True
+    if first < len(batches):
+        rest = kl_per_input(reference[first:], qmodel, batches[first:], desc, logits=logits)
+        losses = torch.cat([losses, rest])
+    return losses, logits, False
 
 
 def select_variants(

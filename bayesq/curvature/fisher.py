@@ -47,7 +47,6 @@ from bayesq.forward import (
 )
 from bayesq.memory import release_freed
 
-
 LABEL_CHUNK = 1 << 22  # float64 probabilities formed at once when labels are sampled (32 MiB)
 
 
@@ -63,7 +62,10 @@ def _squared_grad_sum(
     share: float = 1.0,
     logits: list[torch.Tensor | None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
-    """``sum_n mean_s g_n(y_s)^2`` per layer, with per-example gradients from hooks.
+    """``sum_n mean_s g_n(y_s)^2`` per layer, with per-example gradients from hooks: the one
+    calibration pass, which owns the loop (parts, the backward share, progress) and hands each part
+    to its observers: the Fisher squares (:class:`_Squares`), the layer inputs
+    (:class:`_RowsObserver`, with ``on_rows``) and the logits (``logits``).
 
     ``labels_for(rows, mask, likelihood)`` gets a batch's (R, C) logits (detached) of
     :func:`bayesq.forward.prediction_rows` (R = B for (B, C) logits, the real tokens of
@@ -73,98 +75,130 @@ def _squared_grad_sum(
     weighted 1/S.  ``on_rows(name, rows)``: called once per batch and layer with the layer's
     inputs as :func:`bayesq.curvature.patches.input_rows` (N, groups, T, d_in), padded tokens'
     rows dropped (:func:`bayesq.forward.token_rows`) where the logits have a token axis, as
-    :func:`bayesq.posterior.forward_inputs` calls it (Linear layers reading one tensor get one
-    rows object), so the same pass also gives the layer-input statistics.
+    :func:`bayesq.posterior.forward_inputs` calls it (Linear layers reading one tensor get one rows object).
 
     ``max_inputs``: each batch runs in parts of at most this many inputs
     (:func:`bayesq.forward.split_batches`: the activations of a part, not of a batch); each
     part's squared gradients (summed over its inputs in their dtype) go into the sum (in
     :func:`bayesq.curvature.patches.sum_dtype` of the weight's dtype),
-    and a layer with fewer input rows in a part than input features hands ``on_rows`` the batch's rows
-    joined once (the same rows as without parts: no d_in x d_in product per part), the others
-    their part's rows.
+    and a layer with fewer input rows in a part than input features hands ``on_rows`` the batch's
+    rows joined once (the same rows as without parts), the others their part's rows.
     ``share``: the backward pass runs on :func:`spread_batches` ``(len(batches), share)`` only, and
     the sum over their n' inputs is scaled by n / n' (an unbiased estimate of the sum over all n
     inputs when the batches are exchangeable; by length-sorted batches a sample stratified by
     length); the other batches run forward only, for ``on_rows``.
     ``logits``: a list that receives the model's logits of every forward call, in the pass's order
-    (:func:`bayesq.forward.collect_logits`; :func:`bayesq.forward.pass_logits` puts them back in
-    the order of the batches as given), so that a caller reading the FP model's outputs on these
-    inputs need not run it again.
+    (:func:`bayesq.forward.collect_logits`; :func:`bayesq.forward.pass_logits` orders them as given).
     Returns (name -> tensor shaped like the weight, in ``sum_dtype``, inputs seen).
     """
     if on_rows is not None:
         desc += " + layer-input statistics"
-    acts: dict[str, torch.Tensor] = {}
-    shapes: dict[str, torch.Size] = {}
-    total = {name: torch.zeros(m.weight.shape, dtype=sum_dtype(m.weight.dtype), device=m.weight.device)
-             for name, m in layers.items()}
-    taps = Taps()
-    step = {"passes": 1, "last": True}  # the backward pass under way: how many this part runs, the last?
-
-    def squares(name: str, mod: nn.Module, a: torch.Tensor):
-        """The hook on a layer's output: its squared per-example gradients into the sum as the
-        backward pass reaches it; its input released after the last pass (so a layer's input and
-        output gradient are held from when the pass reaches it until its squares are summed,
-        not until the pass ends)."""
-        def hook(g: torch.Tensor) -> None:
-            if acts.get(name) is not a:  # an earlier call of a module called again: its last call counts
-                return
-            # square and sum the part in the model's dtype, accumulate in sum_dtype (at least float32)
-            if step["passes"] > 1:
-                total[name] += squared_grad_sum(mod, a, g).to(total[name].dtype) / step["passes"]
-            else:  # in place: no copy of the sum (one input's square added straight into it)
-                squared_grad_sum(mod, a, g, out=total[name])
-            if step["last"]:
-                del acts[name]
-        return hook
-
-    def record(name: str, mod: nn.Module, a: torch.Tensor, output: torch.Tensor) -> None:
-        acts[name] = a = a.detach()
-        shapes[name] = output.shape
-        if output.requires_grad:  # a tapped output (a batch the backward pass reads)
-            output.register_hook(squares(name, mod, a))
-
+    squares = _Squares(layers, labels_for)
+    rows = _RowsObserver(on_rows, layers) if on_rows is not None else None
     batches = list(batches)
     n_all = sum(batch_size(b) for b in batches)
     backward = spread_batches(len(batches), share)
-    if on_rows is None:  # nothing to read from the other batches
+    if rows is None:  # nothing to read from the other batches
         batches = [batches[i] for i in sorted(backward)]
         backward = set(range(len(batches)))
     n_grad = 0
-    with layer_calls(model, layers, record, taps=taps):
+    with layer_calls(model, layers, squares.record, taps=squares.taps):
         for i, batch in enumerate(tqdm(batches, desc=desc, disable=not progress, leave=False)):
             parts = split_batches([batch], max_inputs)
-            held: dict[str, list[tuple[torch.Tensor, int]]] = {}  # rows handed on once per batch
             for part in parts:
-                # also under torch.no_grad(); forward only (rows for on_rows) outside the share
+                # also under torch.no_grad(); forward only (rows for the observer) outside the share
                 with torch.set_grad_enabled(i in backward):
                     z, mask, likelihood = predicted(model, part)
                     collect_logits(logits, z)
                     out = prediction_rows(z, mask)  # (R, C)
-                    if on_rows is not None:  # before the backward pass releases the inputs
-                        _rows_to(on_rows, layers, acts, shapes, padding_mask(part) if mask is not None else None,
-                                 held if len(parts) > 1 else None)
-                    passes = labels_for(out.detach(), mask, likelihood) if i in backward else []
-                    for s, y in enumerate(passes if out.requires_grad else []):  # else no layer reaches the loss
-                        step.update(passes=len(passes), last=s == len(passes) - 1)
-                        # gradients of the tapped layer outputs only: no weight gradient is formed
-                        torch.autograd.backward(_loss(out, y), inputs=taps.leaves(), retain_graph=not step["last"])
+                    if rows is not None:  # before the backward pass releases the inputs
+                        rows.part(squares.acts, squares.shapes, padding_mask(part) if mask is not None else None,
+                                  len(parts) > 1)
+                    if i in backward:
+                        squares.backward(out, mask, likelihood)
                 n_grad += batch_size(part) if i in backward else 0
                 del z, out
-                acts.clear()
-                shapes.clear()
-                taps.clear()
-            _hand_on(held, on_rows)
+                squares.clear()
+            if rows is not None:
+                rows.batch_done()
             release_freed()
     if n_all == 0:
         raise ValueError(
             "empty calibration set: the posterior needs at least one unlabelled input batch"
         )
     if n_grad < n_all:
-        for t in total.values():
+        for t in squares.total.values():
             t.mul_(n_all / n_grad)
-    return total, n_all
+    return squares.total, n_all
+
+
+class _Squares:
+    """The Fisher observer of :func:`_squared_grad_sum`'s pass: each layer's squared per-example
+    gradients summed (in :func:`bayesq.curvature.patches.sum_dtype`) as the backward pass reaches
+    the layer's output (a hook on it, tapped by :class:`bayesq.forward.Taps`); its input is
+    released then, so a layer's input and output gradient are held from when the pass reaches it
+    until its squares are summed, not until the pass ends."""
+
+    def __init__(self, layers: dict[str, nn.Module], labels_for) -> None:
+        self.total = {name: torch.zeros(m.weight.shape, dtype=sum_dtype(m.weight.dtype), device=m.weight.device)
+                      for name, m in layers.items()}
+        self.labels_for = labels_for
+        self.taps = Taps()
+        self.acts: dict[str, torch.Tensor] = {}  # each layer's input in this part (the rows observer reads them)
+        self.shapes: dict[str, torch.Size] = {}
+        self.passes, self.last = 1, True  # the backward pass under way: how many this part runs, the last?
+
+    def record(self, name: str, mod: nn.Module, a: torch.Tensor, output: torch.Tensor) -> None:
+        """:func:`bayesq.forward.layer_calls`' ``on_call``: keep the input; hook a tapped output."""
+        self.acts[name] = a = a.detach()
+        self.shapes[name] = output.shape
+        if output.requires_grad:  # a tapped output (a batch the backward pass reads)
+            output.register_hook(self._hook(name, mod, a))
+
+    def _hook(self, name: str, mod: nn.Module, a: torch.Tensor):
+        def hook(g: torch.Tensor) -> None:
+            if self.acts.get(name) is not a:  # an earlier call of a module called again: its last call counts
+                return
+            # square and sum the part in the model's dtype, accumulate in sum_dtype (at least float32)
+            if self.passes > 1:
+                self.total[name] += squared_grad_sum(mod, a, g).to(self.total[name].dtype) / self.passes
+            else:  # in place: no copy of the sum (one input's square added straight into it)
+                squared_grad_sum(mod, a, g, out=self.total[name])
+            if self.last:
+                del self.acts[name]
+        return hook
+
+    def backward(self, out: torch.Tensor, mask: torch.Tensor | None, likelihood: Likelihood) -> None:
+        """The part's backward passes, one per target ``labels_for`` draws (each weighted 1/S)."""
+        passes = self.labels_for(out.detach(), mask, likelihood)
+        for s, y in enumerate(passes if out.requires_grad else []):  # else no layer reaches the loss
+            self.passes, self.last = len(passes), s == len(passes) - 1
+            # gradients of the tapped layer outputs only: no weight gradient is formed
+            torch.autograd.backward(_loss(out, y), inputs=self.taps.leaves(), retain_graph=not self.last)
+
+    def clear(self) -> None:
+        """Forget the part's inputs, output shapes and taps (their graphs)."""
+        self.acts.clear()
+        self.shapes.clear()
+        self.taps.clear()
+
+
+class _RowsObserver:
+    """The layer-input observer of :func:`_squared_grad_sum`'s pass: ``on_rows(name, rows)`` per
+    batch and layer with the layer's input rows (:func:`_rows_to`); in a batch run in parts, a
+    layer with fewer rows in a part than input features gets the batch's rows joined once
+    (:func:`_hand_on`)."""
+
+    def __init__(self, on_rows: Callable[[str, torch.Tensor], None], layers: dict[str, nn.Module]) -> None:
+        self.on_rows, self.layers = on_rows, layers
+        self.held: dict[str, list[tuple[torch.Tensor, int]]] = {}  # rows handed on once per batch
+
+    def part(self, acts: dict[str, torch.Tensor], shapes: dict[str, torch.Size], rows_mask: torch.Tensor | None,
+             in_parts: bool) -> None:
+        _rows_to(self.on_rows, self.layers, acts, shapes, rows_mask, self.held if in_parts else None)
+
+    def batch_done(self) -> None:
+        _hand_on(self.held, self.on_rows)
 
 
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,8 @@ from tqdm.auto import tqdm
 
 from bayesq.curvature.patches import input_rows, output_rows
 from bayesq.forward import (
-    GAUSSIAN_UNSUPPORTED, Batch, Likelihood, batch_size, layer_calls, padding_mask, predicted, prediction_rows, token_rows,
+    GAUSSIAN_UNSUPPORTED, Batch, Likelihood, batch_size, layer_calls, padding_mask, predicted, prediction_rows,
+    token_rows,
 )
 
 LOSSES = ("ce", "ce_exact", "mse")
@@ -215,7 +216,6 @@ def kfac_factors(
     gen = torch.Generator().manual_seed(seed)
     inputs: dict[str, tuple[torch.Tensor, torch.Size]] = {}
     outputs: dict[str, torch.Tensor] = {}
-    grads: dict[str, torch.Tensor] = {}
     accs = {name: _Accumulator(decay) for name in layers}
 
     def record(name: str, mod: nn.Module, a: torch.Tensor, output: torch.Tensor) -> None:
@@ -231,43 +231,51 @@ def kfac_factors(
     n_seen = 0
     with layer_calls(model, layers, record, weights_require_grad=True):
         for batch in tqdm(batches, desc="kfac", disable=not progress, leave=False):
-            z, mask, likelihood = predicted(model, batch)
-            if likelihood is Likelihood.GAUSSIAN:
-                raise ValueError(GAUSSIAN_UNSUPPORTED.format(what="K-FAC"))
-            out = prediction_rows(z, mask)  # (R, C)
-            rows_mask = padding_mask(batch) if mask is not None else None  # padded tokens' layer rows
-            n_b = batch_size(batch)
-            acts = {}
-            for name, (a, shape) in inputs.items():
-                rows = input_rows(layers[name], a, shape)
-                acts[name] = _batch_A(token_rows(rows, a, rows_mask), rows.shape[0])
-            dirs = list(_grad_directions(out, loss, label_samples, gen))
-            names = list(outputs)
-            for k, (v, w) in enumerate(dirs):
-                # gradients of the layer outputs only: no weight gradient is formed
-                gs = torch.autograd.grad(out, [outputs[n] for n in names], grad_outputs=v,
-                                         retain_graph=k < len(dirs) - 1, allow_unused=True) if names else ()
-                for name, g in zip(names, gs):
-                    if g is not None:
-                        g_mask = rows_mask if rows_mask is not None and tuple(g.shape[:2]) == tuple(rows_mask.shape) \
-                            and g.dim() == 3 else None
-                        grads[name] = grads.get(name, 0.0) + w * _batch_G(_output_rows(layers[name], g), g_mask)
-            for name, A_b in acts.items():
-                G_b = grads.get(name)
-                if G_b is None:  # output does not reach the loss
-                    G_b = torch.zeros(layers[name].weight.shape[0], layers[name].weight.shape[0],
-                                      dtype=torch.float64, device=A_b.device)
-                accs[name].update(A_b, G_b, n_b)
-            n_seen += n_b
+            _batch_update(model, batch, layers, inputs, outputs, accs, loss, label_samples, gen)
+            n_seen += batch_size(batch)
             inputs.clear()
             outputs.clear()
-            grads.clear()
     if n_seen == 0:
         raise ValueError("empty calibration set: K-FAC needs at least one unlabelled input batch")
     return {
         name: KFACFactors(acc.A, acc.G, n_seen) if acc.A is not None else _zeros_factors(layers[name], n_seen)
         for name, acc in accs.items()
     }
+
+
+def _batch_update(model: nn.Module, batch: Batch, layers: dict[str, nn.Module],
+                  inputs: dict[str, tuple[torch.Tensor, torch.Size]], outputs: dict[str, torch.Tensor],
+                  accs: dict[str, _Accumulator], loss: str, label_samples: int, gen: torch.Generator) -> None:
+    """One batch of :func:`kfac_factors`: its forward pass (``inputs`` / ``outputs`` filled by the
+    layer hooks), each layer's ``A_b`` and ``G_b`` (one backward pass per gradient direction of
+    ``loss``), folded into ``accs``."""
+    z, mask, likelihood = predicted(model, batch)
+    if likelihood is Likelihood.GAUSSIAN:
+        raise ValueError(GAUSSIAN_UNSUPPORTED.format(what="K-FAC"))
+    out = prediction_rows(z, mask)  # (R, C)
+    rows_mask = padding_mask(batch) if mask is not None else None  # padded tokens' layer rows
+    acts = {}
+    for name, (a, shape) in inputs.items():
+        rows = input_rows(layers[name], a, shape)
+        acts[name] = _batch_A(token_rows(rows, a, rows_mask), rows.shape[0])
+    dirs = list(_grad_directions(out, loss, label_samples, gen))
+    names = list(outputs)
+    grads: dict[str, torch.Tensor] = {}
+    for k, (v, w) in enumerate(dirs):
+        # gradients of the layer outputs only: no weight gradient is formed
+        gs = torch.autograd.grad(out, [outputs[n] for n in names], grad_outputs=v,
+                                 retain_graph=k < len(dirs) - 1, allow_unused=True) if names else ()
+        for name, g in zip(names, gs):
+            if g is not None:
+                g_mask = rows_mask if rows_mask is not None and tuple(g.shape[:2]) == tuple(rows_mask.shape) \
+                    and g.dim() == 3 else None
+                grads[name] = grads.get(name, 0.0) + w * _batch_G(_output_rows(layers[name], g), g_mask)
+    for name, A_b in acts.items():
+        G_b = grads.get(name)
+        if G_b is None:  # output does not reach the loss
+            G_b = torch.zeros(layers[name].weight.shape[0], layers[name].weight.shape[0],
+                              dtype=torch.float64, device=A_b.device)
+        accs[name].update(A_b, G_b, batch_size(batch))
 
 
 def damped(f: KFACFactors, damping: float, pi: bool = True) -> KFACFactors:
