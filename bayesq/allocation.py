@@ -19,9 +19,9 @@ Derivations: docs/method.md.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from dataclasses import dataclass
-import heapq
 from typing import Sequence, Union
 
 import numpy as np

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from bayesq.allocation import (
-    Table, _as_table, _hulls, _penalty, _prepare, _Problem, _segments, greedy_allocate, hw_greedy_allocate
+    Table, _as_table, _hulls, _penalty, _prepare, _Problem, _segments, greedy_allocate, hw_greedy_allocate,
 )
 
 

@@ -9,8 +9,8 @@ the :class:`bayesq.result.Allocation`. Every method that allocates bits from a t
 from __future__ import annotations
 
 import fnmatch
-from typing import Mapping
 import warnings
+from typing import Mapping
 
 import numpy as np
 

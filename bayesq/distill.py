@@ -57,8 +57,10 @@ from tqdm.auto import tqdm
 
 from bayesq.config import DistillConfig
 from bayesq.evaluation import token_kl
-from bayesq.forward import (Batch, Likelihood, batch_size, eval_mode, first_inputs, logits, output_logits, per_input,
-                            predicted, prediction_rows, predictions, token_mask)
+from bayesq.forward import (
+    Batch, Likelihood, batch_size, eval_mode, first_inputs, logits, output_logits, per_input, predicted,
+    prediction_rows, predictions, token_mask,
+)
 from bayesq.posterior import Posterior
 from bayesq.result import QuantizedWeight, quantized_copy
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-from torch import Tensor, nn
+from torch import nn
 
+from bayesq.context import KnownOutputs
 from bayesq.forward import Batch
 from bayesq.result import QuantizationResult
 
@@ -40,12 +41,11 @@ class Inputs:
             (GPTQ's / AWQ's variants, BayesQ's grids); None scores on ``calibration``.
         stats: layer name -> :class:`bayesq.baselines.activations.InputStats` of
             ``calibration`` (GPTQ, AWQ).
-        reference: the FP model's log-probabilities on the scored batches
-            (:func:`bayesq.evaluation.reference_log_probs`), one tensor per batch (per-token
-            logits: an :class:`bayesq.evaluation.FPReference`, recomputed where read).
-        calibration_fp: the FP model's logits on ``calibration``, one (B, C) tensor per batch
-            (:func:`bayesq.evaluation.predict` per batch): the output offset's fit reads them
-            instead of a forward pass (BayesQ and the baselines offered the bias correction).
+        known: the FP model's outputs the caller has (:class:`bayesq.context.KnownOutputs`):
+            its log-probabilities on the scored batches (``selection``, else ``calibration``;
+            per-token logits: an :class:`bayesq.evaluation.FPReference`, recomputed where read)
+            and its logits on ``calibration`` (the output offset's fit reads them instead of a
+            forward pass: BayesQ and the baselines offered the bias correction).
         traces: layer name -> Hessian trace (HAWQ).
         allocation: layer name -> unit bit-widths that GPTQ also tries as a variant.
         exclude: layer names or glob patterns left in floating point.
@@ -54,8 +54,7 @@ class Inputs:
     calibration: Sequence[Batch] | None = None
     selection: Sequence[Batch] | None = None
     stats: Mapping[str, Any] | None = None
-    reference: Sequence[Tensor] | None = None
-    calibration_fp: Sequence[Tensor] | None = None
+    known: KnownOutputs | None = None
     traces: Mapping[str, float] | None = None
     allocation: Mapping[str, Sequence[int]] | None = None
     exclude: Sequence[str] = ()
@@ -77,8 +76,9 @@ class Outcome:
         result: the quantised model, its encoded layers and allocation.
         details: method-specific facts for reports (e.g. the variant a selection kept and
             every candidate's KL); JSON-friendly values.
-        read: the names of the :class:`Inputs` fields given by the caller that the method used
-            (e.g. ``{"stats", "reference"}``).
+        read: the names of the :class:`Inputs` fields given by the caller that the method used,
+            the known outputs by their :class:`bayesq.context.KnownOutputs` field (e.g.
+            ``{"stats", "log_probs"}``).
     """
 
     result: QuantizationResult
@@ -124,6 +124,8 @@ def quantize_with(model: nn.Module, config: Any, budget: float, inputs: Inputs =
 
 
 def read(inputs: Inputs, *names: str) -> frozenset[str]:
-    """The ``names`` of the fields of ``inputs`` that were given (not None): what a handler that
-    uses them reports in :attr:`Outcome.read`."""
-    return frozenset(n for n in names if getattr(inputs, n) is not None)
+    """The ``names`` of the fields of ``inputs`` (or of its ``known`` outputs: ``log_probs``,
+    ``logits``) that were given (not None): what a handler that uses them reports in
+    :attr:`Outcome.read`."""
+    known = inputs.known or KnownOutputs()
+    return frozenset(n for n in names if getattr(inputs, n, None) is not None or getattr(known, n, None) is not None)

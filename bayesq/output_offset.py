@@ -54,6 +54,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from bayesq.context import FPOutputs
 from bayesq.evaluation import predict
 from bayesq.forward import Batch, batch_size, hooked_call, output_logits
 
@@ -164,10 +165,8 @@ def output_layer(model: nn.Module, batch: Batch) -> tuple[str | None, str]:
 
 def fit_output_offset(model: nn.Module, qmodel: nn.Module, calibration: Iterable[Batch],
                       progress: bool = False, *, selection: Iterable[Batch] | None = None,
-                      selection_fp: Sequence[torch.Tensor] | None = None,
-                      selection_q: Sequence[torch.Tensor] | None = None,
-                      calibration_fp: Sequence[torch.Tensor] | None = None,
-                      calibration_q: Sequence[torch.Tensor] | None = None, shrink: float = SHRINK) -> OutputOffset:
+                      fp: FPOutputs | None = None, scored_q: Sequence[torch.Tensor] | None = None,
+                      shrink: float = SHRINK) -> OutputOffset:
     """The :class:`OutputOffset` of ``qmodel`` (the quantised copy of ``model``): ``shrink c*``,
     ``c*`` fitted (1) on the calibration inputs and the held-out ``selection`` inputs together:
     the output layer found on the first calibration batch, then both models' logits on every
@@ -175,21 +174,18 @@ def fit_output_offset(model: nn.Module, qmodel: nn.Module, calibration: Iterable
 
     Args:
         selection: inputs held out of ``calibration`` (None or empty: the calibration inputs alone).
-        selection_fp, selection_q: the full-precision and the quantised model's logits or
-            log-probabilities on ``selection``, one (B, C) tensor per batch in order, where the
-            caller already has them (the selection's scores): they are used instead of a forward
-            pass. (1) reads them through a softmax only, so log-probabilities serve as logits.
-        calibration_fp: the full-precision model's logits on ``calibration``, one (B, C) tensor
-            per batch in order (e.g. saved once for every model quantised from the same
-            calibration draw), used instead of its forward pass; float32 logits as
-            :func:`bayesq.evaluation.predict` gives give the same offset bit for bit.
-        calibration_q: ``qmodel``'s logits or log-probabilities on ``calibration``, likewise
-            (e.g. the selection's scores when it scored on the calibration inputs).
+        fp: the FP model's outputs where the run already has them (:class:`bayesq.context.FPOutputs`):
+            its log-probabilities on the scored inputs (read for ``selection``: (1) reads them
+            through a softmax only, so log-probabilities serve as logits) and its logits on
+            ``calibration`` (float32 logits as :func:`bayesq.evaluation.predict` gives give the
+            same offset bit for bit); what it does not hold is computed by a forward pass.
+        scored_q: ``qmodel``'s logits or log-probabilities on the scored inputs (``selection``
+            when there are some, else ``calibration``), one (B, C) tensor per batch in order,
+            where the caller has them (the selection's scores), instead of a forward pass.
 
     Raises:
-        ValueError: empty calibration set; ``selection_fp`` / ``selection_q`` of another number
-            of rows than ``selection`` has inputs, ``calibration_fp`` / ``calibration_q`` than
-            ``calibration``.
+        ValueError: empty calibration set; given outputs of another number of rows than their
+            inputs.
     """
     batches = list(calibration)
     if not batches:
@@ -199,19 +195,21 @@ def fit_output_offset(model: nn.Module, qmodel: nn.Module, calibration: Iterable
     if layer is None:
         return OutputOffset(None, None, why)
     held = list(selection or ())
-    fp = _given_or_predicted(calibration_fp, model, batches, "FP", progress, "calibration")
-    q = _given_or_predicted(calibration_q, qmodel, batches, "quantised", progress, "calibration")
+    given_fp = fp.logits if fp is not None else None
+    z_fp = _given_or_predicted(given_fp, model, batches, "FP", progress, "calibration")
+    q = _given_or_predicted(None if held else scored_q, qmodel, batches, "quantised", progress, "calibration")
     if held:
-        fp_held = _given_or_predicted(selection_fp, model, held, "FP", progress, "selection")
-        q_held = _given_or_predicted(selection_q, qmodel, held, "quantised", progress, "selection")
-        fp, q = torch.cat([fp, fp_held]), torch.cat([q, q_held])
+        fp_held = _given_or_predicted(fp.known_log_probs() if fp is not None else None, model, held, "FP", progress,
+                                      "selection")
+        q_held = _given_or_predicted(scored_q, qmodel, held, "quantised", progress, "selection")
+        z_fp, q = torch.cat([z_fp, fp_held]), torch.cat([q, q_held])
     if not 0.0 <= shrink <= 1.0:
         raise ValueError(f"shrink is the share of the fitted offset applied, in [0, 1]; got {shrink}")
-    c = shrink * logit_offset(fp, q)
+    c = shrink * logit_offset(z_fp, q)
     zero = torch.zeros_like(c)
     # a KL is >= 0; the float64 sum of its terms can round to -1e-17 when the two match
-    before, after = (max(0.0, float(mean_kl(fp, q, s))) for s in (zero, c))
-    return OutputOffset(layer, c, "", before, after, len(fp))
+    before, after = (max(0.0, float(mean_kl(z_fp, q, s))) for s in (zero, c))
+    return OutputOffset(layer, c, "", before, after, len(z_fp))
 
 
 def _given_or_predicted(given: Sequence[torch.Tensor] | None, model: nn.Module, batches: list[Batch], which: str,

@@ -48,11 +48,11 @@ from bayesq.curvature.hutchinson import hutchinson_diagonal
 from bayesq.curvature.kfac import KFACFactors, damped, kfac_diagonal, kfac_factors
 from bayesq.curvature.lowrank import truncate
 from bayesq.curvature.patches import input_rows
-from bayesq.memory import release_freed
 from bayesq.forward import (
     Batch, batch_size, by_length, call, collect_logits, drops_padding, layer_calls, padding_mask, split_batches,
     token_rows,
 )
+from bayesq.memory import release_freed
 
 BACKOFF = 3.0
 MAX_BACKOFFS = 8

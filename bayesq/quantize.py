@@ -16,8 +16,9 @@ from bayesq.baselines.activations import InputStats, StatsSums
 from bayesq.blocks import check_finite, check_model_finite, layer_blocks, quantizable_layers, unquantized_weights
 from bayesq.canonical import on_canonical
 from bayesq.config import BayesQConfig, Curvature, DistillConfig, PosteriorConfig, QuantConfig
+from bayesq.context import FPOutputs, KnownOutputs
 from bayesq.distill import DistillResult, apply_distilled, distill
-from bayesq.evaluation import log_probs, reference_log_probs
+from bayesq.evaluation import log_probs
 from bayesq.forward import Batch, kept_state, model_batches, pass_logits
 from bayesq.memory import check as check_memory_fits, estimate as estimate_memory, release_freed
 from bayesq.methods import Inputs, Outcome, read, register
@@ -78,7 +79,7 @@ def quantize_model(
     model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig = BayesQConfig(),
     *, posterior: Posterior | None = None, progress: bool | None = None, selection: Iterable[Batch] | None = None,
     exclude: Sequence[str] = (), check_memory: bool = True, keep_posterior: bool = False,
-    reference: Sequence[torch.Tensor] | None = None, calibration_fp: Sequence[torch.Tensor] | None = None,
+    known: KnownOutputs | None = None,
 ) -> QuantizationResult:
     """BayesQ: posterior -> expected-loss tables -> allocation -> quantised model.
 
@@ -108,12 +109,10 @@ def quantize_model(
         keep_posterior: return the posterior in the result (its ``posterior``; to distil or
             quantise at another budget without a second curvature pass). Off by default: it is as
             large as the model in float32, and it is released before the candidates are scored.
-        reference: the FP model's log-probabilities on ``selection`` (else on ``calibration``),
-            :func:`bayesq.evaluation.reference_log_probs` of those batches, where the caller has
-            them; else computed once here and read by both the grid selection and the output
-            offset's fit.
-        calibration_fp: the FP model's logits on ``calibration``, one (B, C) tensor per batch,
-            where the caller has them: the output offset's fit reads them instead of a forward pass.
+        known: the FP model's outputs where the caller has them (:class:`bayesq.context.KnownOutputs`:
+            its log-probabilities on ``selection``, else on ``calibration``, and its logits on
+            ``calibration``); else computed once here (:class:`bayesq.context.FPOutputs`) and read
+            by both the grid selection and the output offset's fit.
 
     Returns:
         :class:`QuantizationResult` with the quantised copy of the model, the codes and
@@ -131,11 +130,11 @@ def quantize_model(
         model.eval()  # every pass reads the model as deployed (frozen BatchNorm, no dropout)
         progress = config.progress if progress is None else progress
         return _quantize_model(model, calibration, config, posterior, progress, selection, tuple(exclude),
-                               check_memory, keep_posterior, reference, calibration_fp)
+                               check_memory, keep_posterior, known)
 
 
 def _quantize_model(model, calibration, config, posterior, progress, selection, exclude,
-                    check_memory, keep_posterior, reference, calibration_fp) -> QuantizationResult:
+                    check_memory, keep_posterior, known) -> QuantizationResult:
     layers = quantizable_layers(model, exclude)
     check_finite(layers)
     check_model_finite(model)
@@ -168,29 +167,28 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
     if not (keep_posterior or config.distill.applies(config.budget)):
         posterior = None
     release_freed()
+    fp = FPOutputs(model, cands.scored, calibration, held_out=bool(selection), known=known)
     # the FP model's (B, C) logits on the calibration inputs (model dtype), from the curvature pass
-    fp = pass_logits(outputs, calibration) if calibration else None
+    pass_fp = pass_logits(outputs, calibration) if calibration else None
     del outputs
-    if reference is None and (len(cands.built) > 1 or (selection and q.output_offset and calibration)):
+    if fp.known_log_probs() is None and (len(cands.built) > 1 or (selection and q.output_offset and calibration)):
         # one FP pass over the scored inputs, read by the selection and by the offset's fit (on
         # the calibration inputs, the curvature pass has made it)
         label = f"FP on the {'selection' if selection else 'calibration'} inputs"
-        reference = ([log_probs(z) for z in fp] if fp is not None and not selection
-                     else reference_log_probs(model, cands.scored, label if progress else None))
-    enc = select_encoding(model, cands, reference=reference, progress=progress)
+        if pass_fp is not None and not selection:
+            fp.offer_log_probs([log_probs(z) for z in pass_fp])
+        else:
+            fp.log_probs(desc=label if progress else None)
+    enc = select_encoding(model, cands, fp, progress=progress)
     del cands
     # the offset's fit reads both models' outputs on the scored inputs from the selection's scores
     # (on the held-out inputs when there are some, else on the calibration inputs), the FP model's
     # on the calibration inputs from the curvature pass (float32, as predict gives them)
-    if calibration_fp is None:
-        calibration_fp = reference if reference is not None and not selection else (
-            None if fp is None else [z.float() for z in fp])
-    if selection:
-        offset_inputs = dict(selection_fp=reference, selection_q=enc.scored_logits, calibration_fp=calibration_fp)
-    else:
-        offset_inputs = dict(calibration_fp=calibration_fp, calibration_q=enc.scored_logits)
+    scored_fp = fp.known_log_probs()
+    fp.offer_logits(scored_fp if scored_fp is not None and not selection else (
+        None if pass_fp is None else [z.float() for z in pass_fp]))
     qmodel, weights, _, offset = assemble(model, enc, posterior, calibration, config.distill, config.budget,
-                                          config.seed, progress, selection=selection, **offset_inputs)
+                                          config.seed, progress, selection=selection, fp=fp)
     return QuantizationResult(qmodel, weights, enc.allocation, enc.table, posterior if keep_posterior else None,
                               enc.name, enc.selection_kl, correction, unquantized_weights(model, layers, exclude),
                               offset)
@@ -201,44 +199,40 @@ def bayesq_method(model: nn.Module, config: BayesQConfig, budget: float, inputs:
     """:func:`quantize_model` at ``budget`` (``config.budget`` is replaced) on the calibration and
     selection batches; ``details``: the grids kept (``encoding``) and each candidate's selection KL."""
     res = quantize_model(model, inputs.need_calibration("BayesQ"), replace(config, budget=budget),
-                         selection=inputs.selection, exclude=tuple(inputs.exclude), reference=inputs.reference,
-                         calibration_fp=inputs.calibration_fp)
+                         selection=inputs.selection, exclude=tuple(inputs.exclude), known=inputs.known)
     fitted = res.output_offset is not None and res.output_offset.fitted
-    # the selection scores several candidates against the reference; the offset's fit reads it as
-    # the FP side of the held-out inputs
+    # the selection scores several candidates against the FP log-probabilities; the offset's fit
+    # reads them as the FP side of the held-out inputs
     scored = bool(res.selection_kl) or (fitted and inputs.selection is not None)
     return Outcome(res, {"encoding": res.encoding, "encoding_kl": dict(res.selection_kl)},
-                   (read(inputs, "reference") if scored else frozenset())
-                   | (read(inputs, "calibration_fp") if fitted else frozenset()))
+                   (read(inputs, "log_probs") if scored else frozenset())
+                   | (read(inputs, "logits") if fitted else frozenset()))
 
 
 def assemble(
     model: nn.Module, enc: Encoding, posterior: Posterior | None, calibration: Sequence[Batch] | None,
     distill_cfg: DistillConfig | None, budget: float, seed: int = 0, progress: bool = False, *,
-    selection: Sequence[Batch] | None = None, selection_fp: Sequence[torch.Tensor] | None = None,
-    calibration_fp: Sequence[torch.Tensor] | None = None, selection_q: Sequence[torch.Tensor] | None = None,
-    calibration_q: Sequence[torch.Tensor] | None = None,
+    selection: Sequence[Batch] | None = None, fp: FPOutputs | None = None,
 ) -> tuple[nn.Module, dict[str, QuantizedWeight], DistillResult | None, OutputOffset | None]:
     """The last stage: the model running ``enc`` (a copy; its bias correction applied), its
     scales distilled to the posterior teacher first when ``distill_cfg.applies(budget)``
     (:func:`bayesq.distill.distill` on ``calibration``; the correction is then applied only if
     distillation trained no bias, which already fits the mean), then its output layer's bias
     refitted to the FP model's mean prediction on ``calibration`` and the held-out ``selection``
-    inputs when ``enc.quant.output_offset`` (:func:`bayesq.output_offset.fit_output_offset`,
-    ``selection_fp``: the FP model's log-probabilities on ``selection``, ``calibration_fp`` its
-    logits on ``calibration``, ``selection_q`` / ``calibration_q`` the logits or log-probabilities
-    of ``enc``'s model on ``selection`` / ``calibration`` (:attr:`Encoding.scored_logits`; not
-    read when distillation changes that model), if the caller has them; not without calibration
-    batches).
+    inputs when ``enc.quant.output_offset`` (:func:`bayesq.output_offset.fit_output_offset`; not
+    without calibration batches). The fit reads the FP model's outputs ``fp`` holds and ``enc``'s
+    model's logits on the scored inputs (:attr:`Encoding.scored_logits`; not when distillation
+    changed that model) instead of running the models again.
 
     Returns:
         (quantised model, the encoded layers it runs, the :class:`DistillResult` or None, the
         :class:`OutputOffset` applied or None).
     """
+    scored_q = enc.scored_logits
     if distill_cfg is None or not distill_cfg.applies(budget):
         qmodel, weights, res = quantized_copy(model, enc.weights, enc.correction), enc.weights, None
     else:
-        selection_q = calibration_q = None  # the scored model's outputs, not the distilled one's
+        scored_q = None  # the scored model's outputs, not the distilled one's
         if posterior is None or calibration is None:
             raise ValueError("distillation needs the posterior (its teacher) and calibration batches")
         res = distill(model, enc.weights, posterior, calibration, distill_cfg, scale_bits=enc.quant.scale_bits,
@@ -248,8 +242,7 @@ def assemble(
             enc.correction.apply(qmodel, model)
     offset = None
     if enc.quant.output_offset and calibration:
-        offset = fit_output_offset(model, qmodel, calibration, progress, selection=selection,
-                                   selection_fp=selection_fp, selection_q=selection_q, calibration_fp=calibration_fp,
-                                   calibration_q=calibration_q)
+        offset = fit_output_offset(model, qmodel, calibration, progress, selection=selection, fp=fp,
+                                   scored_q=scored_q)
         offset.apply(qmodel)
     return qmodel, weights, res, offset

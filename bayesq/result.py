@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from bayesq.bias_correction import BiasCorrection
-from bayesq.output_offset import OutputOffset
 from bayesq.blocks import LayerBlocks, kept_matrices, unquantized_weights
 from bayesq.expected_loss import Book, LossTable
+from bayesq.output_offset import OutputOffset
 from bayesq.posterior import Posterior
 from bayesq.storage import average_bits
 

@@ -19,7 +19,7 @@ from bayesq.bias_correction import BiasCorrection
 from bayesq.blocks import LayerBlocks
 from bayesq.config import CostTerms, Objective, QuantConfig, Rounding
 from bayesq.error_feedback import (
-    LazyMetrics, coordinate_descent, damped_metrics, error_feedback_groups, feedback_gain, shared_factors
+    LazyMetrics, coordinate_descent, damped_metrics, error_feedback_groups, feedback_gain, shared_factors,
 )
 from bayesq.expected_loss import Book, LayerTable, LossTable
 from bayesq.forward import Batch

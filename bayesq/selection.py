@@ -5,8 +5,8 @@ FP model on held-out inputs; the anchor is kept unless another wins by a resolve
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 import math
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -19,8 +19,9 @@ from bayesq.baselines.activations import InputStats
 from bayesq.bias_correction import BiasCorrection
 from bayesq.comparison import sequential_choice
 from bayesq.config import AllocationConfig, QuantConfig, Rounding
+from bayesq.context import FPOutputs, KnownOutputs
 from bayesq.error_feedback import LazyMetrics, shared_factors
-from bayesq.evaluation import kl_per_input, reference_log_probs
+from bayesq.evaluation import kl_per_input
 from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch, batch_size
 from bayesq.memory import release_freed
@@ -28,7 +29,7 @@ from bayesq.posterior import Posterior
 from bayesq.result import Allocation, QuantizedWeight, load_quantized
 from bayesq.rounding import (
     bias_correction, ef_column_metric, encode_layer_candidates, layer_input_stats, layer_metric, needs_input_stats,
-    stats_of
+    stats_of,
 )
 from bayesq.tables import candidate_tables, grid_candidates
 
@@ -100,7 +101,7 @@ def encode_best(
     calibration: Iterable[Batch] | None = None, column_metric: Mapping[str, torch.Tensor] | None = None,
     correction: BiasCorrection | None = None, progress: bool = False,
     stats: Mapping[str, InputStats] | None = None, selection: Iterable[Batch] | None = None,
-    reference: Sequence[torch.Tensor] | None = None, tables: Mapping[str, LossTable] | None = None,
+    known: KnownOutputs | None = None, tables: Mapping[str, LossTable] | None = None,
 ) -> Encoding:
     """Allocate and encode ``table`` (built for ``q``); with ``q.selects_grids`` also the other
     candidates of :func:`grid_candidates` (their tables built here), each scored by its
@@ -117,8 +118,8 @@ def encode_best(
     ``column_metric``: :func:`ef_column_metric` of ``q``; ``correction``: :func:`bias_correction`
     (each computed here when None and needed, from ``stats``: the layers' input statistics
     :func:`bayesq.baselines.activations.input_stats` on ``calibration``, one pass here when None).
-    ``reference``: the FP model's log-probabilities on the scored inputs
-    (:func:`bayesq.evaluation.reference_log_probs`), computed here when None (per-token logits:
+    ``known``: the FP model's log-probabilities on the scored inputs where the caller has them
+    (:class:`bayesq.context.KnownOutputs`), else computed here look by look (per-token logits:
     an :class:`bayesq.evaluation.FPReference`, the FP model run again on each scored batch). ``tables``: the
     other candidates' tables by name (:func:`candidate_tables`; they do not depend on the
     budget, so a caller encoding several budgets builds them once); those absent are built here.
@@ -126,7 +127,7 @@ def encode_best(
     cands = encode_candidates(model, posterior, table, q, budget, allocation_cfg, seed=seed, calibration=calibration,
                               column_metric=column_metric, correction=correction, progress=progress, stats=stats,
                               selection=selection, tables=tables)
-    return select_encoding(model, cands, reference=reference, progress=progress)
+    return select_encoding(model, cands, FPOutputs(model, cands.scored, known=known), progress=progress)
 
 
 @dataclass(frozen=True)
@@ -214,32 +215,27 @@ def encode_candidates(
     return Candidates(built, correction, scored)
 
 
-def select_encoding(model: nn.Module, cands: Candidates, *, reference: Sequence[torch.Tensor] | None = None,
+def select_encoding(model: nn.Module, cands: Candidates, fp: FPOutputs | None = None, *,
                     progress: bool = False) -> Encoding:
     """The second half of :func:`encode_best`: the candidate kept by the selection rule described
-    there, scored on ``cands.scored`` against ``model`` (``reference``: as in :func:`encode_best`)."""
+    there, scored on ``cands.scored`` against ``model``, whose log-probabilities there ``fp`` holds
+    or computes look by look (None: an :class:`bayesq.context.FPOutputs` of ``cands.scored``)."""
     built, correction, scored = cands.built, cands.correction, cands.scored
     if len(built) == 1:
         return Encoding(next(iter(built)), *next(iter(built.values())), {}, correction)
-    fp = {}  # the FP log-probabilities of each look's batches
+    fp = fp if fp is not None else FPOutputs(model, scored)  # the FP log-probabilities of each look's batches
     scored_logits: dict[str, list[torch.Tensor]] = {}  # each candidate's, by-products of its scores
     scoring = [None, copy.deepcopy(model)]  # one quantised copy, holding the candidate named first
 
     def score(name: str, part: slice) -> torch.Tensor:
-        key = (part.start, part.stop)
-        if key not in fp:
-            fp[key] = (reference[part] if reference is not None else
-                       reference_log_probs(model, scored[part], "FP on the selection inputs" if progress else None))
+        reference = fp.log_probs(part, "FP on the selection inputs" if progress else None)
         if scoring[0] != name:  # exactly quantized_copy(model, its encoding, correction)
             load_quantized(scoring[1], model, built[name][3], correction)
             scoring[0] = name
-        return kl_per_input(fp[key], scoring[1].eval(), scored[part], f"selection KL ({name})" if progress else None,
+        return kl_per_input(reference, scoring[1].eval(), scored[part], f"selection KL ({name})" if progress else None,
                             logits=scored_logits.setdefault(name, []))
 
     anchor = "minmax" if "minmax" in built else next(iter(built))
-    if reference is not None and len(reference) != len(scored):
-        raise ValueError(f"reference has {len(reference)} batches of log-probabilities for {len(scored)} input "
-                         "batches: pass reference_log_probs of the same batches, in the same order")
     kept, margins, kls = sequential_choice(score, list(built), anchor, selection_looks(scored), len(scored))
     cq, t, allocation, qw = built[kept]
     kept_lp = scored_logits.get(kept) or None

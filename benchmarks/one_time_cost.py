@@ -82,6 +82,7 @@ def bayesq_stages(model, calibration, params, budget: float, seed: int, selectio
     """Wall seconds of each BayesQ stage; the kept :class:`~bayesq.selection.Encoding`."""
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.config import BayesQConfig, DistillConfig
+    from bayesq.context import FPOutputs, KnownOutputs
     from bayesq.evaluation import log_probs, reference_log_probs
     from bayesq.forward import pass_logits
     from bayesq.memory import estimate
@@ -111,12 +112,13 @@ def bayesq_stages(model, calibration, params, budget: float, seed: int, selectio
                      else reference_log_probs(model, selection if selection is not None else calibration))
         enc = encode_best(model, post, next(iter(tables.values())), q, budget, cfg.allocation, seed=seed,
                           calibration=calibration, column_metric=metric, correction=correction, selection=selection,
-                          tables=tables, reference=reference)
+                          tables=tables, known=KnownOutputs(reference))
     with _timed(stages, "assemble+offset"):  # as quantize_model: the selection's outputs read, not recomputed
-        held = (dict(selection_fp=reference, selection_q=enc.scored_logits,
-                     calibration_fp=None if fp is None else [z.float() for z in fp]) if selection is not None
-                else dict(calibration_fp=reference, calibration_q=enc.scored_logits))
-        assemble(model, enc, None, calibration, cfg.distill, budget, seed, selection=selection, **held)
+        logits = (None if fp is None else [z.float() for z in fp]) if selection is not None else reference
+        scored = selection if selection is not None else calibration
+        outputs = FPOutputs(model, scored, calibration, held_out=selection is not None,
+                            known=KnownOutputs(reference, logits))
+        assemble(model, enc, None, calibration, cfg.distill, budget, seed, selection=selection, fp=outputs)
     return stages, enc
 
 
@@ -125,6 +127,7 @@ def gptq_stages(model, calibration, params, budget: float, allocation, selection
     from bayesq.baselines.activations import input_stats
     from bayesq.baselines.gptq import gptq_select
     from bayesq.blocks import quantizable_layers
+    from bayesq.context import KnownOutputs
     from bayesq.forward import pass_logits
 
     stages, outputs = {}, []
@@ -136,7 +139,7 @@ def gptq_stages(model, calibration, params, budget: float, allocation, selection
                              group_sizes=params.baselines.group_sizes, allocation=allocation,
                              act_order=params.baselines.gptq_act_order, damp=params.baselines.gptq_damp,
                              bias_correction=params.baselines.bias_correction, selection=selection,
-                             calibration_fp=None if fp is None else [z.float() for z in fp])
+                             known=KnownOutputs(logits=None if fp is None else [z.float() for z in fp]))
     return stages, choice
 
 

@@ -199,11 +199,14 @@ def stages(a) -> None:
     offset's fit) runs twice: as the library runs it, reading the kept candidate's logits from
     the selection's scores and the FP logits from the curvature pass, and, for comparison, running
     both models again (not part of BayesQ's cost)."""
+    from dataclasses import replace
+
     from bayesq.baselines.activations import input_stats
     from bayesq.baselines.gptq import gptq_select
     from bayesq.blocks import layer_blocks, quantizable_layers
     from bayesq.canonical import canonical
     from bayesq.config import BayesQConfig
+    from bayesq.context import FPOutputs, KnownOutputs
     from bayesq.evaluation import reference_log_probs
     from bayesq.forward import pass_logits
     from bayesq.memory import estimate
@@ -240,14 +243,15 @@ def stages(a) -> None:
             del post, metric, correction, tables  # as quantize_model: not read by the selection
             with peaks.stage("bayesq select"):  # as quantize_model: one FP pass, read by the offset's fit too
                 reference = reference_log_probs(model, sel)
-                enc = select_encoding(model, cands, reference=reference)
+                outputs = FPOutputs(model, sel, cal, held_out=True, known=KnownOutputs(reference, fp))
+                enc = select_encoding(model, cands, outputs)
             del cands
             with peaks.stage("bayesq assemble + output offset"):  # reads the scored and the pass's logits
-                assemble(model, enc, None, cal, cfg.distill, a.budget, selection=sel, selection_fp=reference,
-                         selection_q=enc.scored_logits, calibration_fp=fp)
+                assemble(model, enc, None, cal, cfg.distill, a.budget, selection=sel, fp=outputs)
             with peaks.stage("  the same, both models run again"):  # what it cost before it read them
-                assemble(model, enc, None, cal, cfg.distill, a.budget, selection=sel, selection_fp=reference)
-            del enc, reference, fp
+                assemble(model, replace(enc, scored_logits=None), None, cal, cfg.distill, a.budget, selection=sel,
+                         fp=FPOutputs(model, sel, cal, held_out=True, known=KnownOutputs(reference)))
+            del enc, reference, fp, outputs
         if "gptq" in a.methods:
             b = params.baselines
             with peaks.stage("gptq input stats"):  # and the FP logits, as the library's GPTQ
@@ -258,7 +262,7 @@ def stages(a) -> None:
             with peaks.stage("gptq solve + select"):
                 gptq_select(model, st, cal, a.budget, params.quant, group_sizes=b.group_sizes,
                             act_order=b.gptq_act_order, damp=b.gptq_damp, bias_correction=b.bias_correction,
-                            selection=sel, calibration_fp=fp)
+                            selection=sel, known=KnownOutputs(logits=fp))
     peaks._stop = True
     for name in peaks.seconds:
         print(f"  {name:36s} {peaks.seconds[name]:7.1f} s  peak {peaks.peaks[name]:6.2f} GiB  "

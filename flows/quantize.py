@@ -31,6 +31,7 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 from bayesq.assignment import allocate
 from bayesq.baselines.brecq import brecq_encoding
 from bayesq.baselines.select import encoding_config
+from bayesq.context import FPOutputs, KnownOutputs
 from bayesq.evaluation import predict
 from bayesq.export import load as load_export, save_export
 from bayesq.harness.models.zoo import _take, get_entry
@@ -105,27 +106,28 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
     logits = load_reference(Path(reference_file), "calibration") if reference_file else None
     inputs = Inputs(calibration=batches, selection=selection, allocation=allocation,
                     stats=load_stats(Path(stats_file)) if stats_file else None,
-                    reference=load_reference(Path(reference_file)) if given else None,
-                    calibration_fp=logits or None, exclude=exclude)
+                    known=KnownOutputs(load_reference(Path(reference_file)) if given else None, logits or None),
+                    exclude=exclude)
     return quantize_with(model, config, budget, inputs)
 
 
 def _bayesq(model, table, budget: float, allocation_cfg, quant, posterior_file: str | None, seed: int,
-            batches=None, stats_file: str | None = None, selection=None, reference=None,
+            batches=None, stats_file: str | None = None, selection=None, known=None,
             tables: dict | None = None):
     """BayesQ's allocation and encoding from a cached table (:func:`bayesq.selection.encode_best`,
     the library's own step): (Encoding, posterior).
 
     ``batches``: calibration batches (the grid selection scores on ``selection``, else on them; error-feedback rounding
     under a diagonal posterior and the bias correction read the layers' input statistics: from
-    ``stats_file`` when given, else computed from the batches; ``reference``: the FP
-    log-probabilities on ``selection`` (:func:`flows.prepare.load_reference`), computed here when
-    None; ``tables``: the other grid candidates' tables, built here when None)."""
+    ``stats_file`` when given, else computed from the batches; ``known``: the FP outputs the
+    reference task saved (:func:`flows.prepare.load_reference`: the log-probabilities on
+    ``selection``, computed here when None); ``tables``: the other grid candidates' tables, built
+    here when None)."""
 
     post = load_posterior(model, Path(posterior_file)) if posterior_file else None
     stats = load_stats(Path(stats_file)) if stats_file and needs_input_stats(post, quant) else None
     return encode_best(model, post, table, quant, budget, allocation_cfg, seed=seed, calibration=batches,
-                       stats=stats, selection=selection, reference=reference, tables=tables), post, stats is not None
+                       stats=stats, selection=selection, known=known, tables=tables), post, stats is not None
 
 
 def save_encoding(path: Path, enc, read: dict) -> dict:
@@ -287,7 +289,7 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
         res = out.result
         qmodel, allocation, qweights = res.model, res.allocation, res.weights
         quant = encoding_config(res, row.quant)  # the variant's bit set: what its unit headers name
-        extra = {"stats_read": "stats" in out.read, "reference_read": "reference" in out.read, **out.details}
+        extra = {"stats_read": "stats" in out.read, "reference_read": "log_probs" in out.read, **out.details}
     seconds = time.perf_counter() - start
     return _export_and_evaluate(row, entry, splits, qmodel, qweights, allocation, quant, seconds, extra, lineage)
 
@@ -301,8 +303,9 @@ def _bayesq_row(row: Row, model, entry, splits, table, tables, start: float) -> 
     batches = (list(calibration_batches(entry, splits, row.data, row.calibration, seed)[1]) if row.calibration
                else None)
     selection = selection_batches(entry, splits, row.data, row.calibration, seed) if row.calibration else None
-    reference = (load_reference(Path(row.reference_file)) if row.reference_file and selection is not None
-                 else None)
+    known = KnownOutputs(  # the reference task's: FP log-probabilities on the selection, logits on the calibration
+        load_reference(Path(row.reference_file)) if row.reference_file and selection is not None else None,
+        (load_reference(Path(row.reference_file), "calibration") or None) if row.reference_file else None)
     if row.encoding_file:  # the bayesq row's encoding: same posterior, table and settings
         enc, read = load_encoding(Path(row.encoding_file))
         post = load_posterior(model, Path(row.posterior_file)) if row.posterior_file else None
@@ -310,7 +313,7 @@ def _bayesq_row(row: Row, model, entry, splits, table, tables, start: float) -> 
         extra["encoding_seconds"] = read["seconds"]
     else:
         enc, post, stats_read = _bayesq(model, table, budget, row.allocation_cfg, row.quant, row.posterior_file, seed,
-                                        batches, row.stats_file, selection, reference, tables)
+                                        batches, row.stats_file, selection, known, tables)
         reference_read = bool(row.reference_file) and selection is not None and bool(enc.selection_kl)
         if row.encodings_dir:
             path = Path(row.encodings_dir) / f"{name}_{method}_b{budget}_s{seed}.pt"
@@ -328,11 +331,8 @@ def _bayesq_row(row: Row, model, entry, splits, table, tables, start: float) -> 
         extra |= {"bias_corrected": len(enc.correction.targets), "bias_skipped": dict(enc.correction.skipped)}
     qmodel, qweights, res, offset = assemble(
         model, enc, post, batches, row.distill if Method(method) == Method.BAYESQ_DISTILL else None, budget, seed,
-        selection=selection, selection_fp=reference,  # the kept candidate's scores stand for a forward pass
-        selection_q=enc.scored_logits if selection is not None else None,
-        calibration_q=enc.scored_logits if selection is None else None,
-        calibration_fp=(load_reference(Path(row.reference_file), "calibration") or None) if row.reference_file
-        else None)
+        selection=selection, fp=FPOutputs(model, selection if selection is not None else batches, batches,
+                                          held_out=selection is not None, known=known))
     return qmodel, qweights, allocation, quant, extra | _assembled_fields(offset, res)
 
 

@@ -4,9 +4,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch import nn
-
 from test_select import brute_uniform, explicit_kl, variant_name
+from torch import nn
 
 from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.gptq import (
@@ -15,6 +14,7 @@ from bayesq.baselines.gptq import (
 from bayesq.baselines.rtn import rtn_quantize
 from bayesq.blocks import quantizable_layers
 from bayesq.config import BayesQConfig, Granularity, QuantConfig
+from bayesq.context import KnownOutputs
 from bayesq.error_feedback import error_feedback_groups
 from bayesq.evaluation import predict
 from bayesq.methods import Inputs, quantize_with
@@ -339,7 +339,7 @@ def test_gptq_select_held_out_offset_vs_fit_on_both_input_sets():
 
 
 def test_gptq_method_reads_given_calibration_logits_for_the_offset():
-    """Inputs.calibration_fp (the FP logits per calibration batch, as predict gives them) gives
+    """Inputs.known.logits (the FP logits per calibration batch, as predict gives them) gives
     the offset of the forward pass bit for bit, and is what the fit reads: other logits move it."""
     model, batches, stats = _calibrated(1)
     g = torch.Generator().manual_seed(71)
@@ -347,18 +347,18 @@ def test_gptq_method_reads_given_calibration_logits_for_the_offset():
     cfg = GPTQConfig(quant=CFG, group_sizes=GROUP_SIZES, bias_correction=True)
     computed = quantize_with(model, cfg, 4.0, Inputs(calibration=batches, selection=held, stats=stats))
     fp = [predict(model, [b]) for b in batches]
-    given = quantize_with(model, cfg, 4.0, Inputs(calibration=batches, selection=held, stats=stats, calibration_fp=fp))
+    given = quantize_with(model, cfg, 4.0, Inputs(calibration=batches, selection=held, stats=stats, known=KnownOutputs(logits=fp)))
     assert torch.equal(given.result.output_offset.shift, computed.result.output_offset.shift)
-    assert "calibration_fp" in given.read and "calibration_fp" not in computed.read
+    assert "logits" in given.read and "logits" not in computed.read
     moved = quantize_with(model, cfg, 4.0, Inputs(calibration=batches, selection=held, stats=stats,
-                                                   calibration_fp=[z + torch.arange(4.0) for z in fp]))
+                                                   known=KnownOutputs(logits=[z + torch.arange(4.0) for z in fp])))
     assert (moved.result.output_offset.shift - computed.result.output_offset.shift).abs().max() > 1e-3
 
 
 def test_gptq_method_reads_its_statistics_pass_logits_for_the_offset_vs_forward_pass(monkeypatch):
     """Without statistics or logits given, the FP model's logits on the calibration inputs come from
     the statistics pass: the offset's fit runs the quantised model only, and the offset is the one
-    fitted with the FP model's forward pass (``calibration_fp`` as predict gives it), bit for bit."""
+    fitted with the FP model's forward pass (given logits as predict gives them), bit for bit."""
     import bayesq.output_offset as oo
 
     model, batches, _ = _calibrated(1)
@@ -366,10 +366,10 @@ def test_gptq_method_reads_its_statistics_pass_logits_for_the_offset_vs_forward_
     held = [torch.randn(16, 16, generator=g, dtype=torch.float64) for _ in range(3)]
     cfg = GPTQConfig(quant=CFG, group_sizes=GROUP_SIZES, bias_correction=True)
     fp = [predict(model, [b]) for b in batches]
-    given = quantize_with(model, cfg, 4.0, Inputs(calibration=batches, selection=held, calibration_fp=fp))
+    given = quantize_with(model, cfg, 4.0, Inputs(calibration=batches, selection=held, known=KnownOutputs(logits=fp)))
     seen, forward = [], oo.predict
     monkeypatch.setattr(oo, "predict", lambda m, b, desc=None: seen.append(m is model) or forward(m, b))
     own = quantize_with(model, cfg, 4.0, Inputs(calibration=batches, selection=held))
     assert seen == [False]  # the quantised model's pass; the FP model's logits were the statistics pass's
     assert torch.equal(own.result.output_offset.shift, given.result.output_offset.shift)
-    assert "calibration_fp" not in own.read
+    assert "logits" not in own.read

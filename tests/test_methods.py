@@ -24,6 +24,7 @@ from bayesq.baselines.smoothquant import SmoothQuantConfig
 from bayesq.baselines.zeroq import ZeroQConfig
 from bayesq.blocks import quantizable_layers
 from bayesq.config import BayesQConfig, DistillConfig, Granularity, QuantConfig
+from bayesq.context import KnownOutputs
 from bayesq.evaluation import reference_log_probs
 from bayesq.methods import Inputs, quantize_with, register, registered
 from flows.methods import Method
@@ -97,14 +98,14 @@ def test_bayesq_method_reports_the_reference_read_only_when_it_scores_with_it():
     scores two grid candidates or fits the output offset on the held-out inputs; with one
     candidate and no offset it reads nothing, and says so."""
     model, batches, sel = _model(), _batches(), _batches(2, seed=2)
-    given = Inputs(calibration=batches, selection=sel, reference=reference_log_probs(model, sel))
+    given = Inputs(calibration=batches, selection=sel, known=KnownOutputs(reference_log_probs(model, sel)))
     off = DistillConfig(max_budget=0)
-    assert "reference" in quantize_with(model, BayesQConfig(quant=Q, distill=off), 3.0, given).read
+    assert "log_probs" in quantize_with(model, BayesQConfig(quant=Q, distill=off), 3.0, given).read
     alone = replace(Q, select_grids=False, output_offset=False)
     out = quantize_with(model, BayesQConfig(quant=alone, distill=off), 3.0, given)
     assert out.result.selection_kl == {} and out.read == set()
     offset = quantize_with(model, BayesQConfig(quant=replace(alone, output_offset=True), distill=off), 3.0, given)
-    assert offset.result.output_offset.fitted and "reference" in offset.read
+    assert offset.result.output_offset.fitted and "log_probs" in offset.read
 
 
 def _progress(config, on: bool):

@@ -3,14 +3,15 @@ import copy
 import numpy as np
 import pytest
 import torch
+from nets import TinyCausalLM, lm_batches
 from scipy.optimize import minimize
 from torch import nn
 
 from bayesq.config import BayesQConfig, DistillConfig, QuantConfig
+from bayesq.context import FPOutputs, KnownOutputs
 from bayesq.evaluation import predict, reference_log_probs
 from bayesq.output_offset import SHRINK, fit_output_offset, logit_offset, mean_kl, output_layer
 from bayesq.quantize import quantize_model
-from nets import TinyCausalLM, lm_batches
 
 
 def _logits(n=60, c=4, seed=0):
@@ -196,11 +197,12 @@ def test_fit_output_offset_selection_vs_fit_on_all_batches():
     with torch.no_grad():
         fp_lp = [torch.log_softmax(model(b), -1) for b in sel]
         q_lp = [torch.log_softmax(qmodel(b), -1) + 5.0 for b in sel]  # a per-row constant changes nothing
-    given = fit_output_offset(model, qmodel, cal, selection=sel, selection_fp=fp_lp, selection_q=q_lp)
+    given = fit_output_offset(model, qmodel, cal, selection=sel, scored_q=q_lp,
+                              fp=FPOutputs(model, sel, cal, held_out=True, known=KnownOutputs(fp_lp)))
     torch.testing.assert_close(given.shift, whole.shift, rtol=0, atol=1e-6)  # float32 logits vs float64 log-probs
     assert (whole.shift - fit_output_offset(model, qmodel, cal).shift).abs().max() > 1e-4
     with pytest.raises(ValueError, match="16 rows for 24 selection inputs"):
-        fit_output_offset(model, qmodel, cal, selection=sel, selection_q=q_lp[:2])
+        fit_output_offset(model, qmodel, cal, selection=sel, scored_q=q_lp[:2])
 
 
 def test_fit_output_offset_given_calibration_logits_vs_forward_pass():
@@ -213,17 +215,19 @@ def test_fit_output_offset_given_calibration_logits_vs_forward_pass():
         qmodel[2].weight.mul_(0.8)
     fp = [predict(model, [b]) for b in cal]
     want = fit_output_offset(model, qmodel, cal, selection=sel)
-    got = fit_output_offset(model, qmodel, cal, selection=sel, calibration_fp=fp)
+    got = fit_output_offset(model, qmodel, cal, selection=sel,
+                            fp=FPOutputs(model, sel, cal, held_out=True, known=KnownOutputs(logits=fp)))
     assert torch.equal(got.shift, want.shift) and got.inputs == want.inputs == 56
-    moved = fit_output_offset(model, qmodel, cal, calibration_fp=[z + torch.tensor([0.0, 1.0, -1.0]) for z in fp])
+    moved = fit_output_offset(model, qmodel, cal, fp=FPOutputs(model, cal, cal, known=KnownOutputs(
+        logits=[z + torch.tensor([0.0, 1.0, -1.0]) for z in fp])))
     assert (moved.shift - fit_output_offset(model, qmodel, cal).shift).abs().max() > 0.1
     with pytest.raises(ValueError, match="24 rows for 32 calibration inputs"):
-        fit_output_offset(model, qmodel, cal, calibration_fp=fp[:3])
+        fit_output_offset(model, qmodel, cal, fp=FPOutputs(model, cal, cal, known=KnownOutputs(logits=fp[:3])))
 
 
 def test_quantize_model_one_fp_pass_over_the_selection_inputs():
     """The grid selection and the offset's fit share one FP pass over the held-out inputs; with
-    ``reference`` and ``calibration_fp`` given, none, and the same model bit for bit."""
+    the FP outputs given (``known``), none, and the same model bit for bit."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 5)).double()
     g = torch.Generator().manual_seed(3)
@@ -241,7 +245,7 @@ def test_quantize_model_one_fp_pass_over_the_selection_inputs():
         ref = reference_log_probs(model, held)
         fp = [predict(model, [b]) for b in batches]
         seen.clear()
-        given = quantize_model(model, batches, cfg, progress=False, selection=held, reference=ref, calibration_fp=fp)
+        given = quantize_model(model, batches, cfg, progress=False, selection=held, known=KnownOutputs(ref, fp))
     finally:
         hook.remove()
     assert fp_calls(held) == 0
@@ -280,7 +284,8 @@ def test_fit_output_offset_reports_kl_at_least_zero_when_a_shift_is_undone():
         qmodel[2].weight.mul_(3)
         qmodel[2].bias.mul_(3)
     fp = [model(x).detach() * 3 + shift for x in batches]
-    off = fit_output_offset(model, qmodel, batches, calibration_fp=fp, shrink=1.0)
+    off = fit_output_offset(model, qmodel, batches, fp=FPOutputs(model, batches, batches, known=KnownOutputs(logits=fp)),
+                            shrink=1.0)
     torch.testing.assert_close(off.shift, shift - shift.mean(), rtol=0, atol=1e-7)
     assert off.kl_before > 0.01 and 0.0 <= off.kl_after < 1e-12
     assert off.fitted and not fit_output_offset(_net(bias=False), _net(bias=False), batches).fitted

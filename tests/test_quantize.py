@@ -8,6 +8,7 @@ from torch import nn
 from bayesq import BayesQConfig, QuantConfig, quantize_model
 from bayesq.baselines.rtn import rtn_quantize
 from bayesq.config import DistillConfig, Granularity
+from bayesq.context import FPOutputs, KnownOutputs
 from bayesq.quantize import fit_posterior
 from bayesq.settings import replace
 
@@ -631,12 +632,12 @@ def test_encode_best_given_reference_vs_its_own_fp_pass():
     model, batches, held, q, post, _, table = _fitted_with_held_out()
     own = encode_best(model, post, table, q, 3.0, calibration=batches, selection=held)
     given = encode_best(model, post, table, q, 3.0, calibration=batches, selection=held,
-                        reference=reference_log_probs(model, held))
+                        known=KnownOutputs(reference_log_probs(model, held)))
     assert len(own.selection_kl) > 1 and given.name == own.name
     assert dict(given.selection_kl) == dict(own.selection_kl)
     # the given reference is the one scored against: log-probs of other inputs move every KL
     other = encode_best(model, post, table, q, 3.0, calibration=batches, selection=held,
-                        reference=reference_log_probs(model, held[::-1]))
+                        known=KnownOutputs(reference_log_probs(model, held[::-1])))
     assert all(other.selection_kl[k] != own.selection_kl[k] for k in own.selection_kl)
 
 
@@ -696,17 +697,17 @@ def test_quantize_model_offset_reads_the_selection_scores_and_the_curvature_pass
     passes of both models, bit for bit. The FP model runs over the calibration inputs once."""
     import copy
 
+    import bayesq.context as ctx
     import bayesq.output_offset as oo
-    import bayesq.quantize as qz
     from bayesq.evaluation import reference_log_probs
     from bayesq.result import quantized_copy
 
     model, cal = _model().double(), [b.double() for b in _calibration()]
     sel = [b.double() for b in _calibration(2)[::-1]] if held_out else None
     cfg = BayesQConfig(budget=3.0, quant=CFG, distill=DistillConfig(max_budget=0))
-    seen, predict, refs, ref = [], oo.predict, [], qz.reference_log_probs
+    seen, predict, refs, ref = [], oo.predict, [], ctx.reference_log_probs
     monkeypatch.setattr(oo, "predict", lambda m, batches, desc=None: seen.append(m is model) or predict(m, batches))
-    monkeypatch.setattr(qz, "reference_log_probs", lambda m, batches, desc=None: refs.append(len(batches))
+    monkeypatch.setattr(ctx, "reference_log_probs", lambda m, batches, desc=None: refs.append(len(batches))
                         or ref(m, batches))
     res = quantize_model(model, cal, cfg, progress=False, selection=sel)
     monkeypatch.setattr(oo, "predict", predict)
@@ -715,8 +716,9 @@ def test_quantize_model_offset_reads_the_selection_scores_and_the_curvature_pass
     assert refs == ([len(sel)] if held_out else [])  # the FP model on the held-out inputs only
     qmodel = quantized_copy(model, res.weights, res.correction)
     fp = reference_log_probs(model, sel or cal)  # the selection's reference
+    known = KnownOutputs(fp) if held_out else KnownOutputs(logits=fp)
     want = oo.fit_output_offset(model, copy.deepcopy(qmodel), cal, selection=sel,
-                                **(dict(selection_fp=fp) if held_out else dict(calibration_fp=fp)))
+                                fp=ctx.FPOutputs(model, sel or cal, cal, held_out=held_out, known=known))
     assert torch.equal(res.output_offset.shift, want.shift)
     assert res.output_offset.inputs == want.inputs == 8 * (5 if held_out else 3)
     assert res.output_offset.shift.abs().max() > 1e-6  # an offset that moved, so the comparison can fail
@@ -804,9 +806,8 @@ def test_library_stages_in_order_vs_quantize_model():
                         progress=False)
     enc = encode_best(model, post, table, q, 3.0, calibration=batches)
     # scored on the calibration inputs: the offset's fit reads the selection's outputs there
-    qmodel, weights, distilled, offset = assemble(model, enc, post, batches, cfg.distill, 3.0,
-                                                  calibration_fp=reference_log_probs(model, batches),
-                                                  calibration_q=enc.scored_logits)
+    fp = FPOutputs(model, batches, batches, known=KnownOutputs(logits=reference_log_probs(model, batches)))
+    qmodel, weights, distilled, offset = assemble(model, enc, post, batches, cfg.distill, 3.0, fp=fp)
     assert distilled is None and enc.name == whole.encoding
     assert offset.layer is not None and torch.equal(offset.shift, whole.output_offset.shift)
     for name, qw in whole.weights.items():

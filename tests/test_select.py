@@ -3,20 +3,21 @@
 import copy
 import math
 
-from nets import AttentionModel, TokenModel
 import pytest
 import torch
-from torch import nn
 import torch.nn.functional as F
+from nets import AttentionModel, TokenModel
+from torch import nn
 
 from bayesq.baselines.activations import InputStats, input_stats
 from bayesq.baselines.rtn import rtn_quantize
 from bayesq.baselines.select import (
     UniformVariant, check_feasible, encoding_config, given_allocation, layouts, select_best, stats_correction,
-    uniform_bits, uniform_variants
+    uniform_bits, uniform_variants,
 )
 from bayesq.blocks import quantizable_layers
 from bayesq.config import Granularity, QuantConfig
+from bayesq.context import FPOutputs, KnownOutputs
 from bayesq.evaluation import mean_kl, reference_log_probs
 from bayesq.expected_loss import LossTable
 from bayesq.export import read_export, save_export
@@ -93,7 +94,7 @@ def test_select_best_returns_least_calibration_kl():
     model, batches = _model(), _batches()
     budgets = {"b3.3": 3.3, "b3.6": 3.6, "b4.5": 4.5, "b8": 8.0}
     cands = {k: (lambda b=b: rtn_quantize(model, Granularity.GROUP, b, CFG)) for k, b in budgets.items()}
-    choice = select_best(cands, model, batches)
+    choice = select_best(cands, model, FPOutputs(model, batches))
     want = {k: explicit_kl(model, build().model, batches) for k, build in cands.items()}
     assert set(choice.kl) == set(want)
     for k in want:
@@ -110,7 +111,7 @@ def test_select_best_drops_resolved_worse_after_first_look_vs_scoring_all():
     model, batches = _model(), _batches(n=128)
     budgets = {"b8": 8.0, "b3.3": 3.3, "b8-again": 8.0}
     cands = {k: (lambda b=b: rtn_quantize(model, Granularity.GROUP, b, CFG)) for k, b in budgets.items()}
-    choice = select_best(cands, model, batches)
+    choice = select_best(cands, model, FPOutputs(model, batches))
     first = selection_looks(batches)
     assert 0 < first < len(batches)
     full = {k: explicit_kl(model, build().model, batches) for k, build in cands.items()}
@@ -127,10 +128,11 @@ def test_select_best_given_reference_vs_its_own_fp_pass():
 
     model, batches = _model(), _batches()
     cands = {k: (lambda b=b: rtn_quantize(model, Granularity.GROUP, b, CFG)) for k, b in {"a": 3.3, "b": 4.5}.items()}
-    own = select_best(cands, model, batches)
-    given = select_best(cands, model, batches, reference=reference_log_probs(model, batches))
+    own = select_best(cands, model, FPOutputs(model, batches))
+    given = select_best(cands, model, FPOutputs(model, batches, known=KnownOutputs(reference_log_probs(model, batches))))
     assert given.variant == own.variant and given.kl == own.kl
-    other = select_best(cands, model, batches, reference=reference_log_probs(model, batches[::-1]))
+    other = select_best(cands, model, FPOutputs(model, batches,
+                                                known=KnownOutputs(reference_log_probs(model, batches[::-1]))))
     assert all(other.kl[k] != own.kl[k] for k in own.kl)  # the given reference is the one scored against
 
 
@@ -151,7 +153,7 @@ def test_select_best_with_correction_scores_both_forms_vs_hand_corrected():
     budgets = {"b3.3": 3.3, "b4.5": 4.5}
     cands = {k: (lambda b=b: rtn_quantize(model, Granularity.GROUP, b, CFG)) for k, b in budgets.items()}
     stats = input_stats(model, batches, quantizable_layers(model))
-    choice = select_best(cands, model, batches, stats_correction(model, stats, batches))
+    choice = select_best(cands, model, FPOutputs(model, batches), stats_correction(model, stats, batches))
     want = {}
     for k, build in cands.items():
         q = build().model
@@ -166,7 +168,7 @@ def test_select_best_with_correction_scores_both_forms_vs_hand_corrected():
         assert choice.result.correction is not None
         assert explicit_kl(model, choice.result.model, batches) == pytest.approx(want[choice.variant], rel=1e-9)
     # the candidate's own result is not corrected in place
-    plain = select_best(cands, model, batches)
+    plain = select_best(cands, model, FPOutputs(model, batches))
     assert set(plain.kl) == set(budgets) and plain.result.correction is None
 
 
@@ -177,7 +179,7 @@ def test_select_best_kept_plain_form_stays_uncorrected_int64_codes():
     cands = {k: (lambda b=b: rtn_quantize(model, Granularity.GROUP, b, CFG)) for k, b in {"a": 3.3, "b": 4.5}.items()}
     skewed = [5.0 * x + 3.0 for x in batches]
     bad = stats_correction(model, input_stats(model, skewed, quantizable_layers(model)), skewed)
-    choice = select_best(cands, model, batches, bad)
+    choice = select_best(cands, model, FPOutputs(model, batches), bad)
     want = {k: explicit_kl(model, build().model, batches) for k, build in cands.items()}
     assert not choice.variant.endswith("+bc") and choice.kl[choice.variant] < choice.kl[choice.variant + "+bc"]
     assert explicit_kl(model, choice.result.model, batches) == pytest.approx(want[choice.variant], rel=1e-12)
@@ -205,7 +207,7 @@ def test_select_best_holds_one_candidate_model_at_a_time():
 
     stats = input_stats(model, batches, quantizable_layers(model))
     cands = {k: (lambda b=b: build(b)) for k, b in {"a": 4.5, "b": 3.3, "c": 4.0}.items()}
-    choice = select_best(cands, model, batches, stats_correction(model, stats, batches))
+    choice = select_best(cands, model, FPOutputs(model, batches), stats_correction(model, stats, batches))
     assert len(alive) == 3 and choice.variant.split("+")[0] == "a"  # the best was built first
     assert explicit_kl(model, choice.result.model, batches) == pytest.approx(choice.kl[choice.variant], rel=1e-9)
 
@@ -232,7 +234,7 @@ def test_select_best_nan_never_wins_and_ties_keep_first():
             return torch.full((x.shape[0], 5), float("nan"), dtype=torch.float64)
 
     choice = select_best({"nan": lambda: _stub(Nan()), "same": lambda: _stub(model),
-                          "same2": lambda: _stub(model)}, model, batches)
+                          "same2": lambda: _stub(model)}, model, FPOutputs(model, batches))
     assert choice.variant == "same" and choice.kl["same"] == 0.0 and math.isnan(choice.kl["nan"])
 
 
@@ -254,9 +256,9 @@ def test_mean_kl_dict_batches_vs_explicit():
 def test_select_best_bad_input_raises():
     model = _model()
     with pytest.raises(ValueError, match="no candidate"):
-        select_best({}, model, _batches())
+        select_best({}, model, FPOutputs(model, _batches()))
     with pytest.raises(ValueError, match="empty calibration"):
-        select_best({"a": lambda: _stub(model)}, model, [])
+        select_best({"a": lambda: _stub(model)}, model, FPOutputs(model, []))
     with pytest.raises(ValueError, match=r"infeasible for GPTQ: its cheapest variant needs 2\.1000"):
         check_feasible({}, "GPTQ", 2.0, 2.1)
 

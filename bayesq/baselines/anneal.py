@@ -27,10 +27,10 @@ and runs a proposal from the first unit it changes, with the energies of full pa
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 import math
 import random
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -45,6 +45,7 @@ from bayesq.baselines.select import BaselineChoice, choice_outcome, given_alloca
 from bayesq.blocks import checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
 from bayesq.config import AllocationUnit, QuantConfig
+from bayesq.context import KnownOutputs
 from bayesq.evaluation import kl_per_input, reference_log_probs
 from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch, first_inputs
@@ -272,8 +273,8 @@ def anneal_select(
     model: nn.Module, stats: Mapping[str, InputStats], batches: Iterable[Batch], budget: float,
     cfg: QuantConfig = QuantConfig(), *, steps: int = 200, search_inputs: int = 256, t_start: float = 0.05,
     t_end: float = 0.001, seed: int = 0, act_order: bool = True, damp: float = DAMP, bias_correction: bool = False,
-    selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
-    exclude: Sequence[str] = (), progress: bool = False, calibration_fp: Sequence[torch.Tensor] | None = None,
+    selection: Iterable[Batch] | None = None, known: KnownOutputs | None = None,
+    exclude: Sequence[str] = (), progress: bool = False,
 ) -> tuple[BaselineChoice, SearchTrace]:
     """The searched assignment or the start, whichever has the least KL on ``selection`` (else
     ``batches``); the search runs on the first ``search_inputs`` inputs of ``batches``.
@@ -295,8 +296,7 @@ def anneal_select(
         return baseline_result(model, layers, weights, alloc, table, exclude)
 
     cands = {"annealed": lambda: build(trace.best), "start": lambda: build(trace.start)}
-    choice = select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp,
-                             progress)
+    choice = select_variants(cands, model, stats, batches, bias_correction, selection, known, progress)
     return choice, trace
 
 
@@ -328,12 +328,12 @@ def anneal_method(model: nn.Module, config: AnnealConfig, budget: float, inputs:
     """The annealing search from ``inputs.stats`` (else computed) on the calibration batches,
     its result against the start chosen on ``inputs.selection``; ``details`` add the search's
     ``start_kl``, ``search_kl`` and ``accepted``."""
-    batches, stats, calibration_fp = stats_of(model, inputs, "the annealing search", config.progress)
+    batches, stats, known = stats_of(model, inputs, "the annealing search", config.progress)
     choice, trace = anneal_select(
         model, stats, batches, budget, config.quant, steps=config.steps, search_inputs=config.search_inputs,
         t_start=config.t_start, t_end=config.t_end, seed=config.seed, bias_correction=config.bias_correction,
-        selection=inputs.selection, reference=inputs.reference, exclude=tuple(inputs.exclude),
-        progress=config.progress, calibration_fp=calibration_fp)
+        selection=inputs.selection, known=known, exclude=tuple(inputs.exclude),
+        progress=config.progress)
     out = choice_outcome(choice, inputs)
     details = dict(out.details, start_kl=trace.start_kl, search_kl=trace.best_kl, accepted=trace.accepted)
     return Outcome(out.result, details, out.read)

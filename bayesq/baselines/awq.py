@@ -43,6 +43,7 @@ from bayesq.baselines.select import (
 from bayesq.blocks import LayerBlocks, checked_layers
 from bayesq.canonical import on_canonical
 from bayesq.config import Granularity, QuantConfig
+from bayesq.context import KnownOutputs
 from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch
 from bayesq.grids import minmax_grids
@@ -222,17 +223,17 @@ def awq_select(
     model: nn.Module, stats: dict[str, InputStats], batches: Iterable[Batch], budget: float,
     cfg: QuantConfig = QuantConfig(), *, granularity: Granularity = Granularity.GROUP,
     group_sizes: Sequence[int] = GROUP_SIZES, grid: int = GRID, bias_correction: bool = False,
-    selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
+    selection: Iterable[Batch] | None = None, known: KnownOutputs | None = None,
     exclude: Sequence[str] = (), scales: ScaleRule | None = None, method: str = "AWQ",
-    calibration_fp: Sequence[torch.Tensor] | None = None, progress: bool = False,
+    progress: bool = False,
 ) -> BaselineChoice:
     """The AWQ variant of :func:`awq_candidates` with the least mean calibration
     ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from); ``bias_correction``:
     each variant also in its bias-corrected form (:func:`bayesq.baselines.select.select_best`).
     ``selection``: inputs held out of ``batches`` to score the variants on instead (the
-    bias correction is still fitted on ``batches``). ``reference``: the FP model's log-probabilities
-    on the scored inputs, when the caller already has them (:func:`select_best`), and
-    ``calibration_fp`` its logits on ``batches`` (the offset's fit). ``scales``,
+    bias correction is still fitted on ``batches``). ``known``: the FP model's outputs the caller
+    has (its log-probabilities on the scored inputs, its logits on ``batches``: the offset's fit;
+    :class:`bayesq.context.KnownOutputs`). ``scales``,
     ``method``, ``progress``: as :func:`awq_candidates` (``progress``: also bars over the variants
     and the scoring passes, :func:`bayesq.baselines.select.select_best`).
 
@@ -241,8 +242,7 @@ def awq_select(
     """
     cands = awq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes, grid=grid,
                            exclude=exclude, scales=scales, method=method, progress=progress)
-    return select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp,
-                           progress)
+    return select_variants(cands, model, stats, batches, bias_correction, selection, known, progress)
 
 
 @dataclass(frozen=True)
@@ -264,13 +264,13 @@ class AWQConfig:
 def awq_method(model: nn.Module, config: AWQConfig, budget: float, inputs: Inputs) -> Outcome:
     """AWQ from ``inputs.stats`` (else computed from the calibration batches), selection as
     :func:`bayesq.baselines.gptq.gptq_method` (no allocation variant)."""
-    batches, stats, calibration_fp = stats_of(model, inputs, "AWQ", config.progress)
+    batches, stats, known = stats_of(model, inputs, "AWQ", config.progress)
     exclude = tuple(inputs.exclude)
     if not config.select:
         return mixed_outcome(awq_quantize(model, stats, budget, config.quant, granularity=config.granularity,
                                           grid=config.grid, exclude=exclude, progress=config.progress), inputs)
     choice = awq_select(model, stats, batches, budget, config.quant, granularity=config.granularity,
                         group_sizes=config.group_sizes, grid=config.grid, bias_correction=config.bias_correction,
-                        selection=inputs.selection, reference=inputs.reference, exclude=exclude,
-                        calibration_fp=calibration_fp, progress=config.progress)
+                        selection=inputs.selection, known=known, exclude=exclude,
+                        progress=config.progress)
     return choice_outcome(choice, inputs)

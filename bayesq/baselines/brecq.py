@@ -40,8 +40,8 @@ objects (a ``*Cache`` instance: replaced by None, so that replaying a call does 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
 import inspect
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch

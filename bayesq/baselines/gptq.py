@@ -35,11 +35,12 @@ from bayesq.assignment import allocate
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.select import (
     GROUP_SIZES, BaselineChoice, baseline_blocks, cheapest_bits, check_feasible, choice_outcome, given_allocation,
-    mixed_min_bits, mixed_outcome, select_variants, stats_of, uniform_variants
+    mixed_min_bits, mixed_outcome, select_variants, stats_of, uniform_variants,
 )
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
 from bayesq.config import Granularity, QuantConfig, Rounding
+from bayesq.context import KnownOutputs
 from bayesq.error_feedback import LazyMetrics, damped_metric, damped_metrics
 from bayesq.expected_loss import LossTable, rtn_table
 from bayesq.forward import Batch
@@ -221,18 +222,18 @@ def gptq_select(
     cfg: QuantConfig = QuantConfig(), *, granularity: Granularity = Granularity.GROUP,
     group_sizes: Sequence[int] = GROUP_SIZES, allocation: Mapping[str, Sequence[int]] | None = None,
     act_order: bool = True, damp: float = DAMP, bias_correction: bool = False,
-    selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
+    selection: Iterable[Batch] | None = None, known: KnownOutputs | None = None,
     exclude: Sequence[str] = (), rounding: LayerRounding | None = None,
-    calibration_fp: Sequence[torch.Tensor] | None = None, progress: bool = False,
+    progress: bool = False,
 ) -> BaselineChoice:
     """The GPTQ variant of :func:`gptq_candidates` with the least mean calibration
     ``KL(p_FP || p_Q)`` on ``batches`` (the inputs ``stats`` come from); ``bias_correction``:
     each variant also in its bias-corrected form, and the kept one's output offset refitted on
     ``batches`` and ``selection`` (:func:`bayesq.baselines.select.select_best`).
     ``selection``: inputs held out of ``batches`` to score the variants on instead (the
-    bias correction is still fitted on ``batches``). ``reference``: the FP model's log-probabilities
-    on the scored inputs, when the caller already has them (:func:`select_best`), and
-    ``calibration_fp`` its logits on ``batches`` (the offset's fit). ``rounding``: as
+    bias correction is still fitted on ``batches``). ``known``: the FP model's outputs the caller
+    has (its log-probabilities on the scored inputs, its logits on ``batches``: the offset's fit;
+    :class:`bayesq.context.KnownOutputs`). ``rounding``: as
     :func:`gptq_quantize`. ``progress``: a bar over the variants, the layers each encodes and the
     scoring passes (:func:`select_best`).
 
@@ -242,8 +243,7 @@ def gptq_select(
     cands = gptq_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes,
                             allocation=allocation, act_order=act_order, damp=damp, exclude=exclude, rounding=rounding,
                             progress=progress)
-    return select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp,
-                           progress)
+    return select_variants(cands, model, stats, batches, bias_correction, selection, known, progress)
 
 
 @dataclass(frozen=True)
@@ -267,7 +267,7 @@ class GPTQConfig:
 def gptq_method(model: nn.Module, config: GPTQConfig, budget: float, inputs: Inputs) -> Outcome:
     """GPTQ from ``inputs.stats`` (else computed from the calibration batches); with
     ``config.select``, ``inputs.allocation`` is one more variant and the variants are scored on
-    ``inputs.selection`` (else the calibration batches) against ``inputs.reference`` when given."""
+    ``inputs.selection`` (else the calibration batches) against ``inputs.known``'s log-probabilities when given."""
     return grid_method_outcome(model, config, budget, inputs, "GPTQ", act_order=config.act_order, damp=config.damp)
 
 
@@ -275,12 +275,12 @@ def grid_method_outcome(model: nn.Module, config, budget: float, inputs: Inputs,
     """The handler of a method on GPTQ's grids and variants (GPTQ, AdaRound): ``config``'s
     ``select``, ``granularity``, ``quant``, ``group_sizes``, ``bias_correction`` and ``progress`` as
     in :class:`GPTQConfig`; ``opts`` go to :func:`gptq_quantize` / :func:`gptq_select`."""
-    batches, stats, calibration_fp = stats_of(model, inputs, method, config.progress)
+    batches, stats, known = stats_of(model, inputs, method, config.progress)
     opts.update(exclude=tuple(inputs.exclude), progress=config.progress)
     if not config.select:
         return mixed_outcome(gptq_quantize(model, stats, config.granularity, budget, config.quant, **opts), inputs)
     choice = gptq_select(model, stats, batches, budget, config.quant, granularity=config.granularity,
                          group_sizes=config.group_sizes, allocation=inputs.allocation,
                          bias_correction=config.bias_correction, selection=inputs.selection,
-                         reference=inputs.reference, calibration_fp=calibration_fp, **opts)
+                         known=known, **opts)
     return choice_outcome(choice, inputs)

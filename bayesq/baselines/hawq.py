@@ -14,8 +14,8 @@ knapsack on ``Omega`` under the same budget and the same exact storage accountin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import math
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch

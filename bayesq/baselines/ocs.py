@@ -46,6 +46,7 @@ from bayesq.baselines.select import (
 from bayesq.blocks import checked_layers, tied_layers
 from bayesq.canonical import on_canonical
 from bayesq.config import Granularity, QuantConfig
+from bayesq.context import KnownOutputs
 from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch
 from bayesq.methods import Inputs, Outcome, register
@@ -278,8 +279,8 @@ def ocs_select(
     cfg: QuantConfig = QuantConfig(), *, granularity: Granularity = Granularity.GROUP,
     group_sizes: Sequence[int] = GROUP_SIZES, expand_ratios: Sequence[float] = EXPAND_RATIOS,
     act_order: bool = True, damp: float = DAMP, bias_correction: bool = False,
-    selection: Sequence[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
-    exclude: Sequence[str] = (), calibration_fp: Sequence[torch.Tensor] | None = None, progress: bool = False,
+    selection: Sequence[Batch] | None = None, known: KnownOutputs | None = None,
+    exclude: Sequence[str] = (), progress: bool = False,
 ) -> BaselineChoice:
     """The OCS variant of :func:`ocs_candidates` with the least mean ``KL(p_FP || p_Q)`` on
     ``selection`` (else ``batches``), each also bias-corrected with ``bias_correction`` (fitted on
@@ -288,8 +289,7 @@ def ocs_select(
     cands = ocs_candidates(model, stats, budget, cfg, granularity=granularity, group_sizes=group_sizes,
                            expand_ratios=expand_ratios, act_order=act_order, damp=damp, exclude=exclude,
                            progress=progress)
-    return select_variants(cands, model, stats, batches, bias_correction, selection, reference, calibration_fp,
-                           progress)
+    return select_variants(cands, model, stats, batches, bias_correction, selection, known, progress)
 
 
 @dataclass(frozen=True)
@@ -320,7 +320,7 @@ class OCSConfig:
 def ocs_method(model: nn.Module, config: OCSConfig, budget: float, inputs: Inputs) -> Outcome:
     """OCS from ``inputs.stats`` (else computed from the calibration batches); ``details`` as
     GPTQ's (its ``variant`` names the expand ratio) plus ``unsplit``: layer -> why it was not split."""
-    batches, stats, calibration_fp = stats_of(model, inputs, "OCS", config.progress)
+    batches, stats, known = stats_of(model, inputs, "OCS", config.progress)
     exclude = tuple(inputs.exclude)
     opts = dict(granularity=config.granularity, group_sizes=config.group_sizes, act_order=config.act_order,
                 damp=config.damp, exclude=exclude, progress=config.progress)
@@ -330,8 +330,7 @@ def ocs_method(model: nn.Module, config: OCSConfig, budget: float, inputs: Input
     else:
         outcome = choice_outcome(ocs_select(model, stats, batches, budget, config.quant,
                                             expand_ratios=config.expand_ratios, selection=inputs.selection,
-                                            bias_correction=config.bias_correction, reference=inputs.reference,
-                                            calibration_fp=calibration_fp, **opts), inputs)
+                                            bias_correction=config.bias_correction, known=known, **opts), inputs)
     return replace(outcome, details={**outcome.details, "unsplit": unsplit_layers(model, exclude=exclude)})
 
 

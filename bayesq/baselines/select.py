@@ -48,7 +48,8 @@ from bayesq.bias_correction import BiasCorrection
 from bayesq.blocks import LayerBlocks, layer_blocks
 from bayesq.comparison import paired_difference
 from bayesq.config import Granularity, QuantConfig, Target
-from bayesq.evaluation import kl_per_input, reference_log_probs
+from bayesq.context import FPOutputs, KnownOutputs
+from bayesq.evaluation import kl_per_input
 from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch, pass_logits
 from bayesq.grids import UniformGrids
@@ -272,10 +273,8 @@ def corrected(result: QuantizationResult, model: nn.Module, correction: BiasCorr
 
 
 def select_best(
-    candidates: Mapping[str, Callable[[], QuantizationResult]], model: nn.Module, batches: Iterable[Batch],
-    correction: BiasCorrection | None = None, reference: Sequence[torch.Tensor] | None = None,
-    calibration: Sequence[Batch] | None = None, held_out: bool = False,
-    calibration_fp: Sequence[torch.Tensor] | None = None, progress: bool = False,
+    candidates: Mapping[str, Callable[[], QuantizationResult]], model: nn.Module, fp: FPOutputs,
+    correction: BiasCorrection | None = None, progress: bool = False,
 ) -> BaselineChoice:
     """Build every candidate in turn and keep the one with the least mean calibration KL.
 
@@ -293,23 +292,17 @@ def select_best(
             (:func:`bayesq.result.baseline_result`): only the best candidate's weights are kept
             while the others are built and scored, and its model is made again at the end.
         model: the full-precision model (the KL's reference).
-        batches: the inputs the candidates are scored on (the calibration inputs, or inputs
-            held out of them).
+        fp: its outputs (:class:`bayesq.context.FPOutputs`): ``fp.scored`` are the inputs the
+            candidates are scored on (the calibration inputs, or inputs held out of them), against
+            its log-probabilities there (computed once when not known: one pass shared by callers
+            that score several selections on the same inputs). With ``fp.calibration``, the kept
+            candidate's output-layer bias is then refitted on those inputs so that its mean
+            prediction is the FP model's (:mod:`bayesq.output_offset`; the result's
+            ``output_offset``), as BayesQ's default does (callers give them with the bias
+            correction); with ``fp.held_out`` on both, the two models' log-probabilities on the
+            scored inputs taken from the scoring (no further forward pass over them).
         correction: given, each candidate is also scored with it applied (:func:`corrected`),
             named ``<variant>+bc``.
-        reference: the full-precision model's log-probabilities on ``batches``
-            (:func:`bayesq.evaluation.reference_log_probs`; computed here when None): one pass
-            shared by callers that score several selections on the same inputs.
-        calibration: given, the kept candidate's output-layer bias is then refitted on these
-            inputs so that its mean prediction is the FP model's (:mod:`bayesq.output_offset`;
-            the result's ``output_offset``), as BayesQ's default does; callers pass it with the
-            bias correction.
-        held_out: ``batches`` are inputs held out of ``calibration``: the offset is fitted on
-            both, with the two models' log-probabilities on ``batches`` from the scoring (no
-            further forward pass over them).
-        calibration_fp: the full-precision model's logits on ``calibration``, one (B, C) tensor
-            per batch, when the caller has them (:class:`bayesq.methods.Inputs`): the offset's
-            fit reads them instead of a forward pass.
         progress: a bar over the candidates (the one under way as its postfix) and over each pass's batches.
 
     Raises:
@@ -317,11 +310,10 @@ def select_best(
     """
     if not candidates:
         raise ValueError("no candidate to select from: the budget is infeasible for every variant")
-    batches = list(batches)
+    batches = fp.scored or []
     if not batches:
         raise ValueError("empty calibration set: the selection scores candidates on calibration (or held-out) inputs")
-    if reference is None:
-        reference = reference_log_probs(model, batches, "FP on the scored inputs" if progress else None)
+    reference = fp.log_probs(desc="FP on the scored inputs" if progress else None)
     first = selection_looks(batches)
     kl, bits, inputs = {}, {}, {}
     best, best_kl, best_losses, best_logits = None, math.inf, None, None
@@ -346,9 +338,9 @@ def select_best(
         del res
     label, kept = best
     qmodel, offset = quantized_copy(model, kept.weights, kept.correction), None
-    if calibration:
-        held = dict(selection=batches, selection_fp=reference, selection_q=best_logits) if held_out else {}
-        offset = fit_output_offset(model, qmodel, calibration, progress, calibration_fp=calibration_fp, **held)
+    if fp.calibration:
+        held = dict(selection=batches, scored_q=best_logits) if fp.held_out else {}
+        offset = fit_output_offset(model, qmodel, fp.calibration, progress, fp=fp, **held)
         offset.apply(qmodel)
     return BaselineChoice(replace(kept, model=qmodel, output_offset=offset), label, kl, bits, inputs)
 
@@ -371,19 +363,18 @@ def _scored(qmodel: nn.Module, reference: Sequence[torch.Tensor], batches: list[
 def select_variants(
     candidates: Mapping[str, Callable[[], QuantizationResult]], model: nn.Module,
     stats: Mapping[str, InputStats], batches: Iterable[Batch], bias_correction: bool = False,
-    selection: Iterable[Batch] | None = None, reference: Sequence[torch.Tensor] | None = None,
-    calibration_fp: Sequence[torch.Tensor] | None = None, progress: bool = False,
+    selection: Iterable[Batch] | None = None, known: KnownOutputs | None = None, progress: bool = False,
 ) -> BaselineChoice:
     """:func:`select_best` as the statistics-reading baselines' ``*_select`` functions call it:
     the candidates scored on ``selection`` (inputs held out of ``batches``; None: on ``batches``,
     the calibration inputs ``stats`` come from); with ``bias_correction`` each also in its form
     corrected by :func:`stats_correction`, and the kept one's output offset fitted on ``batches``
-    (and ``selection``). ``reference`` / ``calibration_fp`` / ``progress``: as :func:`select_best`."""
+    (and ``selection``), reading the FP outputs the caller has (``known``)."""
     batches = list(batches)  # read by the correction's target search and by the selection
     correction = stats_correction(model, stats, batches) if bias_correction else None
-    return select_best(candidates, model, batches if selection is None else selection, correction, reference,
-                       batches if bias_correction else None, held_out=selection is not None,
-                       calibration_fp=calibration_fp, progress=progress)
+    fp = FPOutputs(model, batches if selection is None else selection, batches if bias_correction else None,
+                   held_out=selection is not None, known=known)
+    return select_best(candidates, model, fp, correction, progress=progress)
 
 
 def _resolved_worse(losses: torch.Tensor, best: torch.Tensor) -> bool:
@@ -397,23 +388,24 @@ def _resolved_worse(losses: torch.Tensor, best: torch.Tensor) -> bool:
 
 
 def stats_of(model: nn.Module, inputs: Inputs, method: str, progress: bool = False
-             ) -> tuple[list[Batch], Mapping[str, InputStats], Sequence[torch.Tensor] | None]:
-    """(calibration batches, layer-input statistics, the FP model's logits on those batches) a
-    statistics-reading baseline's handler works from: ``inputs.stats`` when given, else
-    :func:`input_stats` on the calibration batches (``progress``: a bar over them); the logits
-    are ``inputs.calibration_fp`` when given, else those of the statistics pass (float32, one
-    (B, C) tensor per batch: what :func:`bayesq.evaluation.predict` gives, so the output
-    offset's fit need not run the FP model again), None when neither has them (per-token logits,
-    or statistics given without logits)."""
+             ) -> tuple[list[Batch], Mapping[str, InputStats], KnownOutputs]:
+    """(calibration batches, layer-input statistics, the FP outputs known) a statistics-reading
+    baseline's handler works from: ``inputs.stats`` when given, else :func:`input_stats` on the
+    calibration batches (``progress``: a bar over them); the known outputs are ``inputs.known``'s,
+    with the FP logits on the calibration batches those of the statistics pass when not given
+    (float32, one (B, C) tensor per batch: what :func:`bayesq.evaluation.predict` gives, so the
+    output offset's fit need not run the FP model again; None for per-token logits, or
+    statistics given without logits)."""
     batches = inputs.need_calibration(method)
+    known = inputs.known or KnownOutputs()
     if inputs.stats is not None:
-        return batches, inputs.stats, inputs.calibration_fp
+        return batches, inputs.stats, known
     outputs: list[torch.Tensor | None] = []
     stats = input_stats(model, batches, exclude=tuple(inputs.exclude), progress=progress, logits=outputs)
-    if inputs.calibration_fp is not None:
-        return batches, stats, inputs.calibration_fp
+    if known.logits is not None:
+        return batches, stats, known
     fp = pass_logits(outputs, batches)
-    return batches, stats, None if fp is None else [z.float() for z in fp]
+    return batches, stats, replace(known, logits=None if fp is None else [z.float() for z in fp])
 
 
 def choice_outcome(choice: BaselineChoice, inputs: Inputs) -> Outcome:
@@ -423,7 +415,7 @@ def choice_outcome(choice: BaselineChoice, inputs: Inputs) -> Outcome:
                "variant_inputs": dict(choice.inputs)}
     fitted = choice.result.output_offset is not None and choice.result.output_offset.fitted
     return Outcome(choice.result, details,
-                   read(inputs, "stats", "reference") | (read(inputs, "calibration_fp") if fitted else frozenset()))
+                   read(inputs, "stats", "log_probs") | (read(inputs, "logits") if fitted else frozenset()))
 
 
 def mixed_outcome(result: QuantizationResult, inputs: Inputs) -> Outcome:

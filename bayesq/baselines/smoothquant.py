@@ -86,7 +86,7 @@ class SmoothQuantConfig:
 def smoothquant_method(model: nn.Module, config: SmoothQuantConfig, budget: float, inputs: Inputs) -> Outcome:
     """SmoothQuant from ``inputs.stats`` (else computed from the calibration batches), selection
     as :func:`bayesq.baselines.awq.awq_method`."""
-    batches, stats, calibration_fp = stats_of(model, inputs, "SmoothQuant", config.progress)
+    batches, stats, known = stats_of(model, inputs, "SmoothQuant", config.progress)
     rule = partial(smooth_scales, alpha=float(config.alpha))
     exclude = tuple(inputs.exclude)
     if not config.select:
@@ -94,6 +94,6 @@ def smoothquant_method(model: nn.Module, config: SmoothQuantConfig, budget: floa
                                           exclude=exclude, scales=rule, progress=config.progress), inputs)
     choice = awq_select(model, stats, batches, budget, config.quant, granularity=config.granularity,
                         group_sizes=config.group_sizes, bias_correction=config.bias_correction,
-                        selection=inputs.selection, reference=inputs.reference, exclude=exclude, scales=rule,
-                        method="SmoothQuant", calibration_fp=calibration_fp, progress=config.progress)
+                        selection=inputs.selection, known=known, exclude=exclude, scales=rule,
+                        method="SmoothQuant", progress=config.progress)
     return choice_outcome(choice, inputs)

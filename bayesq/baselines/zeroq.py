@@ -30,8 +30,8 @@ calibration inputs only the first batch's shape, dtype and keys are read, never 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
 import math
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 import torch
