@@ -433,7 +433,7 @@ def coordinate_descent(
         dtype: what ``D H`` and the grid values are kept in. float32 halves the time (the products
             and the column updates); it differs from float64 only where two levels are within
             float32 rounding of a tie (BERT-base's and MiniLM's layers: 3 codes in 100,000 moved,
-            the summed cost within 2e-6 either way; ``benchmarks/cd_dtype.py``).
+            the summed cost within 2e-6 either way; ``benchmarks/cd_dtype.py`` at 2423b3a, docs/findings.md).
 
     Returns:
         (out, d_in) int64 codes.

@@ -46,7 +46,9 @@ def group_grid(lb: LayerBlocks, group_bits: torch.Tensor, books: Mapping[int, Bo
 ENCODE_ROW_ELEMENTS = 1 << 21  # weights per error-feedback call on a layer with one column metric
 
 
-CD_DTYPE = torch.float32  # coordinate descent's D H: half float64's time, the same cost to 2e-6 (benchmarks/cd_dtype.py)
+# coordinate descent's D H: half float64's time, the same cost to 2e-6 (docs/findings.md; benchmarks/cd_dtype.py
+# at 2423b3a)
+CD_DTYPE = torch.float32
 
 
 def row_chunks(n_out: int, d_in: int, metric: torch.Tensor, copies: int = 1) -> list[slice]:
@@ -65,8 +67,9 @@ def row_chunks(n_out: int, d_in: int, metric: torch.Tensor, copies: int = 1) -> 
 def _refit_books(lb: LayerBlocks, W: torch.Tensor, codes: torch.Tensor, group_bits: torch.Tensor, books: dict,
                  metric: torch.Tensor, scale_bits: int) -> dict:
     """``books`` with each group's scale refitted to its (out, d_in) codes (``refit.refit_scales``);
-    ``W``: the (out, d_in) weight in its own dtype, widened to float64 where read. When every row holds whole groups, the rows' normal equations are built in :func:`row_chunks`
-    (``refit.refit_rows``: the same scales, float64 working copies the size of a chunk)."""
+    ``W``: the (out, d_in) weight in its own dtype, widened to float64 where read. When every row
+    holds whole groups, the rows' normal equations are built in :func:`row_chunks` (``refit.refit_rows``:
+    the same scales, float64 working copies the size of a chunk)."""
     scale, zero, _ = group_grid(lb, group_bits, books)
     metric = metric.double()
     refit = None

@@ -345,17 +345,17 @@ def select_best(
     return BaselineChoice(replace(kept, model=qmodel, output_offset=offset), label, kl, bits, inputs)
 
 
-def _scored(qmodel: nn.Module, reference: Sequence[torch.Tensor], batches: list[Batch], first: int,
+def _scored(qmodel: nn.Module, fp_log_probs: Sequence[torch.Tensor], batches: list[Batch], first: int,
             best_losses: torch.Tensor | None, desc: str | None) -> tuple[torch.Tensor, list, bool]:
     """One candidate's per-input KL in :func:`select_best`'s two looks: (its KL on the inputs it was
     scored on, its (B, C) float32 logits per batch scored, whether it was dropped after the first
     look as resolved worse than ``best_losses``)."""
     logits = []  # the output offset's fit reads the kept one's
-    losses = kl_per_input(reference[:first], qmodel, batches[:first], desc, logits=logits)
+    losses = kl_per_input(fp_log_probs[:first], qmodel, batches[:first], desc, logits=logits)
     if first < len(batches) and best_losses is not None and _resolved_worse(losses, best_losses[:len(losses)]):
         return losses, logits, True
     if first < len(batches):
-        rest = kl_per_input(reference[first:], qmodel, batches[first:], desc, logits=logits)
+        rest = kl_per_input(fp_log_probs[first:], qmodel, batches[first:], desc, logits=logits)
         losses = torch.cat([losses, rest])
     return losses, logits, False
 

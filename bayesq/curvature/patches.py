@@ -136,7 +136,7 @@ def squared_grad_sum(mod: nn.Module, a: torch.Tensor, g: torch.Tensor, rows: tor
     one input) and an ``out`` in the inputs' dtype (contiguous), its square goes straight into it
     (``addcmul``: ``out += grad * grad``, no square or batch-sum temporaries; the CPU's fused
     multiply-add rounds once where forming the square and adding it rounds twice, so the sums
-    differ in the last bits; ``benchmarks/squares.py``). Several examples or a wider ``out``:
+    differ in the last bits; ``benchmarks/squares.py`` at 2423b3a). Several examples or a wider ``out``:
     their sum as without ``out``, added with :func:`add_widened`.
     """
     if rows is None:
