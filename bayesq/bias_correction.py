@@ -109,11 +109,11 @@ class BiasCorrection:
         targets, skipped = {}, {}
         for name, mod in layers.items():
             if mod.bias is not None:
-                targets[name] = f"{name}.bias"
+                targets[name] = _key(name, "bias")
                 continue
             found = readers[name]
             if len(found) == 1 and _is_running_norm(model.get_submodule(found[0])):
-                targets[name] = f"{found[0]}.running_mean"
+                targets[name] = _key(found[0], "running_mean")
             elif len(found) > 1:
                 skipped[name] = f"its output is read by {len(found)} modules ({', '.join(found[:3])})"
             else:
@@ -130,3 +130,8 @@ class BiasCorrection:
                 shift = output_shift(model.get_submodule(name).weight, q, self.means[name])
                 t = state[key]
                 t.add_(shift.to(t.dtype), alpha=-1.0 if key.endswith("running_mean") else 1.0)
+
+
+def _key(module: str, leaf: str) -> str:
+    """The state-dict key of ``module``'s ``leaf`` tensor (the root module's has no prefix)."""
+    return f"{module}.{leaf}" if module else leaf

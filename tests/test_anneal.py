@@ -75,7 +75,8 @@ def test_anneal_method_meets_the_budget_and_reports_the_search():
     sel = _model_and_inputs(seed=5)[1]
     out = quantize_with(model, AnnealConfig(Q, steps=40, progress=False), 4.0, Inputs(calibration=cal, selection=sel))
     assert out.result.average_bits <= 4.0
-    assert set(out.details["variant_kl"]) == {"annealed", "start"} and out.details["variant"] in ("annealed", "start")
+    kinds = {"annealed", "start", "annealed+bc", "start+bc"}  # bias correction offered by default
+    assert set(out.details["variant_kl"]) == kinds and out.details["variant"] in kinds
     assert out.details["search_kl"] <= out.details["start_kl"]
     for name, q in out.result.weights.items():  # one width per layer
         assert len(set(out.result.allocation.unit_bits[name])) == 1

@@ -102,6 +102,22 @@ def test_apply_restores_mean_output_and_lowers_error_by_shift_squared():
     torch.testing.assert_close(drop, shift.detach() ** 2, rtol=1e-9, atol=1e-12)
 
 
+def test_apply_on_a_model_that_is_one_linear_layer_vs_mean_output():
+    """The quantised layer may be the model itself (module name ""): its bias is the target, and
+    the corrected mean output is the full-precision one."""
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 4).double()
+    batches = _batches((5, 6))
+    stats = input_stats(lin, batches, {"": lin})
+    corr = bias_correction(lin, stats, batches)
+    assert corr.targets == {"": "bias"}
+    fixed = _copy_with(lin, {"": _rounded(lin.weight.detach())})
+    corr.apply(fixed, lin)
+    x = torch.cat(batches)
+    with torch.no_grad():
+        torch.testing.assert_close(fixed(x).mean(0), lin(x).mean(0), rtol=1e-10, atol=1e-12)
+
+
 def _copy_with(net, weights):
     import copy
 

@@ -80,12 +80,13 @@ def test_quantize_with_every_method_meets_the_budget_and_leaves_the_model(config
 
 
 def test_gptq_method_vs_gptq_select():
-    """The handler is gptq_select on the given statistics, and says it read them."""
+    """The handler is gptq_select on the given statistics (bias correction offered: the default, as
+    the pipeline's row), and says it read them."""
     model, batches, sel = _model(), _batches(), _batches(2, seed=2)
     stats = input_stats(model, batches, quantizable_layers(model))
     out = quantize_with(model, GPTQConfig(Q, group_sizes=(32,)), 3.0, Inputs(calibration=batches, selection=sel,
                                                                              stats=stats))
-    want = gptq_select(model, stats, batches, 3.0, Q, group_sizes=(32,), selection=sel)
+    want = gptq_select(model, stats, batches, 3.0, Q, group_sizes=(32,), selection=sel, bias_correction=True)
     assert out.details["variant"] == want.variant and out.details["variant_kl"] == want.kl
     assert out.read == {"stats"}
     for name, qw in want.result.weights.items():

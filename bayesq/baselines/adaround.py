@@ -167,7 +167,7 @@ class AdaRoundConfig:
     granularity: Granularity = Granularity.GROUP
     select: bool = True
     group_sizes: tuple[int, ...] = GROUP_SIZES
-    bias_correction: bool = False
+    bias_correction: bool = True
     iters: int = 10000
     lam: float = 0.01
     beta: tuple[float, float] = (20.0, 2.0)

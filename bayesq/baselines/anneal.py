@@ -311,7 +311,7 @@ class AnnealConfig:
     t_start: float = 0.05
     t_end: float = 0.001
     seed: int = 0
-    bias_correction: bool = False
+    bias_correction: bool = True
     progress: bool = True
 
     def __post_init__(self) -> None:

@@ -256,7 +256,7 @@ class AWQConfig:
     select: bool = True
     group_sizes: tuple[int, ...] = GROUP_SIZES
     grid: int = GRID
-    bias_correction: bool = False
+    bias_correction: bool = True
     progress: bool = True
 
 

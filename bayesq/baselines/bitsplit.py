@@ -191,7 +191,7 @@ class BitSplitConfig:
     granularity: Granularity = Granularity.GROUP
     select: bool = True
     group_sizes: tuple[int, ...] = GROUP_SIZES
-    bias_correction: bool = False
+    bias_correction: bool = True
     epochs: int = 100
     progress: bool = True
 

@@ -125,7 +125,7 @@ class DoReFaConfig:
     granularity: Granularity = Granularity.GROUP
     select: bool = True
     group_sizes: tuple[int, ...] = GROUP_SIZES
-    bias_correction: bool = False
+    bias_correction: bool = True
     iters: int = 10000
     lr: float = 2e-4
     progress: bool = True

@@ -259,7 +259,7 @@ class GPTQConfig:
     group_sizes: tuple[int, ...] = GROUP_SIZES
     act_order: bool = True
     damp: float = DAMP
-    bias_correction: bool = False
+    bias_correction: bool = True
     progress: bool = True
 
 

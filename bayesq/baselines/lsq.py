@@ -226,7 +226,7 @@ class LSQConfig:
     granularity: Granularity = Granularity.GROUP
     select: bool = True
     group_sizes: tuple[int, ...] = GROUP_SIZES
-    bias_correction: bool = False
+    bias_correction: bool = True
     offset: bool = False
     iters: int = 10000
     lr: float | None = None

@@ -306,7 +306,7 @@ class OCSConfig:
     expand_ratios: tuple[float, ...] = EXPAND_RATIOS
     act_order: bool = True
     damp: float = DAMP
-    bias_correction: bool = False
+    bias_correction: bool = True
     progress: bool = True
 
     def __post_init__(self) -> None:

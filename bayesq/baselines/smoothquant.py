@@ -73,7 +73,7 @@ class SmoothQuantConfig:
     select: bool = True
     group_sizes: tuple[int, ...] = GROUP_SIZES
     alpha: float = ALPHA
-    bias_correction: bool = False
+    bias_correction: bool = True
     progress: bool = True
 
     def __post_init__(self) -> None:
