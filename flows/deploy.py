@@ -46,9 +46,9 @@ from flows.byo import load_examples, max_logit_diff, relabelled, save_examples, 
 from flows.common import CACHE, code_version, digest, parser, read_params, write_json
 from flows.configs import method_config
 from flows.finetune import load_model, raw_path
+from flows.labels import ci_text
 from flows.lineage import export_lineage, input_lineage, row_metadata
 from flows.prepare import calibration_batches, selection_batches
-from flows.report.paired import ci_text
 from flows.stage_params import deploy_peer
 from flows.tracking import flow_run_namer, log_export, mlflow_child, mlflow_parent, row_params, say, write_run_file
 

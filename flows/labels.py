@@ -1,5 +1,5 @@
-"""Display names shared by the report modules: each layer's family (each method's label is its
-registry entry's, :data:`flows.methods.METHOD_LABEL`)."""
+"""Display names and formats shared by the report modules and the stages: each layer's family, a
+paired interval as text (each method's label is its registry entry's, :data:`flows.methods.METHOD_LABEL`)."""
 
 from __future__ import annotations
 
@@ -20,3 +20,9 @@ def layer_kind(name: str) -> str:
         if key in name:
             return kind
     return name.rsplit(".", 1)[-1]
+
+
+def ci_text(row: dict, fmt: str) -> str:
+    """``diff [low, high]`` in ``fmt``, with * when the interval excludes 0."""
+    resolved = "*" if row["ci_low"] > 0 or row["ci_high"] < 0 else ""
+    return f"{row['diff']:{fmt}} [{row['ci_low']:{fmt}}, {row['ci_high']:{fmt}}]{resolved}"

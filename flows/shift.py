@@ -42,10 +42,10 @@ from bayesq.tensorfile import save_tensors
 from flows.common import CACHE, code_version, digest, parser, read_params, write_json
 from flows.configs import method_config
 from flows.finetune import load_model, raw_path
+from flows.labels import ci_text
 from flows.methods import SHIFT_METHODS, Method
 from flows.params import ablation_params
 from flows.prepare import calibration_batches, selection_batches
-from flows.report.paired import ci_text
 from flows.robustness import DOMAIN_SEED, domain_split, read_tensors
 from flows.stage_params import ShiftCase
 from flows.tracking import flow_run_namer, mlflow_child, mlflow_parent, row_params, say, write_run_file
@@ -202,7 +202,7 @@ def _paired(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str,
 
 
 def _interval(d: dict[str, float] | None, fmt: str) -> str:
-    """:func:`flows.report.paired.ci_text` of a paired difference; "–" when there is none."""
+    """:func:`flows.labels.ci_text` of a paired difference; "–" when there is none."""
     return ci_text(d, fmt) if d else "–"
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from bayesq.comparison import RESAMPLES, SEED, paired_differences
 from flows.common import read_json
-from flows.labels import layer_kind
-from flows.report.paired import PAIRED_METRICS, ci_text, example_file, load_examples
+from flows.labels import ci_text, layer_kind
+from flows.report.paired import PAIRED_METRICS, example_file, load_examples
 from flows.tracking import log_reports
 
 

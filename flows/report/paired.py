@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bayesq.comparison import RESAMPLES, SEED, paired_differences
+from flows.labels import ci_text
 from flows.methods import BASELINES, BAYESQ_ROWS, METHOD_LABEL
 
 PAIRED_METHODS = tuple(m.value for m in BAYESQ_ROWS)  # every BayesQ row ...
@@ -97,12 +98,6 @@ def paired_comparisons(records: list[dict], results_dir: Path, resamples: int | 
     notes = [f"{len(missing)} row(s) have no per-example file (records written before per-example evaluation, "
              f"or the file is gone) and are left out: {shown}."] if missing else []
     return out, notes
-
-
-def ci_text(row: dict, fmt: str) -> str:
-    """``diff [low, high]`` in ``fmt``, with * when the interval excludes 0."""
-    resolved = "*" if row["ci_low"] > 0 or row["ci_high"] < 0 else ""
-    return f"{row['diff']:{fmt}} [{row['ci_low']:{fmt}}, {row['ci_high']:{fmt}}]{resolved}"
 
 
 def paired_table(rows: list[dict], notes: list[str]) -> str:

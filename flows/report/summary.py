@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from flows.labels import ci_text
 from flows.methods import METHOD_LABEL
-from flows.report.paired import PAIRED_BASELINES, ci_text
+from flows.report.paired import PAIRED_BASELINES
 from flows.report.tables import time_ratio
 
 
