@@ -79,7 +79,7 @@ def _entry(name: str, label: str, config: Factory | None = None, sources: tuple[
     return MethodEntry(name, label, config, sources, frozenset(groups))
 
 
-def _selecting(q, b) -> dict:
+def _selecting(b) -> dict:
     """The settings every baseline with a variant selection reads from the ``baselines`` section."""
     return dict(select=b.select, group_sizes=tuple(b.group_sizes), bias_correction=b.bias_correction)
 
@@ -97,48 +97,48 @@ METHODS: tuple[MethodEntry, ...] = (
     _entry("bayesq-brecq", "BayesQ + BRECQ rounding (no bias correction)", None,
            ("bayesq/baselines/brecq.py", "bayesq/baselines/adaround.py"), "bayesq", "shared-prep"),
     _entry("gptq", "GPTQ (best variant, act-order)",
-           lambda q, b, seed: GPTQConfig(q, act_order=b.gptq_act_order, damp=b.gptq_damp, **_selecting(q, b)),
+           lambda q, b, seed: GPTQConfig(q, act_order=b.gptq_act_order, damp=b.gptq_damp, **_selecting(b)),
            (_GPTQ,), *_LEARNED, "shift", "deploy"),
     _entry("optq", "OPTQ (best variant, natural order)",  # GPTQ as first published: natural column order
-           lambda q, b, seed: GPTQConfig(q, act_order=False, damp=b.gptq_damp, **_selecting(q, b)),
+           lambda q, b, seed: GPTQConfig(q, act_order=False, damp=b.gptq_damp, **_selecting(b)),
            (_GPTQ,), *_LEARNED, "shift"),
     _entry("anneal", "Mixed precision by annealing (per layer, GPTQ)",  # one width per layer, annealed on the KL
            lambda q, b, seed: AnnealConfig(q, steps=b.anneal_steps, search_inputs=b.anneal_inputs, seed=seed,
                                            bias_correction=b.bias_correction),
            ("bayesq/baselines/anneal.py", _GPTQ, "bayesq/baselines/brecq.py"), "calibrated"),
     _entry("adaround", "AdaRound (best variant)",
-           lambda q, b, seed: AdaRoundConfig(q, iters=b.adaround_iters, lam=b.adaround_lambda, **_selecting(q, b)),
+           lambda q, b, seed: AdaRoundConfig(q, iters=b.adaround_iters, lam=b.adaround_lambda, **_selecting(b)),
            ("bayesq/baselines/adaround.py", _GPTQ), *_LEARNED),
     _entry("brecq", "BRECQ (best variant)",  # AdaRound's rounding learned per residual block / transformer layer
            lambda q, b, seed: BRECQConfig(q, iters=b.brecq_iters, lam=b.adaround_lambda, seed=seed,
-                                          **_selecting(q, b)),
+                                          **_selecting(b)),
            ("bayesq/baselines/brecq.py", "bayesq/baselines/adaround.py", "bayesq/baselines/lsq.py", _GPTQ),
            *_LEARNED),
     _entry("lsq", "LSQ (best variant)",
-           lambda q, b, seed: LSQConfig(q, iters=b.lsq_iters, lr=b.lsq_lr, **_selecting(q, b)),
+           lambda q, b, seed: LSQConfig(q, iters=b.lsq_iters, lr=b.lsq_lr, **_selecting(b)),
            ("bayesq/baselines/lsq.py", _GPTQ), *_LEARNED),
     _entry("lsq-plus", "LSQ+ (best variant)",  # learned step sizes and offsets (zero-points)
-           lambda q, b, seed: LSQConfig(q, offset=True, iters=b.lsq_iters, lr=b.lsq_lr, **_selecting(q, b)),
+           lambda q, b, seed: LSQConfig(q, offset=True, iters=b.lsq_iters, lr=b.lsq_lr, **_selecting(b)),
            ("bayesq/baselines/lsq.py", _GPTQ), *_LEARNED),
     _entry("pact", "PACT (best variant)",  # LSQ's fit with PACT's gradient (the clipped ends' only)
            lambda q, b, seed: LSQConfig(q, gradient=StepGradient.PACT, iters=b.pact_iters, lr=b.pact_lr,
-                                        **_selecting(q, b)),
+                                        **_selecting(b)),
            ("bayesq/baselines/lsq.py", _GPTQ), *_LEARNED),
     _entry("dorefa", "DoReFa (best variant)",
-           lambda q, b, seed: DoReFaConfig(q, iters=b.dorefa_iters, lr=b.dorefa_lr, **_selecting(q, b)),
+           lambda q, b, seed: DoReFaConfig(q, iters=b.dorefa_iters, lr=b.dorefa_lr, **_selecting(b)),
            ("bayesq/baselines/dorefa.py", _GPTQ), *_LEARNED),
     _entry("bit-split", "Bit-Split (best variant)",
-           lambda q, b, seed: BitSplitConfig(q, epochs=b.bitsplit_epochs, **_selecting(q, b)),
+           lambda q, b, seed: BitSplitConfig(q, epochs=b.bitsplit_epochs, **_selecting(b)),
            ("bayesq/baselines/bitsplit.py", _GPTQ), *_LEARNED),
     _entry("ocs", "OCS + GPTQ (best ratio and variant)",  # channels split, then GPTQ on the expanded layers
            lambda q, b, seed: OCSConfig(q, expand_ratios=tuple(b.ocs_expand_ratios), act_order=b.gptq_act_order,
-                                        damp=b.gptq_damp, **_selecting(q, b)),
+                                        damp=b.gptq_damp, **_selecting(b)),
            ("bayesq/baselines/ocs.py", _GPTQ), "calibrated"),
     _entry("awq", "AWQ (g64)",
-           lambda q, b, seed: AWQConfig(q, grid=b.awq_grid, **_selecting(q, b)),
+           lambda q, b, seed: AWQConfig(q, grid=b.awq_grid, **_selecting(b)),
            ("bayesq/baselines/awq.py",), "calibrated", "shift", "deploy"),
     _entry("smoothquant", "SmoothQuant weight-only (best variant)",  # on AWQ's code
-           lambda q, b, seed: SmoothQuantConfig(q, alpha=b.smoothquant_alpha, **_selecting(q, b)),
+           lambda q, b, seed: SmoothQuantConfig(q, alpha=b.smoothquant_alpha, **_selecting(b)),
            ("bayesq/baselines/smoothquant.py", "bayesq/baselines/awq.py"), "calibrated"),
     _entry("hawq", "HAWQ-style (per layer)",
            lambda q, b, seed: HAWQConfig(quant=q, probes=b.hawq_probes, seed=seed),
