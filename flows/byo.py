@@ -33,29 +33,26 @@ import torch
 from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from bayesq.baselines.select import encoding_config
 from bayesq.comparison import paired_difference
-from bayesq.config import Target
-from bayesq.evaluation import each_batch, predict
-from bayesq.export import ExportError, load, read_export, save_export
+from bayesq.evaluation import predict
+from bayesq.export import ExportError, load, read_export
 from bayesq.fidelity import ExampleScores, fidelity_report, score_examples
-from bayesq.forward import call, output_logits
 from bayesq.harness.data.calibration import sample_calibration_indices
 from bayesq.harness.data.files import (
     DEFAULT_SIZES, DataSource, check_columns, draw_examples, featurizer, fit_draw_sizes, load_rows, make_batches,
     read_labels,
 )
 from bayesq.harness.sources import ModelSource, SourceKind, resolve_model, unpacked
-from bayesq.methods import Inputs, quantize_with
-from bayesq.onnx_export import ACCURACY_LEVEL, OnnxModel, convolutions, export_onnx
-from bayesq.settings import replace
-from bayesq.targets import spec
+from bayesq.methods import Inputs
+from bayesq.onnx_export import ACCURACY_LEVEL, OnnxModel
 from bayesq.tensorfile import file_sha256, save_tensors
+from flows import row as rows
 from flows.common import digest, locked, write_json
 from flows.configs import method_config
 from flows.lineage import artifact_tags, row_metadata
 from flows.methods import BYO_METHODS
 from flows.params import ByoModel, byo_from_mapping
+from flows.row import Subject, by_library, targeted
 from flows.tracking import child_run_name, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say
 
 BATCH = 32  # examples per preprocessed batch
@@ -183,105 +180,46 @@ def lineage_metadata(prep: Prepared, method: str, budget: float, seed: int, shar
                         **({"exclude": ",".join(s.exclude)} if s.exclude else {}))
 
 
-def max_logit_diff(a: torch.nn.Module, b: torch.nn.Module, batches: list) -> float:
-    """Largest |logit difference| of two models on ``batches`` (any logit shape)."""
-
-    za, zb = (each_batch(m, batches, lambda m, x: output_logits(call(m, x)).float()) for m in (a, b))
-    return max(float((p - q).abs().max()) for p, q in zip(za, zb))
-
-
-TARGET_METHODS = ("bayesq", "gptq", "optq", "awq", "rtn-group")  # their encodings are what MatMulNBits stores
-#: (AWQ: its per-input-channel scales as a Div on the layer's input)
-
-
-def relabelled(unquantized: Mapping[str, str], held: Mapping[str, str]) -> dict[str, str]:
-    """``unquantized`` (parameter -> reason) with the reason of the module in ``held`` (module ->
-    reason: what a target keeps in floating point) for the parameters inside one."""
-    def why(param: str, reason: str) -> str:
-        module = next((m for m in held if param.startswith(m + ".")), None)
-        return held[module] if module is not None else reason
-    return {k: why(k, v) for k, v in unquantized.items()}
-
-
-def targeted(configs: tuple, method: str, target: str, out: Path) -> tuple:
-    """(library config, QuantConfig) of :func:`flows.configs.method_config` inside ``target``
-    (:meth:`bayesq.config.QuantConfig.for_target`).
-
-    Raises:
-        ValueError: an unknown target; a method other than :data:`TARGET_METHODS` under a target
-            other than BayesQ's format; an ``out`` without the target's suffix.
-    """
-    cfg, quant = configs
-    t = spec(target)
-    if t.name == Target.BAYESQ.value:
-        return cfg, quant
-    if method not in TARGET_METHODS:
-        raise ValueError(f"--target {t.name} quantises with --method {', '.join(TARGET_METHODS)}; --method {method} "
-                         "writes BayesQ's own format (.safetensors) (its encodings hold what MatMulNBits does not "
-                         "store, e.g. OCS's split input channels)")
-    if out.suffix != t.suffix:
-        raise ValueError(f"--target {t.name} writes a {t.suffix} file: pass --out {out.with_suffix(t.suffix).name}")
-    inside = cfg.quant.for_target(t.name)  # a BayesQ row's or a baseline's settings
-    return replace(cfg, quant=inside), (inside if quant is not None else None)
+def subject(prep: Prepared, evaluate) -> Subject:
+    """``prep`` as a row's :class:`flows.row.Subject`: its file loaded back without a skeleton or
+    producer code (:func:`bayesq.export.load`), checked on the first test batch, scored by ``evaluate``."""
+    return Subject(prep.spec.name, prep.fp, prep.calibration[0], prep.test[:1], load, evaluate,
+                   tag=f"[byo] {prep.spec.name}", features=prep.source.headless,
+                   export_args={"skeleton": prep.source.skeleton(), "preprocessor": prep.preprocessor})
 
 
 def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: Path, shared: Mapping[str, str],
             code: str, say=print, examples_dir: Path | None = None, target: str = "bayesq",
             accuracy_level: int = ACCURACY_LEVEL) -> dict:
-    """Quantise, export (with skeleton and preprocessing), load back without a skeleton, compare
-    with FP on the test draw and write the report next to the export. Returns the row's record.
-    ``target="onnxruntime"``: quantised inside what ONNX Runtime's MatMulNBits runs, written as
-    an ``.onnx`` file (:mod:`bayesq.onnx_export`) whose MatMulNBits nodes compute at
-    ``accuracy_level`` (1: float32, 4: int8 activations), and compared with FP as ONNX Runtime runs it.
+    """One row of a user's model (:func:`flows.row.run_row`): quantise with ``method``'s config
+    (:func:`flows.configs.method_config`), export with skeleton and preprocessing, load back
+    without a skeleton, compare with FP on the test draw (KL, agreement; accuracy with labels;
+    perplexity for a causal LM; each with its paired 95 % interval), save the per-example scores
+    and write the report next to the export. Returns the row's record. ``target="onnxruntime"``:
+    quantised inside what ONNX Runtime's MatMulNBits runs, written as an ``.onnx`` file
+    (:mod:`bayesq.onnx_export`) whose MatMulNBits nodes compute at ``accuracy_level`` (1: float32,
+    4: int8 activations), and compared with FP as ONNX Runtime runs it.
 
     Raises:
         ValueError: from the method (an infeasible budget, ...); nothing is written then.
     """
-    cfg, quant = targeted(method_config(method, params, budget, seed), method, target, Path(out))
-    say(f"[byo] {prep.spec.name}: {method} at {budget} bits" + (f" for {target}" if target != "bayesq" else "")
-        + " ...")
-    start = time.perf_counter()
-    held = convolutions(prep.fp) if target == Target.ONNXRUNTIME.value else {}
-    done = quantize_with(prep.fp, cfg, budget, Inputs(calibration=prep.calibration, selection=prep.selection,
-                                                      exclude=tuple(prep.spec.exclude) + tuple(held)))
-    res = done.result
-    seconds = time.perf_counter() - start
-    quant = quant if quant is not None else encoding_config(res, params.quant)
     out = Path(out)
+    cfg, quant = targeted(method_config(method, params, budget, seed), method, target, out)
     meta = lineage_metadata(prep, method, budget, seed, shared, code)
-    if target == Target.ONNXRUNTIME.value:
-        ex = export_onnx(res.model, res.weights, prep.calibration[0], out, metadata=meta,
-                         accuracy_level=accuracy_level)
-        sha = file_sha256(out)  # the whole file is its content
-        info = {"path": str(out), "file_bytes": ex.file_bytes, "sha256": sha, "content_sha256": sha, "target": target,
-                "accuracy_level": ex.accuracy_level, "file_avg_bits": ex.average_bits, "matmulnbits": {k: list(v) for k, v in ex.quantized.items()},
-                "kept": dict(ex.kept)}
-    else:
-        info = save_export(out, res.model, res.weights, quant, res.allocation.total_bits,
-                           architecture=prep.spec.name, metadata=meta, skeleton=prep.source.skeleton(),
-                           preprocessor=prep.preprocessor).as_dict()
-    try:  # as a consumer would: no skeleton, no producer code (the ONNX file: ONNX Runtime itself)
-        onnx_file = target == Target.ONNXRUNTIME.value
-        loaded = OnnxModel(out, features=prep.source.headless) if onnx_file else load(out)
-        exact = OnnxModel(out, features=prep.source.headless, accuracy_level=1) if onnx_file else loaded
-        logit_diff = max_logit_diff(res.model, exact, prep.test[:1])  # the file's float32 compute: the round trip
-        say(f"[byo] {prep.spec.name}: {res.average_bits:.4f} bits/weight, export {info['file_bytes'] / 1e6:.2f} MB; "
-            f"comparing with FP on {len(prep.draws.test)} test examples")
+    reports = []
+
+    def evaluate(loaded, path: Path) -> dict:
+        say(f"[byo] {prep.spec.name}: comparing with FP on {len(prep.draws.test)} test examples")
         scores = score_examples(prep.fp, loaded, prep.test, prep.labels, prep.source.causal_lm)
-        report = fidelity_report(scores)
-    except BaseException:  # an export that cannot be checked is not left behind (Ctrl-C included)
-        out.unlink(missing_ok=True)
-        raise
-    record = {"model": prep.spec.name, "model_source": prep.spec.model, "method": method, "budget": budget,
-              "seed": seed, "avg_bits": res.average_bits, "avg_bits_all": res.average_bits_all,
-              "total_bits": res.allocation.total_bits, "quantize_seconds": seconds,
-              "unquantized": relabelled(res.unquantized, held), "details": {k: v for k, v in done.details.items()
-                                                                  if isinstance(v, (str, int, float))},
-              "export": info, "target": target, "loaded_logit_max_diff": logit_diff, "fidelity": report.as_dict(),
-              "dataset": prep.spec.data.path, "dataset_digest": prep.data_digest,
-              "draws": json.loads(meta["draws"]), "draw_sizes_note": prep.sizes_note,
-              "examples_file": str(save_examples(out, scores, examples_dir))}
-    write_report(out, record, report.lines())
+        reports.append(fidelity_report(scores))
+        return {"model_source": prep.spec.model, "fidelity": reports[-1].as_dict(), "dataset": prep.spec.data.path,
+                "dataset_digest": prep.data_digest, "draws": json.loads(meta["draws"]),
+                "draw_sizes_note": prep.sizes_note, "examples_file": str(save_examples(path, scores, examples_dir))}
+
+    inputs = Inputs(calibration=prep.calibration, selection=prep.selection, exclude=tuple(prep.spec.exclude))
+    record = rows.run_row(subject(prep, evaluate), by_library(prep.fp, cfg, quant, budget, inputs, params.quant),
+                          method, budget, seed, out, meta, target=target, accuracy_level=accuracy_level, say=say)
+    write_report(out, record, reports[-1].lines())
     return record
 
 
@@ -349,7 +287,8 @@ def _small_test_line(record: dict) -> list[str]:
 
 def _target_lines(record: dict) -> list[str]:
     """How the file was checked, and for an ONNX Runtime file what it holds."""
-    e, diff = record["export"], record["loaded_logit_max_diff"]
+    e = record["export"]
+    diff = e["max_logit_diff"]
     if record.get("target", "bayesq") == "bayesq":
         return [f"- loaded back without a skeleton: largest output difference (logits, or features) to the in-memory "
                 f"model {diff:.2e}"]

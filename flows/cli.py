@@ -15,6 +15,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -126,15 +127,16 @@ def quantize(
 
 def _quantize_embedded(model: str, method: str, budget: float, out: Path, params: Path, models: Path, raw: Path,
                        seed: int | None, distill: bool, target: str, accuracy_level: int) -> None:
-    """``bayesq quantize <embedded model>``: one row on the model fine-tuned by the pipeline."""
+    """``bayesq quantize <embedded model>``: one row (:func:`flows.row.run_row`) on the model the
+    pipeline fine-tuned, compared with it on the test split; the report goes next to the export."""
     from bayesq.harness.models.zoo import get_entry
-    from bayesq.methods import Inputs, quantize_with
-    from bayesq.onnx_export import convolutions
-    from flows.byo import targeted
+    from bayesq.methods import Inputs
     from flows.common import read_params
     from flows.finetune import load_model, raw_path
     from flows.methods import Method
     from flows.prepare import calibration_batches, checked_exclude, selection_batches
+    from flows.quantize import embedded_subject
+    from flows.row import by_library, run_row, targeted
 
     choices = [m.value for m in Method]
     if method not in choices:
@@ -153,27 +155,73 @@ def _quantize_embedded(model: str, method: str, budget: float, out: Path, params
         exclude = checked_exclude(model, net, p.excluded(model))  # params.yaml's exclude, as the pipeline
     except ValueError as err:
         _fail(str(err))
-    splits = entry.load_splits(p.data, raw_path(entry, raw))
+    src = raw_path(entry, raw)
+    splits = entry.load_splits(p.data, src)
     idx, batches = calibration_batches(entry, splits, p.data, p.calibration, seed)
     cfg, quant, label = _embedded_config(p, method, budget, seed, distill)
     try:
         cfg, quant = targeted((cfg, quant), method, target, out)
     except ValueError as err:
         _fail(str(err))
-    held = convolutions(net) if target == "onnxruntime" else {}
-    exclude = tuple(exclude) + tuple(held)
-    start = time.perf_counter()
+    meta = _embedded_metadata(p, params, model, label, budget, seed, cfg, quant, model_file, src, idx, tuple(exclude))
+    inputs = Inputs(calibration=batches, selection=selection_batches(entry, splits, p.data, p.calibration, seed),
+                    exclude=tuple(exclude))
+    test = list(entry.batches(splits.test_inputs, 64, p.data))
+    draws = {"calibration": {"n": len(idx)}, "test": {"n": len(splits.test_labels)}}
+    reports = []
+    subject = embedded_subject(entry, net, splits, p.data, partial(_compare, net, test, splits.test_labels, reports, {
+        "model_source": str(model_file), "dataset": str(src), "dataset_digest": meta["dataset_digest"],
+        "draws": draws}), tag=f"[quantize] {model}")
     try:
-        done = quantize_with(net, cfg, budget, Inputs(calibration=batches, selection=selection_batches(
-            entry, splits, p.data, p.calibration, seed), exclude=exclude))
+        record = run_row(subject, by_library(net, cfg, quant, budget, inputs, p.quant), label, budget, seed, out, meta,
+                         target=target, accuracy_level=accuracy_level, say=typer.echo)
     except (ValueError, MemoryError) as err:  # bad input; a peak the machine cannot hold (bayesq.memory)
         _fail(str(err))
-    src = raw_path(entry, raw)
-    meta = _embedded_metadata(p, params, model, label, budget, seed, cfg, quant, model_file, src, idx, exclude)
-    if target == "onnxruntime":
-        _write_onnx(done.result, batches, out, meta, accuracy_level, held, f"{model} at {budget} bits", start)
+    _say_row(record, out, reports[-1].lines())
+
+
+def _compare(fp, test: list, labels, reports: list, fields: dict, loaded, path: Path) -> dict:
+    """An embedded row's evaluation: the loaded file against the FP model on the test split
+    (:func:`bayesq.fidelity.score_examples`); the report is appended to ``reports``."""
+    from bayesq.fidelity import fidelity_report, score_examples
+    from flows.byo import save_examples
+
+    typer.echo(f"comparing with FP on the {len(labels)} test examples ...")
+    scores = score_examples(fp, loaded, test, labels)
+    reports.append(fidelity_report(scores))
+    return {**fields, "fidelity": reports[-1].as_dict(), "examples_file": str(save_examples(path, scores))}
+
+
+def _say_row(record: dict, out: Path, lines: list[str] | None) -> None:
+    """Say what a row's file holds, what stayed in floating point and what was corrected, then its
+    report (given its ``lines``, written next to the export first: :func:`flows.byo.write_report`)."""
+    from flows.byo import report_paths, write_report
+
+    r, e = record, record["export"]
+    if r["target"] == "onnxruntime":
+        typer.echo(f"{r['model']} at {r['budget']} bits for onnxruntime: {r['avg_bits']:.4f} bits/weight accounted, "
+                   f"{e['file_avg_bits']:.4f} stored for the {len(e['matmulnbits'])} MatMulNBits layers; "
+                   f"{e['file_bytes'] / 1e6:.2f} MB -> {out}; ONNX Runtime's logits within {e['max_logit_diff']:.2e} "
+                   "of BayesQ's model at accuracy level 1")
     else:
-        _write_export(done, p, quant, model, budget, out, meta, start)
+        typer.echo(f"{r['model']} at {r['budget']} bits: {r['avg_bits']:.4f} bits/weight accounted, "
+                   f"{e['payload_avg_bits']:.4f} in the file; {r['avg_bits_all']:.4f} over all weight matrices "
+                   f"({len(r['unquantized'])} kept in floating point); {e['file_bytes'] / 1e6:.2f} MB "
+                   f"({e['fp_bytes'] / 1e6:.2f} MB float tensors) -> {out} ({r['quantize_seconds']:.0f} s)")
+    for name, why in {**r["unquantized"], **e.get("kept", {})}.items():
+        typer.echo(f"  floating point: {name} ({why})")
+    if "variant" in r:
+        typer.echo(f"variant kept: {r['variant']}")
+    if "bias_corrected" in r:
+        skipped = "".join(f"\n  not corrected: {k} ({why})" for k, why in r["bias_skipped"].items())
+        typer.echo(f"bias correction: {r['bias_corrected']} layers' mean outputs restored{skipped}")
+    if "output_offset_layer" in r:
+        before, after = r["output_offset_kl"]
+        typer.echo(f"output offset: {r['output_offset_layer']}'s bias refitted, calibration KL {before:.5f} -> "
+                   f"{after:.5f}" if r["output_offset_layer"] else f"output offset: none ({r['output_offset_skipped']})")
+    if lines is not None:
+        write_report(out, record, lines)
+    typer.echo(report_paths(out)[1].read_text())
 
 
 def _embedded_config(p, method: str, budget: float, seed: int, distill: bool) -> tuple:
@@ -206,56 +254,11 @@ def _embedded_metadata(p, params: Path, model: str, label: str, budget: float, s
                         **(fitted if quant is not None else {}), **({"exclude": ",".join(exclude)} if exclude else {}))
 
 
-def _write_onnx(res, batches, out: Path, meta: dict, accuracy_level: int, held: dict, what: str,
-                start: float) -> None:
-    """Write ``res`` as an ONNX Runtime file and say what it holds and how close it runs."""
-    from bayesq.onnx_export import OnnxModel, export_onnx
-    from flows.byo import max_logit_diff, relabelled
-
-    try:
-        ex = export_onnx(res.model, res.weights, batches[0], out, metadata=meta, accuracy_level=accuracy_level)
-    except ValueError as err:
-        _fail(str(err))
-    diff = max_logit_diff(res.model, OnnxModel(out, accuracy_level=1), batches[:1])  # float32: the round trip
-    typer.echo(f"{what} for onnxruntime: {res.average_bits:.4f} bits/weight accounted, "
-               f"{ex.average_bits:.4f} stored for the {len(ex.quantized)} MatMulNBits layers; {ex.file_bytes / 1e6:.2f} "
-               f"MB -> {out}; ONNX Runtime's logits within {diff:.2e} of BayesQ's model at accuracy level 1 "
-               f"({time.perf_counter() - start:.0f} s)")
-    for name, why in {**relabelled(res.unquantized, held), **ex.kept}.items():
-        typer.echo(f"  floating point: {name} ({why})")
-
-
-def _write_export(done, p, quant, model: str, budget: float, out: Path, meta: dict, start: float) -> None:
-    """Write ``done``'s model as BayesQ's export file and say what it holds and what was corrected."""
-    from bayesq.baselines.select import encoding_config
-    from bayesq.export import save_export
-
-    res = done.result
-    quant = quant if quant is not None else encoding_config(res, p.quant)  # a baseline: its variant's bit set
-    info = save_export(out, res.model, res.weights, quant, res.allocation.total_bits, architecture=model,
-                       metadata=meta)
-    typer.echo(f"{model} at {budget} bits: {res.average_bits:.4f} bits/weight accounted, "
-               f"{info.payload_avg_bits:.4f} in the file; {res.average_bits_all:.4f} over all weight matrices "
-               f"({len(res.unquantized)} kept in floating point); {info.file_bytes / 1e6:.2f} MB "
-               f"({info.fp_bytes / 1e6:.2f} MB float tensors) -> {out} ({time.perf_counter() - start:.0f} s)")
-    for name, why in res.unquantized.items():
-        typer.echo(f"  floating point: {name} ({why})")
-    if "variant" in done.details:
-        typer.echo(f"variant kept: {done.details['variant']}")
-    if res.correction is not None:
-        skipped = "".join(f"\n  not corrected: {k} ({why})" for k, why in res.correction.skipped.items())
-        typer.echo(f"bias correction: {len(res.correction.targets)} layers' mean outputs restored{skipped}")
-    off = res.output_offset
-    if off is not None:
-        typer.echo(f"output offset: {off.layer}'s bias refitted, calibration KL {off.kl_before:.5f} -> {off.kl_after:.5f}"
-                   if off.layer else f"output offset: none ({off.skipped})")
-
-
 def _quantize_byo(source, data, split, text_columns, image_column, label_column, max_length, image_size, checkpoint,
                   num_classes, tokenizer, calibration, selection, test, name, method, budget, out, params, seed,
                   distill, track, target="bayesq", accuracy_level=4) -> None:
     """``bayesq quantize --model ... --data ...`` (:mod:`flows.byo`)."""
-    from flows.byo import BYO_METHODS, byo_from_mapping, prepare, report_paths, run_row, track_row
+    from flows.byo import BYO_METHODS, byo_from_mapping, prepare, run_row, track_row
     from flows.common import code_version, read_params
     from flows.lineage import export_lineage
 
@@ -276,7 +279,7 @@ def _quantize_byo(source, data, split, text_columns, image_column, label_column,
                          target=target, accuracy_level=accuracy_level)
     except (ValueError, FileNotFoundError, TypeError, MemoryError) as err:
         _fail(str(err))
-    typer.echo(report_paths(Path(record["export"]["path"]))[1].read_text())
+    _say_row(record, out, None)
     if track:
         run_id = track_row(record, p, params_path=params)
         typer.echo(f"MLflow run {run_id} (experiment bayesq-byo)")

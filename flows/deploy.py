@@ -42,13 +42,14 @@ from bayesq.harness.data.sentiment import seeded_permutation
 from bayesq.harness.models.zoo import get_entry
 from bayesq.methods import Inputs, quantize_with
 from bayesq.onnx_export import OnnxModel, convolutions, export_onnx, graph_of, latencies as onnx_latencies
-from flows.byo import load_examples, max_logit_diff, relabelled, save_examples, targeted
+from flows.byo import load_examples, save_examples
 from flows.common import CACHE, code_version, digest, parser, read_params, write_json
 from flows.configs import method_config
 from flows.finetune import load_model, raw_path
 from flows.labels import ci_text
 from flows.lineage import export_lineage, input_lineage, row_metadata
 from flows.prepare import calibration_batches, selection_batches
+from flows.row import max_logit_diff, relabelled, targeted
 from flows.stage_params import deploy_peer
 from flows.tracking import flow_run_namer, log_export, mlflow_child, mlflow_parent, row_params, say, write_run_file
 

@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 from prefect import flow, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from bayesq.assignment import allocate
 from bayesq.baselines.brecq import brecq_encoding
-from bayesq.baselines.select import encoding_config
+from bayesq.blocks import unquantized_weights
 from bayesq.context import FPOutputs, KnownOutputs
-from bayesq.evaluation import predict
-from bayesq.export import load as load_export, save_export
+from bayesq.export import load as load_export
 from bayesq.harness.models.zoo import _take, get_entry
 from bayesq.methods import Inputs, Outcome, quantize_with
 from bayesq.quantize import assemble
@@ -53,6 +54,7 @@ from flows.prepare import (
     prepare, reference_task, selection_batches, shared_cost,
 )
 from flows.robustness import evaluate_model, fp_eval_task, mean_corruption_error, tracked_metrics
+from flows.row import Quantised, Subject, correction_fields, offset_fields, run_row
 from flows.timings import TaskClock
 from flows.tracking import (
     child_run_name, flow_run_namer, log_files, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say,
@@ -168,18 +170,6 @@ def bayesq_unit_bits(prep: dict, params, budget: float, seed: int) -> dict | Non
     return {k: list(v) for k, v in allocate(table, budget, params.allocation, seed).unit_bits.items()}
 
 
-def _logit_diff(entry, qmodel, loaded, splits, data) -> float:
-    """Largest |logit difference| between the in-memory and the loaded model on the first test batch."""
-    import torch
-
-
-    batch = entry.batches(_take(splits.test_inputs, torch.arange(min(64, len(splits.test_labels)))), 64, data)
-    with torch.no_grad():
-        return float((predict(qmodel, batch) - predict(loaded, batch)).abs().max())
-
-
-
-
 @dataclass(frozen=True)
 class Source:
     """The model a row quantises and the raw data its inputs come from: paths and their digests
@@ -279,26 +269,74 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
     entry = get_entry(row.source.name)
     model = load_model(entry, Path(row.source.model_file))
     splits = entry.load_splits(row.data, Path(row.source.raw))
-    start = time.perf_counter()
     if Method(row.method) in BAYESQ_ROWS:
-        qmodel, qweights, allocation, quant, extra = _bayesq_row(row, model, entry, splits, table, tables, start)
+        made = partial(_bayesq_row, row, model, entry, splits, table, tables)
     else:
-        out = _baseline(Method(row.method), model, entry, splits, row.data, row.calibration, row.quant, row.baselines,
-                        row.budget, row.seed, row.traces, row.allocation, row.stats_file, row.reference_file,
-                        row.exclude)
-        res = out.result
-        qmodel, allocation, qweights = res.model, res.allocation, res.weights
-        quant = encoding_config(res, row.quant)  # the variant's bit set: what its unit headers name
-        extra = {"stats_read": "stats" in out.read, "reference_read": "log_probs" in out.read, **out.details}
-    seconds = time.perf_counter() - start
-    return _export_and_evaluate(row, entry, splits, qmodel, qweights, allocation, quant, seconds, extra, lineage)
+        made = partial(_baseline_row, row, model, entry, splits)
+    return run_row(_subject(row, entry, model, splits), _in_bayesq_format(made), row.method, row.budget, row.seed,
+                   _export_path(row), _header(row, entry, splits, lineage), say=say)
 
 
-def _bayesq_row(row: Row, model, entry, splits, table, tables, start: float) -> tuple:
-    """A BayesQ row's (quantised model, encoded layers, allocation, QuantConfig, record fields):
-    its encoding (:func:`_bayesq`, or the ``bayesq`` row's saved one), BRECQ's rounding for
-    ``bayesq-brecq``, then :func:`bayesq.quantize.assemble` (distillation for ``bayesq-distill``)."""
+def _in_bayesq_format(made):
+    """A pipeline row's ``quantise``: its rows are written in BayesQ's format, which holds every layer."""
+    def quantise(keep: tuple[str, ...]) -> Quantised:
+        if keep:
+            raise ValueError(f"the pipeline's rows write BayesQ's format, which keeps nothing out: {keep}")
+        return made()
+    return quantise
+
+
+def _baseline_row(row: Row, model, entry, splits) -> Quantised:
+    """A baseline row's quantisation (:func:`_baseline`) with the record fields of what it read."""
+    out = _baseline(Method(row.method), model, entry, splits, row.data, row.calibration, row.quant, row.baselines,
+                    row.budget, row.seed, row.traces, row.allocation, row.stats_file, row.reference_file, row.exclude)
+    return Quantised.of(out, None, row.quant, {"stats_read": "stats" in out.read,
+                                               "reference_read": "log_probs" in out.read})
+
+
+def _subject(row: Row, entry, model, splits) -> Subject:
+    """An embedded model as a pipeline row's :class:`flows.row.Subject` (:func:`embedded_subject`),
+    evaluated on the test split (and under shift with ``row.ood``) against the FP model's saved
+    test logits (``row.fp_logits``, default the FP logits file next to the examples)."""
+    examples = Path(row.examples_dir) if row.examples_dir else Path(row.export_dir).parent / "examples"
+
+    def evaluate(loaded, path: Path) -> dict:
+        ev = evaluate_model(entry, loaded, splits, row.data, Path(row.source.raw), row.robustness or RobustnessConfig(),
+                            row.ood, row.seed, examples=examples / path.name,
+                            fp_file=row.fp_logits and Path(row.fp_logits))
+        return {"accuracy": ev["calibration"]["accuracy"], **ev,
+                **({"exclude": list(row.exclude)} if row.exclude else {})}
+
+    return embedded_subject(entry, model, splits, row.data, evaluate, tag="[quantize] " + row.source.name)
+
+
+def embedded_subject(entry, model, splits, data, evaluate, tag: str) -> Subject:
+    """An embedded model as a row's :class:`flows.row.Subject`: its export loaded back as
+    :func:`flows.finetune.load_model` loads the FP model, checked on the first 64 test examples."""
+    check = list(entry.batches(_take(splits.test_inputs, torch.arange(min(64, len(splits.test_labels)))), 64, data))
+    return Subject(entry.name, model, check[0], check,
+                   partial(load_export, memory_format=entry.memory_format), evaluate, tag=tag)
+
+
+def _export_path(row: Row) -> Path:
+    return Path(row.export_dir) / f"{row.source.name}_{row.method}_b{row.budget}_s{row.seed}.safetensors"
+
+
+def _header(row: Row, entry, splits, lineage: dict | None) -> dict:
+    """A pipeline row's export header: the invocation's lineage and the row's inputs."""
+    used = (None if Method(row.method) in DATA_FREE_METHODS or row.calibration is None
+            else calibration_indices(entry, splits, row.calibration, row.seed))
+    return row_metadata(row.source.name, row.method, row.budget, row.seed, row.code, lineage or {},
+                        input_lineage(row.source.model_file, row.source.raw, row.source.raw_digest, row.posterior_file,
+                                      used), **({"exclude": ",".join(row.exclude)} if row.exclude else {}))
+
+
+def _bayesq_row(row: Row, model, entry, splits, table, tables) -> Quantised:
+    """A BayesQ row's quantisation: its encoding (:func:`_bayesq`, or the ``bayesq`` row's saved
+    one), BRECQ's rounding for ``bayesq-brecq``, then :func:`bayesq.quantize.assemble`
+    (distillation for ``bayesq-distill``); the record fields say what it read and chose."""
     name, method, budget, seed = row.source.name, row.method, row.budget, row.seed
+    start = time.perf_counter()
     extra = {}
     batches = (list(calibration_batches(entry, splits, row.data, row.calibration, seed)[1]) if row.calibration
                else None)
@@ -327,21 +365,20 @@ def _bayesq_row(row: Row, model, entry, splits, table, tables, start: float) -> 
               "unit_bits": {k: list(v) for k, v in allocation.unit_bits.items()}}
     if Method(method) == Method.BAYESQ_BRECQ:  # the brecq row's schedule (baselines.brecq_iters, adaround_lambda)
         enc = brecq_encoding(model, enc, batches, BASELINE_CONFIGS[Method.BRECQ](quant, row.baselines, seed))
-    if enc.correction is not None:
-        extra |= {"bias_corrected": len(enc.correction.targets), "bias_skipped": dict(enc.correction.skipped)}
+    extra |= correction_fields(enc.correction)
     qmodel, qweights, res, offset = assemble(
         model, enc, post, batches, row.distill if Method(method) == Method.BAYESQ_DISTILL else None, budget, seed,
         selection=selection, fp=FPOutputs(model, selection if selection is not None else batches, batches,
                                           held_out=selection is not None, known=known))
-    return qmodel, qweights, allocation, quant, extra | _assembled_fields(offset, res)
+    layers = dict(model.named_modules())
+    return Quantised(qmodel, qweights, allocation, quant,
+                     unquantized_weights(model, {k: layers[k] for k in qweights}, row.exclude),
+                     extra | _assembled_fields(offset, res))
 
 
 def _assembled_fields(offset, res) -> dict:
     """The record fields of a BayesQ row's output offset and distillation (when they ran)."""
-    extra = {}
-    if offset is not None:
-        extra |= {"output_offset_layer": offset.layer or "", "output_offset_skipped": offset.skipped,
-                  "output_offset_kl": [offset.kl_before, offset.kl_after], "output_offset_inputs": offset.inputs}
+    extra = offset_fields(offset)
     if res is not None:
         extra |= {"distill_seconds": res.seconds, "distill_sample_scale": res.sample_scale,
                   "distill_teacher_agreement": res.teacher_agreement,
@@ -349,39 +386,6 @@ def _assembled_fields(offset, res) -> dict:
                   "distill_accepted": res.accepted, "distill_kl_before": res.kl_before,
                   "distill_kl_after": res.kl_after}
     return extra
-
-
-def _export_and_evaluate(row: Row, entry, splits, qmodel, qweights, allocation, quant, seconds: float, extra: dict,
-                         lineage: dict | None) -> dict:
-    """Write a row's export (its lineage in the header), load it back, evaluate the loaded model and
-    return the row's record."""
-    name, method, budget, seed, raw = row.source.name, row.method, row.budget, row.seed, row.source.raw
-    used = (None if Method(method) in DATA_FREE_METHODS or row.calibration is None
-            else calibration_indices(entry, splits, row.calibration, seed))
-    meta = row_metadata(name, method, budget, seed, row.code, lineage or {},
-                        input_lineage(row.source.model_file, raw, row.source.raw_digest, row.posterior_file, used),
-                        **({"exclude": ",".join(row.exclude)} if row.exclude else {}))
-    path = Path(row.export_dir) / f"{name}_{method}_b{budget}_s{seed}.safetensors"
-    export = save_export(path, qmodel, qweights, quant, allocation.total_bits, architecture=name, metadata=meta)
-    loaded = load_export(path, memory_format=entry.memory_format)  # as load_model loads the FP model
-    extra["export"] = {**export.as_dict(), "max_logit_diff": _logit_diff(entry, qmodel, loaded, splits, row.data)}
-    examples = Path(row.examples_dir) if row.examples_dir else Path(row.export_dir).parent / "examples"
-    start = time.perf_counter()
-    ev = evaluate_model(entry, loaded, splits, row.data, Path(raw), row.robustness or RobustnessConfig(), row.ood,
-                        seed, examples=examples / path.name, fp_file=row.fp_logits and Path(row.fp_logits))
-    eval_seconds = time.perf_counter() - start
-    say(f"[quantize] {name} {method} b{budget} s{seed}: quantised in {seconds:.1f} s, evaluated in "
-        f"{eval_seconds:.1f} s")
-    layer_bits = {layer: sum(bits) / len(bits) for layer, bits in allocation.unit_bits.items()}
-    return {
-        "model": name, "method": method, "budget": budget, "seed": seed,
-        "accuracy": ev["calibration"]["accuracy"], **ev,
-        "avg_bits": allocation.average_bits, "avg_bits_all": extra["export"]["all_avg_bits"],
-        "total_bits": allocation.total_bits,
-        "budget_bits": allocation.budget_bits, "n_weights": allocation.n_weights,
-        "quantize_seconds": seconds, "eval_seconds": eval_seconds, "layer_bits": layer_bits,
-        **({"exclude": list(row.exclude)} if row.exclude else {}), **extra,
-    }
 
 
 @flow(name="bayesq-quantize", flow_run_name=flow_run_namer("quantize"))

@@ -52,7 +52,7 @@ def test_cli_quantize_hf_folder_and_parquet_to_export_report_and_mlflow(byo_mode
     assert f["n"] == 40 and "perplexity_ratio" not in f
     assert f["kl_ci_low"] <= f["kl"] <= f["kl_ci_high"]
     assert "KL(FP || Q)" in res.output and "accuracy Q - FP" in md.read_text()
-    assert record["avg_bits"] <= 3.0 and record["loaded_logit_max_diff"] == 0.0
+    assert record["avg_bits"] <= 3.0 and record["export"]["max_logit_diff"] == 0.0
     assert record["draws"]["calibration"]["n"] == 24 and record["draws"]["test"]["n"] == 40
     # the report's KL is the loaded export's mean KL to FP on the test draw, recomputed here
     spec = ByoModel("x", str(byo_models["bert"]), DataSource(str(byo_data["parquet"]), text_columns=("sentence",),
@@ -105,7 +105,7 @@ def test_every_model_kind_exports_and_loads_without_skeleton(byo_models, byo_dat
     res = _quantize(*argv, "--out", str(out), "--no-track", "--method", "gptq" if name == "vit" else "bayesq")
     assert res.exit_code == 0, res.output
     record = json.loads(report_paths(out)[0].read_text())
-    assert metric in record["fidelity"] and record["loaded_logit_max_diff"] == 0.0
+    assert metric in record["fidelity"] and record["export"]["max_logit_diff"] == 0.0
     contents = read_export(out)
     assert contents.skeleton["kind"] == ("torchvision" if name == "mnv3" else "callable" if name == "callable"
                                          else "huggingface")
@@ -235,7 +235,7 @@ def test_cli_target_onnxruntime_writes_an_onnx_file_checked_in_onnx_runtime(byo_
     res = _quantize(*argv, "--target", "onnxruntime", "--out", str(out))
     assert res.exit_code == 0, res.output
     record = json.loads(report_paths(out)[0].read_text())
-    assert record["target"] == "onnxruntime" and record["loaded_logit_max_diff"] < 1e-4
+    assert record["target"] == "onnxruntime" and record["export"]["max_logit_diff"] < 1e-4
     assert len(record["export"]["matmulnbits"]) == 14 and not record["export"]["kept"]  # 2 x 6 + pooler + head
     assert record["avg_bits"] <= 11 and "kl" in record["fidelity"]
     assert "MatMulNBits" in report_paths(out)[1].read_text()
