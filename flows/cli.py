@@ -171,7 +171,7 @@ def _quantize_embedded(model: str, method: str, budget: float, out: Path, params
     reports = []
     subject = embedded_subject(entry, net, splits, p.data, partial(_compare, net, test, splits.test_labels, reports, {
         "model_source": str(model_file), "dataset": str(src), "dataset_digest": meta["dataset_digest"],
-        "draws": draws}), tag=f"[quantize] {model}")
+        "draws": draws}), tag=f"[quantize] {model}", example=batches[0])
     try:
         record = run_row(subject, by_library(net, cfg, quant, budget, inputs, p.quant), label, budget, seed, out, meta,
                          target=target, accuracy_level=accuracy_level, say=typer.echo)

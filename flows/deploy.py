@@ -40,8 +40,8 @@ from bayesq.comparison import paired_difference
 from bayesq.fidelity import fidelity_report, score_examples
 from bayesq.harness.data.sentiment import seeded_permutation
 from bayesq.harness.models.zoo import get_entry
-from bayesq.methods import Inputs, quantize_with
-from bayesq.onnx_export import OnnxModel, convolutions, export_onnx, graph_of, latencies as onnx_latencies
+from bayesq.methods import Inputs
+from bayesq.onnx_export import OnnxModel, graph_of, latencies as onnx_latencies
 from flows.byo import load_examples, save_examples
 from flows.common import CACHE, code_version, digest, parser, read_params, write_json
 from flows.configs import method_config
@@ -49,7 +49,7 @@ from flows.finetune import load_model, raw_path
 from flows.labels import ci_text
 from flows.lineage import export_lineage, input_lineage, row_metadata
 from flows.prepare import calibration_batches, selection_batches
-from flows.row import max_logit_diff, relabelled, targeted
+from flows.row import by_library, embedded_subject, run_row, targeted
 from flows.stage_params import deploy_peer
 from flows.tracking import flow_run_namer, log_export, mlflow_child, mlflow_parent, row_params, say, write_run_file
 
@@ -109,11 +109,13 @@ def fp_outputs(fp_file: str, fp_digest: str, entry, splits, params) -> list[torc
     return _FP_OUTPUTS[key]
 
 
-def _score(fp_file: str, fp_digest: str, path: Path, entry, splits, params, out: Path, model: str, row: str) -> str:
-    """Score the file at ``path`` against the FP32 graph on the test draw; the per-example file."""
+def _score(fp_file: str, fp_digest: str, path: Path, entry, splits, params, out: Path, model: str, row: str,
+           quantized: OnnxModel | None = None) -> str:
+    """Score the file at ``path`` (run as ``quantized`` when given) against the FP32 graph on the
+    test draw; the per-example file."""
     batches, labels = test_draw(entry, splits, params)
     reference = _Replay(fp_outputs(fp_file, fp_digest, entry, splits, params))
-    scores = score_examples(reference, OnnxModel(path), batches, labels, desc=f"{model} {row} in ONNX Runtime")
+    scores = score_examples(reference, quantized or OnnxModel(path), batches, labels, desc=f"{model} {row} in ONNX Runtime")
     return str(save_examples(path, scores, Path(out) / "examples" / model))
 
 
@@ -160,22 +162,21 @@ def row_task(model: str, method: str, budget: float, fp_file: str, fp_digest: st
     row = row_label(method, budget)
     path = Path(out) / model / f"{row}.onnx"
     cfg, quant = targeted(method_config(method, params, budget, seed), method, TARGET, path)
-    held = convolutions(net)
-    start = time.perf_counter()
-    res = quantize_with(net, cfg, budget, Inputs(
-        calibration=cal, selection=selection_batches(entry, splits, params.data, params.calibration, seed),
-        exclude=tuple(params.excluded(model)) + tuple(held))).result
     src = raw_path(entry, Path(raw))  # the lineage as every export holds it (not keyed: a cache hit keeps the file's)
     meta = row_metadata(model, method, budget, seed, code, export_lineage(params),
                         input_lineage(model_file, str(src), raw_digest, None, idx))
-    ex = export_onnx(res.model, res.weights, cal[0], path, accuracy_level=params.deploy.accuracy_level, metadata=meta)
-    seconds = time.perf_counter() - start
+    inputs = Inputs(calibration=cal, selection=selection_batches(entry, splits, params.data, params.calibration, seed),
+                    exclude=tuple(params.excluded(model)))
+    score = lambda loaded, file: {"examples": _score(fp_file, fp_digest, file, entry, splits, params,  # noqa: E731
+                                                     Path(out), model, row, loaded)}
+    r = run_row(embedded_subject(entry, net, splits, params.data, score, f"[deploy] {model}", example=cal[0]),
+                by_library(net, cfg, quant, budget, inputs, params.quant), method, budget, seed, path, meta,
+                target=TARGET, accuracy_level=params.deploy.accuracy_level, say=say)
+    e = r["export"]
     return {"model": model, "row": row, "method": method, "kind": "ours", "budget": budget, "file": str(path),
-            "file_bytes": ex.file_bytes, "seconds": seconds, "weights": ex.quantized_weights,
-            "avg_bits": ex.average_bits,
-            "logit_diff": max_logit_diff(res.model, OnnxModel(path, accuracy_level=1), cal[:1]),  # float32: round trip
-            "kept": {**relabelled(res.unquantized, held), **ex.kept},
-            "examples": _score(fp_file, fp_digest, path, entry, splits, params, Path(out), model, row)}
+            "file_bytes": e["file_bytes"], "seconds": r["quantize_seconds"], "weights": e["weights"],
+            "avg_bits": e["file_avg_bits"], "logit_diff": e["max_logit_diff"], "kept": {**r["unquantized"], **e["kept"]},
+            "examples": r["examples"]}
 
 
 def summarise(records: list[dict]) -> list[dict]:

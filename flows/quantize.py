@@ -26,7 +26,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
 from prefect import flow, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
@@ -34,8 +33,7 @@ from bayesq.assignment import allocate
 from bayesq.baselines.brecq import brecq_encoding
 from bayesq.blocks import unquantized_weights
 from bayesq.context import FPOutputs, KnownOutputs
-from bayesq.export import load as load_export
-from bayesq.harness.models.zoo import _take, get_entry
+from bayesq.harness.models.zoo import get_entry
 from bayesq.methods import Inputs, Outcome, quantize_with
 from bayesq.quantize import assemble
 from bayesq.rounding import needs_input_stats
@@ -54,7 +52,7 @@ from flows.prepare import (
     prepare, reference_task, selection_batches, shared_cost,
 )
 from flows.robustness import evaluate_model, fp_eval_task, mean_corruption_error, tracked_metrics
-from flows.row import Quantised, Subject, correction_fields, offset_fields, run_row
+from flows.row import Quantised, Subject, correction_fields, embedded_subject, offset_fields, run_row
 from flows.timings import TaskClock
 from flows.tracking import (
     child_run_name, flow_run_namer, log_files, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say,
@@ -308,14 +306,6 @@ def _subject(row: Row, entry, model, splits) -> Subject:
                 **({"exclude": list(row.exclude)} if row.exclude else {})}
 
     return embedded_subject(entry, model, splits, row.data, evaluate, tag="[quantize] " + row.source.name)
-
-
-def embedded_subject(entry, model, splits, data, evaluate, tag: str) -> Subject:
-    """An embedded model as a row's :class:`flows.row.Subject`: its export loaded back as
-    :func:`flows.finetune.load_model` loads the FP model, checked on the first 64 test examples."""
-    check = list(entry.batches(_take(splits.test_inputs, torch.arange(min(64, len(splits.test_labels)))), 64, data))
-    return Subject(entry.name, model, check[0], check,
-                   partial(load_export, memory_format=entry.memory_format), evaluate, tag=tag)
 
 
 def _export_path(row: Row) -> Path:

@@ -19,17 +19,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import torch
 from torch import nn
 
 from bayesq.baselines.select import encoding_config
 from bayesq.blocks import kept_matrices
 from bayesq.config import QuantConfig, Target
 from bayesq.evaluation import each_batch
-from bayesq.export import save_export
+from bayesq.export import load, save_export
 from bayesq.forward import Batch, call, output_logits
+from bayesq.harness.models.zoo import _take
 from bayesq.methods import Inputs, Outcome, quantize_with
 from bayesq.onnx_export import ACCURACY_LEVEL, OnnxModel, convolutions, export_onnx
 from bayesq.result import Allocation, QuantizedWeight
@@ -124,6 +127,15 @@ class Subject:
     features: bool = False
 
 
+def embedded_subject(entry, model, splits, data, evaluate, tag: str, example=None) -> Subject:
+    """An embedded model as a row's :class:`flows.row.Subject`: its export loaded back as
+    :func:`flows.finetune.load_model` loads the FP model, checked on the first 64 test examples;
+    ``example``: the batch an ONNX export traces (default the first of those)."""
+    check = list(entry.batches(_take(splits.test_inputs, torch.arange(min(64, len(splits.test_labels)))), 64, data))
+    return Subject(entry.name, model, check[0] if example is None else example, check,
+                   partial(load, memory_format=entry.memory_format), evaluate, tag=tag)
+
+
 def targeted(configs: tuple, method: str, target: str, out: Path) -> tuple:
     """(library config, QuantConfig) of :func:`flows.configs.method_config` inside ``target``
     (:meth:`bayesq.config.QuantConfig.for_target`).
@@ -173,7 +185,7 @@ def write(made: Quantised, subject: Subject, out: Path, meta: Mapping[str, str],
                      accuracy_level=accuracy_level)
     sha = file_sha256(out)  # the whole file is its content
     return {"path": str(out), "file_bytes": ex.file_bytes, "sha256": sha, "content_sha256": sha, "target": target,
-            "accuracy_level": ex.accuracy_level, "file_avg_bits": ex.average_bits,
+            "accuracy_level": ex.accuracy_level, "file_avg_bits": ex.average_bits, "weights": ex.quantized_weights,
             "matmulnbits": {k: list(v) for k, v in ex.quantized.items()}, "kept": dict(ex.kept)}
 
 
@@ -226,4 +238,4 @@ def run_row(subject: Subject, quantise: Callable[[tuple[str, ...]], Quantised], 
 
 
 __all__ = ["Quantised", "Subject", "TARGET_METHODS", "by_library", "max_logit_diff", "relabelled", "run_row",
-           "targeted", "write"]
+           "targeted", "write", "embedded_subject"]
