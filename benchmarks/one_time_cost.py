@@ -134,11 +134,11 @@ def gptq_stages(model, calibration, params, budget: float, allocation, selection
     with _timed(stages, "input stats"):  # GPTQ reads H only; the pass's FP logits go to the offset's fit
         stats = input_stats(model, calibration, quantizable_layers(model), abs_mean=False, logits=outputs)
         fp = pass_logits(outputs, calibration)
+    gptq = params.baselines.config("gptq")
     with _timed(stages, "solve+select"):
         choice = gptq_select(model, stats, calibration, budget, params.quant,
-                             group_sizes=params.baselines.group_sizes, allocation=allocation,
-                             act_order=params.baselines.gptq_act_order, damp=params.baselines.gptq_damp,
-                             bias_correction=params.baselines.bias_correction, selection=selection,
+                             group_sizes=gptq.group_sizes, allocation=allocation, act_order=gptq.act_order,
+                             damp=gptq.damp, bias_correction=gptq.bias_correction, selection=selection,
                              known=KnownOutputs(logits=None if fp is None else [z.float() for z in fp]))
     return stages, choice
 

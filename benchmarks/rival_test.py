@@ -7,7 +7,7 @@ pipeline's calibration and held-out selection draws (seed ``--seed``), each meth
 (:func:`flows.configs.method_config`: BayesQ's default row, the baselines with their variant
 selection and bias correction; the rows on GPTQ's grids also try the BayesQ row's allocation as a
 variant when ``bayesq`` runs before them, as in the pipeline), except that ``--iters`` sets the steps of the learned rivals
-(``baselines.adaround_iters``, ``brecq_iters``, ``lsq_iters``, ``pact_iters``, ``dorefa_iters``) for rows too slow at their papers'
+(``iters`` of ``baselines.adaround``, ``brecq``, ``lsq``, ``lsq-plus``, ``pact``, ``dorefa``) for rows too slow at their papers'
 counts. Each is scored on every test example: ``KL(p_FP || p_Q)`` and correctness. Prints each
 method's mean KL, accuracy, seconds and true bits, then ``first - X`` with paired 95 % bootstrap
 intervals (:func:`bayesq.comparison.paired_difference`, the pipeline's) for every other X.
@@ -70,8 +70,8 @@ def main() -> None:
     for name in a.models:
         params, model, calibration, selection = load_inputs(name, a.seed, ROOT / "params.yaml")
         if a.iters is not None:
-            params = replace(params, baselines=replace(params.baselines, adaround_iters=a.iters, brecq_iters=a.iters,
-                                                       lsq_iters=a.iters, pact_iters=a.iters, dorefa_iters=a.iters))
+            params = replace(params, baselines=params.baselines.changed(
+                {f"{m}.iters": a.iters for m in ("adaround", "brecq", "lsq", "lsq-plus", "pact", "dorefa")}))
         test, labels = test_batches(name, params)
         labels = torch.as_tensor(labels)
         reference = None  # the FP model's test log-probabilities, computed when a row needs them
@@ -80,7 +80,7 @@ def main() -> None:
         for spec in a.methods:
             method, over = parse_spec(spec)
             cfg = method_config(method, ablation_params(params, over, spec) if over else params, a.budget, a.seed)[0]
-            given = kept if Method(method) in GRID_METHODS and params.baselines.select else None
+            given = kept if Method(method) in GRID_METHODS and getattr(cfg, "select", False) else None
             path = a.rows / f"{name}-{safe_name(spec)}-{row_key(name, spec, cfg, a.budget, a.seed, given, len(labels), code)}.safetensors"
             row = None if a.fresh else load_row(path)
             if row is None:
@@ -143,7 +143,7 @@ def row_key(name: str, spec: str, cfg, budget: float, seed: int, allocation, n_t
 
 
 def safe_name(spec: str) -> str:
-    """A method spec as a file-name part (``lsq:baselines.lsq_iters=2000`` -> ``lsq_baselines.lsq_iters_2000``)."""
+    """A method spec as a file-name part (``lsq:baselines.lsq.iters=2000`` -> ``lsq_baselines.lsq.iters_2000``)."""
     return "".join(c if c.isalnum() or c in "-." else "_" for c in spec)[:80]
 
 

@@ -253,7 +253,7 @@ def stages(a) -> None:
                          fp=FPOutputs(model, sel, cal, held_out=True, known=KnownOutputs(reference)))
             del enc, reference, fp, outputs
         if "gptq" in a.methods:
-            b = params.baselines
+            b = params.baselines.config("gptq")
             with peaks.stage("gptq input stats"):  # and the FP logits, as the library's GPTQ
                 outputs = []
                 st = input_stats(model, cal, layers, abs_mean=False, logits=outputs)
@@ -261,7 +261,7 @@ def stages(a) -> None:
                 fp = None if fp is None else [z.float() for z in fp]
             with peaks.stage("gptq solve + select"):
                 gptq_select(model, st, cal, a.budget, params.quant, group_sizes=b.group_sizes,
-                            act_order=b.gptq_act_order, damp=b.gptq_damp, bias_correction=b.bias_correction,
+                            act_order=b.act_order, damp=b.damp, bias_correction=b.bias_correction,
                             selection=sel, known=KnownOutputs(logits=fp))
     peaks._stop = True
     for name in peaks.seconds:

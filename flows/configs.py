@@ -2,7 +2,8 @@
 benchmarks and a GPU machine without the pipeline's packages read it too).
 
 * :func:`method_settings`: (posterior, quant) of a BayesQ row.
-* :data:`flows.methods.BASELINE_CONFIGS`: the config of each baseline row (its registry entry's).
+* :meth:`flows.methods.BaselineSettings.config`: the config of each baseline row (its registry
+  entry's class with params.yaml's ``baselines.<method>`` section).
 * :func:`method_config`: either, for any row name.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 from bayesq.baselines.brecq import BayesQBRECQConfig
 from bayesq.config import BayesQConfig, Curvature, Objective, Prior, Rounding
 from bayesq.settings import replace
-from flows.methods import BASELINE_CONFIGS, BAYESQ_ROWS, Method
+from flows.methods import BAYESQ_ROWS, Method
 
 
 def method_settings(params, method) -> tuple:
@@ -33,14 +34,14 @@ def method_config(method: str, params, budget: float, seed: int):
     """(library config, QuantConfig of a BayesQ row or None) for ``method`` with params.yaml's
     settings: BayesQ rows through :func:`method_settings` (distillation only for
     ``bayesq-distill``; ``bayesq-brecq``: BayesQ's, then the ``brecq`` row's reconstruction
-    schedule), baselines through :data:`BASELINE_CONFIGS`."""
+    schedule), baselines through :meth:`flows.methods.BaselineSettings.config`."""
     m = Method(method)
     if m is Method.BAYESQ_BRECQ:
         bayesq, quant = method_config(Method.BAYESQ, params, budget, seed)
-        return BayesQBRECQConfig(bayesq, BASELINE_CONFIGS[Method.BRECQ](params.quant, params.baselines, seed)), quant
+        return BayesQBRECQConfig(bayesq, params.baselines.config(Method.BRECQ, params.quant, seed)), quant
     if m in BAYESQ_ROWS:  # bayesq-brecq returned above
         posterior, quant = method_settings(params, m)
         distill = params.distill if m is Method.BAYESQ_DISTILL else replace(params.distill, max_budget=0.0)
         return BayesQConfig(budget=budget, posterior=posterior, quant=quant, allocation=params.allocation,
                             distill=distill, seed=seed), quant
-    return BASELINE_CONFIGS[m](params.quant, params.baselines, seed), None
+    return params.baselines.config(m, params.quant, seed), None

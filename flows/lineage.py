@@ -86,7 +86,10 @@ def run_tags(params_path: Path | None = None) -> dict[str, str]:
 
 def params_json(params) -> str:
     """The :data:`EXPORT_SECTIONS` of validated ``Params`` as canonical JSON."""
-    return json.dumps({s: asdict(getattr(params, s)) for s in EXPORT_SECTIONS}, sort_keys=True, default=str)
+    def plain(section):
+        return section.as_mapping() if hasattr(section, "as_mapping") else asdict(section)
+
+    return json.dumps({s: plain(getattr(params, s)) for s in EXPORT_SECTIONS}, sort_keys=True, default=str)
 
 
 def _rel(path: str | Path) -> str:

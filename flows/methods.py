@@ -1,10 +1,12 @@
 """The pipeline's method registry: one :class:`MethodEntry` per row name, everything else derived.
 
 An entry holds a method's ``params.yaml`` / ``--method`` name, its report label, the library
-config its rows run with (built from ``params.yaml``'s ``quant`` and ``baselines`` sections and
-the row's seed; the handler is the one :func:`bayesq.methods.register` gave that config class),
-the sources only its rows run (their cache key leaves out the others') and the groups of rows it
-belongs to. :class:`Method`, the labels, the config factories, the sources and the groups are
+config class its rows run with and the settings that make the method (e.g. OPTQ is
+``GPTQConfig(act_order=False)``; the handler is the one :func:`bayesq.methods.register` gave that
+class), the sources only its rows run (their cache key leaves out the others') and the groups of
+rows it belongs to. A baseline's rows read ``params.yaml``'s ``baselines.<name>`` section, which
+loads straight into that class (:class:`BaselineSettings`): the library's defaults unless the
+section says otherwise. :class:`Method`, the labels, the config factories, the sources and the groups are
 all read off :data:`METHODS`, so adding a baseline is two places: its module under
 ``bayesq/baselines/`` (config class and registered handler) and its entry here (docs/usage.md,
 "Adding a method").
@@ -12,9 +14,9 @@ all read off :data:`METHODS`, so adding a baseline is two places: its module und
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Mapping
 
 from bayesq.baselines.aciq import ACIQConfig
 from bayesq.baselines.adaround import AdaRoundConfig
@@ -32,10 +34,6 @@ from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.smoothquant import SmoothQuantConfig
 from bayesq.baselines.zeroq import ZeroQConfig
 from bayesq.config import Codebook, Granularity
-
-# (quant, baselines, seed) -> the library config of a baseline row: params.yaml's ``quant`` section
-# (bayesq.config.QuantConfig), its ``baselines`` section (flows.params.BaselinesConfig), the row's seed
-Factory = Callable[[Any, Any, int], Any]
 
 #: The groups an entry may belong to, and what membership means.
 GROUPS = {
@@ -56,8 +54,10 @@ class MethodEntry:
     Attributes:
         name: its ``params.yaml`` / ``--method`` name (``"optq"``).
         label: its name in the reports (``"OPTQ (best variant, natural order)"``).
-        config: the library config a baseline row runs with (:data:`Factory`); None for the BayesQ
-            rows, whose config :func:`flows.configs.method_config` builds from the method sections.
+        config: the library config class a baseline row runs with; None for the BayesQ rows, whose
+            config :func:`flows.configs.method_config` builds from the method sections.
+        defaults: the settings of ``config`` that make this method (over the class's defaults;
+            ``params.yaml``'s ``baselines.<name>`` section goes over them).
         sources: files (from the repository root) that only this method's rows run among the
             methods: each row's cache key leaves out the other methods' (tests/test_flows.py
             profiles every row to check that none calls into a source its key leaves out).
@@ -66,22 +66,19 @@ class MethodEntry:
 
     name: str
     label: str
-    config: Factory | None = None
+    config: type | None = None
     sources: tuple[str, ...] = ()
     groups: frozenset[str] = frozenset()
+    defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
-def _entry(name: str, label: str, config: Factory | None = None, sources: tuple[str, ...] = (),
+def _entry(name: str, label: str, config: type | tuple[type, dict] | None = None, sources: tuple[str, ...] = (),
            *groups: str) -> MethodEntry:
     unknown = set(groups) - set(GROUPS)
     if unknown:
         raise ValueError(f"method {name!r}: unknown groups {sorted(unknown)}; choose from {list(GROUPS)}")
-    return MethodEntry(name, label, config, sources, frozenset(groups))
-
-
-def _selecting(b) -> dict:
-    """The settings every baseline with a variant selection reads from the ``baselines`` section."""
-    return dict(select=b.select, group_sizes=tuple(b.group_sizes), bias_correction=b.bias_correction)
+    cls, defaults = config if isinstance(config, tuple) else (config, {})
+    return MethodEntry(name, label, cls, sources, frozenset(groups), defaults)
 
 
 _GPTQ = "bayesq/baselines/gptq.py"
@@ -97,63 +94,59 @@ METHODS: tuple[MethodEntry, ...] = (
     _entry("bayesq-brecq", "BayesQ + BRECQ rounding (no bias correction)", None,
            ("bayesq/baselines/brecq.py", "bayesq/baselines/adaround.py"), "bayesq", "shared-prep"),
     _entry("gptq", "GPTQ (best variant, act-order)",
-           lambda q, b, seed: GPTQConfig(q, act_order=b.gptq_act_order, damp=b.gptq_damp, **_selecting(b)),
+           GPTQConfig,
            (_GPTQ,), *_LEARNED, "shift", "deploy"),
     _entry("optq", "OPTQ (best variant, natural order)",  # GPTQ as first published: natural column order
-           lambda q, b, seed: GPTQConfig(q, act_order=False, damp=b.gptq_damp, **_selecting(b)),
+           (GPTQConfig, {"act_order": False}),
            (_GPTQ,), *_LEARNED, "shift"),
     _entry("anneal", "Mixed precision by annealing (per layer, GPTQ)",  # one width per layer, annealed on the KL
-           lambda q, b, seed: AnnealConfig(q, steps=b.anneal_steps, search_inputs=b.anneal_inputs, seed=seed,
-                                           bias_correction=b.bias_correction),
+           AnnealConfig,
            ("bayesq/baselines/anneal.py", _GPTQ, "bayesq/baselines/brecq.py"), "calibrated"),
     _entry("adaround", "AdaRound (best variant)",
-           lambda q, b, seed: AdaRoundConfig(q, iters=b.adaround_iters, lam=b.adaround_lambda, **_selecting(b)),
+           AdaRoundConfig,
            ("bayesq/baselines/adaround.py", _GPTQ), *_LEARNED),
     _entry("brecq", "BRECQ (best variant)",  # AdaRound's rounding learned per residual block / transformer layer
-           lambda q, b, seed: BRECQConfig(q, iters=b.brecq_iters, lam=b.adaround_lambda, seed=seed,
-                                          **_selecting(b)),
+           BRECQConfig,
            ("bayesq/baselines/brecq.py", "bayesq/baselines/adaround.py", "bayesq/baselines/lsq.py", _GPTQ),
            *_LEARNED),
     _entry("lsq", "LSQ (best variant)",
-           lambda q, b, seed: LSQConfig(q, iters=b.lsq_iters, lr=b.lsq_lr, **_selecting(b)),
+           LSQConfig,
            ("bayesq/baselines/lsq.py", _GPTQ), *_LEARNED),
     _entry("lsq-plus", "LSQ+ (best variant)",  # learned step sizes and offsets (zero-points)
-           lambda q, b, seed: LSQConfig(q, offset=True, iters=b.lsq_iters, lr=b.lsq_lr, **_selecting(b)),
+           (LSQConfig, {"offset": True}),
            ("bayesq/baselines/lsq.py", _GPTQ), *_LEARNED),
     _entry("pact", "PACT (best variant)",  # LSQ's fit with PACT's gradient (the clipped ends' only)
-           lambda q, b, seed: LSQConfig(q, gradient=StepGradient.PACT, iters=b.pact_iters, lr=b.pact_lr,
-                                        **_selecting(b)),
+           (LSQConfig, {"gradient": StepGradient.PACT}),
            ("bayesq/baselines/lsq.py", _GPTQ), *_LEARNED),
     _entry("dorefa", "DoReFa (best variant)",
-           lambda q, b, seed: DoReFaConfig(q, iters=b.dorefa_iters, lr=b.dorefa_lr, **_selecting(b)),
+           DoReFaConfig,
            ("bayesq/baselines/dorefa.py", _GPTQ), *_LEARNED),
     _entry("bit-split", "Bit-Split (best variant)",
-           lambda q, b, seed: BitSplitConfig(q, epochs=b.bitsplit_epochs, **_selecting(b)),
+           BitSplitConfig,
            ("bayesq/baselines/bitsplit.py", _GPTQ), *_LEARNED),
     _entry("ocs", "OCS + GPTQ (best ratio and variant)",  # channels split, then GPTQ on the expanded layers
-           lambda q, b, seed: OCSConfig(q, expand_ratios=tuple(b.ocs_expand_ratios), act_order=b.gptq_act_order,
-                                        damp=b.gptq_damp, **_selecting(b)),
+           OCSConfig,
            ("bayesq/baselines/ocs.py", _GPTQ), "calibrated"),
     _entry("awq", "AWQ (g64)",
-           lambda q, b, seed: AWQConfig(q, grid=b.awq_grid, **_selecting(b)),
+           AWQConfig,
            ("bayesq/baselines/awq.py",), "calibrated", "shift", "deploy"),
     _entry("smoothquant", "SmoothQuant weight-only (best variant)",  # on AWQ's code
-           lambda q, b, seed: SmoothQuantConfig(q, alpha=b.smoothquant_alpha, **_selecting(b)),
+           SmoothQuantConfig,
            ("bayesq/baselines/smoothquant.py", "bayesq/baselines/awq.py"), "calibrated"),
     _entry("hawq", "HAWQ-style (per layer)",
-           lambda q, b, seed: HAWQConfig(quant=q, probes=b.hawq_probes, seed=seed),
+           HAWQConfig,
            ("bayesq/baselines/hawq.py",)),
     _entry("zeroq", "ZeroQ (per layer, distilled data)",  # reads the shape of one calibration batch, not its values
-           lambda q, b, seed: ZeroQConfig(quant=q, seed=seed), ("bayesq/baselines/zeroq.py",), "calibrated"),
-    _entry("aciq", "ACIQ (per channel)", lambda q, b, seed: ACIQConfig(quant=q), ("bayesq/baselines/aciq.py",),
+           ZeroQConfig, ("bayesq/baselines/zeroq.py",), "calibrated"),
+    _entry("aciq", "ACIQ (per channel)", ACIQConfig, ("bayesq/baselines/aciq.py",),
            "data-free"),
     _entry("lloyd-block", "Per-block Lloyd (LUT per 1024)",
-           lambda q, b, seed: BlockwiseConfig(Codebook.LLOYD, q), ("bayesq/baselines/blockwise.py",), "data-free"),
+           (BlockwiseConfig, {"codebook": Codebook.LLOYD}), ("bayesq/baselines/blockwise.py",), "data-free"),
     _entry("clip-block", "Per-block uniform + clipping (g64)",
-           lambda q, b, seed: BlockwiseConfig(Codebook.UNIFORM, q), ("bayesq/baselines/blockwise.py",), "data-free"),
-    _entry("rtn-group", "RTN per-group (g64)", lambda q, b, seed: RTNConfig(Granularity.GROUP, q), (), "data-free"),
-    _entry("rtn-channel", "RTN per-channel", lambda q, b, seed: RTNConfig(Granularity.CHANNEL, q), (), "data-free"),
-    _entry("rtn-tensor", "RTN per-tensor", lambda q, b, seed: RTNConfig(Granularity.TENSOR, q), (), "data-free"),
+           (BlockwiseConfig, {"codebook": Codebook.UNIFORM}), ("bayesq/baselines/blockwise.py",), "data-free"),
+    _entry("rtn-group", "RTN per-group (g64)", (RTNConfig, {"granularity": Granularity.GROUP}), (), "data-free"),
+    _entry("rtn-channel", "RTN per-channel", (RTNConfig, {"granularity": Granularity.CHANNEL}), (), "data-free"),
+    _entry("rtn-tensor", "RTN per-tensor", (RTNConfig, {"granularity": Granularity.TENSOR}), (), "data-free"),
 )
 
 #: The methods the pipeline knows, by ``params.yaml`` name (``Method.LSQ_PLUS == "lsq-plus"``).
@@ -182,5 +175,105 @@ BASELINES = tuple(m for m in Method if m not in BAYESQ_ROWS)  # every other row,
 #: Methods ``--method`` / ``methods:`` accept (params.yaml's names).
 BYO_METHODS = tuple(m.value for m in Method)
 METHOD_LABEL = {e.name: e.label for e in METHODS}
-BASELINE_CONFIGS = {m: e.config for m, e in ENTRY.items() if e.config is not None}
 METHOD_SOURCES = {m: e.sources for m, e in ENTRY.items() if e.sources}
+
+#: Keys of the ``baselines`` section before it held one section per method, each with its place now.
+MOVED_KEYS = {
+    "gptq_damp": "gptq: {damp: ...} (and optq, ocs)", "gptq_act_order": "gptq: {act_order: ...} (and ocs)",
+    "awq_grid": "awq: {grid: ...}", "hawq_probes": "hawq: {probes: ...}",
+    "select": "<method>: {select: ...} for each of gptq, optq, awq, ...",
+    "group_sizes": "<method>: {group_sizes: [...]} for each of gptq, optq, awq, ...",
+    "bias_correction": "<method>: {bias_correction: ...} for each of gptq, optq, awq, ...",
+    "adaround_iters": "adaround: {iters: ...}", "adaround_lambda": "adaround: {lam: ...} (and brecq)",
+    "brecq_iters": "brecq: {iters: ...}", "lsq_iters": "lsq: {iters: ...} (and lsq-plus)",
+    "lsq_lr": "lsq: {lr: ...} (and lsq-plus)", "pact_iters": "pact: {iters: ...}", "pact_lr": "pact: {lr: ...}",
+    "dorefa_iters": "dorefa: {iters: ...}", "dorefa_lr": "dorefa: {lr: ...}",
+    "bitsplit_epochs": "bit-split: {epochs: ...}", "smoothquant_alpha": "smoothquant: {alpha: ...}",
+    "ocs_expand_ratios": "ocs: {expand_ratios: [...]}", "anneal_steps": "anneal: {steps: ...}",
+    "anneal_inputs": "anneal: {search_inputs: ...}",
+}
+_ROW_FIELDS = ("quant", "seed")  # set by the pipeline: the quant section, the row's seed
+
+
+@dataclass(frozen=True)
+class BaselineSettings:
+    """``baselines`` in params.yaml: one section per baseline, by its name (``gptq``, ``lsq-plus``,
+    ...), holding fields of its library config class (:attr:`MethodEntry.config`) that its rows
+    set to other than the method's defaults, e.g. ``{hawq: {probes: 2}}``; a method without a
+    section runs with the library's defaults. ``quant`` is the quant section's and ``seed`` the
+    row's, so a section sets neither. Built by :func:`read_baselines`; ``sections`` holds
+    (method, ((field, value), ...)) pairs, sorted."""
+
+    sections: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+
+    def section(self, method) -> dict[str, Any]:
+        """The fields ``method``'s section sets (``{}``: none)."""
+        return dict(dict(self.sections).get(Method(method).value, ()))
+
+    def config(self, method, quant=None, seed: int = 0):
+        """``method``'s library config: its class with the method's :attr:`MethodEntry.defaults`,
+        then its section, ``quant`` (default: the class's) and ``seed`` where the class has one.
+
+        Raises:
+            ValueError: a bad value, naming ``baselines.<method>`` and the field.
+        """
+        from bayesq.settings import from_mapping
+
+        entry = ENTRY[Method(method)]
+        names = {f.name for f in fields(entry.config)}
+        data = {**entry.defaults, **self.section(method), **({"quant": quant} if quant is not None else {}),
+                **({"seed": seed} if "seed" in names else {})}
+        try:
+            return from_mapping(entry.config, data, f"baselines.{entry.name}")
+        except ValueError as err:
+            text = str(err)
+            raise ValueError(text if text.startswith("baselines.") else f"baselines.{entry.name}: {text}") from None
+
+    def as_mapping(self) -> dict[str, dict[str, Any]]:
+        return {m: dict(items) for m, items in self.sections}
+
+    def changed(self, overrides: Mapping[str, Any], where: str = "baselines") -> "BaselineSettings":
+        """These settings with ``{"<method>.<field>": value}`` overrides applied (validated)."""
+        data = self.as_mapping()
+        for dotted, value in overrides.items():
+            method, _, key = str(dotted).partition(".")
+            if not key:
+                raise ValueError(f"{where}: '{dotted}' is not a '<method>.<field>' of the baselines section "
+                                 "(e.g. gptq.damp)")
+            data.setdefault(method, {})[key] = value
+        return read_baselines(data, where)
+
+
+def read_baselines(data: Mapping[str, Any] | None, where: str = "baselines") -> BaselineSettings:
+    """params.yaml's ``baselines`` section, each method's settings checked by building its config.
+
+    Raises:
+        ValueError: a key of the old flat section (with where it goes), a method that is not a
+            baseline (with a suggestion), a section that is not a mapping, ``quant`` or ``seed``
+            set, a field its config lacks or a bad value (naming ``baselines.<method>.<field>``).
+    """
+    import difflib
+
+    sections = []
+    for method, body in dict(data or {}).items():
+        if method in MOVED_KEYS:
+            raise ValueError(f"{where}.{method} was removed: the section holds one mapping per method now, "
+                             f"e.g. {where}: {{{MOVED_KEYS[method]}}}")
+        names = [m.value for m in BASELINES]
+        if method not in names:
+            close = difflib.get_close_matches(str(method), names, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ValueError(f"{where}: '{method}' is not a baseline{hint}; baselines: {', '.join(names)}")
+        if body is not None and not isinstance(body, Mapping):
+            raise ValueError(f"{where}.{method} = {body!r}: need a mapping of its config's fields, e.g. "
+                             f"{{{next(iter(f.name for f in fields(ENTRY[Method(method)].config) if f.name != 'quant'), 'progress')}: ...}}")
+        body = dict(body or {})
+        for key in _ROW_FIELDS:
+            if key in body:
+                raise ValueError(f"{where}.{method}.{key}: set by the pipeline ({'the quant section' if key == 'quant' else 'the seeds list'}), "
+                                 "not per method")
+        sections.append((method, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in body.items()))))
+    settings = BaselineSettings(tuple(sorted(sections)))
+    for method, _ in settings.sections:
+        settings.config(method)  # every bad field or value fails here, at load
+    return settings

@@ -26,9 +26,9 @@ from bayesq.harness.data.sentiment import DOMAIN_FILES
 from bayesq.harness.models.config import DataConfig, FinetuneConfig
 from bayesq.harness.models.zoo import known_models
 from bayesq.settings import (
-    Relation, above, ascending, at_least, checks, each_of, from_mapping, integer, rule, setting, validate, within,
+    Relation, at_least, checks, each_of, from_mapping, integer, rule, setting, validate,
 )
-from flows.methods import BYO_METHODS, Method
+from flows.methods import BYO_METHODS, BaselineSettings, Method, read_baselines
 from flows.stage_params import POSITIVE_BUDGETS, AblationConfig, DeployConfig, ShiftConfig
 
 OOD_TEXT_DOMAINS = tuple(d for d in DOMAIN_FILES if d != "movie")  # the in-domain training source is no test
@@ -158,53 +158,6 @@ class CalibrationConfig:
 
 
 @dataclass(frozen=True)
-class BaselinesConfig:
-    """Settings of the baselines that have their own knobs (``baselines`` in params.yaml).
-
-    ``select``: GPTQ and AWQ are the variant with the least calibration KL among their own mixed
-    rule, uniform bit-widths at the smallest group size of ``group_sizes`` (then per-channel)
-    that fits the budget, and (GPTQ) a supplied allocation (:mod:`bayesq.baselines.select`);
-    false: their own mixed rule only (an ablation). ``bias_correction`` (with ``select``): each
-    variant is also offered with BayesQ's bias correction (``<variant>+bc``), so the baselines
-    get every free improvement BayesQ's default uses.
-    """
-
-    gptq_damp: float = setting(0.01, within("(0, 1)", "GPTQ uses 0.01"))  # dampening, fraction of mean(diag H)
-    gptq_act_order: bool = True  # columns by decreasing diag(H)
-    awq_grid: int = setting(20, integer(1))  # alpha in {0, 1/grid, ..., (grid-1)/grid}
-    hawq_probes: int = setting(2, integer(1))  # Rademacher probes per calibration batch for the Hessian traces
-    select: bool = True  # GPTQ / AWQ: best budget-feasible variant on the calibration KL
-    group_sizes: tuple[int, ...] = setting(  # uniform variants' group sizes (per-channel last)
-        (32, 64, 128, 256),
-        rule(lambda g: isinstance(g, (tuple, list)) and len(g) > 0
-             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in g),
-             "need a non-empty list of integer group sizes >= 1, e.g. [32, 64, 128, 256]"),
-        ascending("[32, 64, 128, 256]"), convert=tuple)
-    bias_correction: bool = True  # GPTQ / AWQ selection: each variant also with bias correction
-    adaround_iters: int = setting(10000, integer(1))  # AdaRound: Adam steps per layer (the paper's 10,000)
-    adaround_lambda: float = setting(0.01, at_least(0))  # AdaRound: weight of the rounding regulariser
-    brecq_iters: int = setting(20000, integer(1))  # BRECQ: Adam steps per block (the authors' 20,000)
-    lsq_iters: int = setting(10000, integer(1))  # LSQ / LSQ+: Adam steps per layer (benchmarks/learned_iters.py)
-    lsq_lr: float = setting(0.2, above(0, "Adam's step on s / s0"))  # LSQ / LSQ+: step on the scale ratio
-    pact_iters: int = setting(2000, integer(1))  # PACT: Adam steps per layer (benchmarks/learned_iters.py)
-    pact_lr: float = setting(0.01, above(0, "Adam's step on s / s0"))  # PACT: step on the scale ratio
-    dorefa_iters: int = setting(10000, integer(1))  # DoReFa: Adam steps per layer (benchmarks/learned_iters.py)
-    dorefa_lr: float = setting(2e-4, above(0, "Adam's step on the latent weights, in code units"))
-    bitsplit_epochs: int = setting(100, integer(1))  # Bit-Split: alternations of scales and planes at most (the paper's)
-    smoothquant_alpha: float = setting(0.5, within("[0, 1]", "the paper's default is 0.5"))  # migration strength
-    ocs_expand_ratios: tuple[float, ...] = setting(  # OCS: shares of input channels split (variants of the selection)
-        (0.01, 0.02, 0.05),
-        rule(lambda r: isinstance(r, (tuple, list)) and len(r) > 0
-             and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1 for v in r),
-             "need a non-empty list of shares in (0, 1], e.g. [0.01, 0.02, 0.05]"), convert=tuple)
-    anneal_steps: int = setting(200, integer(0))  # annealing search: moves proposed
-    anneal_inputs: int = setting(256, integer(1))  # annealing search: calibration inputs each move is scored on
-
-    def __post_init__(self) -> None:
-        validate(self, "baselines")
-
-
-@dataclass(frozen=True)
 class RobustnessConfig:
     """Calibration and out-of-domain evaluation (``robustness`` in params.yaml).
 
@@ -262,7 +215,7 @@ class Params:
     posterior: PosteriorConfig = field(default_factory=PosteriorConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     allocation: AllocationConfig = field(default_factory=AllocationConfig)
-    baselines: BaselinesConfig = field(default_factory=BaselinesConfig)
+    baselines: BaselineSettings = field(default_factory=BaselineSettings)
     distill: DistillConfig = field(default_factory=DistillConfig)
     robustness: RobustnessConfig = field(default_factory=RobustnessConfig)
     ablations: AblationConfig = field(default_factory=AblationConfig)
@@ -303,7 +256,7 @@ class Params:
 _SECTIONS = {
     "data": DataConfig, "finetune": FinetuneConfig, "calibration": CalibrationConfig,
     "posterior": PosteriorConfig, "quant": QuantConfig, "allocation": AllocationConfig,
-    "baselines": BaselinesConfig, "distill": DistillConfig, "robustness": RobustnessConfig,
+    "baselines": BaselineSettings, "distill": DistillConfig, "robustness": RobustnessConfig,
     "ablations": AblationConfig, "shift": ShiftConfig, "deploy": DeployConfig,
 }
 _STAGE_SECTIONS = ("ablations", "shift", "deploy")  # a stage's own rows, not method settings an override may change
@@ -351,7 +304,8 @@ def load_params(raw: Mapping[str, Any]) -> Params:
     kwargs["profile"] = profile
     kwargs |= {k: {} if merged[k] is None else merged[k] for k in _MAPPINGS if k in merged}  # `exclude:` alone: none
     for name, cls in _SECTIONS.items():
-        kwargs[name] = from_mapping(cls, merged.get(name), name)
+        kwargs[name] = (read_baselines(merged.get(name)) if cls is BaselineSettings
+                        else from_mapping(cls, merged.get(name), name))
     kwargs["sources"] = read_sources(merged.get("sources"), kwargs.get("budgets", Params.budgets))
     return Params(**kwargs)
 
@@ -380,7 +334,8 @@ def read_sources(items: Any, budgets: tuple[float, ...]) -> tuple[ByoModel, ...]
 
 
 def ablation_params(params: Params, overrides: Mapping[str, Any], where: str = "ablation") -> Params:
-    """``params`` with dotted ``section.key`` overrides applied and validated.
+    """``params`` with dotted ``section.key`` overrides applied and validated (``baselines.<method>.<field>``
+    for a baseline's setting).
 
     Raises:
         ValueError: unknown section or key (with a suggestion) or an invalid value, naming
@@ -396,8 +351,11 @@ def ablation_params(params: Params, overrides: Mapping[str, Any], where: str = "
         changes.setdefault(section, {})[key] = value
     kwargs = {}
     for section, over in changes.items():
-        base = {f.name: getattr(getattr(params, section), f.name) for f in fields(_SECTIONS[section])}
         try:
+            if section == "baselines":  # baselines.<method>.<field>
+                kwargs[section] = params.baselines.changed(over)
+                continue
+            base = {f.name: getattr(getattr(params, section), f.name) for f in fields(_SECTIONS[section])}
             kwargs[section] = from_mapping(_SECTIONS[section], {**base, **over}, section)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None

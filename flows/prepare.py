@@ -484,5 +484,5 @@ def prepare(params, name: str, model_file: Path, mdig: str, src: Path, sdig: str
     hawq = None
     if Method.HAWQ in params.methods:
         hawq = call(f"hawq traces {name} s{seed}", hawq_traces_task, name, str(model_file), mdig, str(src), sdig,
-                    params.data, cal, params.baselines.hawq_probes, seed, code, exclude=exclude)
+                    params.data, cal, params.baselines.config(Method.HAWQ).probes, seed, code, exclude=exclude)
     return post, tab, prep, hawq, stats

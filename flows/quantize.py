@@ -40,7 +40,7 @@ from bayesq.rounding import needs_input_stats
 from bayesq.selection import encode_best
 from bayesq.tensorfile import file_sha256
 from flows.common import code_version, digest, locked, parser, read_params, write_json
-from flows.configs import BASELINE_CONFIGS, method_settings
+from flows.configs import method_settings
 from flows.finetune import load_model, raw_path
 from flows.lineage import artifact_tags, export_lineage, input_lineage, row_metadata
 from flows.methods import (
@@ -82,12 +82,12 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
               seed: int, traces: dict | None, allocation: dict | None = None, stats_file: str | None = None,
               reference_file: str | None = None, exclude: tuple[str, ...] = ()) -> Outcome:
     """Quantise with a baseline through :func:`bayesq.methods.quantize_with` (its config from
-    :data:`BASELINE_CONFIGS`), giving it the row's cached inputs and ``exclude`` (the modules
+    ``baselines.config``), giving it the row's cached inputs and ``exclude`` (the modules
     every method of the model keeps in floating point).
 
     HAWQ reads ``traces``; RTN and ACIQ nothing. GPTQ / AWQ read the calibration batches and
     their layer-input statistics (``stats_file``, computed by the handler when None); with
-    ``baselines.select`` they keep the variant with the least KL on the selection inputs
+    their config's ``select`` they keep the variant with the least KL on the selection inputs
     (:func:`flows.prepare.selection_batches`; the calibration batches when
     ``calibration.selection: calibration``) against the FP log-probabilities ``reference_file``
     (:func:`flows.prepare.reference_task`; computed when None; the output offset's fit reads its
@@ -97,11 +97,11 @@ def _baseline(method: Method, model, entry, splits, data, calibration, quant, ba
     bits / inputs the KL is a mean over: fewer for a candidate dropped after the first look);
     without ``select`` they name the ``mixed`` rule; other baselines add none.
     """
-    config = BASELINE_CONFIGS[method](quant, baselines, seed)
+    config = baselines.config(method, quant, seed)
     if method not in CALIBRATED_METHODS:
         return quantize_with(model, config, budget, Inputs(traces=traces, exclude=exclude))
     batches = list(calibration_batches(entry, splits, data, calibration, seed)[1])
-    selection = selection_batches(entry, splits, data, calibration, seed) if baselines.select else None
+    selection = selection_batches(entry, splits, data, calibration, seed) if getattr(config, "select", True) else None
     given = reference_file and selection is not None
     logits = load_reference(Path(reference_file), "calibration") if reference_file else None
     inputs = Inputs(calibration=batches, selection=selection, allocation=allocation,
@@ -235,7 +235,7 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
     ``table`` / ``posterior_file`` (BayesQ rows), ``calibration`` (GPTQ, AWQ: their input
     statistics; distillation: its inputs), ``baselines`` (their settings), ``traces`` (HAWQ) and
     ``distill`` (``bayesq-distill``) are read only by the methods that need them; ``allocation``
-    (GPTQ with ``baselines.select``: BayesQ's unit bit-widths at this budget) adds GPTQ on it as
+    (GPTQ with its config's ``select``: BayesQ's unit bit-widths at this budget) adds GPTQ on it as
     a candidate variant; ``exclude`` (the model's modules kept in floating point) is given to the
     baselines and listed in the export header and the record (``exclude``) when not empty;
     ``quantize_seconds`` times everything done here but evaluation. ``robustness`` sets the
@@ -256,8 +256,8 @@ def quantize_eval_task(row: Row, table=None, tables: dict | None = None, lineage
     ``encoding_sha256``): such a saved encoding of the same posterior, table and settings, used
     instead of encoding again (``bayesq-distill`` and ``bayesq-brecq`` start from the ``bayesq``
     row's; their record's ``encoding_seconds`` is that encoding's time). ``bayesq-brecq`` rounds
-    the encoding again by BRECQ (the ``brecq`` row's schedule: ``baselines.brecq_iters`` steps per
-    unit, ``baselines.adaround_lambda``) and drops its bias correction (:func:`bayesq.baselines.brecq.bayesq_brecq`).
+    the encoding again by BRECQ (the ``brecq`` row's schedule: ``baselines.brecq``'s ``iters`` steps
+    per unit and ``lam``) and drops its bias correction (:func:`bayesq.baselines.brecq.bayesq_brecq`).
     Its header holds the row's lineage: ``lineage`` (the invocation's params and commit,
     :func:`flows.lineage.export_lineage`; not part of the cache key, so a cache hit keeps the
     file and the lineage of the run that wrote it) and the inputs (:func:`flows.lineage.input_lineage`).
@@ -353,8 +353,8 @@ def _bayesq_row(row: Row, model, entry, splits, table, tables) -> Quantised:
               "encoding_margin": {k: list(v) for k, v in enc.selection_margin.items()},
               "encoding_inputs": dict(enc.selection_inputs),
               "unit_bits": {k: list(v) for k, v in allocation.unit_bits.items()}}
-    if Method(method) == Method.BAYESQ_BRECQ:  # the brecq row's schedule (baselines.brecq_iters, adaround_lambda)
-        enc = brecq_encoding(model, enc, batches, BASELINE_CONFIGS[Method.BRECQ](quant, row.baselines, seed))
+    if Method(method) == Method.BAYESQ_BRECQ:  # the brecq row's schedule (baselines.brecq)
+        enc = brecq_encoding(model, enc, batches, row.baselines.config(Method.BRECQ, quant, seed))
     extra |= correction_fields(enc.correction)
     qmodel, qweights, res, offset = assemble(
         model, enc, post, batches, row.distill if Method(method) == Method.BAYESQ_DISTILL else None, budget, seed,
@@ -407,7 +407,7 @@ def quantize_flow(params_path: Path, raw: Path, models: Path, out: Path) -> list
                     for method in params.methods:
                         p_post, p_tab, p_key, p_quant = prep.get(method, (None, None, "", params.quant))
                         given = ((kept.get(budget) or bayesq_unit_bits(prep, params, budget, seed))
-                                 if method in GRID_METHODS and params.baselines.select else None)
+                                 if method in GRID_METHODS and params.baselines.config(method).select else None)
                         row = Row(source, method.value, budget, seed, codes[method], params.data, p_quant,
                                   params.allocation, str(Path(out) / "exports"), calibration=params.calibration,
                                   baselines=params.baselines, distill=params.distill, robustness=params.robustness,

@@ -57,10 +57,10 @@ FULL_OFFSET = "offset fitted in full (before)"
 BAYESQ_ROWS = ((DEFAULT, {}), (NO_OFFSET, {"quant.output_offset": False}),
                (NO_CORRECTIONS, {"quant.output_offset": False, "quant.bias_correction": False}),
                ("no grid selection", {"quant.select_grids": False}))
-BASELINE_ROWS = ((DEFAULT, {}), (NO_CORRECTIONS, {"baselines.bias_correction": False}))
 #: The rows of each method: (label, params.yaml overrides). A baseline's corrections are its bias
-#: correction and the output offset of its kept variant (``baselines.bias_correction``).
-ROWS = {m: BAYESQ_ROWS if m is Method.BAYESQ else BASELINE_ROWS for m in SHIFT_METHODS}
+#: correction and the output offset of its kept variant (``baselines.<method>.bias_correction``).
+ROWS = {m: BAYESQ_ROWS if m is Method.BAYESQ else
+        ((DEFAULT, {}), (NO_CORRECTIONS, {f"baselines.{m.value}.bias_correction": False})) for m in SHIFT_METHODS}
 BATCH = 64  # test examples per forward pass
 
 

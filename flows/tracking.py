@@ -154,9 +154,15 @@ def row_params(params, method, posterior=None, quant=None) -> dict[str, str]:
                      "calibration": params.calibration}
     if method == Method.BAYESQ_DISTILL:
         sections["distill"] = params.distill
-    if method in (*CALIBRATED_METHODS, Method.HAWQ, Method.BAYESQ_BRECQ):  # bayesq-brecq: baselines.brecq_iters
-        sections |= {"calibration": params.calibration, "baselines": params.baselines}
-    return flatten(sections)
+    if method in (*CALIBRATED_METHODS, Method.HAWQ, Method.BAYESQ_BRECQ):
+        sections["calibration"] = params.calibration
+    out = flatten(sections)
+    own = Method.BRECQ if method == Method.BAYESQ_BRECQ else method  # bayesq-brecq: the brecq row's schedule
+    if own not in BAYESQ_ROWS:  # a baseline's own config (its class's fields; quant is the section above)
+        config = params.baselines.config(own)
+        out |= {k: v for k, v in flatten(config, f"{own.value}.").items()
+                if not k.startswith(f"{own.value}.quant.") and k not in (f"{own.value}.progress", f"{own.value}.seed")}
+    return out
 
 
 def _prefect_flow_run() -> tuple[str, str]:

@@ -30,7 +30,7 @@ def test_load_params_full_profile_overrides():
     raw["profile"] = "full"
     params = load_params(raw)
     assert params.seeds == (17, 29, 43) and params.budgets == (3.0, 3.5, 4.0)
-    assert params.distill.samples == 8 and params.baselines.hawq_probes == 2
+    assert params.distill.samples == 8 and params.baselines.config("hawq").probes == 2
     assert params.quant.group_size == 64  # untouched keys keep their base value
 
 
@@ -83,20 +83,53 @@ def test_params_unknown_method_rejected():
         load_params({"methods": ["gptq-magic"]})
 
 
-@pytest.mark.parametrize("key, value, match", [
-    ("gptq_damp", 0.0, "baselines.gptq_damp = 0.0"), ("gptq_act_order", "yes", "baselines.gptq_act_order"),
-    ("awq_grid", 0, "baselines.awq_grid = 0"), ("hawq_probes", 1.5, "baselines.hawq_probes = 1.5"),
-    ("bias_correction", 1, "baselines.bias_correction = 1"), ("lsq_iters", 0, "baselines.lsq_iters = 0"),
-    ("brecq_iters", 0, "baselines.brecq_iters = 0"), ("pact_iters", 0, "baselines.pact_iters = 0"),
-    ("pact_lr", 0.0, "baselines.pact_lr = 0.0"), ("dorefa_iters", 0, "baselines.dorefa_iters = 0"), ("dorefa_lr", -0.1, "baselines.dorefa_lr = -0.1"),
-    ("bitsplit_epochs", 0, "baselines.bitsplit_epochs = 0"),
-    ("ocs_expand_ratios", [0.0], r"baselines.ocs_expand_ratios.*\(0, 1\]"), ("ocs_expand_ratios", [], "ocs_expand_ratios"),
-    ("lsq_lr", 0.0, "baselines.lsq_lr = 0.0"), ("smoothquant_alpha", 1.5, r"baselines.smoothquant_alpha = 1.5.*\[0, 1\]"),
-    ("anneal_steps", -1, "baselines.anneal_steps = -1"), ("anneal_inputs", 0, "baselines.anneal_inputs = 0"),
+@pytest.mark.parametrize("method, key, value, match", [
+    ("gptq", "damp", 0.0, r"baselines.gptq: GPTQConfig.damp = 0.0: must be in \(0, 1\)"),
+    ("ocs", "act_order", "yes", "baselines.ocs: OCSConfig.act_order = 'yes': must be true or false"),
+    ("awq", "grid", 0, "baselines.awq: AWQConfig.grid = 0"), ("hawq", "probes", 1.5, "baselines.hawq: HAWQConfig.probes = 1.5"),
+    ("optq", "bias_correction", 1, "baselines.optq: GPTQConfig.bias_correction = 1"),
+    ("lsq", "iters", 0, "baselines.lsq: lsq.iters must be at least 1"),
+    ("brecq", "iters", 0, "baselines.brecq: brecq.iters must be at least 1"),
+    ("pact", "lr", 0.0, "baselines.pact: LSQConfig.lr = 0.0"), ("dorefa", "lr", -0.1, "baselines.dorefa: dorefa.lr must be > 0"),
+    ("bit-split", "epochs", 0, "baselines.bit-split: bitsplit.epochs must be at least 1"),
+    ("ocs", "expand_ratios", [0.0], r"baselines.ocs: OCSConfig.expand_ratios.*\(0, 1\]"),
+    ("smoothquant", "alpha", 1.5, r"baselines.smoothquant: SmoothQuantConfig.alpha = 1.5.*\[0, 1\]"),
+    ("anneal", "steps", -1, "baselines.anneal: AnnealConfig.steps = -1"),
+    ("anneal", "search_inputs", 0, "baselines.anneal: AnnealConfig.search_inputs = 0"),
+    ("awq", "gird", 20, r"baselines.awq: unknown key 'gird' \(did you mean 'grid'\?\)"),
+    ("gptq", "quant", {}, "baselines.gptq.quant: set by the pipeline"),
+    ("hawq", "seed", 3, "baselines.hawq.seed: set by the pipeline"),
 ])
-def test_baselines_config_bad_value_names_field(key, value, match):
+def test_baselines_section_bad_value_names_method_and_field(method, key, value, match):
     with pytest.raises(ValueError, match=match):
-        load_params({"baselines": {key: value}})
+        load_params({"baselines": {method: {key: value}}})
+
+
+@pytest.mark.parametrize("section, match", [
+    ({"gptq_damp": 0.01}, r"baselines.gptq_damp was removed: .*gptq: \{damp: ...\}"),
+    ({"lsq_iters": 100}, r"baselines.lsq_iters was removed: .*lsq: \{iters: ...\} \(and lsq-plus\)"),
+    ({"gtpq": {}}, r"baselines: 'gtpq' is not a baseline \(did you mean 'gptq'\?\)"),
+    ({"bayesq": {}}, "baselines: 'bayesq' is not a baseline"),
+    ({"gptq": 0.01}, "baselines.gptq = 0.01: need a mapping"),
+])
+def test_baselines_section_old_keys_and_unknown_methods_are_named(section, match):
+    with pytest.raises(ValueError, match=match):
+        load_params({"baselines": section})
+
+
+def test_baselines_sections_load_into_the_library_configs_with_its_defaults():
+    """A method without a section runs with its library config's defaults (the registry entry's
+    settings on top: OPTQ is GPTQ in natural order); a section changes only its own method."""
+    from bayesq.baselines.gptq import GPTQConfig
+    from bayesq.baselines.hawq import HAWQConfig
+    from bayesq.config import QuantConfig
+
+    q = QuantConfig(group_size=32)
+    p = load_params({"quant": {"group_size": 32}, "baselines": {"gptq": {"damp": 0.05, "group_sizes": [16, 64]}}})
+    assert p.baselines.config("gptq", q, 3) == GPTQConfig(q, damp=0.05, group_sizes=(16, 64))
+    assert p.baselines.config("optq", q, 3) == GPTQConfig(q, act_order=False)
+    assert p.baselines.config("hawq", q, 3) == HAWQConfig(q, seed=3)
+    assert load_params(yaml.safe_load((ROOT / "params.yaml").read_text())).baselines.config("hawq").probes == 1  # quick
 
 
 def test_params_yaml_loads_with_every_method():
@@ -110,7 +143,7 @@ def test_params_yaml_loads_with_every_method():
     full_only = {Method.ADAROUND, Method.BRECQ, Method.LSQ, Method.LSQ_PLUS, Method.PACT, Method.DOREFA,
                  Method.BIT_SPLIT, Method.OCS, Method.BAYESQ_BRECQ, Method.ZEROQ,
                  Method.BAYESQ_DISTILL, Method.BAYESQ_EF, Method.BAYESQ_PAPER}
-    assert set(p.methods) == set(Method) - full_only and p.baselines.hawq_probes >= 1
+    assert set(p.methods) == set(Method) - full_only and p.baselines.config("hawq").probes >= 1
     assert set(load_params({**raw, "profile": "full"}).methods) == set(Method)
 
 

@@ -67,8 +67,9 @@ def _params(tmp_path: Path) -> Path:
         "quant": {"group_size": 32, "unit_groups": 4, "range_iters": 6},  # units of 128: a Lloyd table fits 3.0 bits
         "posterior": {"probes": 2},
         "distill": {"steps": 30, "max_budget": 3.5},  # the bayesq-distill row distils at 3.0 (as params.yaml)
-        "baselines": {"adaround_iters": 30, "brecq_iters": 10, "lsq_iters": 30, "pact_iters": 30,
-                      "dorefa_iters": 30, "bitsplit_epochs": 3, "anneal_steps": 10},  # the learned rivals' code paths, not their steps
+        "baselines": {"adaround": {"iters": 30}, "brecq": {"iters": 10}, "lsq": {"iters": 30},
+                      "lsq-plus": {"iters": 30}, "pact": {"iters": 30}, "dorefa": {"iters": 30},
+                      "bit-split": {"epochs": 3}, "anneal": {"steps": 10}},  # the learned rivals' code paths, not their steps
         "robustness": {"corruption_examples": 50, "severities": [1, 5], "random_bin_repeats": 3},
     }
     path = tmp_path / "params.yaml"

@@ -172,13 +172,12 @@ def test_register_refuses_a_second_handler_for_one_config():
 
 
 def test_pipeline_runs_every_baseline_through_the_registry():
-    from flows.methods import BASELINE_CONFIGS
-    from flows.params import BaselinesConfig
+    from flows.methods import BASELINES, ENTRY, BaselineSettings
 
     bayesq_rows = {Method.BAYESQ, Method.BAYESQ_EF, Method.BAYESQ_DISTILL, Method.BAYESQ_PAPER, Method.BAYESQ_BRECQ}
-    assert set(BASELINE_CONFIGS) == set(Method) - bayesq_rows
-    for make in BASELINE_CONFIGS.values():
-        assert type(make(Q, BaselinesConfig(), 0)) in registered()
+    assert set(BASELINES) == {m for m in Method if ENTRY[m].config is not None} == set(Method) - bayesq_rows
+    for m in BASELINES:
+        assert type(BaselineSettings().config(m, Q, 0)) in registered()
     assert bayesq.quantize_with is quantize_with
 
 
@@ -207,7 +206,7 @@ def test_bayesq_brecq_row_config_is_bayesq_rows_and_brecq_rows_schedule():
     from flows.configs import method_config
     from flows.params import load_params
 
-    p = load_params({"baselines": {"brecq_iters": 123, "adaround_lambda": 0.02}})
+    p = load_params({"baselines": {"brecq": {"iters": 123, "lam": 0.02}}})
     (cfg, quant), (bq, bq_quant) = method_config("bayesq-brecq", p, 3.0, 5), method_config("bayesq", p, 3.0, 5)
     brecq, _ = method_config("brecq", p, 3.0, 5)
     assert cfg.bayesq == bq and quant == bq_quant

@@ -56,7 +56,7 @@ def test_row_key_changes_with_each_input(rt):
                 allocation={"a": (3, 2)}, n_test=100, code="abc")
     key = rt.row_key(**base)
     assert rt.row_key(**base) == key and len(key) == 16
-    for field, other in (("name", "minilm-sentiment"), ("spec", "lsq:baselines.lsq_iters=2000"),
+    for field, other in (("name", "minilm-sentiment"), ("spec", "lsq:baselines.lsq.iters=2000"),
                          ("cfg", ("cfg", 2)), ("budget", 3.5), ("seed", 18), ("allocation", {"a": (2, 3)}),
                          ("allocation", None), ("n_test", 99), ("code", "abd")):
         assert rt.row_key(**{**base, field: other}) != key, field
@@ -64,5 +64,5 @@ def test_row_key_changes_with_each_input(rt):
 
 
 def test_safe_name_is_a_file_name(rt):
-    assert rt.safe_name("lsq:baselines.lsq_iters=2000") == "lsq_baselines.lsq_iters_2000"
+    assert rt.safe_name("lsq:baselines.lsq.iters=2000") == "lsq_baselines.lsq.iters_2000"
     assert "/" not in rt.safe_name("x:a.b=c/d")

@@ -24,7 +24,7 @@ from bayesq.export import read_export, save_export
 from bayesq.result import Allocation, QuantizationResult
 from bayesq.selection import selection_looks
 from bayesq.storage import grid_bits
-from flows.params import BaselinesConfig, load_params
+from flows.params import load_params
 
 CFG = QuantConfig(group_size=16, unit_groups=2)
 GROUP_SIZES = (8, 16, 32, 64)
@@ -280,15 +280,16 @@ def test_given_allocation_costs_and_errors():
 
 
 def test_baselines_config_select_and_group_sizes():
-    cfg = BaselinesConfig()
+    cfg = load_params({}).baselines.config("gptq")
     assert cfg.select is True and cfg.group_sizes == (32, 64, 128, 256)
-    p = load_params({"baselines": {"group_sizes": [16, 64], "select": False}})
-    assert p.baselines.group_sizes == (16, 64) and p.baselines.select is False
+    p = load_params({"baselines": {"gptq": {"group_sizes": [16, 64], "select": False}}})
+    assert p.baselines.config("gptq").group_sizes == (16, 64) and p.baselines.config("gptq").select is False
+    assert p.baselines.config("awq").select is True  # one method's section only
     for value in ([], [0, 32], [64, 32], [32, 32], [32.0], "64"):
-        with pytest.raises(ValueError, match="baselines.group_sizes"):
-            load_params({"baselines": {"group_sizes": value}})
-    with pytest.raises(ValueError, match="baselines.select"):
-        load_params({"baselines": {"select": "yes"}})
+        with pytest.raises(ValueError, match="baselines.awq: AWQConfig.group_sizes"):
+            load_params({"baselines": {"awq": {"group_sizes": value}}})
+    with pytest.raises(ValueError, match="baselines.gptq: GPTQConfig.select"):
+        load_params({"baselines": {"gptq": {"select": "yes"}}})
 
 
 @pytest.mark.parametrize("variant", [UniformVariant(3, 8), UniformVariant(2, None)])

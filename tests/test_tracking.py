@@ -38,7 +38,9 @@ def test_row_params_are_each_methods_effective_configuration():
     paper = row_params(params, Method.BAYESQ_PAPER, *method_settings(params, Method.BAYESQ_PAPER))
     assert (paper["posterior.prior"], paper["quant.objective"]) == ("fixed", "draws")
     gptq = row_params(params, Method.GPTQ)
-    assert "baselines.group_sizes" in gptq and not any(k.startswith("posterior.") for k in gptq)
+    assert gptq["gptq.group_sizes"] == "[32, 64, 128, 256]" and gptq["gptq.damp"] == "0.01"
+    assert not any(k.startswith(("posterior.", "gptq.quant.")) for k in gptq)
+    assert row_params(params, Method.BAYESQ_BRECQ)["brecq.iters"] == "20000"  # the brecq row's schedule
     assert any(k.startswith("distill.") for k in row_params(params, Method.BAYESQ_DISTILL))
     assert not any(k.startswith(("calibration.", "distill.")) for k in row_params(params, Method.RTN_GROUP))
 

@@ -42,9 +42,10 @@ from tqdm.auto import tqdm
 
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.gptq import LayerRounding, grid_method_outcome
-from bayesq.baselines.select import GROUP_SIZES
+from bayesq.baselines.select import group_sizes_setting
 from bayesq.config import Granularity, QuantConfig
 from bayesq.methods import Inputs, Outcome, register
+from bayesq.settings import validate
 
 ZETA, GAMMA = 1.1, -0.1
 
@@ -166,7 +167,7 @@ class AdaRoundConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     granularity: Granularity = Granularity.GROUP
     select: bool = True
-    group_sizes: tuple[int, ...] = GROUP_SIZES
+    group_sizes: tuple[int, ...] = group_sizes_setting()
     bias_correction: bool = True
     iters: int = 10000
     lam: float = 0.01
@@ -176,6 +177,7 @@ class AdaRoundConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        validate(self, "AdaRoundConfig")
         check_schedule("adaround", self)
 
 

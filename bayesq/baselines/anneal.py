@@ -51,6 +51,7 @@ from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch, first_inputs
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.result import Allocation, QuantizationResult, QuantizedWeight, baseline_result, quantized_copy
+from bayesq.settings import validate
 from bayesq.storage import budget_bits
 
 
@@ -315,6 +316,7 @@ class AnnealConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        validate(self, "AnnealConfig")
         if not (isinstance(self.steps, int) and self.steps >= 0):
             raise ValueError(f"AnnealConfig.steps = {self.steps!r}: must be an integer >= 0")
         if not (isinstance(self.search_inputs, int) and self.search_inputs >= 1):

@@ -37,8 +37,8 @@ from tqdm.auto import tqdm
 from bayesq.assignment import allocate
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.select import (
-    GROUP_SIZES, BaselineChoice, baseline_blocks, cheapest_bits, check_feasible, choice_outcome, mixed_min_bits,
-    mixed_outcome, select_variants, stats_of, uniform_variants,
+    GROUP_SIZES, BaselineChoice, baseline_blocks, cheapest_bits, check_feasible, choice_outcome, group_sizes_setting,
+    mixed_min_bits, mixed_outcome, select_variants, stats_of, uniform_variants,
 )
 from bayesq.blocks import LayerBlocks, checked_layers
 from bayesq.canonical import on_canonical
@@ -50,6 +50,7 @@ from bayesq.grids import minmax_grids
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.result import QuantizationResult, baseline_result
 from bayesq.rounding import encode
+from bayesq.settings import integer, setting, validate
 from bayesq.storage import budget_bits
 
 GRID = 20
@@ -254,10 +255,13 @@ class AWQConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     granularity: Granularity = Granularity.GROUP
     select: bool = True
-    group_sizes: tuple[int, ...] = GROUP_SIZES
-    grid: int = GRID
+    group_sizes: tuple[int, ...] = group_sizes_setting()
+    grid: int = setting(GRID, integer(1))  # alpha searched on {0, 1/grid, ..., (grid - 1)/grid}
     bias_correction: bool = True
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        validate(self, "AWQConfig")
 
 
 @register(AWQConfig)

@@ -41,10 +41,11 @@ from tqdm.auto import tqdm
 
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.gptq import LayerRounding, grid_method_outcome
-from bayesq.baselines.select import GROUP_SIZES
+from bayesq.baselines.select import group_sizes_setting
 from bayesq.config import Granularity, QuantConfig
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.refit import refit_scales
+from bayesq.settings import validate
 
 START_ITERS = 100  # the weight-space start: alternations at most (it stops when no scale moves)
 
@@ -190,12 +191,13 @@ class BitSplitConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     granularity: Granularity = Granularity.GROUP
     select: bool = True
-    group_sizes: tuple[int, ...] = GROUP_SIZES
+    group_sizes: tuple[int, ...] = group_sizes_setting()
     bias_correction: bool = True
     epochs: int = 100
     progress: bool = True
 
     def __post_init__(self) -> None:
+        validate(self, "BitSplitConfig")
         if self.epochs < 1:
             raise ValueError(f"bitsplit.epochs must be at least 1, got {self.epochs}")
 

@@ -52,7 +52,7 @@ from bayesq.baselines.activations import InputStats
 from bayesq.baselines.adaround import beta_at, check_schedule, initial_logits, rectified_sigmoid
 from bayesq.baselines.gptq import LayerRounding, grid_method_outcome
 from bayesq.baselines.lsq import nearest_rows
-from bayesq.baselines.select import GROUP_SIZES
+from bayesq.baselines.select import group_sizes_setting
 from bayesq.canonical import canonical
 from bayesq.config import BayesQConfig, Granularity, QuantConfig
 from bayesq.forward import Batch, call, kept_state, model_batches, padding_mask
@@ -63,6 +63,7 @@ from bayesq.quantize import quantize_model
 from bayesq.result import QuantizationResult, QuantizedWeight, quantized_copy
 from bayesq.rounding import group_grid
 from bayesq.selection import Encoding
+from bayesq.settings import validate
 
 CONTAINERS = (nn.Sequential, nn.ModuleList)
 
@@ -271,7 +272,7 @@ class BRECQConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     granularity: Granularity = Granularity.GROUP
     select: bool = True
-    group_sizes: tuple[int, ...] = GROUP_SIZES
+    group_sizes: tuple[int, ...] = group_sizes_setting()
     bias_correction: bool = True
     iters: int = 20000
     lam: float = 0.01
@@ -282,6 +283,7 @@ class BRECQConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        validate(self, "BRECQConfig")
         check_schedule("brecq", self)
 
 

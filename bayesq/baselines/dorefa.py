@@ -40,9 +40,10 @@ from tqdm.auto import tqdm
 
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.gptq import LayerRounding, grid_method_outcome
-from bayesq.baselines.select import GROUP_SIZES
+from bayesq.baselines.select import group_sizes_setting
 from bayesq.config import Granularity, QuantConfig
 from bayesq.methods import Inputs, Outcome, register
+from bayesq.settings import validate
 
 
 def dorefa_loss(delta: torch.Tensor, W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -124,13 +125,14 @@ class DoReFaConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     granularity: Granularity = Granularity.GROUP
     select: bool = True
-    group_sizes: tuple[int, ...] = GROUP_SIZES
+    group_sizes: tuple[int, ...] = group_sizes_setting()
     bias_correction: bool = True
     iters: int = 10000
     lr: float = 2e-4
     progress: bool = True
 
     def __post_init__(self) -> None:
+        validate(self, "DoReFaConfig")
         if self.iters < 1:
             raise ValueError(f"dorefa.iters must be at least 1, got {self.iters}")
         if not self.lr > 0:

@@ -35,7 +35,7 @@ from bayesq.assignment import allocate
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.select import (
     GROUP_SIZES, BaselineChoice, baseline_blocks, cheapest_bits, check_feasible, choice_outcome, given_allocation,
-    mixed_min_bits, mixed_outcome, select_variants, stats_of, uniform_variants,
+    group_sizes_setting, mixed_min_bits, mixed_outcome, select_variants, stats_of, uniform_variants,
 )
 from bayesq.blocks import LayerBlocks, checked_layers, layer_blocks
 from bayesq.canonical import on_canonical
@@ -48,6 +48,7 @@ from bayesq.memory import LazyMap
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.result import Allocation, QuantizationResult, QuantizedWeight, baseline_result
 from bayesq.rounding import encode
+from bayesq.settings import setting, validate, within
 from bayesq.storage import budget_bits
 
 DAMP = 0.01
@@ -256,11 +257,14 @@ class GPTQConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     granularity: Granularity = Granularity.GROUP
     select: bool = True
-    group_sizes: tuple[int, ...] = GROUP_SIZES
+    group_sizes: tuple[int, ...] = group_sizes_setting()
     act_order: bool = True
-    damp: float = DAMP
+    damp: float = setting(DAMP, within("(0, 1)", "GPTQ uses 0.01"))  # dampening, a fraction of mean(diag H)
     bias_correction: bool = True
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        validate(self, "GPTQConfig")
 
 
 @register(GPTQConfig)

@@ -32,6 +32,7 @@ from bayesq.memory import LazyMap
 from bayesq.methods import Inputs, Outcome, read, register
 from bayesq.result import QuantizationResult, baseline_result
 from bayesq.rounding import encode
+from bayesq.settings import integer, setting, validate
 
 
 @on_canonical
@@ -80,9 +81,12 @@ class HAWQConfig:
     (:func:`hessian_traces`; ``progress``: a bar over its batches)."""
 
     quant: QuantConfig = field(default_factory=QuantConfig)
-    probes: int = 16
+    probes: int = setting(16, integer(1))  # Rademacher probes per calibration batch for the traces
     seed: int = 0
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        validate(self, "HAWQConfig")
 
 
 @register(HAWQConfig)

@@ -61,9 +61,10 @@ from tqdm.auto import tqdm
 
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.gptq import LayerRounding, grid_method_outcome
-from bayesq.baselines.select import GROUP_SIZES
+from bayesq.baselines.select import group_sizes_setting
 from bayesq.config import Granularity, QuantConfig
 from bayesq.methods import Inputs, Outcome, register
+from bayesq.settings import validate
 
 MIN_RATIO = 1e-2  # a scale shrinks to at most this share of its start
 
@@ -225,7 +226,7 @@ class LSQConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     granularity: Granularity = Granularity.GROUP
     select: bool = True
-    group_sizes: tuple[int, ...] = GROUP_SIZES
+    group_sizes: tuple[int, ...] = group_sizes_setting()
     bias_correction: bool = True
     offset: bool = False
     iters: int = 10000
@@ -242,6 +243,9 @@ class LSQConfig:
                              f"got {self.gradient!r}") from None
         object.__setattr__(self, "gradient", gradient)
         object.__setattr__(self, "lr", DEFAULT_LR[gradient] if self.lr is None else self.lr)
+        validate(self, "LSQConfig")
+        if not self.lr > 0:
+            raise ValueError(f"LSQConfig.lr = {self.lr!r}: must be > 0 (Adam's step on s / s0)")
         if self.iters < 1:
             raise ValueError(f"lsq.iters must be at least 1, got {self.iters}")
         if not (self.lr > 0 and self.zero_lr > 0):

@@ -41,7 +41,7 @@ from torch import nn
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.gptq import DAMP, gptq_candidates, gptq_quantize
 from bayesq.baselines.select import (
-    GROUP_SIZES, BaselineChoice, choice_outcome, mixed_outcome, select_variants, stats_of,
+    GROUP_SIZES, BaselineChoice, choice_outcome, group_sizes_setting, mixed_outcome, select_variants, stats_of,
 )
 from bayesq.blocks import checked_layers, tied_layers
 from bayesq.canonical import on_canonical
@@ -51,6 +51,7 @@ from bayesq.expected_loss import LossTable
 from bayesq.forward import Batch
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.result import Allocation, QuantizationResult, baseline_result
+from bayesq.settings import setting, validate, within
 from bayesq.storage import budget_bits, split_bits
 
 EXPAND_RATIOS = (0.01, 0.02, 0.05)  # share of a layer's input channels split; selected on held-out inputs
@@ -302,14 +303,15 @@ class OCSConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     granularity: Granularity = Granularity.GROUP
     select: bool = True
-    group_sizes: tuple[int, ...] = GROUP_SIZES
+    group_sizes: tuple[int, ...] = group_sizes_setting()
     expand_ratios: tuple[float, ...] = EXPAND_RATIOS
     act_order: bool = True
-    damp: float = DAMP
+    damp: float = setting(DAMP, within("(0, 1)", "GPTQ uses 0.01"))
     bias_correction: bool = True
     progress: bool = True
 
     def __post_init__(self) -> None:
+        validate(self, "OCSConfig")
         ratios = tuple(self.expand_ratios)
         if not ratios or any(not 0.0 < float(r) <= 1.0 for r in ratios):
             raise ValueError(f"OCSConfig.expand_ratios = {ratios!r}: give one or more shares of a layer's input "

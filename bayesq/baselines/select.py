@@ -58,11 +58,22 @@ from bayesq.methods import Inputs, Outcome, read
 from bayesq.output_offset import fit_output_offset
 from bayesq.result import Allocation, QuantizationResult, quantized_copy
 from bayesq.selection import selection_looks
+from bayesq.settings import ascending, rule, setting
 from bayesq.storage import budget_bits
 from bayesq.targets import spec
 
 #: Candidate group sizes of the uniform variants (per-output-channel grids are always tried last).
 GROUP_SIZES = (32, 64, 128, 256)
+
+
+def group_sizes_setting():
+    """The ``group_sizes`` field of a selecting baseline's config: a non-empty, strictly
+    ascending list of integer group sizes >= 1 (:data:`GROUP_SIZES` by default), kept as a tuple."""
+    return setting(GROUP_SIZES,
+                   rule(lambda g: isinstance(g, (tuple, list)) and len(g) > 0
+                        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in g),
+                        "need a non-empty list of integer group sizes >= 1, e.g. [32, 64, 128, 256]"),
+                   ascending("[32, 64, 128, 256]"), convert=tuple)
 
 
 @dataclass(frozen=True)

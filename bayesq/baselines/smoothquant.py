@@ -30,9 +30,10 @@ from torch import nn
 
 from bayesq.baselines.activations import InputStats
 from bayesq.baselines.awq import awq_quantize, awq_select
-from bayesq.baselines.select import GROUP_SIZES, choice_outcome, mixed_outcome, stats_of
+from bayesq.baselines.select import choice_outcome, group_sizes_setting, mixed_outcome, stats_of
 from bayesq.config import Granularity, QuantConfig
 from bayesq.methods import Inputs, Outcome, register
+from bayesq.settings import validate
 
 ALPHA = 0.5
 #: Floor of both maxima (the reference implementation's clamp).
@@ -71,12 +72,13 @@ class SmoothQuantConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     granularity: Granularity = Granularity.GROUP
     select: bool = True
-    group_sizes: tuple[int, ...] = GROUP_SIZES
+    group_sizes: tuple[int, ...] = group_sizes_setting()
     alpha: float = ALPHA
     bias_correction: bool = True
     progress: bool = True
 
     def __post_init__(self) -> None:
+        validate(self, "SmoothQuantConfig")
         if not 0.0 <= float(self.alpha) <= 1.0:
             raise ValueError(f"SmoothQuantConfig.alpha = {self.alpha!r}: the migration strength must lie in [0, 1] "
                              "(the paper uses 0.5)")

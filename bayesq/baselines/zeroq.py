@@ -48,6 +48,7 @@ from bayesq.forward import Batch, call, kept_state
 from bayesq.methods import Inputs, Outcome, register
 from bayesq.result import QuantizationResult, baseline_result
 from bayesq.rounding import encode
+from bayesq.settings import validate
 
 EPS = 1e-5  # added to a variance before its square root (BatchNorm's default eps for the input's own)
 
@@ -217,6 +218,7 @@ class ZeroQConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        validate(self, "ZeroQConfig")
         if self.inputs < 1 or self.iters < 0:
             raise ValueError(f"zeroq needs inputs >= 1 and iters >= 0, got inputs={self.inputs}, iters={self.iters}")
         if not self.lr > 0:
