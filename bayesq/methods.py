@@ -49,6 +49,8 @@ class Inputs:
         traces: layer name -> Hessian trace (HAWQ).
         allocation: layer name -> unit bit-widths that GPTQ also tries as a variant.
         exclude: layer names or glob patterns left in floating point.
+        cache: where BayesQ keeps its curvature pass for other budgets and targets on the same
+            model and calibration inputs (:mod:`bayesq.stage_cache`); None: not kept.
     """
 
     calibration: Sequence[Batch] | None = None
@@ -58,6 +60,7 @@ class Inputs:
     traces: Mapping[str, float] | None = None
     allocation: Mapping[str, Sequence[int]] | None = None
     exclude: Sequence[str] = ()
+    cache: Any = None
 
     def need_calibration(self, method: str) -> list[Batch]:
         """``calibration`` as a list, or a ValueError naming ``method`` when there is none."""

@@ -27,6 +27,7 @@ from bayesq.posterior import ROWS_IN_PASS, Posterior, fit_posterior as _fit_post
 from bayesq.result import QuantizationResult, QuantizedWeight, quantized_copy
 from bayesq.rounding import bias_correction, ef_column_metric, layer_input_stats, needs_input_stats, reads_input_stats
 from bayesq.selection import Encoding, encode_candidates, select_encoding
+from bayesq.stage_cache import StageCache, cached, fingerprint
 from bayesq.tables import grid_tables
 
 
@@ -79,7 +80,7 @@ def quantize_model(
     model: nn.Module, calibration: Iterable[Batch], config: BayesQConfig = BayesQConfig(),
     *, posterior: Posterior | None = None, progress: bool | None = None, selection: Iterable[Batch] | None = None,
     exclude: Sequence[str] = (), check_memory: bool = True, keep_posterior: bool = False,
-    known: KnownOutputs | None = None,
+    known: KnownOutputs | None = None, cache: StageCache | None = None,
 ) -> QuantizationResult:
     """BayesQ: posterior -> expected-loss tables -> allocation -> quantised model.
 
@@ -113,6 +114,9 @@ def quantize_model(
             its log-probabilities on ``selection``, else on ``calibration``, and its logits on
             ``calibration``); else computed once here (:class:`bayesq.context.FPOutputs`) and read
             by both the grid selection and the output offset's fit.
+        cache: a :class:`bayesq.stage_cache.StageCache` that keeps the curvature pass (posterior,
+            input statistics, FP logits) under a fingerprint of everything it reads, so another
+            budget or target on the same model and calibration inputs skips it (the same tensors).
 
     Returns:
         :class:`QuantizationResult` with the quantised copy of the model, the codes and
@@ -130,11 +134,11 @@ def quantize_model(
         model.eval()  # every pass reads the model as deployed (frozen BatchNorm, no dropout)
         progress = config.progress if progress is None else progress
         return _quantize_model(model, calibration, config, posterior, progress, selection, tuple(exclude),
-                               check_memory, keep_posterior, known)
+                               check_memory, keep_posterior, known, cache)
 
 
 def _quantize_model(model, calibration, config, posterior, progress, selection, exclude,
-                    check_memory, keep_posterior, known) -> QuantizationResult:
+                    check_memory, keep_posterior, known, cache) -> QuantizationResult:
     layers = quantizable_layers(model, exclude)
     check_finite(layers)
     check_model_finite(model)
@@ -147,9 +151,15 @@ def _quantize_model(model, calibration, config, posterior, progress, selection, 
         check_memory_fits(need, next(iter(layers.values())).weight.device)
     outputs: list[torch.Tensor | None] = []  # the FP model's logits of the curvature pass: read below, not recomputed
     if posterior is None:
-        posterior, stats = posterior_and_stats(model, calibration, layers, config.posterior, q, seed=config.seed,
-                                               progress=progress, max_inputs=need and need.pass_inputs,
-                                               logits=outputs)
+        def curvature_pass() -> tuple:
+            seen: list[torch.Tensor | None] = []
+            post, st = posterior_and_stats(model, calibration, layers, config.posterior, q, seed=config.seed,
+                                           progress=progress, max_inputs=need and need.pass_inputs, logits=seen)
+            return post, st, seen
+
+        posterior, stats, outputs = cached(cache, "curvature pass", lambda: fingerprint(
+            model, sorted(layers), calibration, config.posterior, q, config.seed, need and need.pass_inputs),
+            curvature_pass)
     else:
         stats = layer_input_stats(posterior, model, calibration, progress) if needs_input_stats(posterior, q) else None
     metric = ef_column_metric(posterior, q, model, calibration, progress=progress, stats=stats)
@@ -199,7 +209,8 @@ def bayesq_method(model: nn.Module, config: BayesQConfig, budget: float, inputs:
     """:func:`quantize_model` at ``budget`` (``config.budget`` is replaced) on the calibration and
     selection batches; ``details``: the grids kept (``encoding``) and each candidate's selection KL."""
     res = quantize_model(model, inputs.need_calibration("BayesQ"), replace(config, budget=budget),
-                         selection=inputs.selection, exclude=tuple(inputs.exclude), known=inputs.known)
+                         selection=inputs.selection, exclude=tuple(inputs.exclude), known=inputs.known,
+                         cache=inputs.cache)
     fitted = res.output_offset is not None and res.output_offset.fitted
     # the selection scores several candidates against the FP log-probabilities; the offset's fit
     # reads them as the FP side of the held-out inputs

@@ -42,6 +42,7 @@ from bayesq.harness.data.sentiment import seeded_permutation
 from bayesq.harness.models.zoo import get_entry
 from bayesq.methods import Inputs
 from bayesq.onnx_export import OnnxModel, graph_of, latencies as onnx_latencies
+from bayesq.stage_cache import MemoryCache
 from flows.byo import load_examples, save_examples
 from flows.common import CACHE, code_version, digest, parser, read_params, write_json
 from flows.configs import method_config
@@ -97,6 +98,7 @@ class _Replay(torch.nn.Module):
 
 
 _FP_OUTPUTS: dict[tuple[str, str], list[torch.Tensor]] = {}  # (FP32 file, its digest) -> outputs, within one run
+_STAGES = MemoryCache()  # BayesQ's curvature pass per model, shared by its rows' budgets within one run
 
 
 def fp_outputs(fp_file: str, fp_digest: str, entry, splits, params) -> list[torch.Tensor]:
@@ -166,7 +168,7 @@ def row_task(model: str, method: str, budget: float, fp_file: str, fp_digest: st
     meta = row_metadata(model, method, budget, seed, code, export_lineage(params),
                         input_lineage(model_file, str(src), raw_digest, None, idx))
     inputs = Inputs(calibration=cal, selection=selection_batches(entry, splits, params.data, params.calibration, seed),
-                    exclude=tuple(params.excluded(model)))
+                    exclude=tuple(params.excluded(model)), cache=_STAGES)
     score = lambda loaded, file: {"examples": _score(fp_file, fp_digest, file, entry, splits, params,  # noqa: E731
                                                      Path(out), model, row, loaded)}
     r = run_row(embedded_subject(entry, net, splits, params.data, score, f"[deploy] {model}", example=cal[0]),
