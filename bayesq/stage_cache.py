@@ -39,17 +39,25 @@ class StageCache(Protocol):
 
 class MemoryCache:
     """A :class:`StageCache` in this process's memory (values copied in and out, so a caller that
-    changes what it got changes nothing kept)."""
+    changes what it got changes nothing kept); ``max_items``: the most values kept, the least
+    recently used dropped first (None: no limit; a curvature pass is about the model's size)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_items: int | None = None) -> None:
         self.items: dict[tuple[str, str], Any] = {}
+        self.max_items = max_items
 
     def get(self, stage: str, key: str) -> Any | None:
-        value = self.items.get((stage, key))
-        return None if value is None else copy.deepcopy(value)
+        value = self.items.pop((stage, key), None)
+        if value is None:
+            return None
+        self.items[stage, key] = value  # the most recently used last
+        return copy.deepcopy(value)
 
     def put(self, stage: str, key: str, value: Any) -> None:
+        self.items.pop((stage, key), None)
         self.items[stage, key] = copy.deepcopy(value)
+        while self.max_items is not None and len(self.items) > self.max_items:
+            del self.items[next(iter(self.items))]
 
 
 @lru_cache(maxsize=1)

@@ -45,6 +45,7 @@ from bayesq.harness.data.files import (
 from bayesq.harness.sources import ModelSource, SourceKind, resolve_model, unpacked
 from bayesq.methods import Inputs
 from bayesq.onnx_export import ACCURACY_LEVEL, OnnxModel
+from bayesq.stage_cache import MemoryCache
 from bayesq.tensorfile import file_sha256, save_tensors
 from flows import row as rows
 from flows.common import digest, locked, write_json
@@ -56,6 +57,7 @@ from flows.row import Subject, by_library, targeted
 from flows.tracking import child_run_name, log_row_artifacts, mlflow_child, mlflow_parent, row_params, say
 
 BATCH = 32  # examples per preprocessed batch
+_STAGES = MemoryCache(max_items=2)  # BayesQ's curvature pass of a model, shared by its rows' budgets in a process
 
 
 @dataclass
@@ -190,7 +192,7 @@ def subject(prep: Prepared, evaluate) -> Subject:
 
 def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: Path, shared: Mapping[str, str],
             code: str, say=print, examples_dir: Path | None = None, target: str = "bayesq",
-            accuracy_level: int = ACCURACY_LEVEL) -> dict:
+            accuracy_level: int = ACCURACY_LEVEL, cache=None) -> dict:
     """One row of a user's model (:func:`flows.row.run_row`): quantise with ``method``'s config
     (:func:`flows.configs.method_config`), export with skeleton and preprocessing, load back
     without a skeleton, compare with FP on the test draw (KL, agreement; accuracy with labels;
@@ -198,7 +200,8 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
     and write the report next to the export. Returns the row's record. ``target="onnxruntime"``:
     quantised inside what ONNX Runtime's MatMulNBits runs, written as an ``.onnx`` file
     (:mod:`bayesq.onnx_export`) whose MatMulNBits nodes compute at ``accuracy_level`` (1: float32,
-    4: int8 activations), and compared with FP as ONNX Runtime runs it.
+    4: int8 activations), and compared with FP as ONNX Runtime runs it. ``cache``: BayesQ's curvature
+    pass kept for the model's other budgets (:mod:`bayesq.stage_cache`).
 
     Raises:
         ValueError: from the method (an infeasible budget, ...); nothing is written then.
@@ -216,7 +219,8 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
                 "dataset_digest": prep.data_digest, "draws": json.loads(meta["draws"]),
                 "draw_sizes_note": prep.sizes_note, "examples_file": str(save_examples(path, scores, examples_dir))}
 
-    inputs = Inputs(calibration=prep.calibration, selection=prep.selection, exclude=tuple(prep.spec.exclude))
+    inputs = Inputs(calibration=prep.calibration, selection=prep.selection, exclude=tuple(prep.spec.exclude),
+                    cache=cache)
     record = rows.run_row(subject(prep, evaluate), by_library(prep.fp, cfg, quant, budget, inputs, params.quant),
                           method, budget, seed, out, meta, target=target, accuracy_level=accuracy_level, say=say)
     write_report(out, record, reports[-1].lines())
@@ -337,7 +341,7 @@ def byo_task(spec: ByoModel, model_digest: str, data_digest: str, method: str, b
     prep = prepare(spec, seed, say=say)
     path = Path(out) / "exports" / f"{spec.name}_{method}_b{budget}_s{seed}.safetensors"
     return run_row(prep, method, budget, params, seed, path, lineage, code, say=say,
-                   examples_dir=Path(out) / "examples")
+                   examples_dir=Path(out) / "examples", cache=_STAGES)
 
 
 def submit_rows(m: ByoModel, params, out: str, code: str, lineage: dict, seeds, threads: int | None = None) -> list:

@@ -98,7 +98,7 @@ class _Replay(torch.nn.Module):
 
 
 _FP_OUTPUTS: dict[tuple[str, str], list[torch.Tensor]] = {}  # (FP32 file, its digest) -> outputs, within one run
-_STAGES = MemoryCache()  # BayesQ's curvature pass per model, shared by its rows' budgets within one run
+_STAGES = MemoryCache(max_items=2)  # BayesQ's curvature pass of a model, shared by its rows' budgets in a run
 
 
 def fp_outputs(fp_file: str, fp_digest: str, entry, splits, params) -> list[torch.Tensor]:

@@ -82,3 +82,12 @@ def test_memory_cache_hands_out_copies():
     again = cached(cache, "s", lambda: "k", lambda: made.append(1) or {"t": torch.ones(2)})
     assert made == [1] and torch.equal(again["t"], torch.zeros(2))
     assert cached(None, "s", lambda: 1 / 0, lambda: 7) == 7  # no cache: no key computed
+
+
+def test_memory_cache_drops_the_least_recently_used_beyond_max_items():
+    cache = MemoryCache(max_items=2)
+    for k in "abc":
+        cache.put("s", k, k)
+        if k == "b":
+            assert cache.get("s", "a") == "a"  # a used after b: b goes first
+    assert cache.get("s", "b") is None and cache.get("s", "a") == "a" and cache.get("s", "c") == "c"
