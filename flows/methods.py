@@ -14,6 +14,7 @@ all read off :data:`METHODS`, so adding a baseline is two places: its module und
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Mapping
@@ -34,6 +35,7 @@ from bayesq.baselines.rtn import RTNConfig
 from bayesq.baselines.smoothquant import SmoothQuantConfig
 from bayesq.baselines.zeroq import ZeroQConfig
 from bayesq.config import Codebook, Granularity
+from bayesq.settings import from_mapping
 
 #: The groups an entry may belong to, and what membership means.
 GROUPS = {
@@ -217,8 +219,6 @@ class BaselineSettings:
         Raises:
             ValueError: a bad value, naming ``baselines.<method>`` and the field.
         """
-        from bayesq.settings import from_mapping
-
         entry = ENTRY[Method(method)]
         names = {f.name for f in fields(entry.config)}
         data = {**entry.defaults, **self.section(method), **({"quant": quant} if quant is not None else {}),
@@ -252,8 +252,6 @@ def read_baselines(data: Mapping[str, Any] | None, where: str = "baselines") -> 
             baseline (with a suggestion), a section that is not a mapping, ``quant`` or ``seed``
             set, a field its config lacks or a bad value (naming ``baselines.<method>.<field>``).
     """
-    import difflib
-
     sections = []
     for method, body in dict(data or {}).items():
         if method in MOVED_KEYS:

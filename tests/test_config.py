@@ -90,7 +90,7 @@ def test_params_unknown_method_rejected():
     ("optq", "bias_correction", 1, "baselines.optq: GPTQConfig.bias_correction = 1"),
     ("lsq", "iters", 0, "baselines.lsq: lsq.iters must be at least 1"),
     ("brecq", "iters", 0, "baselines.brecq: brecq.iters must be at least 1"),
-    ("pact", "lr", 0.0, "baselines.pact: LSQConfig.lr = 0.0"), ("dorefa", "lr", -0.1, "baselines.dorefa: dorefa.lr must be > 0"),
+    ("pact", "lr", 0.0, "baselines.pact: lsq needs lr > 0"), ("dorefa", "lr", -0.1, "baselines.dorefa: dorefa.lr must be > 0"),
     ("bit-split", "epochs", 0, "baselines.bit-split: bitsplit.epochs must be at least 1"),
     ("ocs", "expand_ratios", [0.0], r"baselines.ocs: OCSConfig.expand_ratios.*\(0, 1\]"),
     ("smoothquant", "alpha", 1.5, r"baselines.smoothquant: SmoothQuantConfig.alpha = 1.5.*\[0, 1\]"),

@@ -244,8 +244,6 @@ class LSQConfig:
         object.__setattr__(self, "gradient", gradient)
         object.__setattr__(self, "lr", DEFAULT_LR[gradient] if self.lr is None else self.lr)
         validate(self, "LSQConfig")
-        if not self.lr > 0:
-            raise ValueError(f"LSQConfig.lr = {self.lr!r}: must be > 0 (Adam's step on s / s0)")
         if self.iters < 1:
             raise ValueError(f"lsq.iters must be at least 1, got {self.iters}")
         if not (self.lr > 0 and self.zero_lr > 0):
