@@ -172,8 +172,15 @@ class QuantizationResult:
         """Bits per weight over every floating parameter with two or more dimensions: the
         quantised ones as :attr:`average_bits` counts them, the :attr:`unquantized` ones at their
         storage width (float32: 32)."""
-        n, bits = kept_matrices(self.model, self.weights)
-        return (self.allocation.total_bits + bits) / (self.allocation.n_weights + n)
+        return average_bits_all(self.model, self.weights, self.allocation)
+
+
+def average_bits_all(model: nn.Module, weights: Mapping[str, QuantizedWeight], allocation: Allocation) -> float:
+    """Bits per weight over every floating parameter of ``model`` with two or more dimensions:
+    ``weights``' layers as ``allocation`` counts them, the others at their storage width,
+    ``(total_bits + kept bits) / (n_weights + kept weights)`` (:func:`bayesq.blocks.kept_matrices`)."""
+    n, bits = kept_matrices(model, weights)
+    return (allocation.total_bits + bits) / (allocation.n_weights + n)
 
 
 def quantized_copy(

@@ -213,11 +213,9 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
 
     def evaluate(loaded, path: Path) -> dict:
         say(f"[byo] {prep.spec.name}: comparing with FP on {len(prep.draws.test)} test examples")
-        scores = score_examples(prep.fp, loaded, prep.test, prep.labels, prep.source.causal_lm)
-        reports.append(fidelity_report(scores))
-        return {"model_source": prep.spec.model, "fidelity": reports[-1].as_dict(), "dataset": prep.spec.data.path,
-                "dataset_digest": prep.data_digest, "draws": json.loads(meta["draws"]),
-                "draw_sizes_note": prep.sizes_note, "examples_file": str(save_examples(path, scores, examples_dir))}
+        return {"model_source": prep.spec.model, "dataset": prep.spec.data.path, "dataset_digest": prep.data_digest,
+                "draws": json.loads(meta["draws"]), "draw_sizes_note": prep.sizes_note,
+                **compared(prep.fp, loaded, prep.test, prep.labels, path, reports, examples_dir, prep.source.causal_lm)}
 
     inputs = Inputs(calibration=prep.calibration, selection=prep.selection, exclude=tuple(prep.spec.exclude),
                     cache=cache)
@@ -225,6 +223,17 @@ def run_row(prep: Prepared, method: str, budget: float, params, seed: int, out: 
                           method, budget, seed, out, meta, target=target, accuracy_level=accuracy_level, say=say)
     write_report(out, record, reports[-1].lines())
     return record
+
+
+def compared(fp: torch.nn.Module, loaded: torch.nn.Module, batches: list, labels: torch.Tensor | None, export: Path,
+             reports: list, folder: Path | None = None, causal_lm: bool = False) -> dict:
+    """The loaded file against the FP model on ``batches`` (:func:`bayesq.fidelity.score_examples`,
+    a progress bar): its per-example scores saved (:func:`save_examples`), its
+    :class:`bayesq.fidelity.FidelityReport` appended to ``reports``; the record's ``fidelity`` and
+    ``examples_file``."""
+    scores = score_examples(fp, loaded, batches, labels, causal_lm)
+    reports.append(fidelity_report(scores))
+    return {"fidelity": reports[-1].as_dict(), "examples_file": str(save_examples(export, scores, folder))}
 
 
 def examples_path(export: Path, folder: Path | None = None) -> Path:

@@ -182,14 +182,11 @@ def _quantize_embedded(model: str, method: str, budget: float, out: Path, params
 
 def _compare(fp, test: list, labels, reports: list, fields: dict, loaded, path: Path) -> dict:
     """An embedded row's evaluation: the loaded file against the FP model on the test split
-    (:func:`bayesq.fidelity.score_examples`); the report is appended to ``reports``."""
-    from bayesq.fidelity import fidelity_report, score_examples
-    from flows.byo import save_examples
+    (:func:`flows.byo.compared`); the report is appended to ``reports``."""
+    from flows.byo import compared
 
     typer.echo(f"comparing with FP on the {len(labels)} test examples ...")
-    scores = score_examples(fp, loaded, test, labels)
-    reports.append(fidelity_report(scores))
-    return {**fields, "fidelity": reports[-1].as_dict(), "examples_file": str(save_examples(path, scores))}
+    return {**fields, **compared(fp, loaded, test, labels, path, reports)}
 
 
 def _say_row(record: dict, out: Path, lines: list[str] | None) -> None:

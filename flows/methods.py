@@ -263,8 +263,8 @@ def read_baselines(data: Mapping[str, Any] | None, where: str = "baselines") -> 
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ValueError(f"{where}: '{method}' is not a baseline{hint}; baselines: {', '.join(names)}")
         if body is not None and not isinstance(body, Mapping):
-            raise ValueError(f"{where}.{method} = {body!r}: need a mapping of its config's fields, e.g. "
-                             f"{{{next(iter(f.name for f in fields(ENTRY[Method(method)].config) if f.name != 'quant'), 'progress')}: ...}}")
+            raise ValueError(f"{where}.{method} = {body!r}: need a mapping of its config's fields, "
+                             f"e.g. {where}: {{hawq: {{probes: 2}}}}")
         body = dict(body or {})
         for key in _ROW_FIELDS:
             if key in body:

@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from bayesq.baselines.select import encoding_config
-from bayesq.blocks import kept_matrices
 from bayesq.config import QuantConfig, Target
 from bayesq.evaluation import each_batch
 from bayesq.export import load, save_export
@@ -35,7 +34,7 @@ from bayesq.forward import Batch, call, output_logits
 from bayesq.harness.models.zoo import _take
 from bayesq.methods import Inputs, Outcome, quantize_with
 from bayesq.onnx_export import ACCURACY_LEVEL, OnnxModel, convolutions, export_onnx
-from bayesq.result import Allocation, QuantizedWeight
+from bayesq.result import Allocation, QuantizedWeight, average_bits_all
 from bayesq.settings import replace
 from bayesq.targets import spec
 from bayesq.tensorfile import file_sha256
@@ -61,8 +60,7 @@ class Quantised:
     @property
     def average_bits_all(self) -> float:
         """Bits per weight over every matrix: the quantised ones as accounted, the rest at their width."""
-        n, bits = kept_matrices(self.model, dict(self.weights))
-        return (self.allocation.total_bits + bits) / (self.allocation.n_weights + n)
+        return average_bits_all(self.model, self.weights, self.allocation)
 
     @classmethod
     def of(cls, done: Outcome, quant: QuantConfig | None, base: QuantConfig, fields: Mapping[str, Any] = ()):
